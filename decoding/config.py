@@ -1,0 +1,128 @@
+"""The one configuration model of specbatch (SPEC "Configuration"), loadable from YAML with CLI overrides."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class SpeculativeConfig(_Strict):
+    method: Literal["none", "ngram", "draft_model"] = "ngram"
+    model: str | None = Field(None, description="draft model path or alias, for method draft_model")
+    num_speculative_tokens: int = Field(5, ge=0, le=32, description="maximum draft depth")
+    num_candidates: int = Field(2, ge=1, le=16, description="width: candidates verified per step")
+    candidate_init: Literal["target", "draft"] = "draft"
+    replacement: bool = False
+    length_policy: Literal["static", "heuristic", "online", "threshold", "decision"] = "online"
+    acceptance_head: str | None = None
+    decision_model: str | None = None
+    # SpecDec++: stop drafting once the predicted P(at least one rejection) exceeds this.
+    stop_threshold: float = Field(0.7, gt=0.0, lt=1.0)
+    # ngram lookup: longest and shortest suffix matched against prompt + output.
+    prompt_lookup_max: int = Field(4, ge=1)
+    prompt_lookup_min: int = Field(1, ge=1)
+
+    @model_validator(mode="after")
+    def _check_method(self) -> SpeculativeConfig:
+        if self.method == "draft_model" and not self.model:
+            raise ValueError("speculative.model is required when speculative.method is 'draft_model'")
+        if self.length_policy == "threshold" and not self.acceptance_head:
+            raise ValueError("speculative.acceptance_head is required for length_policy 'threshold'")
+        if self.length_policy == "decision" and not self.decision_model:
+            raise ValueError("speculative.decision_model is required for length_policy 'decision'")
+        if self.length_policy in ("threshold", "decision") and self.method != "draft_model":
+            raise ValueError(f"length_policy '{self.length_policy}' needs method 'draft_model'")
+        return self
+
+
+class SamplingParams(_Strict):
+    temperature: float = Field(0.0, ge=0.0, le=100.0)
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    top_k: int = Field(0, ge=0, description="0 disables top-k")
+    max_tokens: int = Field(256, ge=1, le=1_000_000)
+    seed: int = 0
+    stop: list[str] = Field(default_factory=list)
+
+    @field_validator("stop", mode="before")
+    @classmethod
+    def _stop_as_list(cls, value: Any) -> Any:
+        return [value] if isinstance(value, str) else value
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+class Config(_Strict):
+    model: str = "smollm2-135m-instruct"
+    speculative: SpeculativeConfig = Field(default_factory=SpeculativeConfig)
+    sampling: SamplingParams = Field(default_factory=SamplingParams)
+    batch_size: int = Field(16, ge=1, le=1024, description="sequences decoded together inside one actor")
+    concurrency: int | tuple[int, int] = Field(1, description="number of actors (int, or [min, max])")
+    num_gpus: float = Field(0, ge=0)
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+
+    @field_validator("concurrency")
+    @classmethod
+    def _check_concurrency(cls, value: int | tuple[int, int]) -> int | tuple[int, int]:
+        low, high = (value, value) if isinstance(value, int) else value
+        if low < 1 or high < low:
+            raise ValueError("concurrency must be a positive int or [min, max] with 1 <= min <= max")
+        return value
+
+
+class ConfigError(ValueError):
+    """A configuration that does not validate; the message names the bad field and value."""
+
+
+def _parse_override_value(raw: str) -> Any:
+    # YAML scalars: "3" -> 3, "true" -> True, "[1, 2]" -> [1, 2], "null" -> None, other text stays text.
+    return yaml.safe_load(raw) if raw != "" else ""
+
+
+def apply_overrides(data: dict[str, Any], overrides: dict[str, str]) -> dict[str, Any]:
+    """Set dotted keys (``speculative.num_candidates``) from raw command-line strings."""
+    for dotted, raw in overrides.items():
+        node = data
+        *parents, leaf = dotted.replace("-", "_").split(".")
+        for key in parents:
+            node = node.setdefault(key, {})
+            if not isinstance(node, dict):
+                raise ConfigError(f"cannot set '{dotted}': '{key}' is not a section")
+        node[leaf] = _parse_override_value(raw)
+    return data
+
+
+def load_config(path: str | Path | None = None, overrides: dict[str, str] | None = None) -> Config:
+    """Build the config from an optional YAML file plus dotted overrides; errors name field and value."""
+    data: dict[str, Any] = {}
+    if path is not None:
+        try:
+            loaded = yaml.safe_load(Path(path).read_text())
+        except (OSError, yaml.YAMLError) as exc:
+            raise ConfigError(f"cannot read config file {path}: {exc}") from exc
+        if loaded is not None and not isinstance(loaded, dict):
+            raise ConfigError(f"config file {path} must hold a mapping, not {type(loaded).__name__}")
+        data = loaded or {}
+    apply_overrides(data, overrides or {})
+    try:
+        return Config.model_validate(data)
+    except ValidationError as exc:
+        raise ConfigError(format_validation_error(exc)) from exc
+
+
+def format_validation_error(exc: ValidationError) -> str:
+    lines = []
+    for err in exc.errors():
+        field = ".".join(str(part) for part in err["loc"]) or "config"
+        value = err.get("input")
+        shown = "" if isinstance(value, dict) else f" (got {value!r})"
+        lines.append(f"invalid {field}{shown}: {err['msg']}")
+    return "; ".join(lines)

@@ -1,0 +1,268 @@
+"""Drafters propose candidate trees; verification lives elsewhere (acceptance.py), as in vLLM.
+
+Interface (after transformers' candidate generators): ``add_rows`` when sequences join, ``propose`` a tree
+below the root-level tokens the engine supplies, ``observe`` the verified outcome, ``remove_row`` when a
+sequence leaves (swap-remove, mirroring the target cache).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from decoding.kv_cache import SlotKVCache, forward_tree
+from decoding.sampling import WarpParams, draw, warp_probs
+from decoding.tree import TreeTopology, chain_ancestors, with_prefix_chain
+
+# (level, planned depths [B], draft prob of each new token [B, w], draft hidden state at its parent [B, w, H])
+KeepFn = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tensor]
+
+
+@dataclass
+class DraftInputs:
+    contexts: list[list[int]]  # committed tokens of each row, root-level tokens excluded
+    roots: torch.Tensor  # [B, root_width] root-level tokens, the pending token first
+    root_valid: torch.Tensor  # [B, root_width]
+    depths: torch.Tensor  # [B] planned depth (0 = no speculation)
+    topology: TreeTopology
+    warp: WarpParams
+    generators: list[torch.Generator]
+    replacement: bool
+    keep: KeepFn
+
+    @property
+    def greedy(self) -> torch.Tensor:
+        return self.warp.temperature == 0
+
+
+@dataclass
+class Draft:
+    tokens: torch.Tensor  # [B, N] in topology order
+    valid: torch.Tensor  # [B, N]
+    token_probs: torch.Tensor  # [B, N] draft probability of each node's token (1 for root level)
+    draft_probs: torch.Tensor | None  # [B, N, V] drafter's law at each node; None = deterministic proposals
+    depth: int  # levels drafted below the root level
+
+    @classmethod
+    def roots_only(cls, inputs: DraftInputs, depth: int = 0) -> Draft:
+        size = inputs.topology.size(depth)
+        batch = inputs.roots.shape[0]
+        tokens = torch.zeros(batch, size, dtype=torch.long)
+        valid = torch.zeros(batch, size, dtype=torch.bool)
+        width = inputs.roots.shape[1]
+        tokens[:, :width] = inputs.roots
+        valid[:, :width] = inputs.root_valid
+        return cls(tokens, valid, torch.ones(batch, size), None, depth)
+
+
+class Drafter:
+    """No drafting: plain autoregressive decoding through the same engine (method ``none``)."""
+
+    uses_hidden_states = False
+
+    def add_rows(self, rows: slice, prompts: list[list[int]]) -> None:
+        del rows, prompts
+
+    def remove_row(self, row: int) -> None:
+        del row
+
+    def propose(self, inputs: DraftInputs) -> Draft:
+        return Draft.roots_only(inputs)
+
+    def observe(self, paths: list[list[int]], draft: Draft) -> None:
+        del paths, draft
+
+
+class NgramDrafter(Drafter):
+    """Prompt lookup: continue the longest suffix that already occurred in prompt + output.
+
+    Several earlier occurrences with different continuations become several candidates (most recent first).
+    Proposals are deterministic, so verification treats their law as one-hot.
+    """
+
+    def __init__(self, max_ngram: int = 4, min_ngram: int = 1) -> None:
+        self.max_ngram = max_ngram
+        self.min_ngram = min_ngram
+
+    def continuations(self, context: list[int], depth: int, width: int) -> list[list[int]]:
+        tokens = np.asarray(context, dtype=np.int64)
+        found: list[list[int]] = []
+        firsts: set[int] = set()
+        for n in range(min(self.max_ngram, len(tokens) - 1), self.min_ngram - 1, -1):
+            windows = np.lib.stride_tricks.sliding_window_view(tokens[:-1], n)
+            starts = np.flatnonzero((windows == tokens[-n:]).all(axis=1))
+            for start in starts[::-1]:  # most recent occurrence first
+                follow = tokens[start + n : start + n + depth].tolist()
+                if follow and follow[0] not in firsts:
+                    firsts.add(follow[0])
+                    found.append(follow)
+                    if len(found) == width:
+                        return found
+        return found
+
+    def propose(self, inputs: DraftInputs) -> Draft:
+        topology = inputs.topology
+        max_depth = int(inputs.depths.max()) if len(inputs.depths) else 0
+        draft = Draft.roots_only(inputs, max_depth)
+        if max_depth == 0:
+            return draft
+        shared_root = topology.root_width == 1
+        used = 0
+        for row, context in enumerate(inputs.contexts):
+            depth = int(inputs.depths[row])
+            if depth == 0:
+                continue
+            if shared_root:
+                chains = self.continuations([*context, int(inputs.roots[row, 0])], depth, topology.num_candidates)
+            else:
+                chains = [
+                    (self.continuations([*context, int(root)], depth, 1) or [[]])[0] if ok else []
+                    for root, ok in zip(inputs.roots[row].tolist(), inputs.root_valid[row].tolist())
+                ]
+            for candidate, chain in enumerate(chains):
+                for level, token in enumerate(chain, start=1):
+                    node = topology.level_slice(level).start + candidate
+                    draft.tokens[row, node] = token
+                    draft.valid[row, node] = True
+                    used = max(used, level)
+        size = topology.size(used)
+        return Draft(draft.tokens[:, :size], draft.valid[:, :size], draft.token_probs[:, :size], None, used)
+
+
+class DraftModelDrafter(Drafter):
+    """A small causal LM sharing the target's tokenizer, with its own slot cache kept on the accepted path.
+
+    Tokens committed while the draft did not run (the last accepted leaf, steps at depth 0) wait in
+    ``uncached`` and are fed as a causal prefix of the next draft tree, so no extra forward is spent on them.
+    """
+
+    def __init__(self, model: torch.nn.Module, capacity: int, device: torch.device) -> None:
+        self.model = model
+        self.device = device
+        self.cache = SlotKVCache(model.config.num_hidden_layers, capacity, device=device)
+        self.uncached: list[list[int]] = []
+        self.prefix = 0
+        self.forwarded_levels = 0
+        self.topology: TreeTopology | None = None
+        self.uses_hidden_states = False
+
+    def add_rows(self, rows: slice, prompts: list[list[int]]) -> None:
+        joined = self.cache.add_rows(len(prompts))
+        assert joined == rows, "draft cache rows must mirror the target cache"
+        lengths = torch.tensor([len(p) for p in prompts])
+        width = int(lengths.max())
+        ids = torch.zeros(len(prompts), width, dtype=torch.long)
+        for i, prompt in enumerate(prompts):
+            ids[i, : len(prompt)] = torch.tensor(prompt)
+        valid = torch.arange(width)[None] < lengths[:, None]
+        forward_tree(self.model, self.cache, rows, ids.to(self.device), chain_ancestors(width), valid.to(self.device),
+                     logits_at=torch.tensor([width - 1]))
+        self.cache.commit(rows, torch.arange(width)[None].expand(len(prompts), -1).to(self.device),
+                          lengths.to(self.device))
+        self.uncached.extend([] for _ in prompts)
+
+    def remove_row(self, row: int) -> None:
+        self.cache.remove_row(row)
+        self.uncached[row] = self.uncached[-1]
+        self.uncached.pop()
+
+    @staticmethod
+    def _sample_level(inputs: DraftInputs, probs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """One child per candidate below nodes with laws ``probs`` [B, w, V]; w == 1 means they branch here."""
+        width = inputs.topology.num_candidates
+        branching = probs.shape[1] == 1
+        laws = probs.expand(-1, width, -1) if branching else probs
+        tokens = torch.zeros(laws.shape[:2], dtype=torch.long)
+        for row in range(laws.shape[0]):
+            generator = inputs.generators[row]
+            if inputs.greedy[row]:
+                tokens[row] = laws[row, 0].topk(width).indices if branching else laws[row].argmax(-1)
+            elif branching:
+                tokens[row] = draw(laws[row, 0], width, inputs.replacement, generator)
+            else:
+                tokens[row] = torch.multinomial(laws[row], 1, generator=generator).squeeze(-1)
+        return tokens, laws.gather(-1, tokens[..., None]).squeeze(-1)
+
+    def propose(self, inputs: DraftInputs) -> Draft:
+        topology = inputs.topology
+        batch = inputs.roots.shape[0]
+        max_depth = int(inputs.depths.max()) if batch else 0
+        self.forwarded_levels = 0
+        if max_depth == 0:
+            return Draft.roots_only(inputs)
+        rows = slice(0, batch)
+        prefix = max(len(u) for u in self.uncached)
+        self.prefix, self.topology = prefix, topology
+        ancestors = with_prefix_chain(topology.sliced_ancestors(max_depth), prefix)
+        total = ancestors.shape[0]
+        tokens = torch.zeros(batch, total, dtype=torch.long)
+        valid = torch.zeros(batch, total, dtype=torch.bool)
+        for row, waiting in enumerate(self.uncached):
+            tokens[row, : len(waiting)] = torch.tensor(waiting, dtype=torch.long)
+            valid[row, : len(waiting)] = True
+        width = topology.root_width
+        tokens[:, prefix : prefix + width] = inputs.roots
+        valid[:, prefix : prefix + width] = inputs.root_valid
+        token_probs = torch.ones(batch, total)
+        sampling = not bool(inputs.greedy.all())
+        laws = torch.zeros(batch, total, self.model.config.vocab_size) if sampling else None
+
+        start, end = 0, prefix + width
+        depth = 0
+        for level in range(1, max_depth + 1):
+            logits, hidden = forward_tree(
+                self.model, self.cache, rows, tokens[:, start:end].to(self.device), ancestors.to(self.device),
+                valid.to(self.device), start, logits_at=torch.arange(max(start, prefix), end) - start,
+                want_hidden=self.uses_hidden_states,
+            )
+            self.forwarded_levels = level
+            probs = warp_probs(logits.float().cpu(), inputs.warp)  # [B, w_parent, V]
+            parents = slice(max(start, prefix), end)
+            if laws is not None:
+                laws[:, parents] = probs
+            children, child_probs = self._sample_level(inputs, probs)
+            parent_valid = valid[:, parents]
+            if parent_valid.shape[1] == 1:
+                parent_valid = parent_valid.expand(-1, topology.num_candidates)
+                hidden = hidden.expand(-1, topology.num_candidates, -1) if hidden is not None else None
+            keep = parent_valid & inputs.keep(level, inputs.depths, child_probs,
+                                              hidden.float().cpu() if hidden is not None else None)
+            if not bool(keep.any()):
+                break
+            level_nodes = topology.level_slice(level)
+            start, end = prefix + level_nodes.start, prefix + level_nodes.stop
+            tokens[:, start:end] = children
+            valid[:, start:end] = keep
+            token_probs[:, start:end] = child_probs
+            depth = level
+            if level == max_depth:
+                break
+        size = prefix + topology.size(depth)
+        return Draft(
+            tokens[:, prefix:size],
+            valid[:, prefix:size],
+            token_probs[:, prefix:size],
+            laws[:, prefix:size] if laws is not None else None,
+            depth,
+        )
+
+    def observe(self, paths: list[list[int]], draft: Draft) -> None:
+        """Keep the accepted path in the draft cache; path tokens the draft never ran on wait for next time."""
+        if self.forwarded_levels == 0:
+            for row, path in enumerate(paths):
+                self.uncached[row].extend(int(draft.tokens[row, node]) for node in path)
+            return
+        ran_nodes = self.topology.size(self.forwarded_levels - 1)  # levels the draft model ran on
+        keeps, counts = [], []
+        for row, path in enumerate(paths):
+            kept = list(range(len(self.uncached[row]))) + [self.prefix + n for n in path if n < ran_nodes]
+            self.uncached[row] = [int(draft.tokens[row, n]) for n in path if n >= ran_nodes]
+            keeps.append(kept)
+            counts.append(len(kept))
+        keep = torch.zeros(len(paths), max(counts), dtype=torch.long)
+        for row, kept in enumerate(keeps):
+            keep[row, : len(kept)] = torch.tensor(kept, dtype=torch.long)
+        self.cache.commit(slice(0, len(paths)), keep.to(self.device), torch.tensor(counts).to(self.device))

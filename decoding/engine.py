@@ -1,0 +1,466 @@
+"""The batched speculative decoding engine: step-wise API for continuous batching.
+
+One step, for every running sequence at once (gpt-fast style, see ``_speculate``):
+plan depths -> draft a candidate tree -> ONE target forward over all trees -> verify each row ->
+keep the accepted paths in both caches -> emit tokens -> learn (drafter, length policy).
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from pydantic import ValidationError
+from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
+from decoding.acceptance import Verdict, verify_greedy, verify_sampled
+from decoding.config import Config, SamplingParams, format_validation_error
+from decoding.drafters import Draft, DraftInputs, DraftModelDrafter, Drafter, NgramDrafter
+from decoding.kv_cache import SlotKVCache, forward_tree
+from decoding.length_policies import StepRecord, make_policy
+from decoding.models import check_same_tokenizer, default_device, load_model, load_tokenizer
+from decoding.sampling import WarpParams, draw, warp_probs
+from decoding.tree import TreeTopology, chain_ancestors
+
+
+@dataclass
+class Request:
+    id: str
+    prompt: str | None = None
+    messages: list[dict[str, Any]] | None = None
+    prompt_token_ids: list[int] | None = None
+    sampling: SamplingParams | dict[str, Any] | None = None
+
+
+@dataclass
+class GenerationResult:
+    id: str
+    prompt: str
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    text: str
+    finish_reason: str  # stop | length | error
+    error: str | None
+    time_taken: float
+    token_accepted: list[bool]
+    per_step_drafted: list[int]
+    per_step_accepted: list[int]
+    num_target_forwards: int
+    acceptance_histogram: list[int]
+    # One tuple per drafted candidate token: (step, depth, candidate, token_id, draft_prob, target_prob, accepted)
+    token_stats: list[tuple[int, int, int, int, float, float, bool]] = field(default_factory=list)
+
+    @property
+    def spec_decode(self) -> dict[str, Any]:
+        drafted = sum(self.per_step_drafted)
+        accepted = sum(self.per_step_accepted)
+        return {
+            "num_spec_steps": self.num_target_forwards,
+            "num_draft_tokens": drafted,
+            "num_accepted_draft_tokens": accepted,
+            "mean_acceptance_length": len(self.token_ids) / self.num_target_forwards if self.num_target_forwards else 0.0,
+            "draft_acceptance_rate": accepted / drafted if drafted else 0.0,
+            "acceptance_histogram": self.acceptance_histogram,
+        }
+
+
+@dataclass
+class StepOutput:
+    finished: list[GenerationResult]
+    new_tokens: dict[str, list[int]]  # tokens each running sequence emitted this step (for streaming)
+
+
+@dataclass
+class _Sequence:
+    request_id: str
+    prompt: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    generator: torch.Generator
+    started: float
+    root_scores: torch.Tensor | None = None  # law the pending token came from (logits when greedy)
+    generated: list[int] = field(default_factory=list)
+    accepted: list[bool] = field(default_factory=list)
+    per_step_drafted: list[int] = field(default_factory=list)
+    per_step_accepted: list[int] = field(default_factory=list)
+    token_stats: list[tuple] = field(default_factory=list)
+    forwards: int = 0
+    finish_reason: str | None = None
+    stop_text: str | None = None
+
+    @property
+    def context(self) -> list[int]:
+        """Committed tokens whose KV is cached: everything but the pending (last) token."""
+        return self.prompt_ids + self.generated[:-1]
+
+
+class EngineError(ValueError):
+    """A request the engine cannot run; it becomes that sequence's error result."""
+
+
+class Engine:
+    def __init__(
+        self,
+        config: Config,
+        *,
+        target: PreTrainedModel | None = None,
+        tokenizer: PreTrainedTokenizerBase | None = None,
+        draft: PreTrainedModel | None = None,
+        device: torch.device | None = None,
+    ) -> None:
+        self.config = config
+        spec = config.speculative
+        self.device = device or (target.device if target is not None else default_device())
+        self.tokenizer = tokenizer or load_tokenizer(config.model)
+        self.target = target if target is not None else load_model(config.model, config.dtype, self.device)
+        self.capacity = config.batch_size
+        self.cache = SlotKVCache(self.target.config.num_hidden_layers, self.capacity, device=self.device)
+        self.max_context = int(getattr(self.target.config, "max_position_embeddings", 1 << 30))
+        depth = spec.num_speculative_tokens if spec.method != "none" else 0
+        width = spec.num_candidates if depth else 1
+        root_width = width if spec.candidate_init == "target" else 1
+        self.topology = TreeTopology(width, depth, root_width)
+        self.drafter = self._make_drafter(draft)
+        self.policy = make_policy(spec, self.topology.size)
+        self.drafter.uses_hidden_states = self.policy.needs_hidden_states
+        self.eos_ids = self._eos_ids()
+        self.waiting: deque[_Sequence] = deque()
+        self.running: list[_Sequence] = []
+        self.rejected: list[GenerationResult] = []
+        self.steps = 0
+
+    # ----------------------------------------------------------------------------------------------- setup
+    def _make_drafter(self, draft: PreTrainedModel | None) -> Drafter:
+        spec = self.config.speculative
+        if spec.method == "none":
+            return Drafter()
+        if spec.method == "ngram":
+            return NgramDrafter(spec.prompt_lookup_max, spec.prompt_lookup_min)
+        if draft is None:
+            check_same_tokenizer(self.tokenizer, load_tokenizer(spec.model), spec.model)
+            draft = load_model(spec.model, self.config.dtype, self.device)
+        elif draft.config.vocab_size != self.target.config.vocab_size:
+            raise ValueError(
+                f"draft vocab size {draft.config.vocab_size} differs from the target's "
+                f"{self.target.config.vocab_size}: the draft must share the target's tokenizer"
+            )
+        self.max_context = min(self.max_context, int(getattr(draft.config, "max_position_embeddings", 1 << 30)))
+        return DraftModelDrafter(draft.to(self.device).eval(), self.capacity, self.device)
+
+    def _eos_ids(self) -> set[int]:
+        ids = {self.tokenizer.eos_token_id}
+        generation = getattr(self.target, "generation_config", None)
+        configured = getattr(generation, "eos_token_id", None)
+        ids.update(configured if isinstance(configured, list) else [configured])
+        return {i for i in ids if i is not None}
+
+    # ------------------------------------------------------------------------------------------ requests
+    def add_request(self, request: Request) -> None:
+        """Queue a request; an invalid one finishes at the next step with an error result."""
+        started = time.perf_counter()
+        try:
+            params = self._sampling_params(request.sampling)
+            prompt, prompt_ids = self._tokenize(request)
+        except EngineError as exc:
+            prompt = request.prompt if isinstance(request.prompt, str) else ""
+            self.rejected.append(self._error_result(request.id, prompt, str(exc), started))
+            return
+        generator = torch.Generator().manual_seed(params.seed)
+        self.waiting.append(_Sequence(request.id, prompt, prompt_ids, params, generator, started))
+
+    def _sampling_params(self, sampling: SamplingParams | dict[str, Any] | None) -> SamplingParams:
+        if isinstance(sampling, SamplingParams):
+            return sampling
+        try:
+            merged = {**self.config.sampling.model_dump(), **(sampling or {})}
+            return SamplingParams.model_validate(merged)
+        except (ValidationError, TypeError) as exc:
+            detail = format_validation_error(exc) if isinstance(exc, ValidationError) else str(exc)
+            raise EngineError(f"invalid sampling_params: {detail}") from exc
+
+    def _tokenize(self, request: Request) -> tuple[str, list[int]]:
+        if request.prompt_token_ids is not None:
+            ids = [int(t) for t in request.prompt_token_ids]
+            prompt = request.prompt if isinstance(request.prompt, str) else self.tokenizer.decode(ids)
+        elif request.messages is not None:
+            try:
+                prompt = self.tokenizer.apply_chat_template(request.messages, tokenize=False, add_generation_prompt=True)
+            except Exception as exc:  # templates raise many types on malformed messages
+                raise EngineError(f"cannot render messages with the chat template: {exc}") from exc
+            ids = self.tokenizer(prompt, add_special_tokens=False)["input_ids"]
+        elif isinstance(request.prompt, str):
+            prompt = request.prompt
+            ids = self.tokenizer(prompt)["input_ids"]
+        else:
+            raise EngineError(f"prompt must be a string, got {type(request.prompt).__name__}")
+        if not ids:
+            raise EngineError("empty prompt")
+        if len(ids) >= self.max_context:
+            raise EngineError(f"prompt has {len(ids)} tokens; the model's context is {self.max_context} tokens")
+        vocab = self.target.config.vocab_size
+        if any(t < 0 or t >= vocab for t in ids):
+            raise EngineError(f"prompt token ids must lie in [0, {vocab})")
+        return prompt, ids
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running or self.rejected)
+
+    def generate(self, requests: Iterable[Request]) -> list[GenerationResult]:
+        """Run requests to completion, keeping the batch full; results in request order."""
+        order = []
+        for request in requests:
+            order.append(request.id)
+            self.add_request(request)
+        done: dict[str, GenerationResult] = {}
+        while self.has_unfinished():
+            for result in self.step().finished:
+                done[result.id] = result
+        return [done[i] for i in order]
+
+    # ------------------------------------------------------------------------------------------- stepping
+    def step(self) -> StepOutput:
+        emitted: dict[str, list[int]] = {}
+        finished, self.rejected = self.rejected, []
+        self._admit(emitted)
+        finished += self._retire()  # sequences done at prefill (EOS, max_tokens 1) never speculate
+        if self.running:
+            self._speculate(emitted)
+            finished += self._retire()
+        return StepOutput(finished, emitted)
+
+    @torch.no_grad()
+    def _admit(self, emitted: dict[str, list[int]]) -> None:
+        """Prefill waiting sequences into free rows, all in one ragged forward."""
+        joining = [self.waiting.popleft() for _ in range(min(self.capacity - len(self.running), len(self.waiting)))]
+        if not joining:
+            return
+        rows = self.cache.add_rows(len(joining))
+        lengths = torch.tensor([len(s.prompt_ids) for s in joining])
+        width = int(lengths.max())
+        ids = torch.zeros(len(joining), width, dtype=torch.long)
+        for i, seq in enumerate(joining):
+            ids[i, : len(seq.prompt_ids)] = torch.tensor(seq.prompt_ids)
+        valid = torch.arange(width)[None] < lengths[:, None]
+        last_positions = sorted(set((lengths - 1).tolist()))
+        logits, _ = forward_tree(
+            self.target, self.cache, rows, ids.to(self.device), chain_ancestors(width), valid.to(self.device),
+            logits_at=torch.tensor(last_positions),
+        )
+        keep = torch.arange(width)[None].expand(len(joining), -1)
+        self.cache.commit(rows, keep.to(self.device), lengths.to(self.device))
+        logits = logits.float().cpu()
+        last = logits[torch.arange(len(joining)), [last_positions.index(n - 1) for n in lengths.tolist()]]
+        warp = WarpParams.from_params([s.params for s in joining])
+        probs = warp_probs(last, warp)
+        for i, seq in enumerate(joining):
+            seq.forwards = 1
+            if seq.params.greedy:
+                seq.root_scores, token = last[i], int(last[i].argmax())
+            else:
+                seq.root_scores = probs[i]
+                token = int(torch.multinomial(probs[i], 1, generator=seq.generator))
+            self._emit(seq, [token], [False], emitted)
+        self.running.extend(joining)
+        self.drafter.add_rows(rows, [s.prompt_ids for s in joining])
+
+    def _plan(self, seqs: list[_Sequence]) -> torch.Tensor:
+        depths = self.policy.plan([s.request_id for s in seqs])
+        for row, seq in enumerate(seqs):
+            room = min(
+                seq.params.max_tokens - len(seq.generated) - 1,  # a step emits accepted + 1 tokens
+                self.max_context - 1 - int(self.cache.lengths[row]),
+            )
+            depths[row] = 0 if seq.finish_reason else min(int(depths[row]), max(room, 0))
+        return depths
+
+    def _roots(self, seqs: list[_Sequence], depths: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Root-level tokens: the pending token, plus target-initialized siblings where a row drafts."""
+        width = self.topology.root_width
+        roots = torch.zeros(len(seqs), width, dtype=torch.long)
+        valid = torch.zeros(len(seqs), width, dtype=torch.bool)
+        for row, seq in enumerate(seqs):
+            roots[row, 0] = seq.generated[-1]
+            valid[row, 0] = True
+            if width == 1 or depths[row] == 0:
+                continue
+            pending = seq.generated[-1]
+            if seq.params.greedy:
+                ranked = [t for t in seq.root_scores.topk(width).indices.tolist() if t != pending]
+                siblings = torch.tensor(ranked[: width - 1])
+            elif self.config.speculative.replacement:
+                siblings = draw(seq.root_scores, width - 1, True, seq.generator)
+            else:
+                rest = seq.root_scores.clone()
+                rest[pending] = 0
+                if rest.sum() <= 0:
+                    continue
+                siblings = draw(rest / rest.sum(), width - 1, False, seq.generator)
+            roots[row, 1 : 1 + len(siblings)] = siblings
+            valid[row, 1 : 1 + len(siblings)] = True
+        return roots, valid
+
+    @torch.no_grad()
+    def _speculate(self, emitted: dict[str, list[int]]) -> None:
+        seqs = self.running
+        rows = slice(0, len(seqs))
+        start = time.perf_counter()
+        warp = WarpParams.from_params([s.params for s in seqs])
+        depths = self._plan(seqs)
+        roots, root_valid = self._roots(seqs, depths)
+        draft = self.drafter.propose(
+            DraftInputs(
+                contexts=[s.context for s in seqs], roots=roots, root_valid=root_valid, depths=depths,
+                topology=self.topology, warp=warp, generators=[s.generator for s in seqs],
+                replacement=self.config.speculative.replacement, keep=self.policy.keep,
+            )
+        )
+        drafted = time.perf_counter()
+
+        ancestors = self.topology.sliced_ancestors(draft.depth)
+        logits, _ = forward_tree(
+            self.target, self.cache, rows, draft.tokens.to(self.device), ancestors, draft.valid.to(self.device)
+        )
+        logits = logits.float().cpu()
+        verdicts, target_token_probs = self._verify(seqs, draft, logits, warp)
+        paths = [v.path for v in verdicts]
+        keep = torch.zeros(len(seqs), max(len(p) for p in paths), dtype=torch.long)
+        for row, path in enumerate(paths):
+            keep[row, : len(path)] = torch.tensor(path, dtype=torch.long)
+        self.cache.commit(rows, keep.to(self.device), torch.tensor([len(p) for p in paths]).to(self.device))
+        self.drafter.observe(paths, draft)
+
+        self.steps += 1
+        depth_of = self.topology.depths
+        drafted_nodes = draft.valid & (depth_of[: draft.tokens.shape[1]] > 0)[None]
+        for row, (seq, verdict) in enumerate(zip(seqs, verdicts)):
+            accepted_nodes = [n for n in verdict.path if depth_of[n] > 0]
+            seq.forwards += 1
+            seq.root_scores = verdict.next_probs if verdict.next_probs is not None else logits[row, verdict.path[-1]]
+            new_tokens = [int(draft.tokens[row, n]) for n in accepted_nodes] + [verdict.next_token]
+            kept = self._emit(seq, new_tokens, [True] * len(accepted_nodes) + [False], emitted)
+            kept_nodes = set(accepted_nodes[:kept])  # a stop inside the accepted run drops the rest
+            seq.per_step_drafted.append(int(drafted_nodes[row].sum()))
+            seq.per_step_accepted.append(len(kept_nodes))
+            for node in drafted_nodes[row].nonzero().flatten().tolist():
+                seq.token_stats.append((
+                    self.steps, int(depth_of[node]), int(self.topology.candidate_index[node]),
+                    int(draft.tokens[row, node]), float(draft.token_probs[row, node]),
+                    float(target_token_probs[row, node]), node in kept_nodes,
+                ))
+        finished = time.perf_counter()
+        self.policy.observe(StepRecord(
+            ids=[s.request_id for s in seqs],
+            drafted_depth=(drafted_nodes * depth_of[: draft.tokens.shape[1]]).amax(1).tolist(),
+            accepted=[s.per_step_accepted[-1] for s in seqs],
+            tree_size=draft.tokens.shape[1],
+            draft_forwards=draft.depth if isinstance(self.drafter, DraftModelDrafter) else int(draft.depth > 0),
+            draft_seconds=drafted - start,
+            verify_seconds=finished - drafted,
+        ))
+
+    def _verify(
+        self, seqs: list[_Sequence], draft: Draft, logits: torch.Tensor, warp: WarpParams
+    ) -> tuple[list[Verdict], torch.Tensor]:
+        """Apply the acceptance rule to each row; also the target probability of every node's token."""
+        size = draft.tokens.shape[1]
+        parents = self.topology.parents[:size]
+        parent_index = torch.tensor([max(p, 0) for p in parents])
+        greedy = warp.temperature == 0
+        sampled_rows = (~greedy).nonzero().flatten()
+        target_probs = warp_probs(logits[sampled_rows], warp[sampled_rows]) if len(sampled_rows) else None
+        # Target probability of each node's token at its parent (temperature 1 for greedy rows), for statistics.
+        parent_logits = logits[:, parent_index]
+        token_probs = (
+            parent_logits.gather(-1, draft.tokens[..., None]).squeeze(-1) - parent_logits.logsumexp(-1)
+        ).exp()
+        verdicts = []
+        for row, seq in enumerate(seqs):
+            tokens, valid = draft.tokens[row].tolist(), draft.valid[row].tolist()
+            if greedy[row]:
+                verdicts.append(verify_greedy(tokens, parents, valid, logits[row].argmax(-1).tolist(), tokens[0]))
+                continue
+            probs = target_probs[(sampled_rows == row).nonzero().item()]
+            token_probs[row] = probs[parent_index].gather(-1, draft.tokens[row][:, None]).squeeze(-1)
+            verdicts.append(verify_sampled(
+                tokens, parents, valid, probs, seq.root_scores,
+                draft.draft_probs[row] if draft.draft_probs is not None else None,
+                self.config.speculative.replacement, seq.generator,
+            ))
+        return verdicts, token_probs
+
+    # ------------------------------------------------------------------------------------------- results
+    def _emit(self, seq: _Sequence, tokens: list[int], accepted: list[bool], emitted: dict[str, list[int]]) -> int:
+        """Append tokens up to a stop condition; returns how many were kept."""
+        before = len(seq.generated)
+        for token, flag in zip(tokens, accepted):
+            seq.generated.append(token)
+            seq.accepted.append(flag)
+            if token in self.eos_ids:
+                seq.finish_reason = "stop"
+                break
+            if len(seq.generated) >= seq.params.max_tokens or (
+                len(seq.prompt_ids) + len(seq.generated) >= self.max_context
+            ):
+                seq.finish_reason = "length"
+                break
+        if seq.params.stop:
+            self._apply_stop_strings(seq, before)
+        if len(seq.generated) < before:
+            raise AssertionError("stop handling removed committed tokens")
+        emitted.setdefault(seq.request_id, []).extend(seq.generated[before:])
+        return len(seq.generated) - before
+
+    def _apply_stop_strings(self, seq: _Sequence, before: int) -> None:
+        decode = self.tokenizer.decode
+        if not any(stop in decode(seq.generated, skip_special_tokens=True) for stop in seq.params.stop):
+            return
+        for end in range(before + 1, len(seq.generated) + 1):
+            text = decode(seq.generated[:end], skip_special_tokens=True)
+            hits = [text.find(stop) for stop in seq.params.stop if stop in text]
+            if hits:
+                del seq.generated[end:], seq.accepted[end:]
+                seq.stop_text = text[: min(hits)]
+                seq.finish_reason = "stop"
+                return
+
+    def _retire(self) -> list[GenerationResult]:
+        results = []
+        for row in sorted((r for r, s in enumerate(self.running) if s.finish_reason), reverse=True):
+            seq = self.running[row]
+            results.append(self._result(seq))
+            self.policy.forget(seq.request_id)
+            self.cache.remove_row(row)
+            self.drafter.remove_row(row)
+            self.running[row] = self.running[-1]
+            self.running.pop()
+        return results[::-1]
+
+    def _histogram(self, per_step_accepted: list[int]) -> list[int]:
+        counts = [0] * (self.topology.max_depth + 1)
+        for accepted in per_step_accepted:
+            counts[accepted] += 1
+        return counts
+
+    def _result(self, seq: _Sequence) -> GenerationResult:
+        text = seq.stop_text
+        if text is None:
+            text = self.tokenizer.decode(seq.generated, skip_special_tokens=True)
+        return GenerationResult(
+            id=seq.request_id, prompt=seq.prompt, prompt_token_ids=seq.prompt_ids, token_ids=seq.generated,
+            text=text, finish_reason=seq.finish_reason or "length", error=None,
+            time_taken=time.perf_counter() - seq.started, token_accepted=seq.accepted,
+            per_step_drafted=seq.per_step_drafted, per_step_accepted=seq.per_step_accepted,
+            num_target_forwards=seq.forwards, acceptance_histogram=self._histogram(seq.per_step_accepted),
+            token_stats=seq.token_stats,
+        )
+
+    def _error_result(self, request_id: str, prompt: str, message: str, started: float) -> GenerationResult:
+        return GenerationResult(
+            id=request_id, prompt=prompt, prompt_token_ids=[], token_ids=[], text="", finish_reason="error",
+            error=message, time_taken=time.perf_counter() - started, token_accepted=[], per_step_drafted=[],
+            per_step_accepted=[], num_target_forwards=0, acceptance_histogram=self._histogram([]),
+        )

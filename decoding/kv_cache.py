@@ -1,0 +1,161 @@
+"""A ragged, slot-addressed KV cache for tree verification, as a transformers ``Cache``.
+
+Row b holds ``lengths[b]`` committed entries in slots [0, lengths[b]). A forward writes its new tokens at
+``lengths[b] + offset + t`` (tentative), the 4D mask decides what each query sees, and ``commit`` then
+*gathers* the accepted path into place right after the committed prefix: rejected branches are never cropped
+or recomputed, and sequences of different lengths share one rectangular buffer without re-padding.
+Rows [0, active) are live; a finished row is replaced by the last one (swap-remove) so the live rows stay a
+contiguous, view-sliceable prefix.
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers.cache_utils import Cache, CacheLayerMixin
+
+from decoding.tree import attention_inputs
+
+
+class _SlotLayer(CacheLayerMixin):
+    def __init__(self, owner: SlotKVCache) -> None:
+        super().__init__()
+        self.owner = owner
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        shape = (self.owner.capacity, key_states.shape[1], self.owner.max_slots, key_states.shape[-1])
+        self.keys = key_states.new_zeros(shape)
+        self.values = value_states.new_zeros((*shape[:3], value_states.shape[-1]))
+        self.is_initialized = True
+
+    def grow(self, slots: int) -> None:
+        if self.is_initialized and self.keys.shape[2] < slots:
+            for name in ("keys", "values"):
+                old = getattr(self, name)
+                new = old.new_zeros((*old.shape[:2], slots, old.shape[3]))
+                new[:, :, : old.shape[2]] = old
+                setattr(self, name, new)
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        rows, write, kv_length = self.owner.rows, self.owner.write_slots, self.owner.kv_length
+        for buffer, new in ((self.keys, key_states), (self.values, value_states)):
+            index = write[:, None, :, None].expand(-1, new.shape[1], -1, new.shape[-1])
+            buffer[rows].scatter_(2, index, new.to(buffer.dtype))
+        return self.keys[rows, :, :kv_length], self.values[rows, :, :kv_length]
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.owner.kv_length, 0
+
+    def get_seq_length(self) -> int:
+        return int(self.owner.lengths.max()) if self.owner.active else 0
+
+    def get_max_cache_shape(self) -> int:
+        return self.owner.max_slots
+
+    def get_max_length(self) -> int:
+        return self.owner.max_slots
+
+
+class SlotKVCache(Cache):
+    def __init__(self, num_layers: int, capacity: int, max_slots: int = 512, device: torch.device | None = None):
+        self.capacity = capacity
+        self.max_slots = max_slots
+        self.device = device or torch.device("cpu")
+        self.lengths = torch.zeros(capacity, dtype=torch.long, device=self.device)
+        self.active = 0
+        self.rows = slice(0, 0)
+        self.write_slots = torch.zeros(0, 0, dtype=torch.long)
+        self.kv_length = 0
+        super().__init__(layers=[_SlotLayer(self) for _ in range(num_layers)])
+
+    def prepare(self, rows: slice, offset: int, num_new: int) -> None:
+        """Aim the next forward: rows ``rows`` write ``num_new`` tokens after ``offset`` tentative slots."""
+        lengths = self.lengths[rows]
+        self.rows = rows
+        self.write_slots = lengths[:, None] + offset + torch.arange(num_new, device=self.device)[None]
+        self.kv_length = int(lengths.max()) + offset + num_new
+        if self.kv_length > self.max_slots:
+            self.max_slots = max(self.kv_length, 2 * self.max_slots)
+            for layer in self.layers:
+                layer.grow(self.max_slots)
+
+    def commit(self, rows: slice, keep: torch.Tensor, counts: torch.Tensor) -> None:
+        """Keep tentative slots ``lengths + keep[b, :counts[b]]`` as the next committed entries of each row."""
+        if keep.shape[1] == 0:
+            return
+        lengths = self.lengths[rows]
+        source = lengths[:, None] + keep
+        target = lengths[:, None] + torch.arange(keep.shape[1], device=self.device)[None]
+        # Entries past counts[b] copy onto themselves-or-garbage beyond the new length: harmless.
+        source = torch.where(torch.arange(keep.shape[1], device=self.device)[None] < counts[:, None], source, target)
+        for layer in self.layers:
+            if not layer.is_initialized:
+                continue
+            for buffer in (layer.keys, layer.values):
+                view = buffer[rows]
+                gather_index = source[:, None, :, None].expand(-1, view.shape[1], -1, view.shape[3])
+                moved = view.gather(2, gather_index)
+                view.scatter_(2, target[:, None, :, None].expand_as(moved), moved)
+        self.lengths[rows] += counts
+
+    def add_rows(self, count: int) -> slice:
+        """Reserve ``count`` fresh rows after the live ones; returns their slice."""
+        if self.active + count > self.capacity:
+            raise ValueError(f"cache holds at most {self.capacity} rows")
+        rows = slice(self.active, self.active + count)
+        self.lengths[rows] = 0
+        self.active += count
+        return rows
+
+    def remove_row(self, row: int) -> None:
+        """Swap-remove: the last live row moves into ``row``."""
+        last = self.active - 1
+        if row != last:
+            used = int(self.lengths[last])
+            for layer in self.layers:
+                if layer.is_initialized:
+                    layer.keys[row, :, :used] = layer.keys[last, :, :used]
+                    layer.values[row, :, :used] = layer.values[last, :, :used]
+            self.lengths[row] = self.lengths[last]
+        self.lengths[last] = 0
+        self.active = last
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return self.layers[0].get_seq_length()
+
+
+@torch.no_grad()
+def forward_tree(
+    model: torch.nn.Module,
+    cache: SlotKVCache,
+    rows: slice,
+    input_ids: torch.Tensor,
+    ancestors: torch.Tensor,
+    valid: torch.Tensor,
+    start: int = 0,
+    logits_at: torch.Tensor | None = None,
+    want_hidden: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """One model forward over tree nodes [start, start + T) of rows ``rows``; returns (logits, last hidden).
+
+    ``logits_at`` (1D node indices, relative to ``start``) limits the LM head to those nodes: a prefill only
+    needs the last prompt position of each row, and the head is most of a small model's cost.
+    """
+    end = start + input_ids.shape[1]
+    dtype = next(model.parameters()).dtype
+    mask, positions, _ = attention_inputs(ancestors, valid, cache.lengths[rows], start, end, dtype)
+    cache.prepare(rows, start, input_ids.shape[1])
+    out = model(
+        input_ids=input_ids,
+        attention_mask=mask,
+        position_ids=positions,
+        past_key_values=cache,
+        use_cache=True,
+        output_hidden_states=want_hidden,
+        logits_to_keep=logits_at if logits_at is not None else 0,
+    )
+    hidden = out.hidden_states[-1] if want_hidden else None
+    if hidden is not None and logits_at is not None:
+        hidden = hidden[:, logits_at]
+    return out.logits, hidden

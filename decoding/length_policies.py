@@ -1,0 +1,248 @@
+"""Draft-length policies: how deep to draft this step, and when to stop drafting early.
+
+Every policy sees only draft-side signals and past steps, so verification stays lossless.
+- static: always the configured depth.
+- heuristic: transformers' schedule per sequence, +2 after a fully accepted step, -1 otherwise.
+- online (default): no training. Estimates per-level acceptance from recent steps and the cost of verify and
+  draft from measured step times, then picks the depth (0 = no speculation) with the most expected tokens per
+  second (on-the-fly draft-length adaptation, Liu, Park & Shen 2025). It probes now and then so that it can
+  come back from depth 0.
+- threshold: SpecDec++ acceptance head; a candidate stops once P(some drafted token is rejected) > threshold.
+- decision: Lu et al.'s early-stop decision model; a candidate stops when the model says stop.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from decoding.config import SpeculativeConfig
+
+
+@dataclass(frozen=True)
+class StepRecord:
+    """What a policy learns from one verified step."""
+
+    ids: list[str]
+    drafted_depth: list[int]  # deepest valid drafted level of each row
+    accepted: list[int]  # accepted drafted tokens of each row
+    tree_size: int  # nodes per row in the verify forward
+    draft_forwards: int
+    draft_seconds: float
+    verify_seconds: float  # the whole step except drafting: verify forward, acceptance, bookkeeping
+
+
+class LengthPolicy:
+    needs_hidden_states = False
+
+    def __init__(self, max_depth: int) -> None:
+        self.max_depth = max_depth
+
+    def plan(self, ids: list[str]) -> torch.Tensor:
+        """Planned depth per row before drafting."""
+        return torch.full((len(ids),), self.max_depth, dtype=torch.long)
+
+    def keep(
+        self, level: int, depths: torch.Tensor, token_probs: torch.Tensor, hidden: torch.Tensor | None
+    ) -> torch.Tensor:
+        """Whether each candidate [B, w] keeps its token at ``level`` (1-based)."""
+        del hidden
+        return (level <= depths)[:, None].expand_as(token_probs)
+
+    def observe(self, record: StepRecord) -> None:
+        del record
+
+    def forget(self, seq_id: str) -> None:
+        del seq_id
+
+
+class HeuristicPolicy(LengthPolicy):
+    def __init__(self, max_depth: int) -> None:
+        super().__init__(max_depth)
+        self.depth: dict[str, int] = {}
+
+    def plan(self, ids: list[str]) -> torch.Tensor:
+        return torch.tensor([self.depth.get(i, self.max_depth) for i in ids], dtype=torch.long)
+
+    def observe(self, record: StepRecord) -> None:
+        for seq_id, drafted, accepted in zip(record.ids, record.drafted_depth, record.accepted):
+            current = self.depth.get(seq_id, self.max_depth)
+            grown = current + 2 if drafted > 0 and accepted == drafted else current - 1
+            self.depth[seq_id] = min(self.max_depth, max(1, grown))
+
+    def forget(self, seq_id: str) -> None:
+        self.depth.pop(seq_id, None)
+
+
+class _DecayedLinearFit:
+    """Least squares y ~ a + b x with exponential forgetting (recent steps weigh most)."""
+
+    def __init__(self, decay: float) -> None:
+        self.decay = decay
+        self.sums = torch.zeros(5, dtype=torch.float64)  # w, wx, wy, wxx, wxy
+
+    def add(self, x: float, y: float) -> None:
+        self.sums = self.sums * self.decay + torch.tensor([1.0, x, y, x * x, x * y], dtype=torch.float64)
+
+    @property
+    def seen(self) -> bool:
+        return bool(self.sums[0] > 0)
+
+    def __call__(self, x: float) -> float:
+        w, wx, wy, wxx, wxy = self.sums.tolist()
+        if w == 0:
+            return 0.0
+        variance = wxx / w - (wx / w) ** 2
+        if variance <= 1e-9 * max(1.0, (wx / w) ** 2):
+            return wy / w
+        slope = (wxy / w - (wx / w) * (wy / w)) / variance
+        return wy / w + max(slope, 0.0) * (x - wx / w)
+
+
+class OnlinePolicy(LengthPolicy):
+    """Pick the depth maximising expected tokens/second from recent acceptance and measured costs."""
+
+    def __init__(self, max_depth: int, tree_size, decay: float = 0.9, probe_every: int = 8) -> None:
+        super().__init__(max_depth)
+        self.tree_size = tree_size  # depth -> nodes per row
+        self.decay = decay
+        self.probe_every = probe_every
+        # Per-level pseudo-counts: "reached level j" and "accepted at level j"; prior acceptance 0.5.
+        self.reached = torch.ones(max_depth + 1, dtype=torch.float64)
+        self.accepted = torch.full((max_depth + 1,), 0.5, dtype=torch.float64)
+        self.verify_cost = _DecayedLinearFit(decay)  # seconds vs. total tokens in the verify forward
+        self.draft_cost = _DecayedLinearFit(decay)  # seconds vs. draft depth
+        self.steps = 0
+        self.best = max_depth
+
+    def expected_tokens(self, depth: int) -> float:
+        """Tokens per step per row: the target's own token plus the expected accepted prefix."""
+        rate = (self.accepted / self.reached).clamp(0, 1)
+        return 1.0 + float(torch.cumprod(rate[1 : depth + 1], 0).sum()) if depth else 1.0
+
+    def throughput(self, depth: int, rows: int) -> float:
+        seconds = self.verify_cost(rows * self.tree_size(depth)) + (self.draft_cost(depth) if depth else 0.0)
+        return rows * self.expected_tokens(depth) / max(seconds, 1e-9)
+
+    def plan(self, ids: list[str]) -> torch.Tensor:
+        self.steps += 1
+        if self.steps <= 4:  # measure both ends of the cost curve first
+            depth = self.max_depth if self.steps % 2 else 0
+        else:
+            self.best = max(range(self.max_depth + 1), key=lambda d: self.throughput(d, len(ids)))
+            depth = self.best
+            if self.steps % self.probe_every == 0:  # keep acceptance estimates of unused depths fresh
+                depth = min(self.max_depth, max(2, self.best + 1))
+        return torch.full((len(ids),), depth, dtype=torch.long)
+
+    def observe(self, record: StepRecord) -> None:
+        rows = len(record.ids)
+        self.verify_cost.add(rows * record.tree_size, record.verify_seconds)
+        if record.draft_forwards:
+            self.draft_cost.add(max(record.drafted_depth), record.draft_seconds)
+        reached = torch.zeros_like(self.reached)
+        accepted = torch.zeros_like(self.accepted)
+        for depth, taken in zip(record.drafted_depth, record.accepted):
+            reached[1 : min(taken + 1, depth) + 1] += 1
+            accepted[1 : taken + 1] += 1
+        seen = reached > 0
+        self.reached[seen] = self.reached[seen] * self.decay + reached[seen]
+        self.accepted[seen] = self.accepted[seen] * self.decay + accepted[seen]
+
+
+class DraftSignalMLP(nn.Module):
+    """A small residual MLP on draft-side signals: the draft's hidden state, q(x), log q(x) and the level.
+
+    Used as the SpecDec++ acceptance head (predicts P(token accepted)) and as Lu et al.'s decision model
+    (predicts P(keep drafting)); train-head and train-decision produce its weights.
+    """
+
+    def __init__(self, hidden_size: int, width: int = 256) -> None:
+        super().__init__()
+        self.hidden_size = hidden_size
+        self.inp = nn.Sequential(nn.LayerNorm(hidden_size + 3), nn.Linear(hidden_size + 3, width))
+        self.block = nn.Sequential(nn.SiLU(), nn.Linear(width, width), nn.SiLU(), nn.Linear(width, width))
+        self.out = nn.Linear(width, 1)
+
+    @staticmethod
+    def features(hidden: torch.Tensor, token_probs: torch.Tensor, level: int) -> torch.Tensor:
+        extra = torch.stack(
+            [token_probs, token_probs.clamp_min(1e-9).log(), torch.full_like(token_probs, level / 8.0)], -1
+        )
+        return torch.cat([hidden.float(), extra], -1)
+
+    def forward(self, features: torch.Tensor) -> torch.Tensor:
+        """Logit of the predicted probability."""
+        h = self.inp(features)
+        return self.out(h + self.block(h)).squeeze(-1)
+
+    def save(self, directory: str | Path, metadata: dict | None = None) -> None:
+        directory = Path(directory)
+        directory.mkdir(parents=True, exist_ok=True)
+        torch.save(self.state_dict(), directory / "head.pt")
+        meta = {"hidden_size": self.hidden_size, "width": self.block[1].in_features, **(metadata or {})}
+        (directory / "head.json").write_text(json.dumps(meta, indent=2))
+
+    @classmethod
+    def load(cls, directory: str | Path) -> DraftSignalMLP:
+        directory = Path(directory)
+        if not (directory / "head.pt").exists():
+            raise FileNotFoundError(f"no trained head at {directory} (expected head.pt and head.json)")
+        meta = json.loads((directory / "head.json").read_text())
+        head = cls(meta["hidden_size"], meta["width"])
+        head.load_state_dict(torch.load(directory / "head.pt", map_location="cpu"))
+        return head.eval()
+
+
+class _HeadPolicy(LengthPolicy):
+    needs_hidden_states = True
+
+    def __init__(self, max_depth: int, head: DraftSignalMLP) -> None:
+        super().__init__(max_depth)
+        self.head = head
+
+    @torch.no_grad()
+    def predict(self, level: int, token_probs: torch.Tensor, hidden: torch.Tensor | None) -> torch.Tensor:
+        if hidden is None:
+            raise ValueError("trained length policies need the draft's hidden states")
+        return torch.sigmoid(self.head(DraftSignalMLP.features(hidden, token_probs, level)))
+
+
+class ThresholdPolicy(_HeadPolicy):
+    """SpecDec++: keep drafting a candidate while P(all its drafted tokens are accepted) >= 1 - threshold."""
+
+    def __init__(self, max_depth: int, head: DraftSignalMLP, threshold: float) -> None:
+        super().__init__(max_depth, head)
+        self.threshold = threshold
+        self.all_accepted: torch.Tensor | None = None
+
+    def keep(self, level, depths, token_probs, hidden):
+        accept = self.predict(level, token_probs, hidden)
+        if level == 1 or self.all_accepted is None:
+            self.all_accepted = torch.ones_like(accept)
+        self.all_accepted = self.all_accepted * accept
+        return super().keep(level, depths, token_probs, hidden) & (1 - self.all_accepted <= self.threshold)
+
+
+class DecisionPolicy(_HeadPolicy):
+    """Lu et al.: a learned stop/continue decision per drafted token."""
+
+    def keep(self, level, depths, token_probs, hidden):
+        return super().keep(level, depths, token_probs, hidden) & (self.predict(level, token_probs, hidden) >= 0.5)
+
+
+def make_policy(config: SpeculativeConfig, tree_size) -> LengthPolicy:
+    depth = config.num_speculative_tokens if config.method != "none" else 0
+    if config.length_policy == "static" or depth == 0:
+        return LengthPolicy(depth)
+    if config.length_policy == "heuristic":
+        return HeuristicPolicy(depth)
+    if config.length_policy == "online":
+        return OnlinePolicy(depth, tree_size)
+    if config.length_policy == "threshold":
+        return ThresholdPolicy(depth, DraftSignalMLP.load(config.acceptance_head), config.stop_threshold)
+    return DecisionPolicy(depth, DraftSignalMLP.load(config.decision_model))

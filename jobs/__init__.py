@@ -1,0 +1,1 @@
+"""Thin entrypoints: ``specbatch <command>`` and ``python -m jobs.<command>`` (for ``ray job submit``)."""
