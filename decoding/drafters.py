@@ -139,9 +139,21 @@ class DraftModelDrafter(Drafter):
     ``uncached`` and are fed as a causal prefix of the next draft tree, so no extra forward is spent on them.
     """
 
-    def __init__(self, model: torch.nn.Module, capacity: int, device: torch.device) -> None:
+    def __init__(
+        self, model: torch.nn.Module, capacity: int, device: torch.device, vocab_subset: list[int] | None = None
+    ) -> None:
         self.model = model
         self.device = device
+        self.vocab_size = model.config.vocab_size
+        self.vocab_subset = None
+        if vocab_subset is not None:
+            # The LM head dominates a tiny draft's cost: keep only the rows of tokens it may propose.
+            self.vocab_subset = torch.tensor(vocab_subset, dtype=torch.long)
+            full_head = model.get_output_embeddings()
+            head = torch.nn.Linear(full_head.in_features, len(vocab_subset), bias=False)
+            head.weight = torch.nn.Parameter(full_head.weight.detach()[self.vocab_subset.to(full_head.weight.device)])
+            model.config.tie_word_embeddings = False
+            model.set_output_embeddings(head.to(full_head.weight.device))
         self.cache = SlotKVCache(model.config.num_hidden_layers, capacity, device=device)
         self.uncached: list[list[int]] = []
         self.prefix = 0
@@ -163,6 +175,13 @@ class DraftModelDrafter(Drafter):
         self.cache.commit(rows, torch.arange(width)[None].expand(len(prompts), -1).to(self.device),
                           lengths.to(self.device))
         self.uncached.extend([] for _ in prompts)
+
+    def _full_vocab(self, logits: torch.Tensor) -> torch.Tensor:
+        if self.vocab_subset is None:
+            return logits
+        full = logits.new_full((*logits.shape[:-1], self.vocab_size), -torch.inf)
+        full[..., self.vocab_subset] = logits
+        return full
 
     def remove_row(self, row: int) -> None:
         self.cache.remove_row(row)
@@ -208,7 +227,7 @@ class DraftModelDrafter(Drafter):
         valid[:, prefix : prefix + width] = inputs.root_valid
         token_probs = torch.ones(batch, total)
         sampling = not bool(inputs.greedy.all())
-        laws = torch.zeros(batch, total, self.model.config.vocab_size) if sampling else None
+        laws = torch.zeros(batch, total, self.vocab_size) if sampling else None
 
         start, end = 0, prefix + width
         depth = 0
@@ -219,7 +238,7 @@ class DraftModelDrafter(Drafter):
                 want_hidden=self.uses_hidden_states,
             )
             self.forwarded_levels = level
-            probs = warp_probs(logits.float().cpu(), inputs.warp)  # [B, w_parent, V]
+            probs = warp_probs(self._full_vocab(logits.float().cpu()), inputs.warp)  # [B, w_parent, V]
             parents = slice(max(start, prefix), end)
             if laws is not None:
                 laws[:, parents] = probs

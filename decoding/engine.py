@@ -22,7 +22,13 @@ from decoding.config import Config, SamplingParams, format_validation_error
 from decoding.drafters import Draft, DraftInputs, DraftModelDrafter, Drafter, NgramDrafter
 from decoding.kv_cache import SlotKVCache, forward_tree
 from decoding.length_policies import StepRecord, make_policy
-from decoding.models import check_same_tokenizer, default_device, load_model, load_tokenizer
+from decoding.models import (
+    check_same_tokenizer,
+    default_device,
+    draft_vocab_subset,
+    load_model,
+    load_tokenizer,
+)
 from decoding.sampling import WarpParams, draw, warp_probs
 from decoding.tree import TreeTopology, chain_ancestors
 
@@ -149,7 +155,8 @@ class Engine:
                 f"{self.target.config.vocab_size}: the draft must share the target's tokenizer"
             )
         self.max_context = min(self.max_context, int(getattr(draft.config, "max_position_embeddings", 1 << 30)))
-        return DraftModelDrafter(draft.to(self.device).eval(), self.capacity, self.device)
+        subset = draft_vocab_subset(spec.model) if spec.model else None
+        return DraftModelDrafter(draft.to(self.device).eval(), self.capacity, self.device, subset)
 
     def _eos_ids(self) -> set[int]:
         ids = {self.tokenizer.eos_token_id}

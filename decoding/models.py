@@ -8,6 +8,7 @@ GGUF is converted once to a safetensors directory in the cache, so no hub access
 from __future__ import annotations
 
 import importlib.resources
+import json
 import logging
 import os
 import subprocess
@@ -101,6 +102,17 @@ def load_model(name: str, dtype: str = "auto", device: torch.device | None = Non
         resolve_model_path(name), dtype=resolve_dtype(dtype, device), attn_implementation="sdpa"
     )
     return model.to(device).eval()
+
+
+DRAFT_METADATA = "specbatch_draft.json"
+
+
+def draft_vocab_subset(name: str) -> list[int] | None:
+    """Token ids a trained draft proposes from (``specbatch_draft.json`` beside its weights), if restricted."""
+    path = Path(resolve_model_path(name)) / DRAFT_METADATA
+    if not path.exists():
+        return None
+    return json.loads(path.read_text()).get("vocab_subset")
 
 
 def check_same_tokenizer(target: PreTrainedTokenizerBase, draft: PreTrainedTokenizerBase, draft_name: str) -> None:
