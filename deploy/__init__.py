@@ -1,0 +1,1 @@
+"""Ray Serve deployment of the engine: an OpenAI-compatible HTTP endpoint (SPEC "HTTP"); see docs/serve.md."""
