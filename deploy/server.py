@@ -1,0 +1,367 @@
+"""The OpenAI-compatible HTTP endpoint (SPEC "HTTP") as a Ray Serve application.
+
+Each replica owns one ``Engine`` driven as a continuous batch by ``EngineLoop``; this module only translates
+between OpenAI's wire format and engine requests/results. Entry points:
+
+- ``make_app(config)``: the application for a ``Config`` (used by ``specbatch serve``);
+- ``build_app(args)``: Serve's application builder, for ``serve run deploy.server:build_app config=FILE`` and
+  a Serve config file's ``import_path`` (``args`` hold ``config`` and/or config fields, dotted or nested).
+
+No ``from __future__ import annotations`` here: Serve's class-based FastAPI views need the route handlers'
+annotations as real types (a string ``Request`` would be taken for a query parameter). Everything the
+deployment's methods use is defined above it: the decorator snapshots the class when it is defined.
+"""
+
+
+import json
+import logging
+import time
+import uuid
+from abc import ABC, abstractmethod
+from collections.abc import AsyncIterator
+from contextlib import aclosing
+from pathlib import Path
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pydantic import BaseModel, ValidationError
+from ray import serve
+from ray.serve import Application
+from starlette.exceptions import HTTPException
+
+from decoding.config import Config, load_config
+from decoding.engine import Engine, GenerationResult
+from decoding.engine import Request as EngineRequest
+from decoding.models import load_tokenizer
+from deploy.detokenize import IncrementalText
+from deploy.engine_loop import EngineFailure, EngineLoop, Event, RequestRejected
+from deploy.protocol import (
+    MAX_CONTEXT,
+    AssistantMessage,
+    ChatChoice,
+    ChatChunkChoice,
+    ChatCompletionChunk,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    ChatDelta,
+    CompletionChoice,
+    CompletionRequest,
+    CompletionResponse,
+    ErrorDetail,
+    ErrorResponse,
+    GenerationRequest,
+    Metrics,
+    ModelCard,
+    ModelList,
+    SpecDecodeMetrics,
+    Usage,
+)
+
+log = logging.getLogger(__name__)
+
+api = FastAPI(title="specbatch", description="OpenAI-compatible generation with speculative decoding")
+
+
+# ---------------------------------------------------------------------------------------------------- errors
+class ApiError(Exception):
+    def __init__(
+        self, status: int, message: str, *, param: str | None = None, code: str | None = None,
+        kind: str = "invalid_request_error",
+    ) -> None:
+        super().__init__(message)
+        self.status, self.detail = status, ErrorDetail(message=message, type=kind, param=param, code=code)
+
+
+def _error(status: int, detail: ErrorDetail) -> JSONResponse:
+    return JSONResponse(ErrorResponse(error=detail).model_dump(), status_code=status)
+
+
+@api.exception_handler(ApiError)
+async def _api_error(_: Request, exc: ApiError) -> JSONResponse:
+    return _error(exc.status, exc.detail)
+
+
+@api.exception_handler(RequestRejected)
+async def _rejected(_: Request, exc: RequestRejected) -> JSONResponse:
+    return _error(400, ErrorDetail(message=str(exc), type="invalid_request_error"))
+
+
+@api.exception_handler(EngineFailure)
+async def _engine_failure(_: Request, exc: EngineFailure) -> JSONResponse:
+    return _error(503, ErrorDetail(message=str(exc), type="server_error"))
+
+
+@api.exception_handler(HTTPException)
+async def _http_error(_: Request, exc: HTTPException) -> JSONResponse:
+    kind = "invalid_request_error" if exc.status_code < 500 else "server_error"
+    return _error(exc.status_code, ErrorDetail(message=str(exc.detail), type=kind))
+
+
+@api.exception_handler(Exception)
+async def _unexpected(_: Request, exc: Exception) -> JSONResponse:
+    log.exception("unexpected error")
+    return _error(500, ErrorDetail(message=f"internal error: {exc!r}", type="server_error"))
+
+
+def _parse(raw: bytes, model: type[GenerationRequest], max_context: int) -> Any:
+    try:
+        return model.model_validate_json(raw, context={MAX_CONTEXT: max_context})
+    except ValidationError as exc:
+        errors = exc.errors(include_url=False)
+        message = "; ".join(f"{'.'.join(map(str, e['loc'])) or 'body'}: {e['msg']}" for e in errors)
+        param = str(errors[0]["loc"][0]) if errors[0]["loc"] else None
+        raise ApiError(400, message, param=param) from None
+
+
+# ----------------------------------------------------------------------------------------- response shapes
+def _totals(results: list[GenerationResult]) -> dict[str, Any]:
+    """``usage`` and ``metrics`` of a response over all its choices."""
+    prompt = sum(len(r.prompt_token_ids) for r in results)
+    completion = sum(len(r.token_ids) for r in results)
+    usage = Usage(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)
+    return {"usage": usage, "metrics": _metrics(results, completion)}
+
+
+def _metrics(results: list[GenerationResult], tokens: int) -> Metrics:
+    stats = [r.spec_decode for r in results]
+    steps = sum(s["num_spec_steps"] for s in stats)
+    drafted = sum(s["num_draft_tokens"] for s in stats)
+    accepted = sum(s["num_accepted_draft_tokens"] for s in stats)
+    return Metrics(speculative_decoding=SpecDecodeMetrics(
+        num_spec_steps=steps,
+        num_draft_tokens=drafted,
+        num_accepted_draft_tokens=accepted,
+        mean_acceptance_length=tokens / steps if steps else 0.0,
+        draft_acceptance_rate=accepted / drafted if drafted else 0.0,
+        # Every result's histogram has one bin per draft depth of the same engine: equal lengths.
+        acceptance_histogram=[sum(c) for c in zip(*(s["acceptance_histogram"] for s in stats), strict=True)],
+    ))
+
+
+class _Format(ABC):
+    """How one endpoint shapes results: whole responses, stream chunks, and which field holds the input."""
+
+    def __init__(self, prefix: str, input_field: str, model: str) -> None:
+        self.id, self.input_field, self.model = f"{prefix}-{uuid.uuid4().hex}", input_field, model
+        self.created = int(time.time())
+
+    def _fields(self) -> dict[str, Any]:
+        return {"id": self.id, "created": self.created, "model": self.model}
+
+    @abstractmethod
+    def response(self, results: list[GenerationResult]) -> BaseModel: ...
+
+    @abstractmethod
+    def chunk(self, index: int, text: str | None, finish_reason: str | None, role: bool = False) -> BaseModel: ...
+
+    def opening_chunks(self, count: int) -> list[BaseModel]:
+        return []
+
+    @abstractmethod
+    def usage_chunk(self, results: list[GenerationResult]) -> BaseModel: ...
+
+
+class _CompletionFormat(_Format):
+    def __init__(self, model: str) -> None:
+        super().__init__("cmpl", "prompt", model)
+
+    def response(self, results: list[GenerationResult]) -> CompletionResponse:
+        choices = [CompletionChoice(index=i, text=r.text, finish_reason=r.finish_reason) for i, r in enumerate(results)]
+        return CompletionResponse(**self._fields(), choices=choices, **_totals(results))
+
+    def chunk(self, index: int, text: str | None, finish_reason: str | None, role: bool = False) -> CompletionResponse:
+        choice = CompletionChoice(index=index, text=text or "", finish_reason=finish_reason)
+        return CompletionResponse(**self._fields(), choices=[choice])
+
+    def usage_chunk(self, results: list[GenerationResult]) -> CompletionResponse:
+        return CompletionResponse(**self._fields(), choices=[], **_totals(results))
+
+
+class _ChatFormat(_Format):
+    def __init__(self, model: str) -> None:
+        super().__init__("chatcmpl", "messages", model)
+
+    def response(self, results: list[GenerationResult]) -> ChatCompletionResponse:
+        choices = [
+            ChatChoice(index=i, message=AssistantMessage(content=r.text), finish_reason=r.finish_reason)
+            for i, r in enumerate(results)
+        ]
+        return ChatCompletionResponse(**self._fields(), choices=choices, **_totals(results))
+
+    def chunk(self, index: int, text: str | None, finish_reason: str | None, role: bool = False) -> ChatCompletionChunk:
+        delta = ChatDelta(role="assistant" if role else None, content=text)
+        choice = ChatChunkChoice(index=index, delta=delta, finish_reason=finish_reason)
+        return ChatCompletionChunk(**self._fields(), choices=[choice])
+
+    def opening_chunks(self, count: int) -> list[ChatCompletionChunk]:
+        return [self.chunk(i, "", None, role=True) for i in range(count)]  # OpenAI announces the role first
+
+    def usage_chunk(self, results: list[GenerationResult]) -> ChatCompletionChunk:
+        return ChatCompletionChunk(**self._fields(), choices=[], **_totals(results))
+
+
+def _sse(payload: BaseModel | str) -> str:
+    data = payload if isinstance(payload, str) else payload.model_dump_json()
+    return f"data: {data}\n\n"
+
+
+async def _replay(
+    head: list[tuple[int, Event]], rest: AsyncIterator[tuple[int, Event]]
+) -> AsyncIterator[tuple[int, Event]]:
+    async with aclosing(rest):  # a client that goes away closes this, which releases the engine routes
+        for item in head:
+            yield item
+        async for item in rest:
+            yield item
+
+
+# -------------------------------------------------------------------------------------------------- deployment
+@serve.deployment
+@serve.ingress(api)
+class OpenAIServer:
+    def __init__(self, config: Config) -> None:
+        self.config = config
+        self.loop = EngineLoop(Engine(config))
+        # The engine thread tokenizes with its own tokenizer; streaming decodes on the event loop with this one.
+        self.tokenizer = load_tokenizer(config.model)
+        self.model_id = config.model
+        self.model_names = {config.model, Path(config.model).name}
+
+    def check_health(self) -> None:
+        """Serve's periodic probe: raising marks the replica unhealthy, so Serve replaces it."""
+        self.loop.check_health()
+
+    @api.get("/health")
+    async def health(self) -> dict[str, Any]:
+        self.loop.check_health()
+        engine = self.loop.engine
+        # Counters let a client see batching at work: concurrent requests share steps.
+        return {
+            "status": "ok", "steps": self.loop.steps, "running": len(engine.running), "waiting": len(engine.waiting),
+        }
+
+    @api.get("/v1/models")
+    async def models(self) -> dict[str, Any]:
+        return ModelList(data=[ModelCard(id=self.model_id, max_model_len=self.loop.engine.max_context)]).model_dump()
+
+    @api.post("/v1/completions")
+    async def completions(self, raw: Request) -> Response:
+        body: CompletionRequest = self._parse(await raw.body(), CompletionRequest)
+        requests = [self._request(body, prompt=prompt) for prompt in body.prompts]
+        return await self._generate(body, requests, _CompletionFormat(self.model_id))
+
+    @api.post("/v1/chat/completions")
+    async def chat_completions(self, raw: Request) -> Response:
+        body: ChatCompletionRequest = self._parse(await raw.body(), ChatCompletionRequest)
+        messages = [message.rendered() for message in body.messages]
+        return await self._generate(body, [self._request(body, messages=messages)], _ChatFormat(self.model_id))
+
+    # ------------------------------------------------------------------------------------------- internals
+    def _parse(self, raw: bytes, model: type[GenerationRequest]) -> Any:
+        body = _parse(raw, model, self.loop.engine.max_context)
+        if body.model is not None and body.model not in self.model_names:
+            raise ApiError(
+                400, f"model '{body.model}' is not served here; use '{self.model_id}'", param="model",
+                code="model_not_found",
+            )
+        return body
+
+    @staticmethod
+    def _request(body: GenerationRequest, **inputs: Any) -> EngineRequest:
+        return EngineRequest(id=uuid.uuid4().hex, sampling=body.sampling(), **inputs)
+
+    async def _generate(self, body: GenerationRequest, requests: list[EngineRequest], fmt: _Format) -> Response:
+        events = self.loop.generate(requests)
+        head = await self._until_admitted(events, len(requests), fmt.input_field)
+        if body.stream:
+            stops = body.sampling().get("stop", self.config.sampling.stop)
+            chunks = self._stream(_replay(head, events), len(requests), fmt, stops, body.include_usage)
+            return StreamingResponse(chunks, media_type="text/event-stream")
+        results: list[GenerationResult] = [None] * len(requests)  # type: ignore[list-item]
+        async for index, event in _replay(head, events):
+            if isinstance(event, GenerationResult):
+                results[index] = event
+        return JSONResponse(fmt.response(results).model_dump())
+
+    @staticmethod
+    async def _until_admitted(
+        events: AsyncIterator[tuple[int, Event]], count: int, input_field: str
+    ) -> list[tuple[int, Event]]:
+        """Events up to the first of every sequence, so that a request the engine rejects is a 400 even when
+        streaming (before any response header is sent)."""
+        head: list[tuple[int, Event]] = []
+        seen: set[int] = set()
+        try:
+            async for index, event in events:
+                if isinstance(event, GenerationResult) and event.finish_reason == "error":
+                    raise ApiError(400, event.error or "invalid request", param=input_field)
+                head.append((index, event))
+                seen.add(index)
+                if len(seen) == count:
+                    break
+        except BaseException:
+            await events.aclose()  # type: ignore[attr-defined]  # drops the other sequences' routes
+            raise
+        return head
+
+    async def _stream(
+        self, events: AsyncIterator[tuple[int, Event]], count: int, fmt: _Format, stops: list[str], usage: bool
+    ) -> AsyncIterator[str]:
+        texts = [IncrementalText(self.tokenizer, stops) for _ in range(count)]
+        results: list[GenerationResult] = []
+        for chunk in fmt.opening_chunks(count):
+            yield _sse(chunk)
+        try:
+            async for index, event in events:
+                if isinstance(event, GenerationResult):
+                    results.append(event)
+                    yield _sse(fmt.chunk(index, texts[index].finish(event.text), event.finish_reason))
+                elif delta := texts[index].push(event):
+                    yield _sse(fmt.chunk(index, delta, None))
+            if usage:
+                yield _sse(fmt.usage_chunk(results))
+        except EngineFailure as exc:  # the status line is already sent: report in-band, as OpenAI does
+            yield _sse(ErrorResponse(error=ErrorDetail(message=str(exc), type="server_error")))
+        yield _sse("[DONE]")
+
+
+# -------------------------------------------------------------------------------------------------- builders
+def deployment_options(config: Config) -> dict[str, Any]:
+    """Replicas (fixed, or autoscaled within ``concurrency: [min, max]``) and GPUs per replica from the config."""
+    options: dict[str, Any] = {
+        "ray_actor_options": {"num_gpus": config.num_gpus},
+        # Admit enough requests to keep the batch full between steps; the rest queue in Serve for other replicas.
+        "max_ongoing_requests": 4 * config.batch_size,
+    }
+    if isinstance(config.concurrency, int):
+        options["num_replicas"] = config.concurrency
+    else:
+        low, high = config.concurrency
+        options["autoscaling_config"] = {
+            "min_replicas": low, "initial_replicas": low, "max_replicas": high,
+            "target_ongoing_requests": config.batch_size,
+        }
+    return options
+
+
+def make_app(config: Config) -> Application:
+    return OpenAIServer.options(**deployment_options(config)).bind(config)
+
+
+def _flatten(args: dict[str, Any], prefix: str = "") -> dict[str, str]:
+    """Nested builder args -> dotted overrides; non-strings as JSON, which the config loader reads as YAML."""
+    flat: dict[str, str] = {}
+    for key, value in args.items():
+        if isinstance(value, dict):
+            flat.update(_flatten(value, f"{prefix}{key}."))
+        else:
+            flat[f"{prefix}{key}"] = value if isinstance(value, str) else json.dumps(value)
+    return flat
+
+
+def build_app(args: dict[str, Any]) -> Application:
+    """Serve application builder: ``args`` may name a ``config`` file and override any config field."""
+    fields = dict(args)
+    return make_app(load_config(fields.pop("config", None), _flatten(fields)))
+
