@@ -1,0 +1,367 @@
+"""The OpenAI-compatible endpoint over real HTTP, against a local Ray Serve instance running the tiny models."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import json
+from types import SimpleNamespace
+from typing import Any
+
+import httpx
+import openai
+import pytest
+import yaml
+
+from decoding.config import Config, load_config
+from decoding.engine import Engine, GenerationResult, Request
+from deploy.detokenize import IncrementalText
+from deploy.engine_loop import EngineFailure, EngineLoop, RequestRejected
+from deploy.server import OpenAIServer, build_app, deployment_options
+
+MAX_TOKENS = 12
+WORDS = ["the", "cat", "sat", "on", "a", "mat", "and", "dog", "ran", "far", "away", "home"]
+
+
+@pytest.fixture(scope="module")
+def config_file(tiny_dirs, tmp_path_factory) -> str:
+    path = tmp_path_factory.mktemp("serve") / "serve.yaml"
+    path.write_text(yaml.safe_dump({
+        "model": tiny_dirs["target"],
+        "speculative": {"method": "draft_model", "model": tiny_dirs["draft"], "num_speculative_tokens": 3},
+        "sampling": {"max_tokens": MAX_TOKENS},
+    }))
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def config(config_file) -> Config:
+    return load_config(config_file, {"batch_size": "8"})
+
+
+@pytest.fixture(scope="module")
+def server(ray_cluster, config_file) -> str:
+    """Base URL of a Serve app built the way a Serve YAML does it: ``build_app`` with a config file + overrides."""
+    from ray import serve
+
+    from jobs.serve import start
+    from jobs.serve_load import free_port
+
+    port = free_port()
+    start(build_app({"config": config_file, "batch_size": 8}), "127.0.0.1", port)
+    yield f"http://127.0.0.1:{port}"
+    serve.shutdown()
+
+
+@pytest.fixture(scope="module")
+def client(server) -> httpx.Client:
+    with httpx.Client(base_url=server, timeout=60) as client:
+        yield client
+
+
+@pytest.fixture(scope="module")
+def reference(config, target, tokenizer, draft):
+    """Expected outputs: the same engine in-process (temperature 0 is deterministic)."""
+    engine = Engine(config, target=target, tokenizer=tokenizer, draft=draft)
+    counter = itertools.count()
+
+    def generate(sampling: dict[str, Any] | None = None, **inputs: Any) -> GenerationResult:
+        return engine.generate([Request(id=str(next(counter)), sampling=sampling, **inputs)])[0]
+
+    return generate
+
+
+def _post(client: httpx.Client, path: str, body: dict[str, Any]) -> dict[str, Any]:
+    response = client.post(path, json=body)
+    assert response.status_code == 200, response.text
+    return response.json()
+
+
+def _stream(client: httpx.Client, path: str, body: dict[str, Any]) -> list[dict[str, Any]]:
+    """The SSE events of a streamed request; asserts the ``data:`` framing and the final ``[DONE]``."""
+    with client.stream("POST", path, json={**body, "stream": True}) as response:
+        assert response.status_code == 200, response.read()
+        assert response.headers["content-type"].startswith("text/event-stream")
+        events = [line for line in response.iter_lines() if line]
+    assert all(line.startswith("data: ") for line in events), events
+    assert events[-1] == "data: [DONE]"
+    return [json.loads(line[len("data: ") :]) for line in events[:-1]]
+
+
+# ------------------------------------------------------------------------------------------------- endpoints
+def test_models_and_health(client, config):
+    models = client.get("/v1/models").json()
+    assert models["object"] == "list"
+    assert [m["id"] for m in models["data"]] == [config.model]
+    health = client.get("/health")
+    assert health.status_code == 200
+    assert health.json()["status"] == "ok"
+
+
+def test_completion_matches_engine(client, config, reference, tokenizer):
+    body = _post(client, "/v1/completions", {"model": config.model, "prompt": "the cat sat", "temperature": 0})
+    expected = reference(prompt="the cat sat")
+    assert body["object"] == "text_completion"
+    assert body["model"] == config.model
+    [choice] = body["choices"]
+    assert (choice["index"], choice["text"], choice["finish_reason"]) == (0, expected.text, expected.finish_reason)
+    prompt_tokens = len(tokenizer("the cat sat")["input_ids"])
+    completion_tokens = len(expected.token_ids)
+    assert body["usage"] == {
+        "prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+    }
+    spec = body["metrics"]["speculative_decoding"]
+    assert set(spec) == set(expected.spec_decode)
+    assert spec["num_spec_steps"] >= 1
+    assert spec["mean_acceptance_length"] == pytest.approx(completion_tokens / spec["num_spec_steps"])
+    assert sum(spec["acceptance_histogram"]) == spec["num_spec_steps"] - 1  # the prefill forward drafts nothing
+    assert spec["num_accepted_draft_tokens"] <= spec["num_draft_tokens"]
+
+
+def test_prompt_list_gives_one_choice_per_prompt(client, reference):
+    prompts = ["a dog", "far away home"]
+    body = _post(client, "/v1/completions", {"prompt": prompts, "max_tokens": 6})
+    assert [c["index"] for c in body["choices"]] == [0, 1]
+    expected = [reference(prompt=p, sampling={"max_tokens": 6}).text for p in prompts]
+    assert [c["text"] for c in body["choices"]] == expected
+    assert body["usage"]["completion_tokens"] <= 12
+
+
+def test_chat_completion_matches_engine(client, reference):
+    messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hello there"}]
+    body = _post(client, "/v1/chat/completions", {"messages": messages, "seed": 3})
+    expected = reference(messages=messages)
+    assert body["object"] == "chat.completion"
+    [choice] = body["choices"]
+    assert choice["message"] == {"role": "assistant", "content": expected.text}
+    assert choice["finish_reason"] == expected.finish_reason
+    assert body["usage"]["completion_tokens"] == len(expected.token_ids)
+    assert body["metrics"]["speculative_decoding"]["num_spec_steps"] >= 1
+    # OpenAI's list-of-parts content is the same conversation.
+    parts = [{"role": "system", "content": [{"type": "text", "text": "be "}, {"type": "text", "text": "brief"}]},
+             messages[1]]
+    assert _post(client, "/v1/chat/completions", {"messages": parts})["choices"][0]["message"] == choice["message"]
+
+
+def _streamed_text(path: str, chunks: list[dict[str, Any]]) -> str:
+    if path == "/v1/completions":
+        return "".join(c["choices"][0]["text"] for c in chunks if c["choices"])
+    return "".join(c["choices"][0]["delta"]["content"] or "" for c in chunks if c["choices"])
+
+
+@pytest.mark.parametrize("use_stop", [False, True], ids=["no-stop", "stop"])
+@pytest.mark.parametrize(
+    ("path", "inputs"),
+    [
+        ("/v1/completions", {"prompt": "and the dog"}),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "a dog ran far"}]}),
+    ],
+    ids=["completions", "chat"],
+)
+def test_stream_concatenates_to_the_non_streamed_text(client, path, inputs, use_stop):
+    body = {**inputs, "temperature": 0, "max_tokens": MAX_TOKENS}
+    whole = _post(client, path, body)
+    if use_stop:  # a multi-token stop string from inside the output: the stream must hold its start back
+        text = whole["choices"][0]["text" if path == "/v1/completions" else "message"]
+        text = text if isinstance(text, str) else text["content"]
+        assert len(text) >= 6, text
+        stop = text[3:5]
+        body["stop"] = [stop, "zzzz"] if path == "/v1/completions" else stop  # OpenAI takes a list or a string
+        whole = _post(client, path, body)
+        assert whole["choices"][0]["finish_reason"] == "stop"
+    expected = whole["choices"][0]["text"] if path == "/v1/completions" else whole["choices"][0]["message"]["content"]
+    if use_stop:
+        assert expected == text[: text.find(stop)]
+
+    chunks = _stream(client, path, {**body, "stream_options": {"include_usage": True}})
+    assert _streamed_text(path, chunks) == expected
+    if not use_stop:  # really incremental (12 tokens take several steps), not one chunk at the end
+        assert len([c for c in chunks if c["choices"]]) > 2
+    *choice_chunks, usage_chunk = chunks
+    assert choice_chunks[-1]["choices"][0]["finish_reason"] == whole["choices"][0]["finish_reason"]
+    assert all(c["choices"][0]["finish_reason"] is None for c in choice_chunks[:-1])
+    assert usage_chunk["choices"] == []
+    assert usage_chunk["usage"] == whole["usage"]
+    assert len({c["id"] for c in chunks}) == 1
+    if path == "/v1/chat/completions":
+        assert chunks[0]["object"] == "chat.completion.chunk"
+        assert chunks[0]["choices"][0]["delta"]["role"] == "assistant"
+    # Without stream_options there is no usage chunk.
+    assert all(c["choices"] for c in _stream(client, path, body))
+
+
+BAD_REQUESTS = [
+    ("invalid-json", "/v1/completions", b'{"prompt": "ab",', None),
+    ("not-an-object", "/v1/completions", ["ab"], None),
+    ("missing-prompt", "/v1/completions", {"max_tokens": 4}, "prompt"),
+    ("missing-messages", "/v1/chat/completions", {"max_tokens": 4}, "messages"),
+    ("prompt-not-string", "/v1/completions", {"prompt": 5}, "prompt"),
+    ("prompt-token-list", "/v1/completions", {"prompt": [1, 2]}, "prompt"),
+    ("prompt-empty-list", "/v1/completions", {"prompt": []}, "prompt"),
+    ("prompt-empty", "/v1/completions", {"prompt": ""}, "prompt"),
+    ("messages-not-list", "/v1/chat/completions", {"messages": "hi"}, "messages"),
+    ("messages-empty", "/v1/chat/completions", {"messages": []}, "messages"),
+    ("message-bad-role", "/v1/chat/completions", {"messages": [{"role": "robot", "content": "x"}]}, "messages"),
+    ("max-tokens-negative", "/v1/completions", {"prompt": "ab", "max_tokens": -1}, "max_tokens"),
+    ("max-tokens-zero", "/v1/completions", {"prompt": "ab", "max_tokens": 0}, "max_tokens"),
+    ("max-tokens-absurd", "/v1/completions", {"prompt": "ab", "max_tokens": 10**12}, "max_tokens"),
+    ("max-tokens-string", "/v1/completions", {"prompt": "ab", "max_tokens": "4"}, "max_tokens"),
+    ("max-tokens-float", "/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "max_tokens": 2.5},
+     "max_tokens"),
+    ("temperature-negative", "/v1/completions", {"prompt": "ab", "temperature": -1}, "temperature"),
+    ("temperature-string", "/v1/completions", {"prompt": "ab", "temperature": "hot"}, "temperature"),
+    ("top-p-zero", "/v1/completions", {"prompt": "ab", "top_p": 0}, "top_p"),
+    ("seed-huge", "/v1/completions", {"prompt": "ab", "seed": 2**70}, "seed"),
+    ("stop-not-string", "/v1/completions", {"prompt": "ab", "stop": 3}, "stop"),
+    ("stream-not-bool", "/v1/completions", {"prompt": "ab", "stream": "yes"}, "stream"),
+    ("n-two", "/v1/completions", {"prompt": "ab", "n": 2}, "n"),
+    ("unknown-field", "/v1/completions", {"prompt": "ab", "logit_bias": {}}, "logit_bias"),
+    ("unknown-model", "/v1/completions", {"prompt": "ab", "model": "gpt-4"}, "model"),
+    ("prompt-too-long", "/v1/completions", {"prompt": "a" * 300}, "prompt"),
+    ("prompt-too-long-stream", "/v1/completions", {"prompt": "a" * 300, "stream": True}, "prompt"),
+    ("prompt-list-one-too-long", "/v1/completions", {"prompt": ["ab", "a" * 300]}, "prompt"),
+    ("messages-too-long-stream", "/v1/chat/completions",
+     {"messages": [{"role": "user", "content": "a" * 300}], "stream": True}, "messages"),
+]
+
+
+@pytest.mark.parametrize(("path", "body", "param"), [c[1:] for c in BAD_REQUESTS], ids=[c[0] for c in BAD_REQUESTS])
+def test_bad_request_is_a_400_with_an_openai_error(client, path, body, param):
+    response = client.post(path, content=body) if isinstance(body, bytes) else client.post(path, json=body)
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["type"] == "invalid_request_error"
+    assert isinstance(error["message"], str) and error["message"]
+    assert error["param"] == param
+    assert client.get("/health").status_code == 200  # the replica survives
+
+
+def test_unknown_route_has_an_openai_error_body(client):
+    response = client.get("/v1/nothing")
+    assert response.status_code == 404
+    assert response.json()["error"]["type"] == "invalid_request_error"
+
+
+def _steps(client: httpx.Client) -> int:
+    return client.get("/health").json()["steps"]
+
+
+def test_64_concurrent_requests_match_sequential_and_share_steps(client, server):
+    prompts = [" ".join(WORDS[(i * k) % len(WORDS)] for k in (1, 3, 7)) + f" {WORDS[i // 12]}" for i in range(64)]
+    bodies = [{"prompt": p, "max_tokens": 8 + i % 5, "temperature": 0} for i, p in enumerate(prompts)]
+
+    before = _steps(client)
+    sequential = [_post(client, "/v1/completions", b)["choices"][0]["text"] for b in bodies]
+    sequential_steps = _steps(client) - before
+
+    async def concurrent() -> list[httpx.Response]:
+        async with httpx.AsyncClient(base_url=server, timeout=120) as aclient:
+            return await asyncio.gather(*(aclient.post("/v1/completions", json=b) for b in bodies))
+
+    before = _steps(client)
+    responses = asyncio.run(concurrent())
+    concurrent_steps = _steps(client) - before
+    assert [r.status_code for r in responses] == [200] * 64
+    assert [r.json()["choices"][0]["text"] for r in responses] == sequential
+    # One at a time, every request needs its own steps; batched (8 rows) they share them.
+    assert concurrent_steps * 3 < sequential_steps, (concurrent_steps, sequential_steps)
+
+
+def test_official_openai_client(server, config, reference):
+    client = openai.OpenAI(base_url=f"{server}/v1", api_key="unused", max_retries=0)
+    assert config.model in [m.id for m in client.models.list()]
+
+    completion = client.completions.create(model=config.model, prompt="the dog ran", max_tokens=8, temperature=0)
+    assert completion.choices[0].text == reference(prompt="the dog ran", sampling={"max_tokens": 8}).text
+    assert completion.model_extra["metrics"]["speculative_decoding"]["num_spec_steps"] >= 1
+
+    messages = [{"role": "user", "content": "a cat"}]
+    chat = client.chat.completions.create(model=config.model, messages=messages, max_tokens=8, temperature=0)
+    assert chat.choices[0].message.content == reference(messages=messages, sampling={"max_tokens": 8}).text
+
+    stream = client.chat.completions.create(
+        model=config.model, messages=messages, max_tokens=8, temperature=0, stream=True,
+        stream_options={"include_usage": True},
+    )
+    chunks = list(stream)
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == chat.choices[0].message.content
+    assert chunks[-1].usage.completion_tokens == chat.usage.completion_tokens
+
+    with pytest.raises(openai.BadRequestError, match="context"):
+        client.completions.create(model=config.model, prompt="a" * 300)
+
+
+# --------------------------------------------------------------------------------------- replica internals
+@pytest.fixture
+def engine(config, target, tokenizer, draft) -> Engine:
+    return Engine(config, target=target, tokenizer=tokenizer, draft=draft)
+
+
+async def _drain(loop: EngineLoop, requests: list[Request]) -> list[Any]:
+    return [event async for event in loop.generate(requests)]
+
+
+def test_engine_failure_makes_the_replica_unhealthy(engine, monkeypatch):
+    def broken_step():
+        raise RuntimeError("CUDA error: device lost")
+
+    monkeypatch.setattr(engine, "step", broken_step)
+    loop = EngineLoop(engine)
+    with pytest.raises(EngineFailure, match="device lost"):
+        asyncio.run(_drain(loop, [Request(id="a", prompt="ab")]))
+    with pytest.raises(EngineFailure):
+        OpenAIServer.func_or_class.check_health(SimpleNamespace(loop=loop))  # Serve's probe restarts the replica
+    with pytest.raises(EngineFailure):  # and new requests are refused until then
+        asyncio.run(_drain(loop, [Request(id="b", prompt="ab")]))
+
+
+def test_a_request_add_request_chokes_on_fails_alone(engine, monkeypatch):
+    add_request = engine.add_request
+
+    def picky_add_request(request: Request) -> None:
+        if request.id == "bad":
+            raise OverflowError("seed out of range")
+        add_request(request)
+
+    monkeypatch.setattr(engine, "add_request", picky_add_request)
+    loop = EngineLoop(engine)
+
+    async def both() -> list[Any]:
+        return await asyncio.gather(
+            _drain(loop, [Request(id="good", prompt="ab")]), _drain(loop, [Request(id="bad", prompt="ab")]),
+            return_exceptions=True,
+        )
+
+    good, bad = asyncio.run(both())
+    assert isinstance(bad, RequestRejected)
+    assert isinstance(good[-1][1], GenerationResult) and good[-1][1].finish_reason in ("stop", "length")
+    loop.check_health()
+
+
+class _ByteTokenizer:
+    """Token ids are UTF-8 bytes, decoded like a byte-level BPE tokenizer decodes a partial character."""
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        return bytes(ids).decode("utf-8", errors="replace")
+
+
+def test_incremental_text_holds_back_partial_characters_and_stop_prefixes():
+    text = IncrementalText(_ByteTokenizer(), stop=["ab"])
+    assert text.push(list("xé".encode())[:2]) == "x"  # half of é
+    assert text.push(list("é".encode())[1:]) == "é"
+    assert text.push(list(b"ya")) == "y"  # "a" may start the stop string "ab"
+    assert text.push(list(b"c")) == "ac"
+    assert text.push(list(b"a")) == ""
+    assert text.finish("xéyaca") == "a"  # the engine's final text, cut before the stop string
+    assert text.sent == "xéyaca"
+
+
+def test_deployment_options_follow_the_config():
+    fixed = deployment_options(Config(concurrency=2, num_gpus=0.5, batch_size=4))
+    assert fixed["num_replicas"] == 2 and "autoscaling_config" not in fixed
+    assert fixed["ray_actor_options"] == {"num_gpus": 0.5}
+    assert fixed["max_ongoing_requests"] >= 4
+    scaled = deployment_options(Config(concurrency=(1, 3)))
+    assert "num_replicas" not in scaled
+    assert (scaled["autoscaling_config"]["min_replicas"], scaled["autoscaling_config"]["max_replicas"]) == (1, 3)
