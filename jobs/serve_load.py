@@ -1,0 +1,128 @@
+"""Load test of the HTTP endpoint: many concurrent chat requests, continuous batching vs one request at a time.
+
+``python -m jobs.serve_load [--config F] [--requests 64] [--max-tokens 64] [overrides]`` deploys the Serve
+application locally once per mode (the configured ``batch_size``, then ``batch_size: 1``, where the replica
+decodes one request at a time and queues the rest), sends all requests at once, and prints p50/p95 latency
+and aggregate generated tokens/s per mode.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import socket
+import statistics
+import time
+
+import httpx
+from pydantic import BaseModel
+from ray import serve
+
+from decoding.config import Config
+from deploy.server import make_app
+from jobs.common import parse_with_config, setup_logging
+from jobs.serve import APP_NAME, start
+
+TOPICS = [
+    "the ocean", "a quiet library", "learning to ride a bike", "why the sky is blue", "coffee", "a rainy Monday",
+    "the moon landing", "gardening", "a lost key", "mountains in winter", "friendship", "an old train station",
+    "the first computer", "bees", "a city at night", "baking bread",
+]
+
+
+class ModeResult(BaseModel):
+    mode: str
+    batch_size: int
+    requests: int
+    failed: int
+    generated_tokens: int
+    wall_s: float
+    tokens_per_s: float
+    p50_latency_s: float
+    p95_latency_s: float
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _prompt(i: int) -> list[dict[str, str]]:
+    topic = TOPICS[i % len(TOPICS)]
+    style = ["Write a short paragraph about", "Explain briefly", "Describe in a few sentences"][i // len(TOPICS) % 3]
+    return [{"role": "user", "content": f"{style} {topic}."}]
+
+
+def _percentile(values: list[float], q: float) -> float:
+    return statistics.quantiles(values, n=100, method="inclusive")[q - 1] if len(values) > 1 else values[0]
+
+
+async def _one(client: httpx.AsyncClient, i: int, max_tokens: int) -> tuple[float, int] | None:
+    body = {"messages": _prompt(i), "max_tokens": max_tokens, "temperature": 0}
+    started = time.perf_counter()
+    response = await client.post("/v1/chat/completions", json=body)
+    if response.status_code != 200:
+        return None
+    return time.perf_counter() - started, response.json()["usage"]["completion_tokens"]
+
+
+async def _load(url: str, requests: int, max_tokens: int) -> tuple[float, list[tuple[float, int] | None]]:
+    async with httpx.AsyncClient(base_url=url, timeout=None, limits=httpx.Limits(max_connections=requests)) as client:
+        await _one(client, 0, 4)  # warm-up: first-request costs (lazy initialisation) are not load
+        started = time.perf_counter()
+        outcomes = await asyncio.gather(*(_one(client, i, max_tokens) for i in range(requests)))
+        return time.perf_counter() - started, outcomes
+
+
+def run_mode(mode: str, config: Config, port: int, requests: int, max_tokens: int) -> ModeResult:
+    start(make_app(config), "127.0.0.1", port)
+    try:
+        wall, outcomes = asyncio.run(_load(f"http://127.0.0.1:{port}", requests, max_tokens))
+    finally:
+        serve.delete(APP_NAME)
+    done = [o for o in outcomes if o is not None]
+    latencies = [latency for latency, _ in done] or [float("nan")]
+    tokens = sum(n for _, n in done)
+    return ModeResult(
+        mode=mode, batch_size=config.batch_size, requests=requests, failed=requests - len(done),
+        generated_tokens=tokens, wall_s=wall, tokens_per_s=tokens / wall,
+        p50_latency_s=_percentile(latencies, 50), p95_latency_s=_percentile(latencies, 95),
+    )
+
+
+def format_table(results: list[ModeResult]) -> str:
+    header = f"{'mode':<22}{'batch':>6}{'reqs':>6}{'failed':>7}{'tokens':>8}{'wall s':>9}{'tok/s':>9}"
+    header += f"{'p50 s':>8}{'p95 s':>8}"
+    rows = [
+        f"{r.mode:<22}{r.batch_size:>6}{r.requests:>6}{r.failed:>7}{r.generated_tokens:>8}{r.wall_s:>9.1f}"
+        f"{r.tokens_per_s:>9.1f}{r.p50_latency_s:>8.1f}{r.p95_latency_s:>8.1f}"
+        for r in results
+    ]
+    return "\n".join([header, *rows])
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m jobs.serve_load", description=__doc__)
+    parser.add_argument("--requests", type=int, default=64, help="requests sent at once")
+    parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--port", type=int, default=0, help="0: any free port on 127.0.0.1")
+    args, config = parse_with_config(parser, argv)
+    setup_logging()
+    port = args.port or free_port()
+    modes = [
+        ("continuous batching", config),
+        ("one request at a time", config.model_copy(update={"batch_size": 1})),
+    ]
+    try:
+        results = [run_mode(name, cfg, port, args.requests, args.max_tokens) for name, cfg in modes]
+    finally:
+        serve.shutdown()
+    print(f"model {config.model}, speculative {config.speculative.method}, {args.requests} concurrent chat "
+          f"requests, max_tokens {args.max_tokens}, temperature 0")
+    print(format_table(results))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
