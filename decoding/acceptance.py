@@ -65,6 +65,33 @@ def _normalized(weights: torch.Tensor) -> torch.Tensor | None:
     return weights / total if total > 0 else None
 
 
+def sibling_acceptance(
+    p: torch.Tensor, proposals: Sequence[torch.Tensor], tokens: Sequence[int], replacement: bool
+) -> tuple[list[float], torch.Tensor]:
+    """The recursive rule for one set of siblings, as pure math.
+
+    Returns, for each candidate in order, the probability that it is accepted given that every earlier one
+    was rejected, and the residual target law left after all of them were rejected.
+    ``proposals[i]`` is the law candidate i was drawn from (before removals).
+    """
+    p = p.float()
+    removed = torch.zeros_like(p, dtype=torch.bool)
+    accept: list[float] = []
+    for x, proposal in zip(tokens, proposals):
+        q = _normalized(proposal.float().masked_fill(removed, 0.0)) if not replacement else proposal.float()
+        if q is None or q[x] <= 0:
+            accept.append(0.0)  # a repeat of a rejected token: the residual already gives it probability 0
+            continue
+        accept.append(min(1.0, float(p[x] / q[x])))
+        if accept[-1] >= 1.0:
+            break  # accepted for sure: later siblings are never tried
+        shrunk = _normalized((p - q).clamp(min=0.0))
+        p = shrunk if shrunk is not None else p.masked_fill(torch.arange(len(p)) == x, 0.0)
+        removed[x] = True
+    accept += [0.0] * (len(tokens) - len(accept))
+    return accept, p
+
+
 def verify_sampled(
     tokens: Sequence[int],
     parents: Sequence[int],
@@ -93,26 +120,18 @@ def verify_sampled(
         return draft_probs[parent]
 
     def choose(parent: int, kids: list[int]) -> int | None:
-        p = (root_probs if parent < 0 else target_probs[parent]).float()
-        removed = torch.zeros_like(p, dtype=torch.bool)
-        for kid in kids:
-            x = tokens[kid]
-            q = proposal(kid).float()
-            if not replacement:
-                q = _normalized(q.masked_fill(removed, 0.0))
-            if q is None or q[x] <= 0:
-                continue  # a repeat of a rejected token: the residual already gives it probability 0
-            if float(torch.rand((), generator=generator)) < min(1.0, float(p[x] / q[x])):
+        p = root_probs if parent < 0 else target_probs[parent]
+        accept, residual[parent] = sibling_acceptance(
+            p, [proposal(kid) for kid in kids], [tokens[kid] for kid in kids], replacement
+        )
+        for kid, probability in zip(kids, accept):
+            if float(torch.rand((), generator=generator)) < probability:
                 return kid
-            shrunk = _normalized((p - q).clamp(min=0.0))
-            p = shrunk if shrunk is not None else p.masked_fill(torch.arange(len(p)) == x, 0.0)
-            removed[x] = True
-        residual[parent] = p
         return None
 
     path = _walk(parents, valid, choose)
     last = path[-1] if path else -1
-    law = residual.get(last)
+    law = residual.get(last)  # set only where every child was rejected; an accepted leaf has none
     if law is None:
         law = (root_probs if last < 0 else target_probs[last]).float()
     next_token = int(torch.multinomial(law, 1, generator=generator))

@@ -19,7 +19,8 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from decoding.acceptance import Verdict, verify_greedy, verify_sampled
 from decoding.config import Config, SamplingParams, format_validation_error
-from decoding.drafters import Draft, DraftInputs, DraftModelDrafter, Drafter, NgramDrafter
+from decoding.costs import CostTable, calibrate
+from decoding.drafters import Draft, Drafter, DraftInputs, DraftModelDrafter, NgramDrafter
 from decoding.kv_cache import SlotKVCache, forward_tree
 from decoding.length_policies import StepRecord, make_policy
 from decoding.models import (
@@ -28,6 +29,7 @@ from decoding.models import (
     draft_vocab_subset,
     load_model,
     load_tokenizer,
+    resolve_model_path,
 )
 from decoding.sampling import WarpParams, draw, warp_probs
 from decoding.tree import TreeTopology, chain_ancestors
@@ -64,11 +66,12 @@ class GenerationResult:
     def spec_decode(self) -> dict[str, Any]:
         drafted = sum(self.per_step_drafted)
         accepted = sum(self.per_step_accepted)
+        forwards = self.num_target_forwards
         return {
             "num_spec_steps": self.num_target_forwards,
             "num_draft_tokens": drafted,
             "num_accepted_draft_tokens": accepted,
-            "mean_acceptance_length": len(self.token_ids) / self.num_target_forwards if self.num_target_forwards else 0.0,
+            "mean_acceptance_length": len(self.token_ids) / forwards if forwards else 0.0,
             "draft_acceptance_rate": accepted / drafted if drafted else 0.0,
             "acceptance_histogram": self.acceptance_histogram,
         }
@@ -131,7 +134,10 @@ class Engine:
         root_width = width if spec.candidate_init == "target" else 1
         self.topology = TreeTopology(width, depth, root_width)
         self.drafter = self._make_drafter(draft)
-        self.policy = make_policy(spec, self.topology.size)
+        self.policy = make_policy(
+            spec, self.topology.size, lambda: self._calibrate(target is None, draft is None),
+            draft_tokens=(root_width + 1, width),
+        )
         self.drafter.uses_hidden_states = self.policy.needs_hidden_states
         self.eos_ids = self._eos_ids()
         self.waiting: deque[_Sequence] = deque()
@@ -157,6 +163,18 @@ class Engine:
         self.max_context = min(self.max_context, int(getattr(draft.config, "max_position_embeddings", 1 << 30)))
         subset = draft_vocab_subset(spec.model) if spec.model else None
         return DraftModelDrafter(draft.to(self.device).eval(), self.capacity, self.device, subset)
+
+    def _calibrate(self, target_from_path: bool, draft_from_path: bool) -> tuple[CostTable, CostTable | None]:
+        """Measured forward costs (cached on disk for models loaded by path) for the online policy."""
+        spec = self.config.speculative
+        verify = calibrate(
+            self.target, self.capacity * self.topology.size(self.topology.max_depth),
+            resolve_model_path(self.config.model) if target_from_path else None,
+        )
+        if not isinstance(self.drafter, DraftModelDrafter):
+            return verify, None  # n-gram lookup costs next to nothing beside a forward
+        draft_key = resolve_model_path(spec.model) if draft_from_path and spec.model else None
+        return verify, calibrate(self.drafter.model, self.capacity * (self.topology.root_width + 1), draft_key)
 
     def _eos_ids(self) -> set[int]:
         ids = {self.tokenizer.eos_token_id}
@@ -195,7 +213,9 @@ class Engine:
             prompt = request.prompt if isinstance(request.prompt, str) else self.tokenizer.decode(ids)
         elif request.messages is not None:
             try:
-                prompt = self.tokenizer.apply_chat_template(request.messages, tokenize=False, add_generation_prompt=True)
+                prompt = self.tokenizer.apply_chat_template(
+                    request.messages, tokenize=False, add_generation_prompt=True
+                )
             except Exception as exc:  # templates raise many types on malformed messages
                 raise EngineError(f"cannot render messages with the chat template: {exc}") from exc
             ids = self.tokenizer(prompt, add_special_tokens=False)["input_ids"]
@@ -314,7 +334,6 @@ class Engine:
     def _speculate(self, emitted: dict[str, list[int]]) -> None:
         seqs = self.running
         rows = slice(0, len(seqs))
-        start = time.perf_counter()
         warp = WarpParams.from_params([s.params for s in seqs])
         depths = self._plan(seqs)
         roots, root_valid = self._roots(seqs, depths)
@@ -325,8 +344,6 @@ class Engine:
                 replacement=self.config.speculative.replacement, keep=self.policy.keep,
             )
         )
-        drafted = time.perf_counter()
-
         ancestors = self.topology.sliced_ancestors(draft.depth)
         logits, _ = forward_tree(
             self.target, self.cache, rows, draft.tokens.to(self.device), ancestors, draft.valid.to(self.device)
@@ -358,15 +375,10 @@ class Engine:
                     int(draft.tokens[row, node]), float(draft.token_probs[row, node]),
                     float(target_token_probs[row, node]), node in kept_nodes,
                 ))
-        finished = time.perf_counter()
         self.policy.observe(StepRecord(
             ids=[s.request_id for s in seqs],
             drafted_depth=(drafted_nodes * depth_of[: draft.tokens.shape[1]]).amax(1).tolist(),
             accepted=[s.per_step_accepted[-1] for s in seqs],
-            tree_size=draft.tokens.shape[1],
-            draft_forwards=draft.depth if isinstance(self.drafter, DraftModelDrafter) else int(draft.depth > 0),
-            draft_seconds=drafted - start,
-            verify_seconds=finished - drafted,
         ))
 
     def _verify(
@@ -379,16 +391,17 @@ class Engine:
         greedy = warp.temperature == 0
         sampled_rows = (~greedy).nonzero().flatten()
         target_probs = warp_probs(logits[sampled_rows], warp[sampled_rows]) if len(sampled_rows) else None
-        # Target probability of each node's token at its parent (temperature 1 for greedy rows), for statistics.
-        parent_logits = logits[:, parent_index]
-        token_probs = (
-            parent_logits.gather(-1, draft.tokens[..., None]).squeeze(-1) - parent_logits.logsumexp(-1)
-        ).exp()
+        # Target probability of each node's token at its parent (temperature 1 for greedy rows), for statistics;
+        # indexed rather than gathered from a copy of the parents' logits, which would cost a pass over [B, N, V].
+        rows = torch.arange(len(seqs))[:, None]
+        token_logits = logits[rows, parent_index[None], draft.tokens]
+        token_probs = (token_logits - logits.logsumexp(-1)[:, parent_index]).exp()
+        argmax = logits.argmax(-1).tolist()
         verdicts = []
         for row, seq in enumerate(seqs):
             tokens, valid = draft.tokens[row].tolist(), draft.valid[row].tolist()
             if greedy[row]:
-                verdicts.append(verify_greedy(tokens, parents, valid, logits[row].argmax(-1).tolist(), tokens[0]))
+                verdicts.append(verify_greedy(tokens, parents, valid, argmax[row], tokens[0]))
                 continue
             probs = target_probs[(sampled_rows == row).nonzero().item()]
             token_probs[row] = probs[parent_index].gather(-1, draft.tokens[row][:, None]).squeeze(-1)

@@ -3,10 +3,10 @@
 Every policy sees only draft-side signals and past steps, so verification stays lossless.
 - static: always the configured depth.
 - heuristic: transformers' schedule per sequence, +2 after a fully accepted step, -1 otherwise.
-- online (default): no training. Estimates per-level acceptance from recent steps and the cost of verify and
-  draft from measured step times, then picks the depth (0 = no speculation) with the most expected tokens per
-  second (on-the-fly draft-length adaptation, Liu, Park & Shen 2025). It probes now and then so that it can
-  come back from depth 0.
+- online (default): no training. Estimates per-level acceptance from recent steps, takes verify and draft
+  costs from a measured calibration (costs.py), and picks the depth (0 = no speculation) with the most expected
+  tokens per second (on-the-fly draft-length adaptation, Liu, Park & Shen 2025). It probes one level deeper now
+  and then, so it can come back from depth 0.
 - threshold: SpecDec++ acceptance head; a candidate stops once P(some drafted token is rejected) > threshold.
 - decision: Lu et al.'s early-stop decision model; a candidate stops when the model says stop.
 """
@@ -14,6 +14,7 @@ Every policy sees only draft-side signals and past steps, so verification stays 
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -21,6 +22,7 @@ import torch
 from torch import nn
 
 from decoding.config import SpeculativeConfig
+from decoding.costs import CostTable
 
 
 @dataclass(frozen=True)
@@ -30,10 +32,6 @@ class StepRecord:
     ids: list[str]
     drafted_depth: list[int]  # deepest valid drafted level of each row
     accepted: list[int]  # accepted drafted tokens of each row
-    tree_size: int  # nodes per row in the verify forward
-    draft_forwards: int
-    draft_seconds: float
-    verify_seconds: float  # the whole step except drafting: verify forward, acceptance, bookkeeping
 
 
 class LengthPolicy:
@@ -78,72 +76,53 @@ class HeuristicPolicy(LengthPolicy):
         self.depth.pop(seq_id, None)
 
 
-class _DecayedLinearFit:
-    """Least squares y ~ a + b x with exponential forgetting (recent steps weigh most)."""
-
-    def __init__(self, decay: float) -> None:
-        self.decay = decay
-        self.sums = torch.zeros(5, dtype=torch.float64)  # w, wx, wy, wxx, wxy
-
-    def add(self, x: float, y: float) -> None:
-        self.sums = self.sums * self.decay + torch.tensor([1.0, x, y, x * x, x * y], dtype=torch.float64)
-
-    @property
-    def seen(self) -> bool:
-        return bool(self.sums[0] > 0)
-
-    def __call__(self, x: float) -> float:
-        w, wx, wy, wxx, wxy = self.sums.tolist()
-        if w == 0:
-            return 0.0
-        variance = wxx / w - (wx / w) ** 2
-        if variance <= 1e-9 * max(1.0, (wx / w) ** 2):
-            return wy / w
-        slope = (wxy / w - (wx / w) * (wy / w)) / variance
-        return wy / w + max(slope, 0.0) * (x - wx / w)
-
-
 class OnlinePolicy(LengthPolicy):
     """Pick the depth maximising expected tokens/second from recent acceptance and measured costs."""
 
-    def __init__(self, max_depth: int, tree_size, decay: float = 0.9, probe_every: int = 8) -> None:
+    def __init__(
+        self,
+        max_depth: int,
+        tree_size: Callable[[int], int],
+        verify_cost: CostTable,
+        draft_cost: CostTable | None,
+        draft_tokens: tuple[int, int],
+        decay: float = 0.9,
+        probe_every: int = 8,
+    ) -> None:
         super().__init__(max_depth)
         self.tree_size = tree_size  # depth -> nodes per row
+        self.verify_cost = verify_cost  # seconds vs. tokens in the verify forward
+        self.draft_cost = draft_cost  # seconds vs. tokens in one draft forward (None: drafting is ~free)
+        self.draft_tokens = draft_tokens  # tokens per row in the first and in later draft forwards
         self.decay = decay
         self.probe_every = probe_every
         # Per-level pseudo-counts: "reached level j" and "accepted at level j"; prior acceptance 0.5.
         self.reached = torch.ones(max_depth + 1, dtype=torch.float64)
         self.accepted = torch.full((max_depth + 1,), 0.5, dtype=torch.float64)
-        self.verify_cost = _DecayedLinearFit(decay)  # seconds vs. total tokens in the verify forward
-        self.draft_cost = _DecayedLinearFit(decay)  # seconds vs. draft depth
         self.steps = 0
-        self.best = max_depth
 
     def expected_tokens(self, depth: int) -> float:
         """Tokens per step per row: the target's own token plus the expected accepted prefix."""
         rate = (self.accepted / self.reached).clamp(0, 1)
-        return 1.0 + float(torch.cumprod(rate[1 : depth + 1], 0).sum()) if depth else 1.0
+        return 1.0 + float(torch.cumprod(rate[1 : depth + 1], 0).sum())
 
-    def throughput(self, depth: int, rows: int) -> float:
-        seconds = self.verify_cost(rows * self.tree_size(depth)) + (self.draft_cost(depth) if depth else 0.0)
-        return rows * self.expected_tokens(depth) / max(seconds, 1e-9)
+    def step_seconds(self, depth: int, rows: int) -> float:
+        seconds = self.verify_cost(rows * self.tree_size(depth))
+        if depth and self.draft_cost is not None:
+            first, later = self.draft_tokens
+            seconds += self.draft_cost(rows * first) + (depth - 1) * self.draft_cost(rows * later)
+        return seconds
 
     def plan(self, ids: list[str]) -> torch.Tensor:
         self.steps += 1
-        if self.steps <= 4:  # measure both ends of the cost curve first
-            depth = self.max_depth if self.steps % 2 else 0
-        else:
-            self.best = max(range(self.max_depth + 1), key=lambda d: self.throughput(d, len(ids)))
-            depth = self.best
-            if self.steps % self.probe_every == 0:  # keep acceptance estimates of unused depths fresh
-                depth = min(self.max_depth, max(2, self.best + 1))
-        return torch.full((len(ids),), depth, dtype=torch.long)
+        rows = len(ids)
+        best = max(range(self.max_depth + 1),
+                   key=lambda d: rows * self.expected_tokens(d) / max(self.step_seconds(d, rows), 1e-9))
+        if self.steps % self.probe_every == 0:  # keep acceptance estimates of deeper levels fresh
+            best = min(self.max_depth, max(2, best + 1))
+        return torch.full((rows,), best, dtype=torch.long)
 
     def observe(self, record: StepRecord) -> None:
-        rows = len(record.ids)
-        self.verify_cost.add(rows * record.tree_size, record.verify_seconds)
-        if record.draft_forwards:
-            self.draft_cost.add(max(record.drafted_depth), record.draft_seconds)
         reached = torch.zeros_like(self.reached)
         accepted = torch.zeros_like(self.accepted)
         for depth, taken in zip(record.drafted_depth, record.accepted):
@@ -235,14 +214,20 @@ class DecisionPolicy(_HeadPolicy):
         return super().keep(level, depths, token_probs, hidden) & (self.predict(level, token_probs, hidden) >= 0.5)
 
 
-def make_policy(config: SpeculativeConfig, tree_size) -> LengthPolicy:
+def make_policy(
+    config: SpeculativeConfig,
+    tree_size: Callable[[int], int],
+    costs: Callable[[], tuple[CostTable, CostTable | None]],
+    draft_tokens: tuple[int, int],
+) -> LengthPolicy:
+    """The configured policy; ``costs`` (verify, draft) is only measured when the online policy needs it."""
     depth = config.num_speculative_tokens if config.method != "none" else 0
     if config.length_policy == "static" or depth == 0:
         return LengthPolicy(depth)
     if config.length_policy == "heuristic":
         return HeuristicPolicy(depth)
     if config.length_policy == "online":
-        return OnlinePolicy(depth, tree_size)
+        return OnlinePolicy(depth, tree_size, *costs(), draft_tokens)
     if config.length_policy == "threshold":
         return ThresholdPolicy(depth, DraftSignalMLP.load(config.acceptance_head), config.stop_threshold)
     return DecisionPolicy(depth, DraftSignalMLP.load(config.decision_model))

