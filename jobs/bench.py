@@ -1,0 +1,153 @@
+"""``specbatch bench``: side-by-side throughput of transformers and the engine's configurations (see docs/bench.md).
+
+    specbatch bench --config jobs/configs/bench_cpu.yaml --input prompts.jsonl [--input more.jsonl]
+        [--max-prompts N] [--output DIR] [--grid grid.yaml] [--batch-sizes 1 16] [--widths 1 2 4] ...
+
+Each ``--input`` is one prompt set (JSONL, Parquet or CSV with a ``prompt`` or ``messages`` column, or an
+XSum-style ``document`` column that becomes a one-sentence summarization request). Writes ``bench.csv``,
+``bench.json`` and ``bench.png`` to the output directory and prints the table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import glob
+import json
+import logging
+import sys
+from pathlib import Path
+from typing import Any, get_args
+
+import pyarrow.parquet as pq
+import yaml
+
+from decoding.benchmark import BenchGrid, BenchRow, LengthPolicyName, format_table, plot, run_bench
+from decoding.engine import Request
+from jobs.common import parse_with_config, setup_logging
+
+log = logging.getLogger("specbatch.bench")
+
+SUFFIXES = (".jsonl", ".json", ".parquet", ".csv")
+# The template jobs/configs/smollm2_draft.yaml trains the default draft with, so the draft sees what it learnt.
+SUMMARIZE = "Summarize the following article in one sentence: {document}"
+
+
+def _files(path: str) -> list[Path]:
+    if Path(path).is_dir():
+        return sorted(p for p in Path(path).iterdir() if p.suffix in SUFFIXES)
+    return [Path(p) for p in sorted(glob.glob(path))] or [Path(path)]
+
+
+def _records(path: Path) -> list[dict[str, Any]]:
+    if path.suffix == ".parquet":
+        return pq.read_table(path).to_pylist()
+    with path.open(newline="") as f:
+        if path.suffix == ".csv":
+            return list(csv.DictReader(f))
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def _request(record: dict[str, Any], default_id: str) -> Request:
+    request_id = str(record.get("id") or default_id)
+    if record.get("messages") is not None:
+        messages = record["messages"]
+        return Request(request_id, messages=json.loads(messages) if isinstance(messages, str) else messages)
+    if record.get("prompt") is not None:
+        return Request(request_id, prompt=record["prompt"])
+    if record.get("document") is not None:
+        content = SUMMARIZE.format(document=record["document"])
+        return Request(request_id, messages=[{"role": "user", "content": content}])
+    raise ValueError(f"row {request_id} has no 'prompt', 'messages' or 'document' column")
+
+
+def read_prompt_set(path: str, max_prompts: int | None, from_end: bool = False) -> list[Request]:
+    """One prompt set from a file, directory or glob; ids default to ``<file stem>-<row>``."""
+    requests = []
+    for file in _files(path):
+        requests += [_request(r, f"{file.stem}-{i}") for i, r in enumerate(_records(file))]
+    if not requests:
+        raise ValueError(f"no prompts in {path}")
+    if max_prompts is None:
+        return requests
+    return requests[-max_prompts:] if from_end else requests[:max_prompts]
+
+
+def _set_names(paths: list[str]) -> list[str]:
+    stems = [Path(p.rstrip("/")).stem.replace("*", "") or f"set{i}" for i, p in enumerate(paths)]
+    return [stem if stems.count(stem) == 1 else f"{stem}-{i}" for i, stem in enumerate(stems)]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="specbatch bench", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--input", action="append", required=True, help="a prompt set (repeat for several)")
+    parser.add_argument("--max-prompts", type=int, help="use the first N prompts of each set")
+    parser.add_argument("--from-end", action="store_true",
+                        help="take the last N prompts instead (the rows a trained draft held out)")
+    parser.add_argument("--output", default="specbatch-bench", help="directory for bench.csv/json/png")
+    parser.add_argument("--grid", help="YAML grid file (see docs/bench.md); flags below override its sweeps")
+    parser.add_argument("--batch-sizes", type=int, nargs="+")
+    parser.add_argument("--methods", nargs="+", choices=["ngram", "draft_model"])
+    parser.add_argument("--widths", type=int, nargs="+", help="speculative.num_candidates values")
+    parser.add_argument("--depths", type=int, nargs="+", help="speculative.num_speculative_tokens values")
+    parser.add_argument("--candidate-inits", nargs="+", choices=["target", "draft"])
+    parser.add_argument("--length-policies", nargs="+", choices=list(get_args(LengthPolicyName)))
+    parser.add_argument("--no-transformers", action="store_true", help="skip transformers generate")
+    parser.add_argument("--no-assisted", action="store_true", help="skip transformers assisted generation")
+    return parser
+
+
+def load_grid(args: argparse.Namespace) -> BenchGrid:
+    grid = BenchGrid.model_validate(yaml.safe_load(Path(args.grid).read_text()) or {}) if args.grid else BenchGrid()
+    grid = grid.override(
+        batch_sizes=args.batch_sizes, methods=args.methods, num_candidates=args.widths,
+        num_speculative_tokens=args.depths, candidate_init=args.candidate_inits, length_policy=args.length_policies,
+    )
+    return grid.model_copy(update={
+        "transformers": grid.transformers and not args.no_transformers,
+        "assisted": grid.assisted and not args.no_assisted,
+    })
+
+
+def write_outputs(rows: list[BenchRow], result_json: str, output: Path) -> None:
+    output.mkdir(parents=True, exist_ok=True)
+    with (output / "bench.csv").open("w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=list(BenchRow.model_fields))
+        writer.writeheader()
+        writer.writerows(row.model_dump() for row in rows)
+    (output / "bench.json").write_text(result_json)
+    plot(rows, str(output / "bench.png"))
+
+
+def main(argv: list[str] | None = None) -> int:
+    setup_logging()
+    parser = build_parser()
+    args, config = parse_with_config(parser, sys.argv[1:] if argv is None else argv)
+    try:
+        grid = load_grid(args)
+        paths = dict(zip(_set_names(args.input), args.input, strict=True))
+        prompt_sets = {name: read_prompt_set(path, args.max_prompts, args.from_end) for name, path in paths.items()}
+    except (OSError, ValueError) as exc:  # pydantic's ValidationError is a ValueError
+        parser.exit(2, f"{parser.prog}: error: {exc}\n")
+
+    def progress(row: BenchRow) -> None:
+        log.info("%s | %s batch %d: %.1f tok/s", row.prompt_set, row.name, row.batch_size, row.tokens_per_s)
+
+    try:
+        result = run_bench(config, prompt_sets, grid, progress=progress)
+    except FileNotFoundError as exc:  # e.g. the draft alias before `specbatch train-draft` ran
+        parser.exit(2, f"{parser.prog}: error: {exc}\n")
+    write_outputs(result.rows, result.model_dump_json(indent=2), Path(args.output))
+    print(f"{result.environment['device']}, {result.environment['torch_threads']} threads, "
+          f"{result.environment['dtype']}; prompts per set: {result.prompt_sets}; "
+          f"max_tokens {config.sampling.max_tokens}")
+    print(format_table(result.rows))
+    slower = sum(row.slower_than_none for row in result.rows)
+    if slower:
+        print(f"{slower} configuration(s) slower than engine none (flagged '<<').")
+    print(f"wrote {args.output}/bench.csv, bench.json, bench.png")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,179 @@
+"""specbatch bench on the tiny models: every configured row, consistent metrics, and the written files."""
+
+from __future__ import annotations
+
+import csv
+import json
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+from matplotlib.image import imread
+
+from decoding.benchmark import BenchGrid, Models, Sweep, contenders, format_table, run_bench
+from decoding.config import Config
+from decoding.engine import Request
+from jobs import bench
+
+PROMPTS = ["the cat sat on the mat. the cat sat", "abc abc abc abc", "hello world, hello world, hello"]
+
+
+def _config(draft_path: str, **sampling) -> Config:
+    return Config(
+        model="tiny", batch_size=2,
+        speculative={"method": "draft_model", "model": draft_path, "num_speculative_tokens": 3},
+        sampling={"max_tokens": 8, **sampling},
+    )
+
+
+GRID = BenchGrid(sweeps=[  # every axis varies somewhere; kept small so the test stays fast
+    Sweep(batch_sizes=[1], methods=["ngram", "draft_model"], num_candidates=[1, 2], candidate_init=["target"],
+          length_policy=["static"]),
+    Sweep(batch_sizes=[1], methods=["draft_model"], num_speculative_tokens=[2], candidate_init=["draft"],
+          length_policy=["online", "heuristic"]),
+    Sweep(batch_sizes=[2], num_candidates=[2], length_policy=["online"]),
+])
+
+EXPECTED = {  # (batch size, name) of every row GRID asks for
+    (1, "transformers generate"),
+    (1, "transformers assisted (prompt lookup)"),
+    (1, "transformers assisted (draft)"),
+    (1, "engine none"),
+    # Width 1 builds the same chain whichever model starts it: one row, named init=draft.
+    *{(1, f"engine {m} w{w} d3 init={i} static") for m in ("ngram", "draft_model")
+      for w, i in ((1, "draft"), (2, "target"))},
+    (1, "engine draft_model w2 d2 init=draft online"),
+    (1, "engine draft_model w2 d2 init=draft heuristic"),
+    (2, "transformers generate"),
+    (2, "engine none"),
+    (2, "engine draft_model w2 d3 init=draft online"),
+}
+
+
+@pytest.fixture
+def models(target, tokenizer, draft, tiny_dirs) -> Models:
+    return Models(target, tokenizer, draft, tiny_dirs["draft"])
+
+
+def test_grid_expands_to_every_configured_run(tiny_dirs):
+    runs = contenders(_config(tiny_dirs["draft"]), GRID)
+    assert {(c.batch_size, c.name) for c in runs} == EXPECTED
+    assert len(runs) == len(EXPECTED)
+
+
+def test_bench_rows_metrics_and_lossless_outputs(models, tiny_dirs):
+    # A raw prompt and a chat prompt; two prompt sets are covered by the CLI test.
+    chat = Request("c0", messages=[{"role": "user", "content": "say hi"}])
+    sets = {"mixed": [Request("p0", prompt=PROMPTS[0]), chat]}
+    seen = []
+    result = run_bench(_config(tiny_dirs["draft"]), sets, GRID, models, progress=seen.append)
+    assert result.prompt_sets == {"mixed": 2}
+    assert len(seen) == len(result.rows) == len(EXPECTED)
+    assert {(r.batch_size, r.name) for r in result.rows} == EXPECTED
+    none = {(r.prompt_set, r.batch_size): r for r in result.rows if r.name == "engine none"}
+    for row in result.rows:
+        baseline = none[row.prompt_set, row.batch_size]
+        assert row.prompts == len(sets[row.prompt_set])
+        assert row.generated_tokens > 0 and row.tokens_per_s > 0 and row.seconds > 0
+        assert row.speedup_vs_none == pytest.approx(row.tokens_per_s / baseline.tokens_per_s)
+        assert row.speedup_vs_transformers is not None
+        assert row.slower_than_none == (row.name.startswith("engine ") and row.name != "engine none"
+                                        and row.tokens_per_s < baseline.tokens_per_s)
+        assert row.draft_s >= 0 and row.target_s > 0 and row.other_s >= 0
+        assert row.identical is not None
+        if row.name != "transformers generate" or row.batch_size == 1:  # left padding may perturb transformers
+            assert row.identical, f"{row.name} batch {row.batch_size} differs from greedy decoding"
+        if row.name.startswith("engine"):
+            # The hooks count the same target forwards as the engine's own per-sequence statistics.
+            assert row.target_forwards_per_token * row.mean_acceptance_length == pytest.approx(1.0)
+        if row.name.startswith("engine") and row.method != "none":
+            assert row.mean_acceptance_length >= 1.0 and row.draft_s > 0
+            # No rate when nothing was drafted (a lookup without matches); a static draft model always drafts.
+            assert row.acceptance_rate is None or 0.0 <= row.acceptance_rate <= 1.0
+            if row.method == "draft_model" and row.length_policy == "static":
+                assert row.acceptance_rate is not None
+        elif row.name.startswith("engine"):
+            assert row.mean_acceptance_length == 1.0 and row.acceptance_rate is None
+    for row in result.rows:
+        if row.name == "transformers generate" and row.batch_size == 1:
+            assert row.speedup_vs_transformers == 1.0 and row.target_forwards_per_token == 1.0
+        if row.name == "transformers assisted (draft)":
+            assert row.draft_s > 0 and row.mean_acceptance_length >= 1.0
+    table = format_table(result.rows)
+    assert len(table.splitlines()) == len(result.rows) + 1
+    flagged = sum(r.slower_than_none for r in result.rows)
+    assert table.count("<< slower than engine none") == flagged
+    assert result.environment["device"].startswith("CPU")
+
+
+def test_sampling_bench_has_no_identity_check(models, tiny_dirs):
+    grid = BenchGrid(sweeps=[Sweep(batch_sizes=[1], methods=["draft_model"])], assisted=False)
+    result = run_bench(_config(tiny_dirs["draft"], temperature=0.8), {"s": [Request("a", prompt=PROMPTS[0])]},
+                       grid, models)
+    assert [r.name for r in result.rows] == [
+        "transformers generate", "engine none", "engine draft_model w2 d3 init=draft online"
+    ]
+    assert all(r.identical is None and r.mismatches is None for r in result.rows)
+
+
+def test_bench_cli_writes_table_csv_json_and_png(tmp_path, tiny_dirs, capsys):
+    code = tmp_path / "code.jsonl"
+    code.write_text("\n".join(json.dumps({"id": f"c{i}", "prompt": p}) for i, p in enumerate(PROMPTS)))
+    news = tmp_path / "news.jsonl"
+    news.write_text("\n".join(json.dumps({"id": f"n{i}", "document": p}) for i, p in enumerate(PROMPTS)))
+    grid = tmp_path / "grid.yaml"
+    grid.write_text("sweeps:\n- {batch_sizes: [1], num_candidates: [1, 2]}\n- {batch_sizes: [2]}\nassisted: false\n")
+    out = tmp_path / "bench"
+    argv = [
+        "--input", str(code), "--input", str(news), "--max-prompts", "2", "--output", str(out), "--grid", str(grid),
+        "--methods", "ngram", "--length-policies", "static", "--no-transformers",
+        "--model", tiny_dirs["target"], "--sampling.max_tokens", "5", "--batch_size", "2",
+    ]
+    assert bench.main(argv) == 0
+    printed = capsys.readouterr().out
+    names = ["engine none", "engine ngram w1 d5 init=draft static", "engine ngram w2 d5 init=draft static"]
+    batched = [n for n in names if "w1" not in n]  # the batch-2 sweep keeps the config's width, 2
+    expected = sorted([(s, 1, n) for s in ("code", "news") for n in names]
+                      + [(s, 2, n) for s in ("code", "news") for n in batched])
+
+    result = json.loads((out / "bench.json").read_text())
+    assert sorted((r["prompt_set"], r["batch_size"], r["name"]) for r in result["rows"]) == expected
+    assert result["prompt_sets"] == {"code": 2, "news": 2}
+    assert result["config"]["model"] == tiny_dirs["target"]
+    with (out / "bench.csv").open() as f:
+        rows = list(csv.DictReader(f))
+    assert sorted((r["prompt_set"], int(r["batch_size"]), r["name"]) for r in rows) == expected
+    assert all(float(r["tokens_per_s"]) > 0 for r in rows)
+    # Without transformers generate, outputs are checked against engine none at batch 1.
+    assert all(r["identical"] == "True" for r in rows)
+    image = imread(out / "bench.png")
+    assert (out / "bench.png").stat().st_size > 0 and image.ndim == 3 and min(image.shape[:2]) > 100
+    for name in names:
+        assert name in printed
+
+
+def test_bench_cli_rejects_bad_grid(tmp_path, capsys):
+    grid = tmp_path / "grid.yaml"
+    grid.write_text("sweeps:\n  - widths: [2]\n")
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text(json.dumps({"prompt": "abc"}))
+    with pytest.raises(SystemExit) as exit_info:
+        bench.main(["--input", str(prompts), "--grid", str(grid)])
+    assert exit_info.value.code == 2
+    assert "widths" in capsys.readouterr().err
+
+
+def test_prompt_sets_from_jsonl_csv_parquet(tmp_path):
+    jsonl = tmp_path / "docs.jsonl"
+    jsonl.write_text("\n".join(json.dumps({"id": f"d{i}", "document": f"doc {i}"}) for i in range(4)))
+    first, last = bench.read_prompt_set(str(jsonl), 2), bench.read_prompt_set(str(jsonl), 2, from_end=True)
+    assert [r.id for r in first] == ["d0", "d1"] and [r.id for r in last] == ["d2", "d3"]
+    assert last[1].messages == [{"role": "user", "content": bench.SUMMARIZE.format(document="doc 3")}]
+    table = tmp_path / "chat.csv"
+    table.write_text('messages\n"[{""role"": ""user"", ""content"": ""hi""}]"\n')
+    (chat,) = bench.read_prompt_set(str(table), None)
+    assert chat.id == "chat-0" and chat.messages == [{"role": "user", "content": "hi"}]
+    pq.write_table(pa.table({"prompt": ["abc", "def"]}), tmp_path / "p.parquet")
+    assert [(r.id, r.prompt) for r in bench.read_prompt_set(str(tmp_path / "p.parquet"), None)] == [
+        ("p-0", "abc"), ("p-1", "def")
+    ]
