@@ -1,0 +1,283 @@
+"""``specbatch report``: summary table and PNG charts of an output directory (SPEC "Output directory").
+
+Reads ``outputs/*.parquet`` and ``token_stats/*.parquet`` (plus ``summary.json`` when present) with pyarrow only,
+so it works on any directory that follows the SPEC's schema, whoever wrote it. Writes ``report.html`` with the
+charts under ``report_files/``; the same summary is returned as text.
+
+Definitions (all over successful rows):
+- mean acceptance length: generated tokens / target forwards (prefill included), as in ``spec_decode``.
+- acceptance rate at depth d, per step: of the steps that drafted some candidate to depth d, the share whose
+  accepted path reached depth d; per token: the share of drafted tokens at depth d that were accepted.
+- per-prompt speedup: tokens per target forward of each prompt (the forward-count speedup over plain decoding),
+  or, given a baseline directory with the same ids, its seconds per token over this run's, prompt by prompt.
+"""
+
+from __future__ import annotations
+
+import html
+import json
+import statistics
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pyarrow.compute as pc
+import pyarrow.parquet as pq
+from matplotlib.axes import Axes
+from matplotlib.figure import Figure
+
+OUTPUT_COLUMNS = [
+    "id", "finish_reason", "num_generated_tokens", "time_taken_llm", "per_step_drafted", "per_step_accepted",
+    "spec_decode",
+]
+TOKEN_STATS_COLUMNS = ["id", "step", "depth", "candidate", "accepted"]
+
+
+@dataclass
+class RunData:
+    rows: list[dict[str, Any]]  # outputs/, the columns above (+ provenance), one dict per row
+    token_stats: dict[str, np.ndarray]  # token_stats/ as arrays; ``id`` dictionary-encoded to int codes
+    summary: dict[str, Any] | None  # summary.json, if the directory has one
+
+
+def _read_parquet_dir(path: Path, columns: list[str]) -> Any:
+    files = sorted(path.glob("*.parquet"))
+    if not files:
+        return None
+    table = pq.read_table([str(f) for f in files])
+    missing = [c for c in columns if c not in table.column_names]
+    if missing:
+        raise ValueError(f"{path} lacks column(s) {missing} required by the SPEC's output schema")
+    extra = [c for c in ("target_model", "draft_model") if c in table.column_names]
+    return table.select(columns + extra)
+
+
+def load_run(directory: str | Path) -> RunData:
+    directory = Path(directory)
+    outputs = _read_parquet_dir(directory / "outputs", OUTPUT_COLUMNS)
+    if outputs is None:
+        raise ValueError(f"{directory} has no outputs/*.parquet: not a specbatch output directory")
+    stats = _read_parquet_dir(directory / "token_stats", TOKEN_STATS_COLUMNS)
+    arrays: dict[str, np.ndarray] = {name: np.zeros(0, dtype=np.int64) for name in TOKEN_STATS_COLUMNS}
+    if stats is not None and stats.num_rows:
+        ids = pc.dictionary_encode(stats.column("id").combine_chunks())
+        arrays = {name: stats.column(name).to_numpy() for name in TOKEN_STATS_COLUMNS[1:]}
+        arrays["id"] = ids.indices.to_numpy()
+    summary_path = directory / "summary.json"
+    summary = json.loads(summary_path.read_text()) if summary_path.exists() else None
+    return RunData(outputs.to_pylist(), arrays, summary)
+
+
+# ----------------------------------------------------------------------------------------------- statistics
+def _ok(data: RunData) -> list[dict[str, Any]]:
+    return [r for r in data.rows if r["finish_reason"] != "error"]
+
+
+def acceptance_by_depth(data: RunData) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(depths 1..D, per-step rate, per-token rate); see the module docstring."""
+    stats = data.token_stats
+    if not len(stats["depth"]):
+        return np.zeros(0, dtype=int), np.zeros(0), np.zeros(0)
+    depth, accepted = stats["depth"].astype(np.int64), stats["accepted"].astype(bool)
+    # One group per (sequence, step): the deepest drafted and the deepest accepted level.
+    keys = stats["id"].astype(np.int64) * (int(stats["step"].max()) + 1) + stats["step"].astype(np.int64)
+    _, group = np.unique(keys, return_inverse=True)
+    drafted_to = np.zeros(group.max() + 1, dtype=np.int64)
+    accepted_to = np.zeros_like(drafted_to)
+    np.maximum.at(drafted_to, group, depth)
+    np.maximum.at(accepted_to, group, np.where(accepted, depth, 0))
+    depths = np.arange(1, int(depth.max()) + 1)
+    reached = np.array([(drafted_to >= d).sum() for d in depths])
+    per_step = np.array([(accepted_to >= d).sum() for d in depths]) / np.maximum(reached, 1)
+    per_token = np.array([accepted[depth == d].mean() if (depth == d).any() else 0.0 for d in depths])
+    return depths, per_step, per_token
+
+
+def acceptance_by_candidate(data: RunData) -> tuple[np.ndarray, np.ndarray]:
+    """(candidate ranks, share of that rank's drafted tokens accepted)."""
+    candidate, accepted = data.token_stats["candidate"].astype(np.int64), data.token_stats["accepted"].astype(bool)
+    ranks = np.unique(candidate)
+    return ranks, np.array([accepted[candidate == r].mean() for r in ranks])
+
+
+def accepted_lengths(data: RunData) -> np.ndarray:
+    """Accepted drafted tokens of every speculative step, rows in file order."""
+    return np.array([a for r in _ok(data) for a in r["per_step_accepted"] or []], dtype=np.int64)
+
+
+def _seconds_per_token(data: RunData) -> dict[str, float]:
+    return {
+        r["id"]: r["time_taken_llm"] / r["num_generated_tokens"]
+        for r in _ok(data) if r["num_generated_tokens"] and r["time_taken_llm"] > 0
+    }
+
+
+def per_prompt_speedups(data: RunData, baseline: RunData | None = None) -> dict[str, float]:
+    if baseline is None:
+        return {r["id"]: r["spec_decode"]["mean_acceptance_length"] for r in _ok(data) if r["num_generated_tokens"]}
+    base, this = _seconds_per_token(baseline), _seconds_per_token(data)
+    return {i: base[i] / seconds for i, seconds in this.items() if i in base}
+
+
+def summarize(data: RunData, baseline: RunData | None = None) -> dict[str, Any]:
+    """The summary table: label -> value, in display order."""
+    ok = _ok(data)
+    tokens = sum(r["num_generated_tokens"] for r in ok)
+    forwards = sum(r["spec_decode"]["num_spec_steps"] for r in ok)
+    drafted = sum(r["spec_decode"]["num_draft_tokens"] for r in ok)
+    accepted = sum(r["spec_decode"]["num_accepted_draft_tokens"] for r in ok)
+    llm_seconds = sum(r["time_taken_llm"] for r in ok)
+    depths, per_step, _ = acceptance_by_depth(data)
+    speedups = list(per_prompt_speedups(data, baseline).values())
+    kind = "time vs baseline" if baseline is not None else "tokens per target forward"
+    table: dict[str, Any] = {
+        "rows": len(data.rows),
+        "errors": len(data.rows) - len(ok),
+        "generated tokens": tokens,
+        "target forwards": forwards,
+        "mean acceptance length": round(tokens / forwards, 3) if forwards else None,
+        "draft tokens": drafted,
+        "accepted draft tokens": accepted,
+        "draft acceptance rate": round(accepted / drafted, 3) if drafted else None,
+        "acceptance rate by depth (per step)": dict(zip(depths.tolist(), per_step.round(3).tolist(), strict=True)),
+        # time_taken_llm may include a row's wait in the engine's queue: a per-row latency, not throughput.
+        "mean time_taken_llm per row (s)": round(llm_seconds / len(ok), 3) if ok else None,
+        "tokens per row-second": round(tokens / llm_seconds, 2) if llm_seconds else None,
+        f"per-prompt speedup ({kind}), mean": round(statistics.fmean(speedups), 3) if speedups else None,
+        f"per-prompt speedup ({kind}), median": round(statistics.median(speedups), 3) if speedups else None,
+    }
+    for name in ("target_model", "draft_model"):
+        values = sorted({str(r[name]) for r in data.rows if r.get(name)})
+        if values:
+            table[name.replace("_", " ")] = ", ".join(values)
+    if data.summary:  # the job's own totals (wall-clock throughput across actors), as it recorded them
+        table.update({f"summary.json: {k}": v for k, v in data.summary.items() if isinstance(v, int | float | str)})
+    return table
+
+
+def format_summary(table: dict[str, Any]) -> str:
+    width = max(len(label) for label in table)
+    return "\n".join(f"{label.ljust(width)}  {'-' if value is None else value}" for label, value in table.items())
+
+
+# ------------------------------------------------------------------------------------------------- charts
+def _empty(ax: Axes, message: str) -> None:
+    ax.text(0.5, 0.5, message, ha="center", va="center", transform=ax.transAxes)
+
+
+def _chart_depth(ax: Axes, data: RunData, baseline: RunData | None) -> None:
+    depths, per_step, per_token = acceptance_by_depth(data)
+    if not len(depths):
+        return _empty(ax, "no drafted tokens")
+    ax.bar(depths - 0.2, per_step, 0.4, label="per step (any candidate reaches depth d)")
+    ax.bar(depths + 0.2, per_token, 0.4, label="per drafted token at depth d")
+    ax.set(xlabel="draft depth", ylabel="acceptance rate", ylim=(0, 1), xticks=depths)
+    ax.legend(fontsize=8)
+
+
+def _chart_candidate(ax: Axes, data: RunData, baseline: RunData | None) -> None:
+    ranks, rates = acceptance_by_candidate(data)
+    if not len(ranks):
+        return _empty(ax, "no drafted tokens")
+    ax.bar(ranks, rates)
+    ax.set(xlabel="candidate rank (0 = first)", ylabel="share of its drafted tokens accepted", ylim=(0, 1),
+           xticks=ranks)
+
+
+def _chart_lengths(ax: Axes, data: RunData, baseline: RunData | None) -> None:
+    lengths = accepted_lengths(data)
+    if not len(lengths):
+        return _empty(ax, "no speculative steps")
+    counts = np.bincount(lengths)
+    ax.bar(np.arange(len(counts)), counts)
+    ax.set(xlabel="accepted draft tokens in a step", ylabel="steps", xticks=np.arange(len(counts)))
+
+
+def _chart_timeline(ax: Axes, data: RunData, baseline: RunData | None) -> None:
+    per_forward = accepted_lengths(data) + 1  # a verify forward emits the accepted tokens plus one
+    if not len(per_forward):
+        return _empty(ax, "no speculative steps")
+    window = min(100, max(1, len(per_forward) // 20))
+    smooth = np.convolve(per_forward, np.ones(window) / window, mode="valid")
+    ax.plot(np.arange(window, len(per_forward) + 1), smooth, label=f"rolling mean over {window} forwards")
+    ax.axhline(per_forward.mean(), color="gray", linestyle="--", label=f"run mean {per_forward.mean():.2f}")
+    ax.set(xlabel="verify forwards, rows in output order", ylabel="tokens per verify forward")
+    ax.legend(fontsize=8)
+
+
+def _chart_speedup(ax: Axes, data: RunData, baseline: RunData | None) -> None:
+    speedups = np.array(list(per_prompt_speedups(data, baseline).values()))
+    if not len(speedups):
+        return _empty(ax, "no prompts" + (" shared with the baseline" if baseline is not None else ""))
+    ax.hist(speedups, bins=min(30, max(5, len(speedups) // 3)))
+    ax.axvline(1.0, color="black", linewidth=1)
+    ax.axvline(float(np.median(speedups)), color="tab:orange", linestyle="--",
+               label=f"median {np.median(speedups):.2f}x")
+    kind = "baseline seconds per token / this run's" if baseline is not None else "tokens per target forward"
+    ax.set(xlabel=f"per-prompt speedup ({kind})", ylabel="prompts")
+    ax.legend(fontsize=8)
+
+
+CHARTS = {  # file stem -> (title, drawing function)
+    "acceptance_by_depth": ("Acceptance rate by draft depth", _chart_depth),
+    "acceptance_by_candidate": ("Acceptance rate by candidate rank", _chart_candidate),
+    "accepted_length_histogram": ("Accepted length per step", _chart_lengths),
+    "tokens_per_forward": ("Tokens per target forward over the run", _chart_timeline),
+    "per_prompt_speedup": ("Per-prompt speedup", _chart_speedup),
+}
+
+
+# ------------------------------------------------------------------------------------------------- output
+@dataclass
+class Report:
+    html: Path
+    charts: list[Path]
+    text: str
+
+
+def _html(title: str, table: dict[str, Any], charts: list[tuple[str, str]]) -> str:
+    rows = "\n".join(
+        f"<tr><th>{html.escape(label)}</th><td>{html.escape('-' if value is None else str(value))}</td></tr>"
+        for label, value in table.items()
+    )
+    figures = "\n".join(
+        f'<h2>{html.escape(caption)}</h2>\n<img src="{html.escape(src)}" alt="{html.escape(caption)}">'
+        for caption, src in charts
+    )
+    return f"""<!DOCTYPE html>
+<html><head><meta charset="utf-8"><title>{html.escape(title)}</title>
+<style>body{{font-family:sans-serif;max-width:960px;margin:2em auto}} th{{text-align:left;padding-right:2em}}
+img{{max-width:100%}}</style></head>
+<body><h1>{html.escape(title)}</h1>
+<h2>Summary</h2>
+<table>
+{rows}
+</table>
+{figures}
+</body></html>
+"""
+
+
+def write_report(directory: str | Path, output: str | Path | None = None, baseline: str | Path | None = None) -> Report:
+    """Write ``report.html`` and its PNGs to ``output`` (default: the output directory itself)."""
+    data = load_run(directory)
+    base = load_run(baseline) if baseline is not None else None
+    out = Path(output or directory)
+    charts_dir = out / "report_files"
+    charts_dir.mkdir(parents=True, exist_ok=True)
+    charts = []
+    for stem, (title, draw) in CHARTS.items():
+        fig = Figure(figsize=(7, 4))
+        ax = fig.subplots()
+        draw(ax, data, base)
+        ax.set_title(title)
+        fig.tight_layout()
+        path = charts_dir / f"{stem}.png"
+        fig.savefig(path, dpi=100)
+        charts.append(path)
+    table = summarize(data, base)
+    page = out / "report.html"
+    captions = [(CHARTS[p.stem][0], p.relative_to(out).as_posix()) for p in charts]
+    page.write_text(_html(f"specbatch report: {Path(directory).resolve().name}", table, captions))
+    return Report(page, charts, format_summary(table))
