@@ -6,7 +6,7 @@ Every policy sees only draft-side signals and past steps, so verification stays 
 - online (default): no training. Estimates per-level acceptance from recent steps, takes verify and draft
   costs from a measured calibration (costs.py), and picks the depth (0 = no speculation) with the most expected
   tokens per second (on-the-fly draft-length adaptation, Liu, Park & Shen 2025). It probes one level deeper now
-  and then, so it can come back from depth 0.
+  and then, within a small time budget, so it can come back from depth 0.
 - threshold: SpecDec++ acceptance head; a candidate stops once P(some drafted token is rejected) > threshold.
 - decision: Lu et al.'s early-stop decision model; a candidate stops when the model says stop.
 """
@@ -14,6 +14,7 @@ Every policy sees only draft-side signals and past steps, so verification stays 
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -88,6 +89,7 @@ class OnlinePolicy(LengthPolicy):
         draft_tokens: tuple[int, int],
         decay: float = 0.9,
         probe_every: int = 8,
+        probe_budget: float = 0.02,
     ) -> None:
         super().__init__(max_depth)
         self.tree_size = tree_size  # depth -> nodes per row
@@ -96,6 +98,7 @@ class OnlinePolicy(LengthPolicy):
         self.draft_tokens = draft_tokens  # tokens per row in the first and in later draft forwards
         self.decay = decay
         self.probe_every = probe_every
+        self.probe_budget = probe_budget
         # Per-level pseudo-counts: "reached level j" and "accepted at level j"; prior acceptance 0.5.
         self.reached = torch.ones(max_depth + 1, dtype=torch.float64)
         self.accepted = torch.full((max_depth + 1,), 0.5, dtype=torch.float64)
@@ -118,8 +121,12 @@ class OnlinePolicy(LengthPolicy):
         rows = len(ids)
         best = max(range(self.max_depth + 1),
                    key=lambda d: rows * self.expected_tokens(d) / max(self.step_seconds(d, rows), 1e-9))
-        if self.steps % self.probe_every == 0:  # keep acceptance estimates of deeper levels fresh
-            best = min(self.max_depth, max(2, best + 1))
+        if best < self.max_depth:
+            # Probe one level deeper now and then to keep its acceptance estimate fresh (and to come back from
+            # depth 0), but rarely enough that probing costs at most ``probe_budget`` of the time.
+            extra = self.step_seconds(best + 1, rows) / max(self.step_seconds(best, rows), 1e-9) - 1
+            if self.steps % max(self.probe_every, math.ceil(extra / self.probe_budget)) == 0:
+                best += 1
         return torch.full((rows,), best, dtype=torch.long)
 
     def observe(self, record: StepRecord) -> None:
