@@ -1,0 +1,143 @@
+"""The Ray Data actor: one engine per actor, fed continuously by every batch the actor is working on.
+
+Ray Data runs several ``__call__``s of one actor at once (``max_concurrent_calls_per_actor``); each
+queues its rows and waits for their results, while a single engine thread admits queued requests into
+free rows between steps. So the engine's batch stays full across Ray Data batches instead of draining
+at the end of each one.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import logging
+import os
+import queue
+import threading
+from concurrent.futures import Future
+from typing import Any
+
+import pyarrow as pa
+import torch
+
+from decoding.config import Config
+from decoding.engine import Engine, GenerationResult, Request
+from pipeline.schema import READ_ERROR, output_block
+
+log = logging.getLogger(__name__)
+
+
+class RowError(ValueError):
+    """An input row that cannot become a request; it becomes an error row."""
+
+
+def _json_value(value: Any, column: str) -> Any:
+    if not isinstance(value, str):
+        return value
+    try:
+        return json.loads(value)
+    except ValueError as exc:
+        raise RowError(f"invalid {column}: not JSON ({exc})") from exc
+
+
+def _without_nulls(record: dict[str, Any]) -> dict[str, Any]:
+    # Arrow gives every struct row all fields of the column, null where that row had none.
+    return {key: value for key, value in record.items() if value is not None}
+
+
+def request_from_row(key: str, row: dict[str, Any]) -> Request:
+    """An input row (SPEC "Input") as an engine request; ``RowError`` when it cannot be one. The engine
+    itself rejects what it can judge: empty, over-long or non-string prompts, invalid sampling values."""
+    if row.get(READ_ERROR):
+        raise RowError(row[READ_ERROR])
+    prompt, messages = row.get("prompt"), row.get("messages")
+    sampling = _json_value(row.get("sampling_params"), "sampling_params")
+    if sampling is not None:
+        if not isinstance(sampling, dict):
+            raise RowError(f"invalid sampling_params: expected an object, got {type(sampling).__name__}")
+        sampling = _without_nulls(sampling)
+    if messages is None:
+        return Request(key, prompt=prompt, sampling=sampling)
+    if prompt is not None:
+        raise RowError("a row has either a prompt or messages, not both")
+    messages = _json_value(messages, "messages")
+    if not isinstance(messages, list) or not all(isinstance(m, dict) for m in messages):
+        raise RowError("invalid messages: expected a list of {role, content} objects")
+    return Request(key, messages=[_without_nulls(m) for m in messages], sampling=sampling)
+
+
+def error_result(request_id: str, prompt: Any, message: str) -> GenerationResult:
+    return GenerationResult(
+        id=request_id, prompt=prompt if isinstance(prompt, str) else "", prompt_token_ids=[], token_ids=[],
+        text="", finish_reason="error", error=message, time_taken=0.0, token_accepted=[],
+        per_step_drafted=[], per_step_accepted=[], num_target_forwards=0, acceptance_histogram=[],
+    )
+
+
+class GenerationActor:
+    """``map_batches`` callable class: Arrow batch of input rows -> output block (see pipeline.schema)."""
+
+    def __init__(self, config: dict[str, Any], actors_per_node: int = 1) -> None:
+        self.config = Config.model_validate(config)
+        self.engine = Engine(self.config)
+        # Ray sets OMP_NUM_THREADS=1 in workers: a CPU actor takes its share of the node's cores instead.
+        cores = os.cpu_count() or 1
+        self.torch_threads = max(1, cores // actors_per_node) if self.engine.device.type == "cpu" else None
+        spec = self.config.speculative
+        self.provenance = {
+            "target_model": self.config.model,
+            "draft_model": spec.model if spec.method == "draft_model" else None,
+        }
+        self._keys = (str(n) for n in itertools.count())  # engine ids: input ids need not be unique
+        self._inbox: queue.SimpleQueue[tuple[Request, Future]] = queue.SimpleQueue()
+        self._in_engine: dict[str, tuple[Request, Future]] = {}
+        threading.Thread(target=self._run_engine, name="engine", daemon=True).start()
+
+    def __call__(self, batch: pa.Table) -> pa.Table:
+        futures = [self._submit(row) for row in batch.to_pylist()]
+        return output_block(batch, [future.result() for future in futures], self.provenance)
+
+    def _submit(self, row: dict[str, Any]) -> Future:
+        future: Future = Future()
+        key = next(self._keys)
+        try:
+            self._inbox.put((request_from_row(key, row), future))
+        except RowError as exc:
+            future.set_result(error_result(key, row.get("prompt"), str(exc)))
+        return future
+
+    def _run_engine(self) -> None:
+        if self.torch_threads:  # per thread: OpenMP settings do not carry over from the thread that made it
+            torch.set_num_threads(self.torch_threads)
+        while True:
+            if not self.engine.has_unfinished():
+                self._admit(*self._inbox.get())  # idle: block until a call brings work
+            while not self._inbox.empty():
+                self._admit(*self._inbox.get())
+            try:
+                finished = self.engine.step().finished
+            except Exception:  # an engine failure must not lose the other rows or stop the job
+                self._recover()
+                continue
+            for result in finished:
+                self._in_engine.pop(result.id)[1].set_result(result)
+
+    def _admit(self, request: Request, future: Future) -> None:
+        self._in_engine[request.id] = (request, future)
+        self.engine.add_request(request)
+
+    def _recover(self) -> None:
+        """Rebuild the engine and rerun its requests one at a time: only a request that fails on its
+        own becomes an error row."""
+        log.exception("engine step failed with %d requests in flight; rerunning them one by one", len(self._in_engine))
+        suspects, self._in_engine = list(self._in_engine.values()), {}
+        self.engine = Engine(self.config)
+        for request, future in suspects:
+            try:
+                result = self.engine.generate([request])[0]
+            except Exception as solo_exc:
+                log.exception("request failed on its own")
+                result = error_result(request.id, request.prompt, f"engine failure: {solo_exc!r}")
+                self.engine = Engine(self.config)
+            future.set_result(result)
+

@@ -1,0 +1,103 @@
+"""The explicit Arrow schemas of an output directory (SPEC "Output directory") and the tables built on them."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pyarrow as pa
+import pyarrow.compute as pc
+
+from decoding.engine import GenerationResult
+
+SPEC_DECODE = pa.struct([
+    pa.field("num_spec_steps", pa.int32()),
+    pa.field("num_draft_tokens", pa.int32()),
+    pa.field("num_accepted_draft_tokens", pa.int32()),
+    pa.field("mean_acceptance_length", pa.float64()),
+    pa.field("draft_acceptance_rate", pa.float64()),
+    pa.field("acceptance_histogram", pa.list_(pa.int32())),
+])
+
+OUTPUT_SCHEMA = pa.schema([
+    pa.field("id", pa.string()),
+    pa.field("prompt", pa.string()),
+    pa.field("generated_text", pa.string()),
+    pa.field("generated_tokens", pa.list_(pa.int32())),
+    pa.field("num_input_tokens", pa.int32()),
+    pa.field("num_generated_tokens", pa.int32()),
+    pa.field("finish_reason", pa.string()),
+    pa.field("error", pa.string()),
+    pa.field("time_taken_llm", pa.float64()),
+    pa.field("token_accepted", pa.list_(pa.bool_())),
+    pa.field("per_step_drafted", pa.list_(pa.int32())),
+    pa.field("per_step_accepted", pa.list_(pa.int32())),
+    pa.field("spec_decode", SPEC_DECODE),
+    pa.field("target_model", pa.string()),
+    pa.field("draft_model", pa.string()),
+])
+
+# One row per drafted candidate token; field order matches GenerationResult.token_stats tuples after `id`.
+TOKEN_STATS_SCHEMA = pa.schema([
+    pa.field("id", pa.string()),
+    pa.field("step", pa.int32()),
+    pa.field("depth", pa.int32()),
+    pa.field("candidate", pa.int32()),
+    pa.field("token_id", pa.int32()),
+    pa.field("draft_prob", pa.float32()),
+    pa.field("target_prob", pa.float32()),
+    pa.field("accepted", pa.bool_()),
+])
+TOKEN_STAT = pa.struct(list(TOKEN_STATS_SCHEMA)[1:])
+
+# Columns private to the pipeline, never written: a reader's per-row decode error, and the token
+# statistics that travel nested in the actor's output block until the writer splits them off.
+READ_ERROR = "__read_error"
+TOKEN_STATS = "__token_stats"
+_PRIVATE = (READ_ERROR, TOKEN_STATS)
+
+
+def _output_row(result: GenerationResult) -> dict[str, Any]:
+    if result.finish_reason == "error":  # no partial outputs: every list of an error row is empty
+        spec_decode = {**result.spec_decode, "acceptance_histogram": []}
+    else:
+        spec_decode = result.spec_decode
+    return {
+        "prompt": result.prompt,
+        "generated_text": result.text,
+        "generated_tokens": result.token_ids,
+        "num_input_tokens": len(result.prompt_token_ids),
+        "num_generated_tokens": len(result.token_ids),
+        "finish_reason": result.finish_reason,
+        "error": result.error,
+        "time_taken_llm": result.time_taken,
+        "token_accepted": result.token_accepted,
+        "per_step_drafted": result.per_step_drafted,
+        "per_step_accepted": result.per_step_accepted,
+        "spec_decode": spec_decode,
+    }
+
+
+def output_block(
+    inputs: pa.Table, results: list[GenerationResult], provenance: dict[str, str | None]
+) -> pa.Table:
+    """SPEC's output columns for ``results`` (one per input row, same order), carried-through input
+    columns after them, and the nested token statistics for the writer."""
+    rows = [{"id": row_id, **_output_row(result), **provenance}
+            for row_id, result in zip(inputs["id"].to_pylist(), results, strict=True)]
+    table = pa.Table.from_pylist(rows, schema=OUTPUT_SCHEMA)
+    for field in inputs.schema:
+        if field.name not in OUTPUT_SCHEMA.names and field.name not in _PRIVATE:
+            table = table.append_column(field, inputs[field.name])
+    stats = pa.array([[dict(zip(TOKEN_STAT.names, stat, strict=True)) for stat in r.token_stats] for r in results],
+                     type=pa.list_(TOKEN_STAT))
+    return table.append_column(TOKEN_STATS, stats)
+
+
+def split_block(block: pa.Table) -> tuple[pa.Table, pa.Table]:
+    """An actor's output block -> (outputs table, token_stats table with one row per drafted token)."""
+    nested = block[TOKEN_STATS]
+    flat = pc.list_flatten(nested)
+    ids = pc.take(block["id"], pc.list_parent_indices(nested))
+    stats = pa.Table.from_arrays([ids, *(pc.struct_field(flat, name) for name in TOKEN_STAT.names)],
+                                 schema=TOKEN_STATS_SCHEMA)
+    return block.drop_columns([TOKEN_STATS]), stats
