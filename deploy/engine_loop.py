@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from dataclasses import dataclass
 
 from decoding.engine import Engine, GenerationResult, Request, StepOutput
@@ -48,7 +48,7 @@ class EngineLoop:
         if self.failure is not None:
             raise EngineFailure(f"engine loop failed: {self.failure!r}") from self.failure
 
-    async def generate(self, requests: list[Request]) -> AsyncIterator[tuple[int, Event]]:
+    async def generate(self, requests: list[Request]) -> AsyncGenerator[tuple[int, Event], None]:
         """Run ``requests`` in the shared batch; yields ``(index in requests, event)`` until all finish.
 
         Closing the iterator early drops the remaining outputs (the engine cannot abort a running sequence).

@@ -18,7 +18,7 @@ import logging
 import time
 import uuid
 from abc import ABC, abstractmethod
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 from contextlib import aclosing
 from pathlib import Path
 from typing import Any
@@ -207,9 +207,9 @@ def _sse(payload: BaseModel | str) -> str:
 
 
 async def _replay(
-    head: list[tuple[int, Event]], rest: AsyncIterator[tuple[int, Event]]
-) -> AsyncIterator[tuple[int, Event]]:
-    async with aclosing(rest):  # a client that goes away closes this, which releases the engine routes
+    head: list[tuple[int, Event]], rest: AsyncGenerator[tuple[int, Event], None]
+) -> AsyncGenerator[tuple[int, Event], None]:
+    async with aclosing(rest):
         for item in head:
             yield item
         async for item in rest:
@@ -279,14 +279,15 @@ class OpenAIServer:
             chunks = self._stream(_replay(head, events), len(requests), fmt, stops, body.include_usage)
             return StreamingResponse(chunks, media_type="text/event-stream")
         results: list[GenerationResult] = [None] * len(requests)  # type: ignore[list-item]
-        async for index, event in _replay(head, events):
-            if isinstance(event, GenerationResult):
-                results[index] = event
+        async with aclosing(_replay(head, events)) as stream:
+            async for index, event in stream:
+                if isinstance(event, GenerationResult):
+                    results[index] = event
         return JSONResponse(fmt.response(results).model_dump())
 
     @staticmethod
     async def _until_admitted(
-        events: AsyncIterator[tuple[int, Event]], count: int, input_field: str
+        events: AsyncGenerator[tuple[int, Event], None], count: int, input_field: str
     ) -> list[tuple[int, Event]]:
         """Events up to the first of every sequence, so that a request the engine rejects is a 400 even when
         streaming (before any response header is sent)."""
@@ -301,24 +302,25 @@ class OpenAIServer:
                 if len(seen) == count:
                     break
         except BaseException:
-            await events.aclose()  # type: ignore[attr-defined]  # drops the other sequences' routes
+            await events.aclose()  # drops the other sequences' routes
             raise
         return head
 
     async def _stream(
-        self, events: AsyncIterator[tuple[int, Event]], count: int, fmt: _Format, stops: list[str], usage: bool
+        self, events: AsyncGenerator[tuple[int, Event], None], count: int, fmt: _Format, stops: list[str], usage: bool
     ) -> AsyncIterator[str]:
         texts = [IncrementalText(self.tokenizer, stops) for _ in range(count)]
         results: list[GenerationResult] = []
         for chunk in fmt.opening_chunks(count):
             yield _sse(chunk)
         try:
-            async for index, event in events:
-                if isinstance(event, GenerationResult):
-                    results.append(event)
-                    yield _sse(fmt.chunk(index, texts[index].finish(event.text), event.finish_reason))
-                elif delta := texts[index].push(event):
-                    yield _sse(fmt.chunk(index, delta, None))
+            async with aclosing(events):  # a client that goes away closes this, releasing the engine routes
+                async for index, event in events:
+                    if isinstance(event, GenerationResult):
+                        results.append(event)
+                        yield _sse(fmt.chunk(index, texts[index].finish(event.text), event.finish_reason))
+                    elif delta := texts[index].push(event):
+                        yield _sse(fmt.chunk(index, delta, None))
             if usage:
                 yield _sse(fmt.usage_chunk(results))
         except EngineFailure as exc:  # the status line is already sent: report in-band, as OpenAI does

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import json
+import time
 from types import SimpleNamespace
 from typing import Any
 
@@ -241,6 +242,19 @@ def test_unknown_route_has_an_openai_error_body(client):
     response = client.get("/v1/nothing")
     assert response.status_code == 404
     assert response.json()["error"]["type"] == "invalid_request_error"
+
+
+def test_a_client_leaving_a_stream_does_not_disturb_the_replica(client):
+    with client.stream("POST", "/v1/completions", json={"prompt": "the cat", "max_tokens": 200, "stream": True}) as r:
+        assert next(r.iter_lines()).startswith("data: ")
+    assert _post(client, "/v1/completions", {"prompt": "ab", "max_tokens": 4})["choices"][0]["finish_reason"]
+    # The engine cannot abort: the abandoned sequence decodes to its end, unread, then leaves the batch.
+    for _ in range(300):
+        health = client.get("/health").json()
+        if health["running"] == health["waiting"] == 0:
+            break
+        time.sleep(0.1)
+    assert health == {**health, "status": "ok", "running": 0, "waiting": 0}
 
 
 def _steps(client: httpx.Client) -> int:
