@@ -47,7 +47,7 @@ class SamplingParams(_Strict):
     top_p: float = Field(1.0, gt=0.0, le=1.0)
     top_k: int = Field(0, ge=0, description="0 disables top-k")
     max_tokens: int = Field(256, ge=1, le=1_000_000)
-    seed: int = 0
+    seed: int = Field(0, ge=0, lt=2**63)
     stop: list[str] = Field(default_factory=list)
 
     @field_validator("stop", mode="before")
@@ -67,6 +67,8 @@ class Config(_Strict):
     batch_size: int = Field(16, ge=1, le=1024, description="sequences decoded together inside one actor")
     concurrency: int | tuple[int, int] = Field(1, description="number of actors (int, or [min, max])")
     num_gpus: float = Field(0, ge=0)
+    # CPU cores per actor / replica (and torch threads on CPU); None = the machine's cores split over actors.
+    num_cpus: float | None = Field(None, gt=0)
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
 
     @field_validator("concurrency")

@@ -233,6 +233,18 @@ class Engine:
             raise EngineError(f"prompt token ids must lie in [0, {vocab})")
         return prompt, ids
 
+    def abort(self, request_id: str) -> bool:
+        """Drop a request (e.g. its client went away) between steps; returns whether it was still pending."""
+        for seq in self.waiting:
+            if seq.request_id == request_id:
+                self.waiting.remove(seq)
+                return True
+        for row, seq in enumerate(self.running):
+            if seq.request_id == request_id:
+                self._remove_row(row)
+                return True
+        return False
+
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running or self.rejected)
 
@@ -450,14 +462,17 @@ class Engine:
     def _retire(self) -> list[GenerationResult]:
         results = []
         for row in sorted((r for r, s in enumerate(self.running) if s.finish_reason), reverse=True):
-            seq = self.running[row]
-            results.append(self._result(seq))
-            self.policy.forget(seq.request_id)
-            self.cache.remove_row(row)
-            self.drafter.remove_row(row)
-            self.running[row] = self.running[-1]
-            self.running.pop()
+            results.append(self._result(self.running[row]))
+            self._remove_row(row)
         return results[::-1]
+
+    def _remove_row(self, row: int) -> None:
+        """Swap-remove: the last running sequence takes this row in the caches and the drafter too."""
+        self.policy.forget(self.running[row].request_id)
+        self.cache.remove_row(row)
+        self.drafter.remove_row(row)
+        self.running[row] = self.running[-1]
+        self.running.pop()
 
     def _histogram(self, per_step_accepted: list[int]) -> list[int]:
         counts = [0] * (self.topology.max_depth + 1)

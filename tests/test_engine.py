@@ -271,3 +271,16 @@ def test_mismatched_draft_vocabulary_is_refused(tokenizer, target) -> None:
     other = tiny_model(seed=5, vocab_size=SMALL_VOCAB)
     with pytest.raises(ValueError, match="tokenizer"):
         Engine(make_config(method="draft_model"), target=target, tokenizer=tokenizer, draft=other)
+
+
+def test_abort_frees_the_row_and_spares_the_rest(tokenizer, target, draft, reference) -> None:
+    engine = Engine(make_config(method="draft_model", batch_size=2), target=target, tokenizer=tokenizer, draft=draft)
+    for i in range(3):
+        engine.add_request(Request(id=str(i), prompt=PROMPTS[i]))
+    engine.step()
+    assert engine.abort("0") and engine.abort("2")  # one running, one still waiting
+    assert not engine.abort("0")
+    done = {}
+    while engine.has_unfinished():
+        done.update({r.id: r for r in engine.step().finished})
+    assert list(done) == ["1"] and done["1"].token_ids == reference[1]
