@@ -1,0 +1,356 @@
+"""The Ray Data batch job (issue 3) on a local Ray cluster with tiny models: schema, error rows, resume,
+killed drivers and actors, concurrency, and `ray job submit`."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.csv as pa_csv
+import pyarrow.parquet as pq
+import pytest
+import yaml
+
+from decoding.config import Config
+from decoding.engine import Engine, Request
+from pipeline.actor import GenerationActor
+from pipeline.io import list_input_files, read_json_records, read_prompts
+from pipeline.job import run
+from pipeline.schema import OUTPUT_SCHEMA, READ_ERROR, TOKEN_STATS_SCHEMA
+
+REPO = Path(__file__).resolve().parents[1]
+WORDS = ["the cat sat", "on a mat", "dogs run fast", "a bird, a tree.", "slow rivers bend", "stars are far"]
+
+
+def good_rows(n: int) -> list[dict]:
+    return [{"id": f"row-{i:03d}", "prompt": f"{WORDS[i % len(WORDS)]} {WORDS[(i * 5 + 1) % len(WORDS)]}", "n": i}
+            for i in range(n)]
+
+
+BAD_ROWS = [
+    {"id": "bad-empty", "prompt": "", "n": -1},
+    {"id": "bad-long", "prompt": "abc " * 100, "n": -2},  # 400 tokens; the tiny model's context is 256
+    {"id": "bad-type", "prompt": 42, "n": -3},
+    {"id": "bad-sampling", "prompt": "the cat", "n": -4, "sampling_params": {"temperature": -1.0}},
+    {"id": "bad-sampling-json", "prompt": "the cat", "n": -5, "sampling_params": "{not json"},
+    {"id": "bad-sampling-field", "prompt": "the cat", "n": -6, "sampling_params": '{"temprature": 0.5}'},
+]
+
+
+def write_jsonl(path: Path, rows: list[dict]) -> Path:
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    return path
+
+
+@pytest.fixture(scope="module")
+def config(tiny_dirs) -> Config:
+    return Config.model_validate({
+        "model": tiny_dirs["target"],
+        "speculative": {"method": "draft_model", "model": tiny_dirs["draft"], "num_speculative_tokens": 3,
+                        "num_candidates": 2, "length_policy": "static"},
+        "sampling": {"temperature": 0.0, "max_tokens": 12},
+        "batch_size": 4,
+    })
+
+
+@pytest.fixture(scope="module")
+def mixed_input(tmp_path_factory) -> Path:
+    rows = good_rows(14)
+    rows[3:3] = BAD_ROWS[:3]
+    rows[9:9] = BAD_ROWS[3:]
+    rows.append({"id": "chat", "messages": [{"role": "user", "content": "hello there"}], "n": 99})
+    rows.append({"id": "own-sampling", "prompt": "dogs run", "n": 98, "sampling_params": {"max_tokens": 3}})
+    return write_jsonl(tmp_path_factory.mktemp("input") / "prompts.jsonl", rows)
+
+
+@pytest.fixture(scope="module")
+def one_actor_run(ray_cluster, config, mixed_input, tmp_path_factory) -> tuple[Path, dict]:
+    out = tmp_path_factory.mktemp("one_actor")
+    return out, run(config, str(mixed_input), str(out))
+
+
+def by_id(table: pa.Table) -> dict[str, dict]:
+    return {row["id"]: row for row in table.to_pylist()}
+
+
+def test_outputs_follow_spec_schema_one_row_per_input(one_actor_run, mixed_input):
+    out, summary = one_actor_run
+    outputs = pq.read_table(out / "outputs")
+    expected_ids = [json.loads(line)["id"] for line in mixed_input.read_text().splitlines()]
+    assert sorted(outputs["id"].to_pylist()) == sorted(expected_ids)
+    # SPEC columns with SPEC types first, then the carried-through input columns.
+    assert outputs.schema.names[: len(OUTPUT_SCHEMA)] == OUTPUT_SCHEMA.names
+    for field in OUTPUT_SCHEMA:
+        assert outputs.schema.field(field.name).type == field.type, field.name
+    assert set(outputs.schema.names[len(OUTPUT_SCHEMA):]) == {"n", "sampling_params", "messages"}
+    assert pq.read_schema(next((out / "token_stats").glob("*.parquet"))) == TOKEN_STATS_SCHEMA
+
+    rows = by_id(outputs)
+    inputs = {json.loads(line)["id"]: json.loads(line) for line in mixed_input.read_text().splitlines()}
+    assert all(rows[i]["n"] == inputs[i]["n"] for i in inputs)
+    assert rows["chat"]["messages"] == inputs["chat"]["messages"]
+    assert rows["chat"]["prompt"] == "user: hello there\nassistant: "
+    assert rows["own-sampling"]["num_generated_tokens"] <= 3
+    assert {row["target_model"] for row in rows.values()} == {outputs["target_model"][0].as_py()}
+    assert outputs["draft_model"][0].as_py().endswith("draft")
+
+
+def test_bad_rows_become_error_rows(one_actor_run):
+    out, summary = one_actor_run
+    rows = by_id(pq.read_table(out / "outputs"))
+    errors = {i: row["error"] for i, row in rows.items() if row["finish_reason"] == "error"}
+    assert set(errors) == {row["id"] for row in BAD_ROWS}
+    assert errors["bad-empty"] == "empty prompt"
+    assert "context" in errors["bad-long"]
+    assert errors["bad-type"] == "prompt must be a string, got int"
+    assert "temperature" in errors["bad-sampling"]
+    assert "not JSON" in errors["bad-sampling-json"]
+    assert "temprature" in errors["bad-sampling-field"]
+    for i in errors:
+        row = rows[i]
+        assert row["generated_tokens"] == row["token_accepted"] == row["per_step_drafted"] == []
+        assert row["generated_text"] == "" and row["num_generated_tokens"] == 0
+    assert all(row["error"] is None for i, row in rows.items() if i not in errors)
+    assert summary["errors"] == len(BAD_ROWS)
+
+
+def test_token_stats_agree_with_outputs_and_summary(one_actor_run):
+    out, summary = one_actor_run
+    rows = by_id(pq.read_table(out / "outputs"))
+    stats = pq.read_table(out / "token_stats").to_pylist()
+    drafted, accepted = Counter(s["id"] for s in stats), Counter(s["id"] for s in stats if s["accepted"])
+    assert sum(accepted.values()) > 0
+    for i, row in rows.items():
+        spec = row["spec_decode"]
+        assert drafted[i] == spec["num_draft_tokens"] == sum(row["per_step_drafted"])
+        assert accepted[i] == spec["num_accepted_draft_tokens"] == sum(row["per_step_accepted"])
+        assert accepted[i] == sum(row["token_accepted"])
+        if row["finish_reason"] != "error":
+            assert spec["num_spec_steps"] == len(row["per_step_drafted"]) + 1  # + the prefill forward
+            assert spec["mean_acceptance_length"] == pytest.approx(row["num_generated_tokens"] / spec["num_spec_steps"])
+    generated = sum(row["num_generated_tokens"] for row in rows.values())
+    forwards = sum(row["spec_decode"]["num_spec_steps"] for row in rows.values())
+    assert summary["rows"] == summary["rows_this_run"] == len(rows)
+    assert summary["generated_tokens"] == summary["generated_tokens_this_run"] == generated
+    assert summary["mean_acceptance_length"] == pytest.approx(generated / forwards)
+    assert summary["draft_acceptance_rate"] == pytest.approx(sum(accepted.values()) / sum(drafted.values()))
+    assert sum(summary["num_accepted_tokens_per_pos"]) == sum(accepted.values())
+    assert len(summary["per_position_acceptance_rate"]) == 3
+    assert summary["tokens_per_second"] > 0
+    assert summary["config"]["batch_size"] == 4
+    assert json.loads((out / "summary.json").read_text()) == summary
+
+
+def test_pipeline_matches_engine_and_two_actors_match_one(one_actor_run, config, mixed_input, tmp_path, tiny_dirs):
+    out, _ = one_actor_run
+    one = {i: row["generated_tokens"] for i, row in by_id(pq.read_table(out / "outputs")).items()}
+    two_config = config.model_copy(update={"concurrency": 2})
+    two_out = tmp_path / "two"
+    run(two_config, str(mixed_input), str(two_out))
+    two = {i: row["generated_tokens"] for i, row in by_id(pq.read_table(two_out / "outputs")).items()}
+    assert one == two
+    # The pipeline adds nothing to decoding: the engine called directly gives the same tokens.
+    good = good_rows(14)
+    direct = Engine(config).generate([Request(row["id"], prompt=row["prompt"]) for row in good])
+    assert {r.id: r.token_ids for r in direct} == {row["id"]: one[row["id"]] for row in good}
+
+
+def test_resume_skips_finished_ids_and_cleans_partial_parts(ray_cluster, config, tmp_path):
+    source = write_jsonl(tmp_path / "in.jsonl", good_rows(6))
+    out = tmp_path / "out"
+    run(config, str(source), str(out))
+    before = pq.read_table(out / "outputs")
+    # What a run killed between its two writes leaves: a temporary file and token stats without outputs.
+    (out / "outputs" / "part-x.parquet.tmp").write_bytes(b"partial")
+    pq.write_table(TOKEN_STATS_SCHEMA.empty_table(), out / "token_stats" / "part-orphan.parquet")
+
+    write_jsonl(source, good_rows(9))
+    summary = run(config, str(source), str(out))
+    assert summary["rows_this_run"] == 3 and summary["rows"] == 9
+    outputs = pq.read_table(out / "outputs")
+    assert sorted(outputs["id"].to_pylist()) == [row["id"] for row in good_rows(9)]
+    assert by_id(before).items() <= by_id(outputs).items()
+    assert not list(out.rglob("*.tmp")) and not (out / "token_stats" / "part-orphan.parquet").exists()
+    assert {p.name for p in (out / "outputs").iterdir()} == {p.name for p in (out / "token_stats").iterdir()}
+
+    summary = run(config, str(source), str(out))
+    assert summary["rows_this_run"] == 0 and summary["rows"] == 9
+
+
+def assert_each_id_once(out: Path, ids: list[str]) -> None:
+    outputs = pq.read_table(out / "outputs")
+    assert sorted(outputs["id"].to_pylist()) == sorted(ids)
+    stats = Counter(pq.read_table(out / "token_stats", columns=["id"])["id"].to_pylist())
+    for row in outputs.to_pylist():  # no token statistics are lost or written twice either
+        assert stats[row["id"]] == row["spec_decode"]["num_draft_tokens"], row["id"]
+
+
+def wait_for(condition, timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            pytest.fail(f"timed out after {timeout} s waiting for {what}")
+        time.sleep(0.2)
+
+
+def long_config(config: Config) -> Config:
+    """Many small parts, slow enough to be interrupted midway."""
+    sampling = config.sampling.model_copy(update={"max_tokens": 40})
+    return config.model_copy(update={"batch_size": 2, "sampling": sampling})
+
+
+def test_killed_driver_then_resume_yields_every_id_once(ray_cluster, config, tmp_path):
+    rows = good_rows(40)
+    source, out = write_jsonl(tmp_path / "in.jsonl", rows), tmp_path / "out"
+    slow = long_config(config)
+    (tmp_path / "config.yaml").write_text(yaml.safe_dump(slow.model_dump(mode="json")))
+    env = {**os.environ, "RAY_ADDRESS": ray_cluster.get_runtime_context().gcs_address}
+    with open(tmp_path / "driver.log", "w") as log:
+        driver = subprocess.Popen(
+            [sys.executable, "-m", "jobs.generate", "--config", str(tmp_path / "config.yaml"),
+             "--input", str(source), "--output", str(out)],
+            cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT,
+        )
+        try:
+            wait_for(lambda: any((out / "outputs").glob("*.parquet")) or driver.poll() is not None, 120, "a part")
+        finally:
+            driver.send_signal(signal.SIGKILL)
+            driver.wait()
+    done = pq.read_table(out / "outputs", columns=["id"]).num_rows
+    assert 0 < done < len(rows), f"the driver was not killed midway ({done} rows done); see {tmp_path}/driver.log"
+    summary = run(slow, str(source), str(out))
+    assert summary["rows_this_run"] == len(rows) - done
+    assert_each_id_once(out, [row["id"] for row in rows])
+
+
+def test_killed_actor_is_restarted_and_its_batches_retried(ray_cluster, config, tmp_path):
+    from ray._private import state  # the actor table without the dashboard the test cluster lacks
+
+    rows = good_rows(24)
+    source, out = write_jsonl(tmp_path / "in.jsonl", rows), tmp_path / "out"
+    with ThreadPoolExecutor(1) as pool:
+        job = pool.submit(run, long_config(config), str(source), str(out))
+        try:
+            wait_for(lambda: any((out / "outputs").glob("*.parquet")) or job.done(), 120, "a part")
+            actors = state.actors(job_id=ray_cluster.get_runtime_context().job_id, actor_state_name="ALIVE")
+            [actor] = [a for a in actors.values() if "GenerationActor" in a["ActorClassName"]]
+            assert not job.done(), "the job finished before its actor could be killed"
+            os.kill(actor["Pid"], signal.SIGKILL)
+        finally:
+            job.result(timeout=240)
+    assert state.actors(actor_id=actor["ActorID"])["NumRestarts"] == 1
+    assert_each_id_once(out, [row["id"] for row in rows])
+
+
+def test_engine_failure_fails_only_the_request_that_causes_it(config, monkeypatch):
+    original = Engine.step
+
+    def step(self):
+        if any("boom" in seq.prompt for seq in self.running):
+            raise RuntimeError("kaboom")
+        return original(self)
+
+    monkeypatch.setattr(Engine, "step", step)
+    actor = GenerationActor(config.model_dump(mode="json"))
+    batch = pa.table({"id": ["a", "b", "c"], "prompt": ["the cat", "boom boom", "dogs run"]})
+    rows = by_id(actor(batch))
+    assert rows["b"]["finish_reason"] == "error" and "kaboom" in rows["b"]["error"]
+    monkeypatch.setattr(Engine, "step", original)
+    expected = Engine(config).generate([Request("a", prompt="the cat"), Request("c", prompt="dogs run")])
+    assert [rows["a"]["generated_tokens"], rows["c"]["generated_tokens"]] == [r.token_ids for r in expected]
+
+
+def test_inputs_parquet_csv_jsonl_dirs_globs_and_derived_ids(ray_cluster, tmp_path):
+    folder = tmp_path / "data"
+    (folder / "sub").mkdir(parents=True)
+    pq.write_table(pa.table({
+        "prompt": ["a b", "c d"],
+        "sampling_params": [{"temperature": 0.5, "max_tokens": None}, {"temperature": None, "max_tokens": 3}],
+    }), folder / "sub" / "p.parquet")
+    pa_csv.write_csv(pa.table({"id": ["007", ""], "prompt": ["42", "x"]}), folder / "c.csv")
+    write_jsonl(folder / "j.jsonl", [{"prompt": "hi", "k": 1}, {"id": 5, "prompt": "yo", "k": "one"}])
+    (folder / "notes.txt").write_text("ignored in a directory")
+
+    files, base = list_input_files(str(folder))
+    rows = {row["id"]: row for row in read_prompts(files, base, skip=frozenset(), rows_per_block=1).take_all()}
+    assert set(rows) == {"sub/p.parquet:0", "sub/p.parquet:1", "007", "c.csv:1", "j.jsonl:0", "5"}
+    assert rows["007"]["prompt"] == "42"  # CSV text stays text
+    assert rows["sub/p.parquet:1"]["sampling_params"] == {"temperature": None, "max_tokens": 3}
+    assert rows["5"]["k"] == "one" and rows["j.jsonl:0"]["k"] == "1"  # a mixed-type column becomes JSON text
+
+    files, base = list_input_files(str(folder / "*.csv"))
+    again = read_prompts(files, base, skip=frozenset({"007"}), rows_per_block=4).take_all()
+    assert [row["id"] for row in again] == ["c.csv:1"]
+
+
+def test_undecodable_json_records_become_row_errors():
+    table = read_json_records(b'{"prompt": "ok"}\nnot json\n[1]\n{"prompt": 7}\n\n')
+    assert table.num_rows == 4
+    assert table["prompt"].to_pylist() == ["ok", None, None, None]
+    errors = table[READ_ERROR].to_pylist()
+    assert errors[0] is None and "record 2" in errors[1] and "got list" in errors[2]
+    assert errors[3] == "prompt must be a string, got int"
+
+
+def test_generate_cli_names_the_bad_field_and_value(capsys):
+    from jobs.generate import main
+
+    with pytest.raises(SystemExit) as exit_:
+        main(["--speculative.num_candidates", "0"])
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err
+    assert "speculative.num_candidates" in err and "0" in err
+    with pytest.raises(SystemExit):
+        main(["--batch_size", "4", "--input", "/nonexistent/prompts.jsonl"])
+    assert "/nonexistent/prompts.jsonl does not exist" in capsys.readouterr().err
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def test_ray_job_submit_on_a_started_head(config, tmp_path):
+    """docs/generate.md's recipe: `ray start --head`, then
+    `ray job submit --working-dir . -- python -m jobs.generate --config ...`."""
+    ray_bin = str(Path(sys.executable).with_name("ray"))
+    temp_dir = tempfile.mkdtemp(prefix="sbjob", dir="/tmp")  # short: Ray's socket paths live under it
+    port, dashboard = free_port(), free_port()
+    head = subprocess.Popen(
+        [ray_bin, "start", "--head", "--block", f"--port={port}", f"--temp-dir={temp_dir}", "--num-cpus=2",
+         "--include-dashboard=true", f"--dashboard-port={dashboard}", "--disable-usage-stats"],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
+    )
+    try:
+        source = write_jsonl(tmp_path / "in.jsonl", good_rows(5))
+        (tmp_path / "config.yaml").write_text(yaml.safe_dump(config.model_dump(mode="json")))
+        submit = [ray_bin, "job", "submit", "--address", f"http://127.0.0.1:{dashboard}", "--working-dir", ".",
+                  "--", "python", "-m", "jobs.generate", "--config", str(tmp_path / "config.yaml"),
+                  "--input", str(source), "--output", str(tmp_path / "out")]
+        env = {**os.environ, "RAY_AUTH_MODE": "token"}  # the job CLI sends the head's token only when told to
+        deadline = time.monotonic() + 120
+        while True:  # the job server answers some seconds after the head is up
+            job = subprocess.run(submit, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+            if job.returncode == 0 or time.monotonic() > deadline or "onnect" not in job.stdout + job.stderr:
+                break
+            time.sleep(2)
+        assert job.returncode == 0, job.stdout[-3000:] + job.stderr[-3000:]
+        assert "specbatch generate: 5 rows (0 errors" in job.stdout
+        assert_each_id_once(tmp_path / "out", [row["id"] for row in good_rows(5)])
+    finally:
+        head.terminate()  # `ray start --block` stops the processes it started
+        try:
+            head.wait(timeout=90)
+        finally:
+            os.killpg(head.pid, signal.SIGKILL)
