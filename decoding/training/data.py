@@ -47,7 +47,7 @@ def read_rows(path: str) -> list[dict[str, Any]]:
     return rows
 
 
-def _row_ids(row: dict[str, Any], source: PromptSource, tokenizer: PreTrainedTokenizerBase) -> list[int]:
+def row_prompt_ids(row: dict[str, Any], source: PromptSource, tokenizer: PreTrainedTokenizerBase) -> list[int]:
     messages = row.get("messages")
     if source.template is not None:
         text = source.template.format(**row)
@@ -69,7 +69,7 @@ def load_prompts(sources: list[PromptSource], tokenizer: PreTrainedTokenizerBase
     prompts = []
     for source in sources:
         rows = read_rows(source.path)[: source.limit]
-        prompts += [ids for ids in (_row_ids(row, source, tokenizer) for row in rows) if ids]
+        prompts += [ids for ids in (row_prompt_ids(row, source, tokenizer) for row in rows) if ids]
     if not prompts:
         raise ValueError("no training prompts found in " + ", ".join(s.path for s in sources))
     return prompts

@@ -32,6 +32,8 @@ from decoding.training.teacher import TeacherExample, eos_ids, teacher_continuat
 
 log = logging.getLogger("decoding.training")
 
+_FINISH_RESERVE_S = 60.0  # final validation and saving, kept out of a time-budgeted run's training time
+
 
 class DraftTrainingConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
@@ -48,7 +50,10 @@ class DraftTrainingConfig(BaseModel):
     context_tokens: int = Field(512, ge=1, description="prompt tokens kept before each continuation in training")
     batch_tokens: int = Field(8192, ge=1, description="tokens per optimizer step")
     epochs: float = Field(4.0, gt=0)
-    train_seconds: float | None = Field(None, gt=0, description="wall-clock cap on the optimization phase")
+    time_budget_s: float | None = Field(
+        None, gt=0, description="wall clock for the whole run: generation, then training until the budget is spent"
+    )
+    generation_share: float = Field(0.5, gt=0, le=1, description="most of the budget target generation may use")
     learning_rate: float = Field(3e-4, gt=0)
     warmup_steps: int = Field(20, ge=0)
     soft_weight: float = Field(1.0, ge=0, description="weight of the top-k soft cross-entropy")
@@ -253,55 +258,84 @@ def train_draft(config: DraftTrainingConfig, overwrite: bool = False) -> Path:
     tokenizer = load_tokenizer(config.target)
     target = load_model(config.target, "float32", torch.device("cpu"))
     draft = _initial_draft(config, target, tokenizer)
-
     prompts = load_prompts(config.data, tokenizer)
-    if len(prompts) <= config.validation_prompts:
-        raise ValueError(f"need more than validation_prompts={config.validation_prompts} prompts, got {len(prompts)}")
-    examples = teacher_continuations(
+    setup_seconds = time.perf_counter() - started
+    budget = config.time_budget_s
+    examples, generation_seconds = teacher_continuations(
         target, prompts, run, max_new_tokens=config.max_new_tokens, batch_size=config.generation_batch_size,
         top_k=config.top_k, pad_id=tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0,
+        seed=config.seed, budget_seconds=budget * config.generation_share if budget else None,
     )
-    generation_seconds = time.perf_counter() - started
     del target  # free its memory for training
+    if len(examples) <= config.validation_prompts:
+        raise ValueError(f"need more than validation_prompts={config.validation_prompts} prompts, got {len(examples)}")
     # Validation prompts are spread over the data (every n-th), so every source is represented.
     every = len(examples) / config.validation_prompts
     held = {int(i * every) for i in range(config.validation_prompts)}
     train_examples = [e for i, e in enumerate(examples) if i not in held]
     vocab = draft.config.vocab_size
-    always = set(tokenizer.all_special_ids) | eos_ids(draft)
-    restrict = 0 < config.vocab_size < vocab
-    subset = choose_vocab_subset(train_examples, config.vocab_size, vocab, always) if restrict else None
+    subset = None
+    if 0 < config.vocab_size < vocab:
+        always = set(tokenizer.all_special_ids) | eos_ids(draft)
+        subset = choose_vocab_subset(train_examples, config.vocab_size, vocab, always)
     student = _Student(draft, subset if subset is not None else list(range(vocab))).train()
     index = torch.full((vocab,), -1, dtype=torch.long)
     index[student.subset] = torch.arange(len(student.subset))
     windows = [_Window(e, config.context_tokens, index) for e in train_examples]
-    valid = [_Window(e, 1 << 30, index) for i, e in enumerate(examples) if i in held]
-    coverage = float(torch.cat([w.labels for w in valid]).ge(0).float().mean())
+    valid = [_Window(e, 1 << 30, index) for i, e in enumerate(examples) if i in held]  # full context, as served
 
+    # Training gets what generation left, minus time to set up, validate and save (counted across resumes).
+    train_budget = budget - setup_seconds - generation_seconds - _FINISH_RESERVE_S if budget else None
+    before = evaluate(student, valid, config.eval_depth)
+    steps, total_steps, train_seconds = _optimize(student, windows, config, run, train_budget)
+    after = evaluate(student, valid, config.eval_depth)
+    metrics = {
+        "steps": steps, "planned_steps": total_steps, "train_examples": len(windows),
+        "train_tokens": sum(len(w.labels) for w in windows), "validation_examples": len(valid),
+        "validation_subset_coverage": float(torch.cat([w.labels for w in valid]).ge(0).float().mean()),
+        "validation_before": before, "validation": after, "generation_seconds": round(generation_seconds, 1),
+        "train_seconds": round(train_seconds, 1), "total_seconds": round(time.perf_counter() - started, 1),
+    }
+    run.log_metrics(final=True, **metrics)
+    log.info("validation agreement %.3f (before %.3f), acceptance length at depth %d: %.2f (before %.2f)",
+             after["agreement"], before["agreement"], config.eval_depth, after["acceptance_length"],
+             before["acceptance_length"])
+    _save(run, draft, student, tokenizer, config, subset, metrics)
+    return run.path
+
+
+def _optimize(student: _Student, windows: list[_Window], config: DraftTrainingConfig, run: RunDir,
+              budget: float | None) -> tuple[int, int, float]:
+    """AdamW with warm-up and cosine decay over epochs (or the time budget, whichever ends first); checkpoints
+    every ``checkpoint_seconds`` and on interruption. Returns (steps, planned steps, training seconds)."""
     params = [p for p in student.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=config.learning_rate, weight_decay=0.0)
-    per_epoch = len(_batches(windows, config.batch_tokens, torch.Generator().manual_seed(0)))
+    per_epoch = len(_batches(windows, config.batch_tokens, torch.Generator()))
     total_steps = max(1, math.ceil(config.epochs * per_epoch))
-    step, train_seconds = 0, 0.0
+    step, seconds = 0, 0.0
     state = run.load_state("checkpoint.pt")
     if state is not None:
-        student.load_state_dict(state["student"])
+        student.load_state_dict(state["trainable"], strict=False)
         optimizer.load_state_dict(state["optimizer"])
-        step, train_seconds = state["step"], state["train_seconds"]
+        step, seconds = state["step"], state["train_seconds"]
         log.info("resumed training at step %d/%d", step, total_steps)
-    before = evaluate(student, valid, config.eval_depth) if step == 0 else None
+
+    def checkpoint() -> None:
+        trainable = {n: p.detach() for n, p in student.named_parameters() if p.requires_grad}
+        run.save_state("checkpoint.pt", {"trainable": trainable, "optimizer": optimizer.state_dict(), "step": step,
+                                         "train_seconds": time.perf_counter() - loop_start})
+
     progress = Progress("train-draft", total_steps, done=step)
-    loop_start = time.perf_counter() - train_seconds
+    loop_start = time.perf_counter() - seconds
     last_checkpoint = time.perf_counter()
     try:
         for group in _schedule(windows, config, per_epoch, step):
-            train_seconds = time.perf_counter() - loop_start
-            budget = train_seconds / config.train_seconds if config.train_seconds else 0.0
-            if step >= total_steps or budget >= 1.0:
+            seconds = time.perf_counter() - loop_start
+            if step >= total_steps or (budget is not None and seconds >= budget):
                 break
-            lr = _lr(step, max(step / total_steps, budget), config)
-            for group_params in optimizer.param_groups:
-                group_params["lr"] = lr
+            lr = _lr(step, max(step / total_steps, seconds / budget if budget else 0.0), config)
+            for param_group in optimizer.param_groups:
+                param_group["lr"] = lr
             batch = _collate([windows[i] for i in group])
             loss = _loss(student(batch["ids"], batch["mask"], batch["rows"], batch["cols"]), batch, config)
             optimizer.zero_grad(set_to_none=True)
@@ -309,34 +343,16 @@ def train_draft(config: DraftTrainingConfig, overwrite: bool = False) -> Path:
             torch.nn.utils.clip_grad_norm_(params, 1.0)
             optimizer.step()
             step += 1
-            run.log_metrics(step=step, loss=float(loss), lr=lr, seconds=round(train_seconds, 2))
-            progress.update(step, loss=float(loss))
+            run.log_metrics(step=step, loss=loss.item(), lr=lr, seconds=round(seconds, 2))
+            progress.update(step, loss=loss.item())
             if time.perf_counter() - last_checkpoint > config.checkpoint_seconds:
-                run.save_state("checkpoint.pt", _checkpoint(student, optimizer, step, train_seconds))
+                checkpoint()
                 last_checkpoint = time.perf_counter()
     except KeyboardInterrupt:
-        run.save_state("checkpoint.pt", _checkpoint(student, optimizer, step, time.perf_counter() - loop_start))
+        checkpoint()
         log.warning("interrupted at step %d; re-run the same command to resume", step)
         raise
-    train_seconds = time.perf_counter() - loop_start
-    after = evaluate(student, valid, config.eval_depth)
-    metrics = {
-        "steps": step, "planned_steps": total_steps, "train_examples": len(windows),
-        "train_tokens": sum(len(w.labels) for w in windows), "validation_examples": len(valid),
-        "validation_subset_coverage": coverage, "validation_before": before, "validation": after,
-        "generation_seconds": round(generation_seconds, 1), "train_seconds": round(train_seconds, 1),
-        "total_seconds": round(time.perf_counter() - started, 1),
-    }
-    run.log_metrics(final=True, **metrics)
-    log.info("validation agreement %.3f, acceptance length at depth %d %.2f (before training: %s)",
-             after["agreement"], config.eval_depth, after["acceptance_length"], before)
-    _save(run, draft, student, tokenizer, config, subset, metrics)
-    return run.path
-
-
-def _checkpoint(student: _Student, optimizer: torch.optim.Optimizer, step: int, seconds: float) -> dict:
-    return {"student": student.state_dict(), "optimizer": optimizer.state_dict(), "step": step,
-            "train_seconds": seconds}
+    return step, total_steps, time.perf_counter() - loop_start
 
 
 def _save(run: RunDir, draft: PreTrainedModel, student: _Student, tokenizer: PreTrainedTokenizerBase,

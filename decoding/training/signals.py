@@ -67,9 +67,9 @@ class _Recorder(LengthPolicy):
 
     needs_hidden_states = True
 
-    def __init__(self, max_depth: int) -> None:
+    def __init__(self, max_depth: int, step: int) -> None:
         super().__init__(max_depth)
-        self.step = 0  # advances with the engine's step counter: plan() runs once per speculation step
+        self.step = step  # advances with the engine's step counter: plan() runs once per speculation step
         self.ids: list[str] = []
         self.features: dict[tuple[str, int, int, int], torch.Tensor] = {}
 
@@ -87,7 +87,7 @@ class _Recorder(LengthPolicy):
 
 
 def _collect_shard(engine: Engine, prompts: list[tuple[str, list[int]]]) -> dict[str, torch.Tensor]:
-    recorder = _Recorder(engine.policy.max_depth)
+    recorder = _Recorder(engine.policy.max_depth, engine.steps)
     engine.policy = recorder
     results = engine.generate([Request(id=i, prompt_token_ids=ids) for i, ids in prompts])
     features, soft, accepted, parent_accepted = [], [], [], []
@@ -176,7 +176,7 @@ def fit(config: SignalTrainingConfig, features: torch.Tensor, y: torch.Tensor, w
             loss.backward()
             optimizer.step()
             step += 1
-            progress.update(step, loss=float(loss))
+            progress.update(step, loss=loss.item())
     model.eval()
     with torch.no_grad():
         predicted = torch.sigmoid(model(features[valid]))

@@ -1,17 +1,19 @@
 """The target's own greedy continuations of training prompts, with its top-k logits at every generated token.
 
-Batches are sorted by prompt length (little padding) and each finished batch is saved as a work file, so an
-interrupted run regenerates nothing it already has.
+Batches group prompts of similar length (little padding) and run in a seeded random order, so a time budget
+that stops generation early keeps a representative sample. Each finished batch is saved as a work file with its
+generation time, so an interrupted run regenerates nothing it already has and still accounts for that time.
 """
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 import torch
 from transformers import LogitsProcessor, LogitsProcessorList, PreTrainedModel
 
-from decoding.training.runs import Progress, RunDir
+from decoding.training.runs import Progress, RunDir, log
 
 
 @dataclass
@@ -78,19 +80,31 @@ def teacher_continuations(
     batch_size: int,
     top_k: int,
     pad_id: int,
-) -> list[TeacherExample]:
-    """One example per prompt, in prompt order."""
-    order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
-    batches = [order[i : i + batch_size] for i in range(0, len(order), batch_size)]
+    seed: int = 0,
+    budget_seconds: float | None = None,
+) -> tuple[list[TeacherExample], float]:
+    """Examples in prompt order (only the batches done within ``budget_seconds``) and the seconds they took."""
+    by_length = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
+    batches = [by_length[i : i + batch_size] for i in range(0, len(by_length), batch_size)]
+    order = torch.randperm(len(batches), generator=torch.Generator().manual_seed(seed)).tolist()
     examples: dict[int, TeacherExample] = {}
+    spent = 0.0
     progress = Progress("teacher continuations", len(prompts))
-    for number, batch in enumerate(batches):
+    for number in order:
+        batch = batches[number]
         name = f"teacher-{number:05d}.pt"
         done = run.load_state(name)
         if done is None or done["prompts"] != [prompts[i] for i in batch]:
-            done = {"prompts": [prompts[i] for i in batch],
-                    "examples": _generate_batch(target, [prompts[i] for i in batch], max_new_tokens, top_k, pad_id)}
+            if budget_seconds is not None and spent >= budget_seconds:
+                continue  # out of generation time: train on the batches generated so far
+            start = time.perf_counter()
+            generated = _generate_batch(target, [prompts[i] for i in batch], max_new_tokens, top_k, pad_id)
+            done = {"prompts": [prompts[i] for i in batch], "examples": generated,
+                    "seconds": time.perf_counter() - start}
             run.save_state(name, done)
+        spent += done["seconds"]
         examples.update(zip(batch, done["examples"], strict=True))
         progress.update(len(examples), tokens=sum(len(e.continuation) for e in examples.values()))
-    return [examples[i] for i in range(len(prompts))]
+    if len(examples) < len(prompts):
+        log.warning("generation budget spent: training on %d of %d prompts", len(examples), len(prompts))
+    return [examples[i] for i in sorted(examples)], spent

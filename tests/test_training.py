@@ -1,0 +1,231 @@
+"""train-draft, train-head, train-decision end to end on tiny models: artifacts the engine loads and uses."""
+
+from __future__ import annotations
+
+import json
+import logging
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from tiny import tiny_model
+from tokenizers import Tokenizer, models, pre_tokenizers
+from transformers import PreTrainedTokenizerFast
+
+from decoding import Config, Engine, Request
+from decoding.length_policies import DraftSignalMLP
+from decoding.models import DEFAULT_DRAFT, DRAFT_METADATA, resolve_draft
+from decoding.training import distill
+from decoding.training.data import PromptSource
+from decoding.training.distill import DraftTrainingConfig, acceptance_length, build_draft, train_draft
+from decoding.training.runs import METRICS_FILE, RunError
+from jobs import train_decision, train_head
+from jobs import train_draft as train_draft_job
+
+WORDS = "abc abd the cat sat on the mat. a bad cab, a dab. so it goes, so it goes. banana bandana. one two one"
+PROMPTS = [WORDS[i : i + 5 + (i * 7) % 23] for i in range(0, 80, 3)]
+TINY_DRAFT = ["--layers", "[0]", "--vocab_size", "20", "--max_new_tokens", "16", "--generation_batch_size", "8",
+              "--epochs", "10", "--batch_tokens", "256", "--validation_prompts", "3", "--warmup_steps", "2",
+              "--learning_rate", "3e-3"]
+TINY_SIGNALS = ["--depth", "4", "--max_tokens", "16", "--batch_size", "8", "--epochs", "3", "--width", "32",
+                "--prompts_per_shard", "10"]
+
+
+@pytest.fixture(scope="module")
+def prompts_file(tmp_path_factory) -> str:
+    path = tmp_path_factory.mktemp("data") / "prompts.jsonl"
+    path.write_text("".join(json.dumps({"id": str(i), "prompt": p}) + "\n" for i, p in enumerate(PROMPTS)))
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def trained_draft(tmp_path_factory, tiny_dirs, prompts_file, ray_cluster) -> Path:
+    output = tmp_path_factory.mktemp("draft") / "draft"
+    argv = ["--target", tiny_dirs["target"], "--data", prompts_file, "--output", str(output), "--num-cpus", "1"]
+    assert train_draft_job.main(argv + TINY_DRAFT) == 0
+    return output
+
+
+def run_engine(target_dir: str, tokenizer, target, **speculative) -> list:
+    config = Config.model_validate({"model": target_dir, "batch_size": 4, "sampling": {"max_tokens": 20},
+                                    "speculative": {"num_candidates": 1, **speculative}})
+    engine = Engine(config, target=target, tokenizer=tokenizer)
+    return engine.generate([Request(id=str(i), prompt=p) for i, p in enumerate(PROMPTS[:6])])
+
+
+def assert_drafts_losslessly(results: list, tokenizer, target, target_dir: str) -> None:
+    plain = run_engine(target_dir, tokenizer, target, method="none")
+    assert [r.token_ids for r in results] == [r.token_ids for r in plain]
+    assert sum(sum(r.per_step_drafted) for r in results) > 0
+
+
+# ----------------------------------------------------------------------------------------------------- train-draft
+def test_train_draft_makes_a_draft_the_engine_uses(trained_draft, tiny_dirs, tokenizer, target):
+    meta = json.loads((trained_draft / DRAFT_METADATA).read_text())
+    assert len(meta["vocab_subset"]) == 20 and meta["target"] == tiny_dirs["target"]
+    assert meta["training"]["layers"] == [0] and meta["metrics"]["steps"] == meta["metrics"]["planned_steps"]
+    validation = meta["metrics"]["validation"]
+    assert validation["agreement"] > meta["metrics"]["validation_before"]["agreement"]  # it learned something
+    assert (trained_draft / METRICS_FILE).read_text().count('"step"') == meta["metrics"]["steps"]
+    assert not (trained_draft / ".specbatch-work").exists()
+    results = run_engine(tiny_dirs["target"], tokenizer, target, method="draft_model", model=str(trained_draft),
+                         num_speculative_tokens=3, length_policy="static")
+    assert_drafts_losslessly(results, tokenizer, target, tiny_dirs["target"])
+    proposed = {s[3] for r in results for s in r.token_stats}
+    assert proposed <= set(meta["vocab_subset"])  # the reduced head was applied
+
+
+def test_build_draft_with_every_layer_reproduces_the_target(target):
+    draft = build_draft(target, [0, 1])
+    ids = torch.tensor([[3, 4, 5, 6, 7]])
+    torch.testing.assert_close(draft(ids).logits, target(ids).logits)
+    assert not draft.config.tie_word_embeddings
+
+
+def test_acceptance_length_simulates_greedy_chains():
+    assert acceptance_length([True] * 10, 5) == 10 / 2  # 6 tokens, then 4 (the last token has no successor)
+    assert acceptance_length([False] * 4, 5) == 1.0
+    assert acceptance_length([True, False, True, True, False, False], 5) == 6 / 3
+
+
+def test_interrupted_draft_training_resumes(tmp_path, tiny_dirs, prompts_file, monkeypatch, caplog):
+    config = DraftTrainingConfig(target=tiny_dirs["target"], data=[PromptSource(path=prompts_file)],
+                                 output=str(tmp_path / "draft"), layers=[1], vocab_size=20, max_new_tokens=12,
+                                 generation_batch_size=8, epochs=4, batch_tokens=256, validation_prompts=3)
+    real_collate, calls = distill._collate, []
+
+    def interrupt_at_step_3(windows):
+        calls.append(1)
+        if len(calls) == 4:  # the 4th training batch (evaluation is stubbed out below)
+            raise KeyboardInterrupt
+        return real_collate(windows)
+
+    monkeypatch.setattr(distill, "_collate", interrupt_at_step_3)
+    monkeypatch.setattr(distill, "evaluate", lambda *a, **k: {"agreement": 0.0, "acceptance_length": 1.0})
+    with pytest.raises(KeyboardInterrupt):
+        train_draft(config)
+    checkpoint = torch.load(tmp_path / "draft/.specbatch-work/checkpoint.pt", weights_only=False)
+    assert checkpoint["step"] == 3
+    assert not (tmp_path / "draft" / DRAFT_METADATA).exists()
+
+    with pytest.raises(RunError, match="different config"):
+        train_draft(config.model_copy(update={"vocab_size": 24}))
+
+    # Resuming regenerates no teacher data and continues from step 3.
+    monkeypatch.setattr(distill, "_collate", real_collate)
+    monkeypatch.setattr("decoding.training.teacher._generate_batch", lambda *a: pytest.fail("regenerated"))
+    with caplog.at_level(logging.INFO, logger="decoding.training"):
+        train_draft(config)
+    assert "resumed training at step 3" in caplog.text
+    meta = json.loads((tmp_path / "draft" / DRAFT_METADATA).read_text())
+    assert meta["metrics"]["steps"] == meta["metrics"]["planned_steps"]
+    steps = [json.loads(line)["step"] for line in (tmp_path / "draft" / METRICS_FILE).read_text().splitlines()
+             if '"final"' not in line]
+    assert steps == list(range(1, meta["metrics"]["steps"] + 1))  # nothing repeated, nothing lost
+
+    with pytest.raises(RunError, match="finished artifact"):
+        train_draft(config)
+
+
+# ------------------------------------------------------------------------------------ tokenizer mismatch refused
+@pytest.fixture(scope="module")
+def foreign_draft(tmp_path_factory) -> str:
+    """A model with a vocabulary of the same size but different token ids."""
+    vocab = {tok: i for i, tok in enumerate(["<pad>", "<s>", "</s>", *"zyxwvutsrqponmlkjihgfedcba .,"])}
+    backend = Tokenizer(models.WordLevel(vocab, unk_token="<pad>"))
+    backend.pre_tokenizer = pre_tokenizers.Split("", behavior="isolated")
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, pad_token="<pad>", bos_token="<s>",
+                                        eos_token="</s>")
+    path = tmp_path_factory.mktemp("foreign") / "draft"
+    tiny_model(seed=3).save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return str(path)
+
+
+@pytest.mark.parametrize("job", [train_draft_job, train_head, train_decision])
+def test_tokenizer_mismatch_is_refused(job, tmp_path, tiny_dirs, prompts_file, foreign_draft, ray_cluster, capsys):
+    model_option = ["--init", foreign_draft] if job is train_draft_job else ["--draft", foreign_draft]
+    argv = ["--target", tiny_dirs["target"], "--data", prompts_file, "--output", str(tmp_path / "out"),
+            "--num-cpus", "1", *model_option]
+    assert job.main(argv) == 2
+    assert "does not share the target's tokenizer" in capsys.readouterr().err
+    assert not (tmp_path / "out" / ".specbatch-work" / "teacher-00000.pt").exists()  # refused before any work
+
+
+# --------------------------------------------------------------------------------------- train-head / decision
+@pytest.mark.parametrize(("job", "kind", "policy", "field"), [
+    (train_head, "acceptance_head", "threshold", "acceptance_head"),
+    (train_decision, "decision_model", "decision", "decision_model"),
+])
+def test_signal_models_train_and_drive_the_engine(job, kind, policy, field, trained_draft, tiny_dirs, prompts_file,
+                                                  tokenizer, target, ray_cluster):
+    argv = ["--target", tiny_dirs["target"], "--draft", str(trained_draft), "--data", prompts_file,
+            "--num-cpus", "1", *TINY_SIGNALS]
+    assert job.main(argv) == 0
+    output = trained_draft / kind  # the default: next to the draft
+    meta = json.loads((output / "head.json").read_text())
+    assert meta["kind"] == kind and meta["training"]["depth"] == 4
+    assert meta["metrics"]["examples"] > 50 and 0 < meta["metrics"]["positive_rate"] < 1
+    assert DraftSignalMLP.load(output).hidden_size == target.config.hidden_size
+    results = run_engine(tiny_dirs["target"], tokenizer, target, method="draft_model", model=str(trained_draft),
+                         num_speculative_tokens=4, length_policy=policy, **{field: str(output)})
+    assert_drafts_losslessly(results, tokenizer, target, tiny_dirs["target"])
+
+
+def test_signal_collection_resumes_from_saved_shards(trained_draft, tiny_dirs, prompts_file, tmp_path, monkeypatch):
+    from decoding.training import signals
+
+    config = signals.SignalTrainingConfig(
+        kind="decision_model", target=tiny_dirs["target"], draft=str(trained_draft),
+        data=[PromptSource(path=prompts_file)], output=str(tmp_path / "decision"), depth=3, max_tokens=12,
+        batch_size=8, prompts_per_shard=10, epochs=2, width=16,
+    )
+    real, shards = signals._collect_shard, []
+
+    def interrupt_after_two(engine, prompts):
+        if len(shards) == 2:
+            raise KeyboardInterrupt
+        shards.append(1)
+        return real(engine, prompts)
+
+    monkeypatch.setattr(signals, "_collect_shard", interrupt_after_two)
+    with pytest.raises(KeyboardInterrupt):
+        signals.train_signal_model(config)
+    assert sorted(p.name for p in (tmp_path / "decision/.specbatch-work").glob("signals-*.pt")) == [
+        "signals-00000.pt", "signals-00001.pt"]
+    shards.clear()
+    monkeypatch.setattr(signals, "_collect_shard", lambda engine, prompts: shards.append(1) or real(engine, prompts))
+    signals.train_signal_model(config)
+    assert len(shards) == 1  # only the third shard was collected again
+    assert (tmp_path / "decision" / "head.pt").exists()
+
+
+# ---------------------------------------------------------------------------------------- the default draft alias
+def test_default_draft_alias_falls_back_to_ngram_until_trained(tmp_path, monkeypatch, caplog, trained_draft,
+                                                               tiny_dirs, tokenizer, target):
+    monkeypatch.setenv("SPECBATCH_CACHE", str(tmp_path))
+    config = Config.model_validate({"model": tiny_dirs["target"], "speculative": {
+        "method": "draft_model", "model": DEFAULT_DRAFT, "num_speculative_tokens": 3}})
+    with caplog.at_level(logging.WARNING, logger="decoding.models"):
+        spec = resolve_draft(config.speculative)
+    assert spec.method == "ngram" and spec.model is None
+    assert "no trained draft" in caplog.text and "specbatch train-draft" in caplog.text
+
+    shutil.copytree(trained_draft, tmp_path / "models" / DEFAULT_DRAFT)  # what train-draft writes by default
+    spec = resolve_draft(config.speculative)
+    assert spec == config.speculative
+    results = run_engine(tiny_dirs["target"], tokenizer, target,
+                         **{**spec.model_dump(), "num_candidates": 1, "length_policy": "static"})
+    assert_drafts_losslessly(results, tokenizer, target, tiny_dirs["target"])
+
+
+def test_time_budget_caps_generation_and_training(tmp_path, tiny_dirs, prompts_file):
+    config = DraftTrainingConfig(target=tiny_dirs["target"], data=[PromptSource(path=prompts_file)],
+                                 output=str(tmp_path / "draft"), layers=[0], vocab_size=20, max_new_tokens=8,
+                                 generation_batch_size=8, validation_prompts=3, time_budget_s=0.01,
+                                 generation_share=1.0)
+    meta = json.loads((train_draft(config) / DRAFT_METADATA).read_text())
+    # One batch of 8 prompts is generated before the budget is checked again; none is left for training.
+    assert meta["metrics"]["train_examples"] + meta["metrics"]["validation_examples"] == 8
+    assert meta["metrics"]["steps"] == 0
