@@ -41,6 +41,7 @@ class EngineLoop:
         self.steps = 0
         self.failure: BaseException | None = None
         self._incoming: list[Request] = []
+        self._aborted: list[str] = []
         self._routes: dict[str, _Route] = {}
         self._task: asyncio.Task[None] | None = None
 
@@ -51,7 +52,7 @@ class EngineLoop:
     async def generate(self, requests: list[Request]) -> AsyncGenerator[tuple[int, Event], None]:
         """Run ``requests`` in the shared batch; yields ``(index in requests, event)`` until all finish.
 
-        Closing the iterator early drops the remaining outputs (the engine cannot abort a running sequence).
+        Closing the iterator early aborts the unfinished sequences, freeing their batch rows.
         """
         self.check_health()
         queue: asyncio.Queue[tuple[int, Event] | BaseException] = asyncio.Queue()
@@ -60,27 +61,29 @@ class EngineLoop:
         self._incoming.extend(requests)
         if self._task is None or self._task.done():
             self._task = asyncio.create_task(self._run())
-        unfinished = len(requests)
+        pending = {request.id for request in requests}
         try:
-            while unfinished:
+            while pending:
                 item = await queue.get()
                 if isinstance(item, RequestRejected):
                     raise item
                 if isinstance(item, BaseException):
                     raise EngineFailure(f"engine loop failed: {item!r}") from item
-                unfinished -= isinstance(item[1], GenerationResult)
+                if isinstance(item[1], GenerationResult):
+                    pending.discard(item[1].id)
                 yield item
         finally:
-            ids = {request.id for request in requests}
-            self._incoming = [r for r in self._incoming if r.id not in ids]
-            for request_id in ids:
-                self._routes.pop(request_id, None)
+            self._incoming = [r for r in self._incoming if r.id not in pending]
+            self._aborted.extend(pending)  # the loop thread drops them from the engine before its next step
+            for request in requests:
+                self._routes.pop(request.id, None)
 
     async def _run(self) -> None:
         try:
             while self._incoming or self.engine.has_unfinished():
                 joining, self._incoming = self._incoming, []
-                rejected, output = await asyncio.to_thread(self._step, joining)
+                aborted, self._aborted = self._aborted, []
+                rejected, output = await asyncio.to_thread(self._step, joining, aborted)
                 self.steps += 1
                 for request_id, error in rejected.items():
                     self._send(request_id, error)
@@ -96,7 +99,9 @@ class EngineLoop:
             for route in self._routes.values():
                 route.queue.put_nowait(exc)
 
-    def _step(self, joining: list[Request]) -> tuple[dict[str, RequestRejected], StepOutput]:
+    def _step(self, joining: list[Request], aborted: list[str]) -> tuple[dict[str, RequestRejected], StepOutput]:
+        for request_id in aborted:
+            self.engine.abort(request_id)
         rejected = {}
         for request in joining:
             try:

@@ -353,6 +353,20 @@ def test_a_request_add_request_chokes_on_fails_alone(engine, monkeypatch):
     loop.check_health()
 
 
+def test_leaving_a_stream_aborts_its_sequence(engine):
+    loop = EngineLoop(engine)
+
+    async def leave_early() -> None:
+        stream = loop.generate([Request(id="gone", prompt="abc", sampling={"max_tokens": 40})])
+        await anext(stream)
+        await stream.aclose()
+        # Another request keeps the loop stepping; by the time it finishes the left one must be gone.
+        await _drain(loop, [Request(id="stays", prompt="ab", sampling={"max_tokens": 3})])
+
+    asyncio.run(leave_early())
+    assert not engine.has_unfinished() and not engine.running
+
+
 class _ByteTokenizer:
     """Token ids are UTF-8 bytes, decoded like a byte-level BPE tokenizer decodes a partial character."""
 
