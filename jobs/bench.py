@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any, get_args
 
 import pyarrow.parquet as pq
+import torch
 import yaml
 
 from decoding.benchmark import BenchGrid, BenchRow, LengthPolicyName, format_table, plot, run_bench
@@ -92,6 +93,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--depths", type=int, nargs="+", help="speculative.num_speculative_tokens values")
     parser.add_argument("--candidate-inits", nargs="+", choices=["target", "draft"])
     parser.add_argument("--length-policies", nargs="+", choices=list(get_args(LengthPolicyName)))
+    parser.add_argument("--threads", type=int, help="torch CPU threads (default: torch's choice)")
     parser.add_argument("--no-transformers", action="store_true", help="skip transformers generate")
     parser.add_argument("--no-assisted", action="store_true", help="skip transformers assisted generation")
     return parser
@@ -129,6 +131,9 @@ def main(argv: list[str] | None = None) -> int:
         prompt_sets = {name: read_prompt_set(path, args.max_prompts, args.from_end) for name, path in paths.items()}
     except (OSError, ValueError) as exc:  # pydantic's ValidationError is a ValueError
         parser.exit(2, f"{parser.prog}: error: {exc}\n")
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
 
     def progress(row: BenchRow) -> None:
         log.info("%s | %s batch %d: %.1f tok/s", row.prompt_set, row.name, row.batch_size, row.tokens_per_s)
