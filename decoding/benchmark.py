@@ -199,12 +199,16 @@ def _rows_of(args: tuple, kwargs: dict[str, Any]) -> int:
 def _timed_forwards(module: torch.nn.Module, on_done: Callable[[float, int], None]) -> Iterator[None]:
     starts: list[float] = []
     rows: list[int] = []
+    # GPU kernels run asynchronously: without a sync the time would land in whatever waits next.
+    sync = torch.cuda.synchronize if next(module.parameters()).is_cuda else (lambda: None)
 
     def before(_module: torch.nn.Module, args: tuple, kwargs: dict[str, Any]) -> None:
         rows.append(_rows_of(args, kwargs))
+        sync()
         starts.append(time.perf_counter())
 
     def after(_module: torch.nn.Module, _args: tuple, _kwargs: dict[str, Any], _output: Any) -> None:
+        sync()
         on_done(time.perf_counter() - starts.pop(), rows.pop())
 
     handles = [module.register_forward_pre_hook(before, with_kwargs=True),
