@@ -80,9 +80,9 @@ class GenerationActor:
     def __init__(self, config: dict[str, Any], actors_per_node: int = 1) -> None:
         self.config = Config.model_validate(config)
         self.engine = Engine(self.config)
-        # Ray sets OMP_NUM_THREADS=1 in workers: a CPU actor takes its share of the node's cores instead.
-        cores = os.cpu_count() or 1
-        self.torch_threads = max(1, cores // actors_per_node) if self.engine.device.type == "cpu" else None
+        # Ray sets OMP_NUM_THREADS=1 in workers: a CPU actor uses its num_cpus, else its share of the node.
+        cores = self.config.num_cpus or (os.cpu_count() or 1) / actors_per_node
+        self.torch_threads = max(1, int(cores)) if self.engine.device.type == "cpu" else None
         spec = self.config.speculative
         self.provenance = {
             "target_model": self.config.model,

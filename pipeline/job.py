@@ -51,6 +51,7 @@ def generate(ds: ray.data.Dataset, config: Config) -> ray.data.Dataset:
             enable_true_multi_threading=True,
         ),
         num_gpus=config.num_gpus,
+        num_cpus=config.num_cpus,  # None: Ray Data's default of one logical CPU per actor
     )
 
 

@@ -1,0 +1,86 @@
+"""Throughput of the batch pipeline against calling the engine directly (issue 3's acceptance numbers).
+
+64 XSum articles as "Summarize the following article in one sentence: ..." chat prompts, batch_size 8, the
+default model and speculative configuration: ``Engine.generate`` in this process, then ``pipeline.run`` with
+concurrency 1 and 2 on a local Ray cluster started beforehand (so the pipeline's time includes its actors'
+start and model loading, not the cluster's). Prints a table. Any config field can be overridden:
+
+    python -m jobs.pipeline_throughput [--rows 64] [--data PATH] [--config F] [--sampling.max_tokens 64]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import ray
+
+from decoding.config import ConfigError, load_config
+from decoding.engine import Engine, Request
+from jobs.common import setup_logging, split_overrides
+from pipeline.job import run
+
+XSUM = Path(__file__).resolve().parents[2] / "shared" / "datasets" / "xsum_200.jsonl"
+INSTRUCTION = "Summarize the following article in one sentence: "
+# The benchmark's own defaults; command-line overrides replace them.
+DEFAULTS = {"batch_size": "8", "sampling.max_tokens": "64"}
+
+
+def load_rows(path: Path, count: int) -> list[dict]:
+    articles = [json.loads(line) for line in path.read_text().splitlines()[:count]]
+    return [{"id": a["id"], "messages": [{"role": "user", "content": INSTRUCTION + a["document"]}]} for a in articles]
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m jobs.pipeline_throughput", description=__doc__.split("\n")[0])
+    parser.add_argument("--rows", type=int, default=64)
+    parser.add_argument("--data", type=Path, default=XSUM, help="JSONL with id and document (XSum)")
+    parser.add_argument("--config", help="YAML config file")
+    args, unknown = parser.parse_known_args(sys.argv[1:] if argv is None else argv)
+    try:
+        config = load_config(args.config, {**DEFAULTS, **split_overrides(unknown)})
+    except ConfigError as exc:
+        parser.exit(2, f"{parser.prog}: error: {exc}\n")
+    setup_logging()
+    rows = load_rows(args.data, args.rows)
+
+    engine = Engine(config)
+    start = time.perf_counter()
+    results = engine.generate([Request(r["id"], messages=r["messages"]) for r in rows])
+    seconds = time.perf_counter() - start
+    tokens = sum(len(r.token_ids) for r in results)
+    forwards = sum(r.num_target_forwards for r in results)
+    table = [("Engine.generate (direct)", len(results), tokens, seconds, tokens / forwards if forwards else 0.0)]
+    del engine
+
+    ray.init()
+    try:
+        with tempfile.TemporaryDirectory() as tmp:
+            source = Path(tmp) / "xsum.jsonl"
+            source.write_text("".join(json.dumps(r) + "\n" for r in rows))
+            for concurrency in (1, 2):
+                setup = config.model_copy(update={"concurrency": concurrency})
+                summary = run(setup, str(source), f"{tmp}/c{concurrency}")
+                table.append((f"pipeline, concurrency {concurrency}", summary["rows"], summary["generated_tokens"],
+                              summary["wall_seconds"], summary["mean_acceptance_length"]))
+    finally:
+        ray.shutdown()
+
+    direct = table[0][2] / table[0][3]
+    print(f"\n{config.model}, method {config.speculative.method}, batch_size {config.batch_size}, "
+          f"max_tokens {config.sampling.max_tokens}, {len(rows)} prompts")
+    print(f"| {'setup':<26} | rows | tokens | seconds | tokens/s | vs direct | mean acceptance length |")
+    print(f"|{'-' * 28}|------|--------|---------|----------|-----------|------------------------|")
+    for name, count, tokens, seconds, acceptance in table:
+        rate = tokens / seconds
+        print(f"| {name:<26} | {count:>4} | {tokens:>6} | {seconds:>7.1f} | {rate:>8.1f} | {rate / direct:>9.2f} "
+              f"| {acceptance:>22.2f} |")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
