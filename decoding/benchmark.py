@@ -27,8 +27,8 @@ from pydantic import BaseModel, ConfigDict, Field
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from decoding.config import Config, SamplingParams
-from decoding.engine import Engine, Request
-from decoding.models import draft_vocab_subset, load_model, load_tokenizer
+from decoding.engine import Engine, Request, encode_request, eos_token_ids
+from decoding.models import load_model, load_tokenizer
 
 log = logging.getLogger(__name__)
 
@@ -254,10 +254,7 @@ class Models:
     eos_ids: list[int] = field(default_factory=list)
 
     def __post_init__(self) -> None:
-        ids = {self.tokenizer.eos_token_id}
-        configured = getattr(self.target.generation_config, "eos_token_id", None)
-        ids.update(configured if isinstance(configured, list) else [configured])
-        self.eos_ids = sorted(i for i in ids if i is not None)
+        self.eos_ids = sorted(eos_token_ids(self.tokenizer, self.target))
 
     @classmethod
     def load(cls, config: Config, needs_draft: bool) -> Models:
@@ -266,25 +263,9 @@ class Models:
         draft = load_model(draft_name, config.dtype, target.device) if draft_name else None
         return cls(target, load_tokenizer(config.model), draft, draft_name)
 
-    def engine_draft(self) -> PreTrainedModel | None:
-        """The draft for a new engine: a draft with a vocabulary subset gets its head cut in place, so a fresh copy."""
-        if self.draft_name and draft_vocab_subset(self.draft_name) is not None:
-            return load_model(self.draft_name, str(self.draft.dtype).removeprefix("torch."), self.target.device)
-        return self.draft
-
     @property
     def pad_id(self) -> int:
         return self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.eos_ids[0]
-
-
-def encode(tokenizer: PreTrainedTokenizerBase, request: Request) -> list[int]:
-    """Prompt token ids exactly as the engine builds them (SPEC "Input")."""
-    if request.prompt_token_ids is not None:
-        return list(request.prompt_token_ids)
-    if request.messages is not None:
-        text = tokenizer.apply_chat_template(request.messages, tokenize=False, add_generation_prompt=True)
-        return tokenizer(text, add_special_tokens=False)["input_ids"]
-    return tokenizer(request.prompt)["input_ids"]
 
 
 def _hf_kwargs(models: Models, params: SamplingParams) -> dict[str, Any]:
@@ -350,7 +331,7 @@ def _run_transformers(models: Models, contender: Contender, prompts: dict[str, l
 
 
 def _run_engine(models: Models, contender: Contender, prompts: dict[str, list[int]]) -> _Measurement:
-    draft = models.engine_draft() if contender.method == "draft_model" else None
+    draft = models.draft if contender.method == "draft_model" else None
     engine = Engine(contender.config, target=models.target, tokenizer=models.tokenizer, draft=draft)
     profile = _Profile()
     _time_methods(engine.drafter, ("add_rows", "propose", "observe"), profile)
@@ -468,7 +449,7 @@ def run_bench(
     runs = contenders(config, grid)
     models = models or Models.load(config, any(c.method == "draft_model" for c in runs))
     encoded = {
-        name: {r.id: encode(models.tokenizer, r) for r in requests} for name, requests in prompt_sets.items()
+        name: {r.id: encode_request(models.tokenizer, r)[1] for r in requests} for name, requests in prompt_sets.items()
     }
     _warm_up(models, runs, next(iter(next(iter(encoded.values())).values())))
     rows: list[BenchRow] = []

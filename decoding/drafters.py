@@ -7,6 +7,7 @@ sequence leaves (swap-remove, mirroring the target cache).
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -147,13 +148,15 @@ class DraftModelDrafter(Drafter):
         self.vocab_size = model.config.vocab_size
         self.vocab_subset = None
         if vocab_subset is not None:
-            # The LM head dominates a tiny draft's cost: keep only the rows of tokens it may propose.
+            # The LM head dominates a tiny draft's cost: keep only the rows of tokens it may propose. The cut
+            # head goes on a shallow copy whose module table is its own, so the caller's model stays whole.
             self.vocab_subset = torch.tensor(vocab_subset, dtype=torch.long)
             full_head = model.get_output_embeddings()
             head = torch.nn.Linear(full_head.in_features, len(vocab_subset), bias=False)
             head.weight = torch.nn.Parameter(full_head.weight.detach()[self.vocab_subset.to(full_head.weight.device)])
-            model.config.tie_word_embeddings = False
-            model.set_output_embeddings(head.to(full_head.weight.device))
+            self.model = copy.copy(model)
+            self.model._modules = dict(model._modules)
+            self.model.set_output_embeddings(head)
         self.cache = SlotKVCache(model.config.num_hidden_layers, capacity, device=device)
         self.uncached: list[list[int]] = []
         self.prefix = 0

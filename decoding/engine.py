@@ -111,6 +111,31 @@ class EngineError(ValueError):
     """A request the engine cannot run; it becomes that sequence's error result."""
 
 
+def encode_request(tokenizer: PreTrainedTokenizerBase, request: Request) -> tuple[str, list[int]]:
+    """Prompt text and token ids (SPEC "Input"): ``prompt`` exactly as ``tokenizer(prompt)`` does, ``messages``
+    through the chat template with the generation prompt, or ``prompt_token_ids`` as given."""
+    if request.prompt_token_ids is not None:
+        ids = [int(t) for t in request.prompt_token_ids]
+        return (request.prompt if isinstance(request.prompt, str) else tokenizer.decode(ids)), ids
+    if request.messages is not None:
+        try:
+            prompt = tokenizer.apply_chat_template(request.messages, tokenize=False, add_generation_prompt=True)
+        except Exception as exc:  # templates raise many types on malformed messages
+            raise EngineError(f"cannot render messages with the chat template: {exc}") from exc
+        return prompt, tokenizer(prompt, add_special_tokens=False)["input_ids"]
+    if isinstance(request.prompt, str):
+        return request.prompt, tokenizer(request.prompt)["input_ids"]
+    raise EngineError(f"prompt must be a string, got {type(request.prompt).__name__}")
+
+
+def eos_token_ids(tokenizer: PreTrainedTokenizerBase, model: PreTrainedModel) -> set[int]:
+    """Tokens that end a sequence: the tokenizer's EOS and the model's generation config's."""
+    ids = {tokenizer.eos_token_id}
+    configured = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+    ids.update(configured if isinstance(configured, list) else [configured])
+    return {i for i in ids if i is not None}
+
+
 class Engine:
     def __init__(
         self,
@@ -139,7 +164,7 @@ class Engine:
             draft_tokens=(root_width + 1, width),
         )
         self.drafter.uses_hidden_states = self.policy.needs_hidden_states
-        self.eos_ids = self._eos_ids()
+        self.eos_ids = eos_token_ids(self.tokenizer, self.target)
         self.waiting: deque[_Sequence] = deque()
         self.running: list[_Sequence] = []
         self.rejected: list[GenerationResult] = []
@@ -176,13 +201,6 @@ class Engine:
         draft_key = resolve_model_path(spec.model) if draft_from_path and spec.model else None
         return verify, calibrate(self.drafter.model, self.capacity * (self.topology.root_width + 1), draft_key)
 
-    def _eos_ids(self) -> set[int]:
-        ids = {self.tokenizer.eos_token_id}
-        generation = getattr(self.target, "generation_config", None)
-        configured = getattr(generation, "eos_token_id", None)
-        ids.update(configured if isinstance(configured, list) else [configured])
-        return {i for i in ids if i is not None}
-
     # ------------------------------------------------------------------------------------------ requests
     def add_request(self, request: Request) -> None:
         """Queue a request; an invalid one finishes at the next step with an error result."""
@@ -208,22 +226,7 @@ class Engine:
             raise EngineError(f"invalid sampling_params: {detail}") from exc
 
     def _tokenize(self, request: Request) -> tuple[str, list[int]]:
-        if request.prompt_token_ids is not None:
-            ids = [int(t) for t in request.prompt_token_ids]
-            prompt = request.prompt if isinstance(request.prompt, str) else self.tokenizer.decode(ids)
-        elif request.messages is not None:
-            try:
-                prompt = self.tokenizer.apply_chat_template(
-                    request.messages, tokenize=False, add_generation_prompt=True
-                )
-            except Exception as exc:  # templates raise many types on malformed messages
-                raise EngineError(f"cannot render messages with the chat template: {exc}") from exc
-            ids = self.tokenizer(prompt, add_special_tokens=False)["input_ids"]
-        elif isinstance(request.prompt, str):
-            prompt = request.prompt
-            ids = self.tokenizer(prompt)["input_ids"]
-        else:
-            raise EngineError(f"prompt must be a string, got {type(request.prompt).__name__}")
+        prompt, ids = encode_request(self.tokenizer, request)
         if not ids:
             raise EngineError("empty prompt")
         if len(ids) >= self.max_context:

@@ -284,3 +284,22 @@ def test_abort_frees_the_row_and_spares_the_rest(tokenizer, target, draft, refer
     while engine.has_unfinished():
         done.update({r.id: r for r in engine.step().finished})
     assert list(done) == ["1"] and done["1"].token_ids == reference[1]
+
+
+def test_vocabulary_subset_draft_is_lossless_and_leaves_the_model_whole(
+    tmp_path, tokenizer, target, draft, reference
+) -> None:
+    import json
+
+    from decoding.models import DRAFT_METADATA
+
+    draft.save_pretrained(tmp_path)
+    (tmp_path / DRAFT_METADATA).write_text(json.dumps({"vocab_subset": list(range(3, 20))}))
+    config = make_config(method="draft_model", model=str(tmp_path), num_candidates=2)
+    engine = Engine(config, target=target, tokenizer=tokenizer, draft=draft)
+    assert engine.drafter.model.get_output_embeddings().out_features == 17
+    assert draft.get_output_embeddings().out_features == target.config.vocab_size
+    results = engine.generate([Request(id=str(i), prompt=p) for i, p in enumerate(PROMPTS)])
+    assert [r.token_ids for r in results] == reference
+    # Tokens outside the subset are never proposed.
+    assert all(3 <= stat[3] < 20 for r in results for stat in r.token_stats)
