@@ -378,7 +378,9 @@ class Engine:
         for row, (seq, verdict) in enumerate(zip(seqs, verdicts)):
             accepted_nodes = [n for n in verdict.path if depth_of[n] > 0]
             seq.forwards += 1
-            seq.root_scores = verdict.next_probs if verdict.next_probs is not None else logits[row, verdict.path[-1]]
+            # A copy: a view would keep this step's whole [B, N, V] logits alive for as long as the sequence runs.
+            law = verdict.next_probs if verdict.next_probs is not None else logits[row, verdict.path[-1]]
+            seq.root_scores = law.clone()
             new_tokens = [int(draft.tokens[row, n]) for n in accepted_nodes] + [verdict.next_token]
             kept = self._emit(seq, new_tokens, [True] * len(accepted_nodes) + [False], emitted)
             kept_nodes = set(accepted_nodes[:kept])  # a stop inside the accepted run drops the rest
