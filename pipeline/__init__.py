@@ -1,5 +1,4 @@
-"""specbatch's Ray Data pipeline: prompt files -> engine actors -> Parquet outputs and token statistics."""
+"""specbatch's Ray Data pipeline: prompt files -> engine actors -> Parquet outputs and token statistics.
 
-from pipeline.job import generate, run
-
-__all__ = ["generate", "run"]
+Entry point: ``pipeline.job.run`` (``specbatch generate``); ``pipeline.job.generate`` for a Dataset of one's own.
+"""

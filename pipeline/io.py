@@ -39,7 +39,7 @@ def list_input_files(path: str) -> tuple[list[str], str]:
         files = sorted(os.path.abspath(p) for p in glob.glob(path, recursive=True) if os.path.isfile(p))
         base = os.path.dirname(path[: min(path.find(ch) for ch in "*?[" if ch in path)])
     elif os.path.isdir(path):
-        files = sorted(str(p.resolve()) for p in Path(path).rglob("*") if p.is_file() and p.suffix in FORMATS)
+        files = sorted(os.path.abspath(p) for p in Path(path).rglob("*") if p.is_file() and p.suffix in FORMATS)
         base = path
     elif os.path.isfile(path):
         files, base = [os.path.abspath(path)], os.path.dirname(path)

@@ -326,10 +326,13 @@ def test_ray_job_submit_on_a_started_head(config, tmp_path):
     `ray job submit --working-dir . -- python -m jobs.generate --config ...`."""
     ray_bin = str(Path(sys.executable).with_name("ray"))
     temp_dir = tempfile.mkdtemp(prefix="sbjob", dir="/tmp")  # short: Ray's socket paths live under it
-    port, dashboard = free_port(), free_port()
+    dashboard = free_port()
+    # Every port on a free one: the defaults (agent 52365, client 10001, ...) belong to the session's cluster.
+    ports = [f"--{name}-port={free_port()}" for name in (
+        "dashboard-agent-listen", "dashboard-agent-grpc", "runtime-env-agent", "metrics-export", "ray-client-server")]
     head = subprocess.Popen(
-        [ray_bin, "start", "--head", "--block", f"--port={port}", f"--temp-dir={temp_dir}", "--num-cpus=2",
-         "--include-dashboard=true", f"--dashboard-port={dashboard}", "--disable-usage-stats"],
+        [ray_bin, "start", "--head", "--block", f"--port={free_port()}", f"--temp-dir={temp_dir}", "--num-cpus=2",
+         "--include-dashboard=true", f"--dashboard-port={dashboard}", *ports, "--disable-usage-stats"],
         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
     )
     try:
@@ -340,9 +343,10 @@ def test_ray_job_submit_on_a_started_head(config, tmp_path):
                   "--input", str(source), "--output", str(tmp_path / "out")]
         env = {**os.environ, "RAY_AUTH_MODE": "token"}  # the job CLI sends the head's token only when told to
         deadline = time.monotonic() + 120
-        while True:  # the job server answers some seconds after the head is up
+        while True:  # the job server and its agent answer some seconds after `ray start` returns
             job = subprocess.run(submit, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
-            if job.returncode == 0 or time.monotonic() > deadline or "onnect" not in job.stdout + job.stderr:
+            not_ready = any(m in job.stdout + job.stderr for m in ("onnect", "No available agent"))
+            if job.returncode == 0 or not not_ready or time.monotonic() > deadline:
                 break
             time.sleep(2)
         assert job.returncode == 0, job.stdout[-3000:] + job.stderr[-3000:]
