@@ -8,6 +8,7 @@ retries) that numbers rows and turns undecodable rows into per-row errors instea
 
 from __future__ import annotations
 
+import contextlib
 import glob
 import json
 import os
@@ -102,16 +103,15 @@ def read_json_records(data: bytes) -> pa.Table:
     """JSON Lines (or one JSON array) of objects. A line that is not a JSON object, or a prompt that is
     not a string where others are, becomes a row with a ``READ_ERROR``; a column whose values mix
     types elsewhere is stored as JSON text (``sampling_params`` and ``messages`` accept that form)."""
-    text = data.decode("utf-8", errors="replace")
-    if text.lstrip().startswith("["):
-        lines = [json.dumps(record) for record in json.loads(text)]
-    else:
-        lines = [line for line in text.splitlines() if line.strip()]
+    lines = [line for line in data.splitlines() if line.strip()]
+    if lines and lines[0].lstrip().startswith(b"["):  # one JSON array rather than JSON Lines
+        with contextlib.suppress(ValueError):
+            lines = [json.dumps(record).encode() for record in json.loads(data)]
     records: list[dict[str, Any]] = []
     errors: list[str | None] = []
     for number, line in enumerate(lines, 1):
         try:
-            record = json.loads(line)
+            record = json.loads(line)  # bytes: invalid UTF-8 raises too, a ValueError like bad JSON
             if not isinstance(record, dict):
                 raise ValueError(f"expected a JSON object, got {type(record).__name__}")
         except ValueError as exc:

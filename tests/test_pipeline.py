@@ -294,12 +294,15 @@ def test_inputs_parquet_csv_jsonl_dirs_globs_and_derived_ids(ray_cluster, tmp_pa
 
 
 def test_undecodable_json_records_become_row_errors():
-    table = read_json_records(b'{"prompt": "ok"}\nnot json\n[1]\n{"prompt": 7}\n\n')
-    assert table.num_rows == 4
-    assert table["prompt"].to_pylist() == ["ok", None, None, None]
+    table = read_json_records(b'{"prompt": "ok"}\nnot json\n[1]\n{"prompt": 7}\n\n{"prompt": "\xff"}\n')
+    assert table.num_rows == 5
+    assert table["prompt"].to_pylist() == ["ok", None, None, None, None]
     errors = table[READ_ERROR].to_pylist()
     assert errors[0] is None and "record 2" in errors[1] and "got list" in errors[2]
     assert errors[3] == "prompt must be a string, got int"
+    assert "record 5" in errors[4] and "utf-8" in errors[4]
+    array = read_json_records(b'[{"prompt": "a"}, {"prompt": "b"}]')
+    assert array["prompt"].to_pylist() == ["a", "b"] and array[READ_ERROR].null_count == 2
 
 
 def test_generate_cli_names_the_bad_field_and_value(capsys):
