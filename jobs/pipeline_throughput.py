@@ -47,6 +47,10 @@ def main(argv: list[str] | None = None) -> int:
         parser.exit(2, f"{parser.prog}: error: {exc}\n")
     setup_logging()
     rows = load_rows(args.data, args.rows)
+    print(f"{config.model}, method {config.speculative.method}, batch_size {config.batch_size}, "
+          f"max_tokens {config.sampling.max_tokens}, {len(rows)} prompts")
+    print(f"| {'setup':<26} | rows | tokens | seconds | tokens/s | vs direct | mean acceptance length |")
+    print(f"|{'-' * 28}|------|--------|---------|----------|-----------|------------------------|", flush=True)
 
     engine = Engine(config)
     start = time.perf_counter()
@@ -54,7 +58,8 @@ def main(argv: list[str] | None = None) -> int:
     seconds = time.perf_counter() - start
     tokens = sum(len(r.token_ids) for r in results)
     forwards = sum(r.num_target_forwards for r in results)
-    table = [("Engine.generate (direct)", len(results), tokens, seconds, tokens / forwards if forwards else 0.0)]
+    direct = tokens / seconds
+    print_row("Engine.generate (direct)", len(results), tokens, seconds, direct, tokens / forwards if forwards else 0.0)
     del engine
 
     ray.init()
@@ -65,22 +70,18 @@ def main(argv: list[str] | None = None) -> int:
             for concurrency in (1, 2):
                 setup = config.model_copy(update={"concurrency": concurrency})
                 summary = run(setup, str(source), f"{tmp}/c{concurrency}")
-                table.append((f"pipeline, concurrency {concurrency}", summary["rows"], summary["generated_tokens"],
-                              summary["wall_seconds"], summary["mean_acceptance_length"]))
+                print_row(f"pipeline, concurrency {concurrency}", summary["rows"], summary["generated_tokens"],
+                          summary["wall_seconds"], direct, summary["mean_acceptance_length"])
     finally:
         ray.shutdown()
-
-    direct = table[0][2] / table[0][3]
-    print(f"\n{config.model}, method {config.speculative.method}, batch_size {config.batch_size}, "
-          f"max_tokens {config.sampling.max_tokens}, {len(rows)} prompts")
-    print(f"| {'setup':<26} | rows | tokens | seconds | tokens/s | vs direct | mean acceptance length |")
-    print(f"|{'-' * 28}|------|--------|---------|----------|-----------|------------------------|")
-    for name, count, tokens, seconds, acceptance in table:
-        rate = tokens / seconds
-        print(f"| {name:<26} | {count:>4} | {tokens:>6} | {seconds:>7.1f} | {rate:>8.1f} | {rate / direct:>9.2f} "
-              f"| {acceptance:>22.2f} |")
     return 0
 
+
+def print_row(name: str, count: int, tokens: int, seconds: float, direct: float, acceptance: float) -> None:
+    """One table row as soon as it is measured (a run cut short still reports what it finished)."""
+    rate = tokens / seconds
+    print(f"| {name:<26} | {count:>4} | {tokens:>6} | {seconds:>7.1f} | {rate:>8.1f} | {rate / direct:>9.2f} "
+          f"| {acceptance:>22.2f} |", flush=True)
 
 if __name__ == "__main__":
     sys.exit(main())
