@@ -14,8 +14,12 @@ class _Strict(BaseModel):
 
 
 class SpeculativeConfig(_Strict):
-    method: Literal["none", "ngram", "draft_model"] = "ngram"
-    model: str | None = Field(None, description="draft model path or alias, for method draft_model")
+    method: Literal["none", "ngram", "draft_model"] = "draft_model"
+    # The default draft is the one `specbatch train-draft` makes for the default target; where it is missing
+    # or the target is another model, the engine falls back to ngram with a warning (models.resolve_draft).
+    model: str | None = Field(
+        "smollm2-135m-instruct-draft", description="draft model path or alias, for method draft_model"
+    )
     num_speculative_tokens: int = Field(5, ge=0, le=32, description="maximum draft depth")
     num_candidates: int = Field(2, ge=1, le=16, description="width: candidates verified per step")
     candidate_init: Literal["target", "draft"] = "draft"

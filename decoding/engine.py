@@ -29,6 +29,7 @@ from decoding.models import (
     draft_vocab_subset,
     load_model,
     load_tokenizer,
+    resolve_draft,
     resolve_model_path,
 )
 from decoding.sampling import WarpParams, draw, warp_probs
@@ -146,8 +147,8 @@ class Engine:
         draft: PreTrainedModel | None = None,
         device: torch.device | None = None,
     ) -> None:
-        self.config = config
-        spec = config.speculative
+        spec = resolve_draft(config.speculative, config.model)
+        self.config = config = config.model_copy(update={"speculative": spec})
         self.device = device or (target.device if target is not None else default_device())
         self.tokenizer = tokenizer or load_tokenizer(config.model)
         self.target = target if target is not None else load_model(config.model, config.dtype, self.device)

@@ -131,16 +131,20 @@ def draft_vocab_subset(name: str) -> list[int] | None:
     return json.loads(path.read_text()).get("vocab_subset")
 
 
-def resolve_draft(spec: SpeculativeConfig) -> SpeculativeConfig:
-    """The default draft alias before anyone trained it: fall back to ``ngram`` (with a warning), not an error.
+def resolve_draft(spec: SpeculativeConfig, target: str | None = None) -> SpeculativeConfig:
+    """The default draft alias where it cannot serve: fall back to ``ngram`` (with a warning), not an error.
 
-    Training a draft takes about half an hour on a CPU, too long to start implicitly inside a generate job.
+    It cannot serve before anyone trained it (training takes about half an hour on a CPU, too long to start
+    implicitly inside a generate job), nor a ``target`` other than the default model it was trained for.
     """
     if spec.method != "draft_model" or spec.model != DEFAULT_DRAFT:
         return spec
     try:
         resolve_model_path(DEFAULT_DRAFT)
-        return spec
+        if target is None or target == DEFAULT_MODEL:
+            return spec
+        log.warning("the default draft '%s' serves '%s' only; speculating on '%s' with method 'ngram' "
+                    "(set speculative.model to a draft for it)", DEFAULT_DRAFT, DEFAULT_MODEL, target)
     except FileNotFoundError as missing:
         log.warning("%s; speculating with method 'ngram' instead", missing)
     fallback = {**spec.model_dump(), "method": "ngram", "model": None}

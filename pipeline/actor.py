@@ -83,7 +83,7 @@ class GenerationActor:
         # Ray sets OMP_NUM_THREADS=1 in workers: a CPU actor uses its num_cpus, else its share of the node.
         cores = self.config.num_cpus or (os.cpu_count() or 1) / actors_per_node
         self.torch_threads = max(1, int(cores)) if self.engine.device.type == "cpu" else None
-        spec = self.config.speculative
+        spec = self.engine.config.speculative  # as resolved: the default draft may have fallen back to ngram
         self.provenance = {
             "target_model": self.config.model,
             "draft_model": spec.model if spec.method == "draft_model" else None,
