@@ -1,14 +1,17 @@
-"""train-draft: distil a small draft for any target from the target's own greedy continuations and logits.
+"""train-draft: distil a small draft for any target from the target's own greedy continuations.
 
 The draft (DistillSpec / FastDraft style) is a normal causal LM directory sharing the target's tokenizer:
 a few of the target's decoder layers (or an ``init`` model), the target's embeddings (frozen) and final norm,
 and an LM head restricted to the ``vocab_size`` tokens the target emits most (``specbatch_draft.json``): the
 full head of a small-vocabulary-heavy model costs as much as several decoder layers.
 
-Training is on prompt + continuation windows; the loss is on continuation positions: cross-entropy to the
-target's greedy token plus a soft cross-entropy to its top-k distribution (restricted to the subset).
-Validation reports the draft's top-1 agreement with the target on held-out continuations, which at
-temperature 0 *is* the per-token acceptance rate, and the mean acceptance length it implies at ``eval_depth``.
+Training is on prompt + continuation windows. The teacher stores the target's final hidden state at every
+position, so each position gets the target's *exact* distribution over the subset (its LM head rows applied to
+that state): a soft cross-entropy on continuation positions (``soft_weight``) and on prompt positions
+(``prompt_weight``: dense extra signal from the prefill the teacher computed anyway), plus cross-entropy to the
+target's greedy token on continuation positions (``hard_weight``). Validation reports the draft's top-1
+agreement with the target on held-out continuations, which at temperature 0 *is* the per-token acceptance
+rate, and the mean acceptance length it implies at ``eval_depth``.
 """
 
 from __future__ import annotations
@@ -46,7 +49,6 @@ class DraftTrainingConfig(BaseModel):
     vocab_size: int = Field(8192, ge=0, description="tokens the draft's head keeps; 0 keeps the full vocabulary")
     max_new_tokens: int = Field(128, ge=1, description="length of the target continuations trained on")
     generation_batch_size: int = Field(16, ge=1)
-    top_k: int = Field(32, ge=1, description="target logits kept per continuation token for the soft loss")
     context_tokens: int = Field(512, ge=1, description="prompt tokens kept before each continuation in training")
     batch_tokens: int = Field(8192, ge=1, description="tokens per optimizer step")
     epochs: float = Field(4.0, gt=0)
@@ -56,11 +58,15 @@ class DraftTrainingConfig(BaseModel):
     generation_share: float = Field(0.5, gt=0, le=1, description="most of the budget target generation may use")
     learning_rate: float = Field(3e-4, gt=0)
     warmup_steps: int = Field(20, ge=0)
-    soft_weight: float = Field(1.0, ge=0, description="weight of the top-k soft cross-entropy")
-    hard_weight: float = Field(1.0, ge=0, description="weight of the greedy-token cross-entropy")
+    soft_weight: float = Field(1.0, ge=0, description="soft cross-entropy to the target on continuation positions")
+    hard_weight: float = Field(1.0, ge=0, description="cross-entropy to the greedy token on continuation positions")
+    prompt_weight: float = Field(1.0, ge=0, description="soft cross-entropy to the target on prompt positions")
     validation_prompts: int = Field(16, ge=1, description="prompts whose continuations are held out")
     eval_depth: int = Field(5, ge=1, description="draft depth of the acceptance length reported in metrics")
+    eval_every: int = Field(100, ge=0, description="validate every this many steps (0: only before and after)")
     checkpoint_seconds: float = Field(60.0, gt=0)
+    bf16: bool = Field(False, description="bfloat16 autocast for training forwards: only for CPUs with native bf16 "
+                       "(AVX512-BF16/AMX); on AVX2-only CPUs it is emulated and about 30x slower than float32")
     seed: int = 0
     num_threads: int | None = Field(None, ge=1)
 
@@ -115,19 +121,34 @@ def choose_vocab_subset(examples: list[TeacherExample], size: int, vocab: int, a
 
 
 class _Student(nn.Module):
-    """The draft's body plus a trainable head over the vocabulary subset only."""
+    """The draft's body plus a trainable head over the vocabulary subset only, and the target's frozen head rows
+    for the same subset (teacher logits = target hidden state @ those rows)."""
 
-    def __init__(self, draft: PreTrainedModel, subset: list[int]) -> None:
+    def __init__(self, draft: PreTrainedModel, subset: list[int], teacher_head: torch.Tensor) -> None:
         super().__init__()
         self.body = draft.model
         self.body.embed_tokens.weight.requires_grad_(False)  # shared with the target: keep its geometry
         self.register_buffer("subset", torch.tensor(subset, dtype=torch.long), persistent=False)
+        self.register_buffer("teacher_head", teacher_head, persistent=False)
         self.head = nn.Parameter(draft.get_output_embeddings().weight.detach()[self.subset].clone())
 
-    def forward(self, ids: torch.Tensor, mask: torch.Tensor, rows: torch.Tensor, cols: torch.Tensor) -> torch.Tensor:
-        """Logits over the subset at positions (rows, cols) only: the head is the costliest part."""
+    def forward(self, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        """Logits over the subset at the unmasked positions, in row-major order."""
         hidden = self.body(input_ids=ids, attention_mask=mask).last_hidden_state
-        return hidden[rows, cols] @ self.head.T
+        return hidden[mask.bool()] @ self.head.T
+
+    @torch.no_grad()
+    def calibrate_scale(self, batch: dict[str, torch.Tensor], loss) -> float:
+        """Rescale the head to the loss-minimising temperature on one batch.
+
+        Copied from the target, a shallow draft is far over-confident (its logits spread about twice as wide as
+        the target's), and Adam would need thousands of small steps to shrink the head's norm by itself.
+        """
+        logits = self(batch["ids"], batch["mask"])
+        scales = torch.linspace(0.05, 1.5, 30)
+        best = float(min(scales, key=lambda scale: float(loss(logits * scale, batch))))
+        self.head.mul_(best)
+        return best
 
     def write_back(self, draft: PreTrainedModel) -> None:
         with torch.no_grad():
@@ -136,15 +157,16 @@ class _Student(nn.Module):
 
 # ------------------------------------------------------------------------------------------------------ batches
 class _Window:
-    """One training sequence: kept prompt context + continuation; targets at the continuation positions."""
+    """One training sequence: the last ``context`` prompt tokens + the continuation, with the target's hidden
+    state at every position and the greedy token at continuation positions."""
 
     def __init__(self, example: TeacherExample, context: int, index: torch.Tensor) -> None:
-        prompt = example.prompt[-context:]
-        self.ids = torch.tensor(prompt + example.continuation[:-1], dtype=torch.long)
-        self.start = len(prompt) - 1  # position whose output predicts continuation[0]
-        self.labels = index[torch.tensor(example.continuation)]  # -1: outside the subset
-        self.top = index[example.top_ids.long()]
-        self.top_logits = example.top_logits.float()
+        kept = min(context, len(example.prompt))
+        self.ids = torch.tensor(example.prompt[-kept:] + example.continuation[:-1], dtype=torch.long)
+        self.hidden = example.hidden[len(example.prompt) - kept :]
+        self.continuation = torch.arange(len(self.ids)) >= kept - 1  # positions predicting continuation tokens
+        self.labels = torch.full((len(self.ids),), -1, dtype=torch.long)
+        self.labels[self.continuation] = index[torch.tensor(example.continuation)]  # -1: outside the subset
 
     def __len__(self) -> int:
         return len(self.ids)
@@ -174,32 +196,33 @@ def _schedule(windows: list[_Window], config: DraftTrainingConfig, per_epoch: in
 
 
 def _collate(windows: list[_Window]) -> dict[str, torch.Tensor]:
+    """Right-padded ids and mask; per-position targets in the row-major order of the unmasked positions."""
     width = max(len(w) for w in windows)
     ids = torch.zeros(len(windows), width, dtype=torch.long)
     mask = torch.zeros_like(ids)
-    rows, cols, labels, top, top_logits = [], [], [], [], []
     for r, w in enumerate(windows):
         ids[r, : len(w)] = w.ids
         mask[r, : len(w)] = 1
-        n = len(w.labels)
-        rows.append(torch.full((n,), r))
-        cols.append(torch.arange(w.start, w.start + n))
-        labels.append(w.labels)
-        top.append(w.top)
-        top_logits.append(w.top_logits)
-    return {"ids": ids, "mask": mask, "rows": torch.cat(rows), "cols": torch.cat(cols), "labels": torch.cat(labels),
-            "top": torch.cat(top), "top_logits": torch.cat(top_logits)}
+    return {"ids": ids, "mask": mask, "hidden": torch.cat([w.hidden for w in windows]),
+            "continuation": torch.cat([w.continuation for w in windows]),
+            "labels": torch.cat([w.labels for w in windows])}
 
 
-def _loss(logits: torch.Tensor, batch: dict[str, torch.Tensor], config: DraftTrainingConfig) -> torch.Tensor:
-    logp = logits.log_softmax(-1)
+def _loss(logits: torch.Tensor, batch: dict[str, torch.Tensor], teacher_head: torch.Tensor,
+          config: DraftTrainingConfig) -> torch.Tensor:
+    logp = logits.float().log_softmax(-1)
+    with torch.no_grad():
+        teacher = (batch["hidden"].to(teacher_head.dtype) @ teacher_head.T).float().softmax(-1)
+    soft = -(teacher * logp).sum(-1)
+    continuation = batch["continuation"]
     labels = batch["labels"]
-    known = labels >= 0
-    hard = -logp[known, labels[known]].mean() if bool(known.any()) else logits.sum() * 0
-    top, in_subset = batch["top"], batch["top"] >= 0
-    teacher = batch["top_logits"].masked_fill(~in_subset, -torch.inf).softmax(-1).nan_to_num(0.0)
-    soft = -(teacher * logp.gather(-1, top.clamp_min(0))).sum(-1).mean()
-    return config.hard_weight * hard + config.soft_weight * soft
+    known = labels >= 0  # greedy tokens outside the subset cannot be predicted: no hard loss there
+    loss = config.soft_weight * soft[continuation].mean()
+    if bool(known.any()):
+        loss = loss + config.hard_weight * -logp[known, labels[known]].mean()
+    if bool((~continuation).any()):
+        loss = loss + config.prompt_weight * soft[~continuation].mean()
+    return loss
 
 
 def acceptance_length(agree: list[bool], depth: int) -> float:
@@ -221,8 +244,9 @@ def evaluate(student: _Student, windows: list[_Window], depth: int) -> dict[str,
     agree_all, lengths, weights = [], [], []
     for w in windows:
         batch = _collate([w])
-        logits = student(batch["ids"], batch["mask"], batch["rows"], batch["cols"])
-        agree = (logits.argmax(-1) == batch["labels"]).tolist()
+        continuation = batch["continuation"]
+        agree = (student(batch["ids"], batch["mask"])[continuation].argmax(-1) == batch["labels"][continuation])
+        agree = agree.tolist()
         agree_all += agree
         lengths.append(acceptance_length(agree, depth))
         weights.append(len(agree))
@@ -263,10 +287,9 @@ def train_draft(config: DraftTrainingConfig, overwrite: bool = False) -> Path:
     budget = config.time_budget_s
     examples, generation_seconds = teacher_continuations(
         target, prompts, run, max_new_tokens=config.max_new_tokens, batch_size=config.generation_batch_size,
-        top_k=config.top_k, pad_id=tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0,
+        pad_id=tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0,
         seed=config.seed, budget_seconds=budget * config.generation_share if budget else None,
     )
-    del target  # free its memory for training
     if len(examples) <= config.validation_prompts:
         raise ValueError(f"need more than validation_prompts={config.validation_prompts} prompts, got {len(examples)}")
     # Validation prompts are spread over the data (every n-th), so every source is represented.
@@ -278,7 +301,10 @@ def train_draft(config: DraftTrainingConfig, overwrite: bool = False) -> Path:
     if 0 < config.vocab_size < vocab:
         always = set(tokenizer.all_special_ids) | eos_ids(draft)
         subset = choose_vocab_subset(train_examples, config.vocab_size, vocab, always)
-    student = _Student(draft, subset if subset is not None else list(range(vocab))).train()
+    subset_ids = subset if subset is not None else list(range(vocab))
+    teacher_head = target.get_output_embeddings().weight.detach()[subset_ids].clone()
+    del target  # free its memory for training
+    student = _Student(draft, subset_ids, teacher_head).train()
     index = torch.full((vocab,), -1, dtype=torch.long)
     index[student.subset] = torch.arange(len(student.subset))
     windows = [_Window(e, config.context_tokens, index) for e in train_examples]
@@ -286,13 +312,17 @@ def train_draft(config: DraftTrainingConfig, overwrite: bool = False) -> Path:
 
     # Training gets what generation left, minus time to set up, validate and save (counted across resumes).
     train_budget = budget - setup_seconds - generation_seconds - _FINISH_RESERVE_S if budget else None
+    if run.load_state("checkpoint.pt") is None:
+        sample = _collate(windows[:: max(1, len(windows) // 16)])
+        scale = student.calibrate_scale(sample, lambda logits, batch: _loss(logits, batch, teacher_head, config))
+        log.info("head rescaled by %.2f to the target's confidence", scale)
     before = evaluate(student, valid, config.eval_depth)
-    steps, total_steps, train_seconds = _optimize(student, windows, config, run, train_budget)
+    steps, total_steps, train_seconds = _optimize(student, windows, valid, config, run, train_budget)
     after = evaluate(student, valid, config.eval_depth)
     metrics = {
         "steps": steps, "planned_steps": total_steps, "train_examples": len(windows),
         "train_tokens": sum(len(w.labels) for w in windows), "validation_examples": len(valid),
-        "validation_subset_coverage": float(torch.cat([w.labels for w in valid]).ge(0).float().mean()),
+        "validation_subset_coverage": float(torch.cat([w.labels[w.continuation] for w in valid]).ge(0).float().mean()),
         "validation_before": before, "validation": after, "generation_seconds": round(generation_seconds, 1),
         "train_seconds": round(train_seconds, 1), "total_seconds": round(time.perf_counter() - started, 1),
     }
@@ -304,8 +334,8 @@ def train_draft(config: DraftTrainingConfig, overwrite: bool = False) -> Path:
     return run.path
 
 
-def _optimize(student: _Student, windows: list[_Window], config: DraftTrainingConfig, run: RunDir,
-              budget: float | None) -> tuple[int, int, float]:
+def _optimize(student: _Student, windows: list[_Window], valid: list[_Window], config: DraftTrainingConfig,
+              run: RunDir, budget: float | None) -> tuple[int, int, float]:
     """AdamW with warm-up and cosine decay over epochs (or the time budget, whichever ends first); checkpoints
     every ``checkpoint_seconds`` and on interruption. Returns (steps, planned steps, training seconds)."""
     params = [p for p in student.parameters() if p.requires_grad]
@@ -337,7 +367,9 @@ def _optimize(student: _Student, windows: list[_Window], config: DraftTrainingCo
             for param_group in optimizer.param_groups:
                 param_group["lr"] = lr
             batch = _collate([windows[i] for i in group])
-            loss = _loss(student(batch["ids"], batch["mask"], batch["rows"], batch["cols"]), batch, config)
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=config.bf16):
+                logits = student(batch["ids"], batch["mask"])
+                loss = _loss(logits, batch, student.teacher_head, config)
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
             torch.nn.utils.clip_grad_norm_(params, 1.0)
@@ -345,6 +377,10 @@ def _optimize(student: _Student, windows: list[_Window], config: DraftTrainingCo
             step += 1
             run.log_metrics(step=step, loss=loss.item(), lr=lr, seconds=round(seconds, 2))
             progress.update(step, loss=loss.item())
+            if config.eval_every and step % config.eval_every == 0:
+                validation = evaluate(student, valid, config.eval_depth)
+                run.log_metrics(step=step, validation=validation)
+                log.info("step %d: validation %s", step, validation)
             if time.perf_counter() - last_checkpoint > config.checkpoint_seconds:
                 checkpoint()
                 last_checkpoint = time.perf_counter()

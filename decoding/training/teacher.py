@@ -1,4 +1,9 @@
-"""The target's own greedy continuations of training prompts, with its top-k logits at every generated token.
+"""The target's own greedy continuations of training prompts, with its final hidden state at every position.
+
+The final hidden state h (the input of the LM head) is the densest teacher signal there is: the target's logits
+at any position are ``lm_head(h)``, so the draft can be distilled against the target's exact distribution over
+its vocabulary subset at every prompt *and* continuation position, for the price of storing one vector per token.
+The prefill computes those states for the prompt anyway; a forward hook on the decoder keeps them.
 
 Batches group prompts of similar length (little padding) and run in a seeded random order, so a time budget
 that stops generation early keeps a representative sample. Each finished batch is saved as a work file with its
@@ -11,7 +16,7 @@ import time
 from dataclasses import dataclass
 
 import torch
-from transformers import LogitsProcessor, LogitsProcessorList, PreTrainedModel
+from transformers import PreTrainedModel
 
 from decoding.training.runs import Progress, RunDir, log
 
@@ -20,21 +25,9 @@ from decoding.training.runs import Progress, RunDir, log
 class TeacherExample:
     prompt: list[int]
     continuation: list[int]  # greedy tokens, through the first EOS
-    top_ids: torch.Tensor  # [len(continuation), k] int32: the target's top-k tokens before each continuation token
-    top_logits: torch.Tensor  # [len(continuation), k] float16
-
-
-class _TopKRecorder(LogitsProcessor):
-    """Records the top-k of each step's logits; generate() then picks the argmax as usual (greedy)."""
-
-    def __init__(self, k: int) -> None:
-        self.k = k
-        self.steps: list[tuple[torch.Tensor, torch.Tensor]] = []
-
-    def __call__(self, input_ids: torch.LongTensor, scores: torch.Tensor) -> torch.Tensor:
-        top = scores.float().topk(self.k, dim=-1)
-        self.steps.append((top.indices.to(torch.int32), top.values.to(torch.float16)))
-        return scores
+    # [len(prompt) + len(continuation) - 1, H] bfloat16: the target's final hidden state at every position whose
+    # next token is known (position i predicts token i + 1 of prompt + continuation).
+    hidden: torch.Tensor
 
 
 def eos_ids(model: PreTrainedModel) -> set[int]:
@@ -45,7 +38,7 @@ def eos_ids(model: PreTrainedModel) -> set[int]:
 
 @torch.no_grad()
 def _generate_batch(
-    target: PreTrainedModel, prompts: list[list[int]], max_new_tokens: int, top_k: int, pad_id: int
+    target: PreTrainedModel, prompts: list[list[int]], max_new_tokens: int, pad_id: int
 ) -> list[TeacherExample]:
     width = max(len(p) for p in prompts)
     ids = torch.full((len(prompts), width), pad_id, dtype=torch.long)
@@ -53,21 +46,26 @@ def _generate_batch(
     for row, prompt in enumerate(prompts):  # left padding: every row's next token sits at the same column
         ids[row, width - len(prompt):] = torch.tensor(prompt)
         mask[row, width - len(prompt):] = 1
-    recorder = _TopKRecorder(top_k)
-    out = target.generate(
-        input_ids=ids, attention_mask=mask, do_sample=False, max_new_tokens=max_new_tokens,
-        logits_processor=LogitsProcessorList([recorder]), pad_token_id=pad_id, top_p=None, top_k=None,
-        temperature=None,
+    states: list[torch.Tensor] = []
+    hook = target.get_decoder().register_forward_hook(
+        lambda module, args, output: states.append(output.last_hidden_state.to(torch.bfloat16))
     )
+    try:
+        out = target.generate(
+            input_ids=ids, attention_mask=mask, do_sample=False, max_new_tokens=max_new_tokens,
+            pad_token_id=pad_id, top_p=None, top_k=None, temperature=None,
+        )
+    finally:
+        hook.remove()
+    hidden = torch.cat(states, 1)  # [B, width + generated - 1, H]: prefill, then one state per decode step
     generated = out[:, width:]
-    top_ids = torch.stack([s[0] for s in recorder.steps], 1)
-    top_logits = torch.stack([s[1] for s in recorder.steps], 1)
     stops = eos_ids(target)
     examples = []
     for row, prompt in enumerate(prompts):
         tokens = generated[row].tolist()
         length = next((i + 1 for i, t in enumerate(tokens) if t in stops), len(tokens))
-        examples.append(TeacherExample(prompt, tokens[:length], top_ids[row, :length], top_logits[row, :length]))
+        start = width - len(prompt)
+        examples.append(TeacherExample(prompt, tokens[:length], hidden[row, start : width + length - 1].clone()))
     return examples
 
 
@@ -78,7 +76,6 @@ def teacher_continuations(
     *,
     max_new_tokens: int,
     batch_size: int,
-    top_k: int,
     pad_id: int,
     seed: int = 0,
     budget_seconds: float | None = None,
@@ -98,7 +95,7 @@ def teacher_continuations(
             if budget_seconds is not None and spent >= budget_seconds:
                 continue  # out of generation time: train on the batches generated so far
             start = time.perf_counter()
-            generated = _generate_batch(target, [prompts[i] for i in batch], max_new_tokens, top_k, pad_id)
+            generated = _generate_batch(target, [prompts[i] for i in batch], max_new_tokens, pad_id)
             done = {"prompts": [prompts[i] for i in batch], "examples": generated,
                     "seconds": time.perf_counter() - start}
             run.save_state(name, done)
