@@ -108,6 +108,18 @@ def default_device() -> torch.device:
     return torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
+def worker_threads(num_cpus: float | None, workers: int) -> int | None:
+    """Torch threads for one of ``workers`` engine processes sharing this machine's cores; None on GPU.
+
+    Worker processes (Ray's among them) often start with OMP_NUM_THREADS=1, and OpenMP's setting is per OS
+    thread: call ``torch.set_num_threads`` with this in every thread that runs the engine, before building it
+    (the online policy times forwards at construction).
+    """
+    if default_device().type != "cpu":
+        return None
+    return max(1, int(num_cpus or (os.cpu_count() or 1) / workers))
+
+
 def load_tokenizer(name: str) -> PreTrainedTokenizerBase:
     return AutoTokenizer.from_pretrained(resolve_model_path(name))
 

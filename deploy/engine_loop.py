@@ -1,8 +1,8 @@
 """Continuous batching for one replica: a single task steps the engine while any request is pending.
 
 Requests join between steps (the engine prefills them into free rows), finished ones leave at once, and each
-caller receives its sequences' events as they happen. Steps run in a worker thread so the event loop keeps
-serving HTTP meanwhile; only that thread touches the engine.
+caller receives its sequences' events as they happen. Steps run in one dedicated thread so the event loop
+keeps serving HTTP meanwhile; only that thread touches the engine.
 """
 
 from __future__ import annotations
@@ -10,7 +10,10 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import AsyncGenerator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+
+import torch
 
 from decoding.engine import Engine, GenerationResult, Request, StepOutput
 
@@ -35,9 +38,16 @@ class _Route:
     index: int
 
 
+def _use_threads(count: int | None) -> None:
+    if count:
+        torch.set_num_threads(count)
+
+
 class EngineLoop:
-    def __init__(self, engine: Engine) -> None:
+    def __init__(self, engine: Engine, torch_threads: int | None = None) -> None:
         self.engine = engine
+        # One dedicated thread steps the engine, with the torch threads it was built for (see worker_threads).
+        self._executor = ThreadPoolExecutor(1, "engine", initializer=_use_threads, initargs=(torch_threads,))
         self.steps = 0
         self.failure: BaseException | None = None
         self._incoming: list[Request] = []
@@ -83,7 +93,9 @@ class EngineLoop:
             while self._incoming or self.engine.has_unfinished():
                 joining, self._incoming = self._incoming, []
                 aborted, self._aborted = self._aborted, []
-                rejected, output = await asyncio.to_thread(self._step, joining, aborted)
+                rejected, output = await asyncio.get_running_loop().run_in_executor(
+                    self._executor, self._step, joining, aborted
+                )
                 self.steps += 1
                 for request_id, error in rejected.items():
                     self._send(request_id, error)

@@ -23,6 +23,7 @@ from contextlib import aclosing
 from pathlib import Path
 from typing import Any
 
+import torch
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ValidationError
@@ -33,7 +34,7 @@ from starlette.exceptions import HTTPException
 from decoding.config import Config, load_config
 from decoding.engine import Engine, GenerationResult
 from decoding.engine import Request as EngineRequest
-from decoding.models import load_tokenizer
+from decoding.models import load_tokenizer, worker_threads
 from deploy.detokenize import IncrementalText
 from deploy.engine_loop import EngineFailure, EngineLoop, Event, RequestRejected
 from deploy.protocol import (
@@ -222,7 +223,12 @@ async def _replay(
 class OpenAIServer:
     def __init__(self, config: Config) -> None:
         self.config = config
-        self.loop = EngineLoop(Engine(config))
+        # Ray starts replicas with OMP_NUM_THREADS=1: a CPU replica takes its num_cpus, else its share of the node.
+        replicas = config.concurrency if isinstance(config.concurrency, int) else config.concurrency[1]
+        threads = worker_threads(config.num_cpus, replicas)
+        if threads:
+            torch.set_num_threads(threads)
+        self.loop = EngineLoop(Engine(config), threads)
         # The engine thread tokenizes with its own tokenizer; streaming decodes on the event loop with this one.
         self.tokenizer = load_tokenizer(config.model)
         self.model_id = config.model

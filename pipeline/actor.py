@@ -11,7 +11,6 @@ from __future__ import annotations
 import itertools
 import json
 import logging
-import os
 import queue
 import threading
 from concurrent.futures import Future
@@ -22,6 +21,7 @@ import torch
 
 from decoding.config import Config
 from decoding.engine import Engine, GenerationResult, Request
+from decoding.models import worker_threads
 from pipeline.schema import READ_ERROR, output_block
 
 log = logging.getLogger(__name__)
@@ -79,10 +79,11 @@ class GenerationActor:
 
     def __init__(self, config: dict[str, Any], actors_per_node: int = 1) -> None:
         self.config = Config.model_validate(config)
-        self.engine = Engine(self.config)
         # Ray sets OMP_NUM_THREADS=1 in workers: a CPU actor uses its num_cpus, else its share of the node.
-        cores = self.config.num_cpus or (os.cpu_count() or 1) / actors_per_node
-        self.torch_threads = max(1, int(cores)) if self.engine.device.type == "cpu" else None
+        self.torch_threads = worker_threads(self.config.num_cpus, actors_per_node)
+        if self.torch_threads:
+            torch.set_num_threads(self.torch_threads)
+        self.engine = Engine(self.config)
         spec = self.engine.config.speculative  # as resolved: the default draft may have fallen back to ngram
         self.provenance = {
             "target_model": self.config.model,
@@ -107,7 +108,7 @@ class GenerationActor:
         return future
 
     def _run_engine(self) -> None:
-        if self.torch_threads:  # per thread: OpenMP settings do not carry over from the thread that made it
+        if self.torch_threads:  # per thread (see worker_threads)
             torch.set_num_threads(self.torch_threads)
         while True:
             if not self.engine.has_unfinished():

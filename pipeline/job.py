@@ -48,7 +48,9 @@ def generate(ds: ray.data.Dataset, config: Config) -> ray.data.Dataset:
         batch_format="pyarrow",
         compute=ray.data.ActorPoolStrategy(
             min_size=low, max_size=high, max_concurrent_calls_per_actor=CALLS_PER_ACTOR,
-            enable_true_multi_threading=True,
+            # No queue beyond the calls an actor runs: otherwise the first ready actor takes most blocks of
+            # a small job and the others idle.
+            max_tasks_in_flight_per_actor=CALLS_PER_ACTOR, enable_true_multi_threading=True,
         ),
         num_gpus=config.num_gpus,
         num_cpus=config.num_cpus,  # None: Ray Data's default of one logical CPU per actor
