@@ -11,7 +11,9 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import statistics
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -23,6 +25,8 @@ from decoding.tree import chain_ancestors
 log = logging.getLogger(__name__)
 
 _CONTEXT = 32  # tokens already cached when timing, so attention over a cache is part of the cost
+_ROUNDS = 5
+_VERSION = 2  # of the measurement method: tables measured otherwise are not reused
 _memo: dict[tuple, list[tuple[int, float]]] = {}
 
 
@@ -46,7 +50,8 @@ class CostTable:
         return ys[-1] + max(slope, 0.0) * (tokens - xs[-1])
 
 
-def _time_forward(model: torch.nn.Module, device: torch.device, tokens: int, repeats: int = 3) -> float:
+def _forward_timer(model: torch.nn.Module, device: torch.device, tokens: int) -> Callable[[], float]:
+    """A function timing one forward of ``tokens`` new tokens after a cached context (warmed up once)."""
     cache = SlotKVCache(model.config.num_hidden_layers, 1, max_slots=_CONTEXT + tokens, device=device)
     rows = cache.add_rows(1)
     vocab = model.config.vocab_size
@@ -55,16 +60,18 @@ def _time_forward(model: torch.nn.Module, device: torch.device, tokens: int, rep
     cache.commit(rows, torch.arange(_CONTEXT, device=device)[None], torch.tensor([_CONTEXT], device=device))
     ids = torch.randint(0, vocab, (1, tokens), device=device)
     ancestors, valid = chain_ancestors(tokens), torch.ones(1, tokens, dtype=torch.bool)
-    timings = []
-    for _ in range(repeats + 1):  # the first run warms up kernels and allocations
+
+    def timed() -> float:
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         start = time.perf_counter()
-        forward_tree(model, cache, rows, ids, ancestors, valid)
+        forward_tree(model, cache, rows, ids, ancestors, valid)  # uncommitted: every call rewrites the same slots
         if device.type == "cuda":
             torch.cuda.synchronize(device)
-        timings.append(time.perf_counter() - start)
-    return sorted(timings[1:])[len(timings[1:]) // 2]
+        return time.perf_counter() - start
+
+    timed()  # warm-up: kernels and allocations
+    return timed
 
 
 def _sizes(max_tokens: int) -> list[int]:
@@ -85,13 +92,18 @@ def calibrate(model: torch.nn.Module, max_tokens: int, disk_key: str | None = No
         return CostTable(_memo[memo_key])
     path = None
     if disk_key is not None:
-        digest = hashlib.sha256(json.dumps([disk_key, *map(str, setting)]).encode()).hexdigest()[:16]
+        digest = hashlib.sha256(json.dumps([disk_key, _VERSION, *map(str, setting)]).encode()).hexdigest()[:16]
         path = cache_dir() / "costs" / f"{digest}.json"
         if path.exists():
             _memo[memo_key] = [tuple(p) for p in json.loads(path.read_text())]
             return CostTable(_memo[memo_key])
     log.info("calibrating forward costs of %s on %s (once per machine)", disk_key or "model", device)
-    points = [(size, _time_forward(model, device, size)) for size in _sizes(max_tokens)]
+    sizes = _sizes(max_tokens)
+    timers = [_forward_timer(model, device, size) for size in sizes]
+    # Interleaved rounds, median per size: a noisy moment spoils one sample of each size, not a whole size
+    # (the table is cached for good, so one bad sample would steer the policy on every later run).
+    rounds = [[timer() for timer in timers] for _ in range(_ROUNDS)]
+    points = [(size, statistics.median(samples)) for size, samples in zip(sizes, zip(*rounds))]
     # Costs never shrink with more tokens; smoothing out timing noise keeps the policy's choices sane.
     for i in range(1, len(points)):
         points[i] = (points[i][0], max(points[i][1], points[i - 1][1]))

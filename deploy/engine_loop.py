@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -44,10 +44,10 @@ def _use_threads(count: int | None) -> None:
 
 
 class EngineLoop:
-    def __init__(self, engine: Engine, torch_threads: int | None = None) -> None:
-        self.engine = engine
-        # One dedicated thread steps the engine, with the torch threads it was built for (see worker_threads).
+    def __init__(self, make_engine: Callable[[], Engine], torch_threads: int | None = None) -> None:
+        # One dedicated thread builds the engine and steps it, with these torch threads (see worker_threads).
         self._executor = ThreadPoolExecutor(1, "engine", initializer=_use_threads, initargs=(torch_threads,))
+        self.engine = self._executor.submit(make_engine).result()
         self.steps = 0
         self.failure: BaseException | None = None
         self._incoming: list[Request] = []

@@ -23,7 +23,6 @@ from contextlib import aclosing
 from pathlib import Path
 from typing import Any
 
-import torch
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ValidationError
@@ -225,10 +224,7 @@ class OpenAIServer:
         self.config = config
         # Ray starts replicas with OMP_NUM_THREADS=1: a CPU replica takes its num_cpus, else its share of the node.
         replicas = config.concurrency if isinstance(config.concurrency, int) else config.concurrency[1]
-        threads = worker_threads(config.num_cpus, replicas)
-        if threads:
-            torch.set_num_threads(threads)
-        self.loop = EngineLoop(Engine(config), threads)
+        self.loop = EngineLoop(lambda: Engine(config), worker_threads(config.num_cpus, replicas))
         # The engine thread tokenizes with its own tokenizer; streaming decodes on the event loop with this one.
         self.tokenizer = load_tokenizer(config.model)
         self.model_id = config.model

@@ -81,18 +81,17 @@ class GenerationActor:
         self.config = Config.model_validate(config)
         # Ray sets OMP_NUM_THREADS=1 in workers: a CPU actor uses its num_cpus, else its share of the node.
         self.torch_threads = worker_threads(self.config.num_cpus, actors_per_node)
-        if self.torch_threads:
-            torch.set_num_threads(self.torch_threads)
-        self.engine = Engine(self.config)
+        self._keys = (str(n) for n in itertools.count())  # engine ids: input ids need not be unique
+        self._inbox: queue.SimpleQueue[tuple[Request, Future]] = queue.SimpleQueue()
+        self._in_engine: dict[str, tuple[Request, Future]] = {}
+        ready: Future = Future()
+        threading.Thread(target=self._run_engine, args=(ready,), name="engine", daemon=True).start()
+        self.engine: Engine = ready.result()  # a failure to build it (bad model path, ...) fails the actor here
         spec = self.engine.config.speculative  # as resolved: the default draft may have fallen back to ngram
         self.provenance = {
             "target_model": self.config.model,
             "draft_model": spec.model if spec.method == "draft_model" else None,
         }
-        self._keys = (str(n) for n in itertools.count())  # engine ids: input ids need not be unique
-        self._inbox: queue.SimpleQueue[tuple[Request, Future]] = queue.SimpleQueue()
-        self._in_engine: dict[str, tuple[Request, Future]] = {}
-        threading.Thread(target=self._run_engine, name="engine", daemon=True).start()
 
     def __call__(self, batch: pa.Table) -> pa.Table:
         futures = [self._submit(row) for row in batch.to_pylist()]
@@ -107,9 +106,16 @@ class GenerationActor:
             future.set_result(error_result(key, row.get("prompt"), str(exc)))
         return future
 
-    def _run_engine(self) -> None:
-        if self.torch_threads:  # per thread (see worker_threads)
+    def _run_engine(self, ready: Future) -> None:
+        """Build the engine, then step it for good: both on this thread (see worker_threads)."""
+        if self.torch_threads:
             torch.set_num_threads(self.torch_threads)
+        try:
+            self.engine = Engine(self.config)
+        except BaseException as exc:
+            ready.set_exception(exc)
+            return
+        ready.set_result(self.engine)
         while True:
             if not self.engine.has_unfinished():
                 self._admit(*self._inbox.get())  # idle: block until a call brings work

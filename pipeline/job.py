@@ -22,7 +22,7 @@ log = logging.getLogger(__name__)
 
 # Ray Data batches an actor works on at once. Their rows share one engine, so while one batch's last
 # sequences finish, the next batch's rows already fill the freed engine rows.
-CALLS_PER_ACTOR = 3
+CALLS_PER_ACTOR = 4
 
 
 @contextmanager

@@ -321,7 +321,7 @@ def test_engine_failure_makes_the_replica_unhealthy(engine, monkeypatch):
         raise RuntimeError("CUDA error: device lost")
 
     monkeypatch.setattr(engine, "step", broken_step)
-    loop = EngineLoop(engine)
+    loop = EngineLoop(lambda: engine)
     with pytest.raises(EngineFailure, match="device lost"):
         asyncio.run(_drain(loop, [Request(id="a", prompt="ab")]))
     with pytest.raises(EngineFailure):
@@ -339,7 +339,7 @@ def test_a_request_add_request_chokes_on_fails_alone(engine, monkeypatch):
         add_request(request)
 
     monkeypatch.setattr(engine, "add_request", picky_add_request)
-    loop = EngineLoop(engine)
+    loop = EngineLoop(lambda: engine)
 
     async def both() -> list[Any]:
         return await asyncio.gather(
@@ -354,7 +354,7 @@ def test_a_request_add_request_chokes_on_fails_alone(engine, monkeypatch):
 
 
 def test_leaving_a_stream_aborts_its_sequence(engine):
-    loop = EngineLoop(engine)
+    loop = EngineLoop(lambda: engine)
 
     async def leave_early() -> None:
         stream = loop.generate([Request(id="gone", prompt="abc", sampling={"max_tokens": 40})])
