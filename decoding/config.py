@@ -83,6 +83,11 @@ class Config(_Strict):
             raise ValueError("concurrency must be a positive int or [min, max] with 1 <= min <= max")
         return value
 
+    @property
+    def concurrency_range(self) -> tuple[int, int]:
+        """(min, max) actors or replicas; a fixed count is both."""
+        return (self.concurrency, self.concurrency) if isinstance(self.concurrency, int) else self.concurrency
+
 
 class ConfigError(ValueError):
     """A configuration that does not validate; the message names the bad field and value."""

@@ -122,6 +122,12 @@ def worker_threads(num_cpus: float | None, workers: int) -> int | None:
     return max(1, int(num_cpus or (os.cpu_count() or 1) / workers))
 
 
+def use_torch_threads(count: int | None) -> None:
+    """Set the calling thread's torch threads (``worker_threads``' answer; None leaves them as they are)."""
+    if count:
+        torch.set_num_threads(count)
+
+
 def load_tokenizer(name: str) -> PreTrainedTokenizerBase:
     return AutoTokenizer.from_pretrained(resolve_model_path(name))
 

@@ -13,9 +13,8 @@ from collections.abc import AsyncGenerator, Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
-import torch
-
 from decoding.engine import Engine, GenerationResult, Request, StepOutput
+from decoding.models import use_torch_threads
 
 log = logging.getLogger(__name__)
 
@@ -38,15 +37,10 @@ class _Route:
     index: int
 
 
-def _use_threads(count: int | None) -> None:
-    if count:
-        torch.set_num_threads(count)
-
-
 class EngineLoop:
     def __init__(self, make_engine: Callable[[], Engine], torch_threads: int | None = None) -> None:
         # One dedicated thread builds the engine and steps it, with these torch threads (see worker_threads).
-        self._executor = ThreadPoolExecutor(1, "engine", initializer=_use_threads, initargs=(torch_threads,))
+        self._executor = ThreadPoolExecutor(1, "engine", initializer=use_torch_threads, initargs=(torch_threads,))
         self.engine = self._executor.submit(make_engine).result()
         self.steps = 0
         self.failure: BaseException | None = None

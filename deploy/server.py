@@ -223,8 +223,8 @@ class OpenAIServer:
     def __init__(self, config: Config) -> None:
         self.config = config
         # Ray starts replicas with OMP_NUM_THREADS=1: a CPU replica takes its num_cpus, else its share of the node.
-        replicas = config.concurrency if isinstance(config.concurrency, int) else config.concurrency[1]
-        self.loop = EngineLoop(lambda: Engine(config), worker_threads(config.num_cpus, replicas))
+        threads = worker_threads(config.num_cpus, config.concurrency_range[1])
+        self.loop = EngineLoop(lambda: Engine(config), threads)
         # The engine thread tokenizes with its own tokenizer; streaming decodes on the event loop with this one.
         self.tokenizer = load_tokenizer(config.model)
         self.model_id = config.model

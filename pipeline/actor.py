@@ -17,11 +17,10 @@ from concurrent.futures import Future
 from typing import Any
 
 import pyarrow as pa
-import torch
 
 from decoding.config import Config
 from decoding.engine import Engine, GenerationResult, Request
-from decoding.models import worker_threads
+from decoding.models import use_torch_threads, worker_threads
 from pipeline.schema import READ_ERROR, output_block
 
 log = logging.getLogger(__name__)
@@ -84,9 +83,10 @@ class GenerationActor:
         self._keys = (str(n) for n in itertools.count())  # engine ids: input ids need not be unique
         self._inbox: queue.SimpleQueue[tuple[Request, Future]] = queue.SimpleQueue()
         self._in_engine: dict[str, tuple[Request, Future]] = {}
+        self.engine: Engine
         ready: Future = Future()
         threading.Thread(target=self._run_engine, args=(ready,), name="engine", daemon=True).start()
-        self.engine: Engine = ready.result()  # a failure to build it (bad model path, ...) fails the actor here
+        ready.result()  # a failure to build the engine (bad model path, ...) fails the actor here
         spec = self.engine.config.speculative  # as resolved: the default draft may have fallen back to ngram
         self.provenance = {
             "target_model": self.config.model,
@@ -108,14 +108,13 @@ class GenerationActor:
 
     def _run_engine(self, ready: Future) -> None:
         """Build the engine, then step it for good: both on this thread (see worker_threads)."""
-        if self.torch_threads:
-            torch.set_num_threads(self.torch_threads)
+        use_torch_threads(self.torch_threads)
         try:
             self.engine = Engine(self.config)
         except BaseException as exc:
             ready.set_exception(exc)
             return
-        ready.set_result(self.engine)
+        ready.set_result(None)
         while True:
             if not self.engine.has_unfinished():
                 self._admit(*self._inbox.get())  # idle: block until a call brings work

@@ -40,7 +40,7 @@ def ray_session() -> Iterator[None]:
 
 def generate(ds: ray.data.Dataset, config: Config) -> ray.data.Dataset:
     """Rows with ``id`` and ``prompt`` or ``messages`` -> output blocks (``pipeline.schema.output_block``)."""
-    low, high = (config.concurrency, config.concurrency) if isinstance(config.concurrency, int) else config.concurrency
+    low, high = config.concurrency_range
     return ds.map_batches(
         GenerationActor,
         fn_constructor_kwargs={"config": config.model_dump(mode="json"), "actors_per_node": high},
