@@ -341,7 +341,7 @@ def _run_engine(models: Models, contender: Contender, prompts: dict[str, list[in
         profile.target_rows += rows
 
     requests = [Request(i, prompt_token_ids=p) for i, p in prompts.items()]
-    with _timed_forwards(models.target, on_target):
+    with _timed_forwards(engine.target, on_target):  # the engine's own view of the target (for_inference)
         start = time.perf_counter()
         results = engine.generate(requests)
         seconds = time.perf_counter() - start

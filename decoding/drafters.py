@@ -15,6 +15,7 @@ import numpy as np
 import torch
 
 from decoding.kv_cache import SlotKVCache, forward_tree
+from decoding.models import for_inference
 from decoding.sampling import WarpParams, draw, warp_probs
 from decoding.tree import TreeTopology, chain_ancestors, with_prefix_chain
 
@@ -157,6 +158,7 @@ class DraftModelDrafter(Drafter):
             self.model = copy.copy(model)
             self.model._modules = dict(model._modules)
             self.model.set_output_embeddings(head)
+        self.model = for_inference(self.model)
         self.cache = SlotKVCache(model.config.num_hidden_layers, capacity, device=device)
         self.uncached: list[list[int]] = []
         self.prefix = 0

@@ -27,6 +27,7 @@ from decoding.models import (
     check_same_tokenizer,
     default_device,
     draft_vocab_subset,
+    for_inference,
     load_model,
     load_tokenizer,
     resolve_draft,
@@ -151,7 +152,10 @@ class Engine:
         self.config = config = config.model_copy(update={"speculative": spec})
         self.device = device or (target.device if target is not None else default_device())
         self.tokenizer = tokenizer or load_tokenizer(config.model)
-        self.target = target if target is not None else load_model(config.model, config.dtype, self.device)
+        target_by_path = target is None  # its forward costs may be cached on disk under the path
+        if target is None:
+            target = load_model(config.model, config.dtype, self.device)
+        self.target = for_inference(target)
         self.capacity = config.batch_size
         self.cache = SlotKVCache(self.target.config.num_hidden_layers, self.capacity, device=self.device)
         self.max_context = int(getattr(self.target.config, "max_position_embeddings", 1 << 30))
@@ -161,7 +165,7 @@ class Engine:
         self.topology = TreeTopology(width, depth, root_width)
         self.drafter = self._make_drafter(draft)
         self.policy = make_policy(
-            spec, self.topology.size, lambda: self._calibrate(target is None, draft is None),
+            spec, self.topology.size, lambda: self._calibrate(target_by_path, draft is None),
             draft_tokens=(root_width + 1, width),
         )
         self.drafter.uses_hidden_states = self.policy.needs_hidden_states

@@ -10,13 +10,17 @@ GGUF is converted once to a safetensors directory in the cache, so no hub access
 
 from __future__ import annotations
 
+import copy
+import functools
 import importlib.resources
+import itertools
 import json
 import logging
 import os
 import subprocess
 import sys
 import tempfile
+import weakref
 import zipfile
 from pathlib import Path
 
@@ -126,6 +130,40 @@ def use_torch_threads(count: int | None) -> None:
     """Set the calling thread's torch threads (``worker_threads``' answer; None leaves them as they are)."""
     if count:
         torch.set_num_threads(count)
+
+
+# Rows the prepacked layout is tuned for: a verify forward of a few rows of a few tree nodes.
+_PACK_ROWS_HINT = 8
+# One prepacked view per model: engines built on the same model share its packed weights and cost calibration.
+_inference_views: weakref.WeakKeyDictionary[torch.nn.Module, torch.nn.Module] = weakref.WeakKeyDictionary()
+
+
+def _prepacked_linear(packed: torch.Tensor, bias: torch.Tensor | None, x: torch.Tensor) -> torch.Tensor:
+    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+
+
+def for_inference(model: torch.nn.Module) -> torch.nn.Module:
+    """``model`` with its linear layers reading weights prepacked for oneDNN (float32 on CPU; else as is).
+
+    On a CPU, MKL's GEMM repacks the weights on every call with more than one input row: a forward of 2 tokens
+    cost 1.7x one of 1 token on SmolLM2-135M, which made every verified draft token expensive. oneDNN with
+    weights packed once costs 1.1x for 2 tokens and 1.4x for 8, and is also faster for batches. Same math up to
+    float rounding. The caller's model is left as it is: modules are copied, parameters shared, and only the
+    packed weights take new memory (about the size of the linear layers).
+    """
+    parameter = next(model.parameters())
+    if parameter.device.type != "cpu" or parameter.dtype != torch.float32 or not torch.backends.mkldnn.is_available():
+        return model
+    if model in _inference_views:
+        return _inference_views[model]
+    shared = {id(t): t for t in itertools.chain(model.parameters(), model.buffers())}
+    fast = copy.deepcopy(model, shared)
+    for module in fast.modules():
+        if isinstance(module, torch.nn.Linear):
+            packed = torch.ops.mkldnn._reorder_linear_weight(module.weight.detach(), _PACK_ROWS_HINT)
+            module.forward = functools.partial(_prepacked_linear, packed, module.bias)
+    _inference_views[model] = fast
+    return fast
 
 
 def load_tokenizer(name: str) -> PreTrainedTokenizerBase:

@@ -57,6 +57,7 @@ from deploy.protocol import (
     SpecDecodeMetrics,
     Usage,
 )
+from pipeline.actor import ENGINE_RUNTIME_ENV
 
 log = logging.getLogger(__name__)
 
@@ -334,7 +335,7 @@ class OpenAIServer:
 def deployment_options(config: Config) -> dict[str, Any]:
     """Replicas (fixed, or autoscaled within ``concurrency: [min, max]``) and GPUs per replica from the config."""
     options: dict[str, Any] = {
-        "ray_actor_options": {"num_gpus": config.num_gpus},
+        "ray_actor_options": {"num_gpus": config.num_gpus, "runtime_env": ENGINE_RUNTIME_ENV},
         # Admit enough requests to keep the batch full between steps; the rest queue in Serve for other replicas.
         "max_ongoing_requests": 4 * config.batch_size,
     }

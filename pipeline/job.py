@@ -13,7 +13,7 @@ import ray
 import ray.data
 
 from decoding.config import Config
-from pipeline.actor import GenerationActor
+from pipeline.actor import ENGINE_RUNTIME_ENV, GenerationActor
 from pipeline.io import list_input_files, read_prompts
 from pipeline.store import OutputStore
 from pipeline.summary import RunStats, summarize
@@ -54,6 +54,7 @@ def generate(ds: ray.data.Dataset, config: Config) -> ray.data.Dataset:
         ),
         num_gpus=config.num_gpus,
         num_cpus=config.num_cpus,  # None: Ray Data's default of one logical CPU per actor
+        runtime_env=ENGINE_RUNTIME_ENV,
     )
 
 

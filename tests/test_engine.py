@@ -303,3 +303,18 @@ def test_vocabulary_subset_draft_is_lossless_and_leaves_the_model_whole(
     assert [r.token_ids for r in results] == reference
     # Tokens outside the subset are never proposed.
     assert all(3 <= stat[3] < 20 for r in results for stat in r.token_stats)
+
+
+def test_prepacked_inference_model_matches_and_leaves_the_original(target) -> None:
+    from decoding.models import for_inference
+
+    fast = for_inference(target)
+    ids = torch.randint(3, target.config.vocab_size, (3, 17), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        torch.testing.assert_close(fast(ids).logits, target(ids).logits, rtol=1e-5, atol=1e-5)
+    def prepacked(model: torch.nn.Module) -> list[bool]:
+        return ["forward" in vars(m) for m in model.modules() if isinstance(m, torch.nn.Linear)]
+
+    assert prepacked(fast) and all(prepacked(fast))
+    assert not any(prepacked(target))  # the caller's modules run as before
+    assert all(a is b for a, b in zip(fast.parameters(), target.parameters()))  # weights shared, not copied
