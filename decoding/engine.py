@@ -399,6 +399,7 @@ class Engine:
                 ))
         self.policy.observe(StepRecord(
             ids=[s.request_id for s in seqs],
+            planned_depth=depths.tolist(),
             drafted_depth=(drafted_nodes * depth_of[: draft.tokens.shape[1]]).amax(1).tolist(),
             accepted=[s.per_step_accepted[-1] for s in seqs],
         ))

@@ -31,6 +31,7 @@ class StepRecord:
     """What a policy learns from one verified step."""
 
     ids: list[str]
+    planned_depth: list[int]  # depth each row was given (after the engine's room limits)
     drafted_depth: list[int]  # deepest valid drafted level of each row
     accepted: list[int]  # accepted drafted tokens of each row
 
@@ -132,7 +133,9 @@ class OnlinePolicy(LengthPolicy):
     def observe(self, record: StepRecord) -> None:
         reached = torch.zeros_like(self.reached)
         accepted = torch.zeros_like(self.accepted)
-        for depth, taken in zip(record.drafted_depth, record.accepted):
+        # A level planned but not drafted (an n-gram lookup with no or a short match) counts as a rejection:
+        # the batch's verify forward is as wide as its deepest row, so that row paid for it and gained nothing.
+        for depth, taken in zip(record.planned_depth, record.accepted):
             reached[1 : min(taken + 1, depth) + 1] += 1
             accepted[1 : taken + 1] += 1
         seen = reached > 0
