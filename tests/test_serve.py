@@ -388,7 +388,8 @@ def test_incremental_text_holds_back_partial_characters_and_stop_prefixes():
 def test_deployment_options_follow_the_config():
     fixed = deployment_options(Config(concurrency=2, num_gpus=0.5, batch_size=4))
     assert fixed["num_replicas"] == 2 and "autoscaling_config" not in fixed
-    assert fixed["ray_actor_options"] == {"num_gpus": 0.5}
+    # Replicas run at normal priority (Ray's workers default to niceness 15; see pipeline.actor).
+    assert fixed["ray_actor_options"] == {"num_gpus": 0.5, "runtime_env": {"env_vars": {"RAY_worker_niceness": "0"}}}
     assert fixed["max_ongoing_requests"] >= 4
     scaled = deployment_options(Config(concurrency=(1, 3)))
     assert "num_replicas" not in scaled
