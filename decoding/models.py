@@ -149,7 +149,8 @@ def for_inference(model: torch.nn.Module) -> torch.nn.Module:
     cost 1.7x one of 1 token on SmolLM2-135M, which made every verified draft token expensive. oneDNN with
     weights packed once costs 1.1x for 2 tokens and 1.4x for 8, and is also faster for batches. Same math up to
     float rounding. The caller's model is left as it is: modules are copied, parameters shared, and only the
-    packed weights take new memory (about the size of the linear layers).
+    packed weights take new memory (about the size of the linear layers). The packing is a snapshot: an
+    inference view, not for a model whose weights are still being trained.
     """
     parameter = next(model.parameters())
     if parameter.device.type != "cpu" or parameter.dtype != torch.float32 or not torch.backends.mkldnn.is_available():

@@ -312,6 +312,7 @@ def test_prepacked_inference_model_matches_and_leaves_the_original(target) -> No
     ids = torch.randint(3, target.config.vocab_size, (3, 17), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         torch.testing.assert_close(fast(ids).logits, target(ids).logits, rtol=1e-5, atol=1e-5)
+
     def prepacked(model: torch.nn.Module) -> list[bool]:
         return ["forward" in vars(m) for m in model.modules() if isinstance(m, torch.nn.Linear)]
 
