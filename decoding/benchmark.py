@@ -1,6 +1,7 @@
 """Side-by-side throughput benchmark (``specbatch bench``): transformers against the engine's configurations.
 
-Everything runs in one process, on the same prompts and the same loaded models, one contender after the other:
+Everything runs in one process, on the same prompts and the same loaded models. Contenders of one batch size take
+turns chunk by chunk of prompts (see ``_interleaved``), so the drift of a shared machine reaches all of them alike:
 transformers ``generate`` (a batch-1 loop, and left-padded batches for larger batch sizes), transformers assisted
 generation at batch 1 (``assistant_model`` for ``draft_model``, prompt lookup for ``ngram``), the engine with
 method ``none`` at every batch size, and a grid of the engine's speculative configurations.
@@ -237,9 +238,11 @@ def _time_methods(obj: Any, names: tuple[str, ...], profile: _Profile) -> None:
 
 @dataclass
 class _Measurement:
-    outputs: dict[str, list[int]]
-    seconds: float
-    profile: _Profile
+    """One contender on one prompt set, summed over the chunks of prompts it decoded."""
+
+    outputs: dict[str, list[int]] = field(default_factory=dict)
+    seconds: float = 0.0
+    profile: _Profile = field(default_factory=_Profile)
     accepted: int | None = None  # engine only: accepted and drafted tokens
     drafted: int | None = None
     forwards: int | None = None  # per-sequence target forwards (engine only; else counted by the hooks)
@@ -288,7 +291,7 @@ def _until_eos(tokens: list[int], eos_ids: list[int]) -> list[int]:
     return tokens
 
 
-def _run_transformers(models: Models, contender: Contender, prompts: dict[str, list[int]]) -> _Measurement:
+def _transformers_runner(models: Models, contender: Contender) -> _Runner:
     params = contender.config.sampling
     kwargs = _hf_kwargs(models, params)
     if contender.kind == "assisted":
@@ -299,67 +302,77 @@ def _run_transformers(models: Models, contender: Contender, prompts: dict[str, l
             kwargs.update(prompt_lookup_num_tokens=spec.num_speculative_tokens,
                           max_matching_ngram_size=spec.prompt_lookup_max)
     device = models.target.device
-    ids = list(prompts)
-    outputs: dict[str, list[int]] = {}
-    profile = _Profile()
-    torch.manual_seed(params.seed)
+    total = _Measurement()
 
     def on_target(seconds: float, rows: int) -> None:
-        profile.target_s += seconds
-        profile.target_rows += rows
+        total.profile.target_s += seconds
+        total.profile.target_rows += rows
 
     def on_draft(seconds: float, _rows: int) -> None:
-        profile.draft_s += seconds
+        total.profile.draft_s += seconds
 
-    draft_hooks = _timed_forwards(models.draft, on_draft) if "assistant_model" in kwargs else nullcontext()
-    with _timed_forwards(models.target, on_target), draft_hooks, torch.no_grad():
-        start = time.perf_counter()
-        for first in range(0, len(ids), contender.batch_size):
-            chunk = ids[first : first + contender.batch_size]
-            width = max(len(prompts[i]) for i in chunk)
-            # Left padding, so that every row's next token follows its last prompt token.
-            input_ids = torch.full((len(chunk), width), models.pad_id, dtype=torch.long)
-            mask = torch.zeros(len(chunk), width, dtype=torch.long)
-            for row, i in enumerate(chunk):
-                input_ids[row, width - len(prompts[i]) :] = torch.tensor(prompts[i])
-                mask[row, width - len(prompts[i]) :] = 1
-            out = models.target.generate(input_ids=input_ids.to(device), attention_mask=mask.to(device), **kwargs)
-            for row, i in enumerate(chunk):
-                outputs[i] = _until_eos(out[row, width:].tolist(), models.eos_ids)
-        seconds = time.perf_counter() - start
-    return _Measurement(outputs, seconds, profile)
+    def run(prompts: dict[str, list[int]]) -> None:
+        ids = list(prompts)
+        torch.manual_seed(params.seed)
+        draft_hooks = _timed_forwards(models.draft, on_draft) if "assistant_model" in kwargs else nullcontext()
+        with _timed_forwards(models.target, on_target), draft_hooks, torch.no_grad():
+            start = time.perf_counter()
+            for first in range(0, len(ids), contender.batch_size):
+                chunk = ids[first : first + contender.batch_size]
+                width = max(len(prompts[i]) for i in chunk)
+                # Left padding, so that every row's next token follows its last prompt token.
+                input_ids = torch.full((len(chunk), width), models.pad_id, dtype=torch.long)
+                mask = torch.zeros(len(chunk), width, dtype=torch.long)
+                for row, i in enumerate(chunk):
+                    input_ids[row, width - len(prompts[i]) :] = torch.tensor(prompts[i])
+                    mask[row, width - len(prompts[i]) :] = 1
+                out = models.target.generate(
+                    input_ids=input_ids.to(device), attention_mask=mask.to(device), **kwargs
+                )
+                for row, i in enumerate(chunk):
+                    total.outputs[i] = _until_eos(out[row, width:].tolist(), models.eos_ids)
+            total.seconds += time.perf_counter() - start
+
+    return _Runner(total, run)
 
 
-def _run_engine(models: Models, contender: Contender, prompts: dict[str, list[int]]) -> _Measurement:
+def _engine_runner(models: Models, contender: Contender) -> _Runner:
+    """One engine for all of the contender's chunks, so that what it learns (length policy) carries over."""
     draft = models.draft if contender.method == "draft_model" else None
     engine = Engine(contender.config, target=models.target, tokenizer=models.tokenizer, draft=draft)
-    profile = _Profile()
-    _time_methods(engine.drafter, ("add_rows", "propose", "observe"), profile)
+    total = _Measurement(accepted=0, drafted=0, forwards=0)
+    _time_methods(engine.drafter, ("add_rows", "propose", "observe"), total.profile)
 
     def on_target(seconds: float, rows: int) -> None:
-        profile.target_s += seconds
-        profile.target_rows += rows
+        total.profile.target_s += seconds
+        total.profile.target_rows += rows
 
-    requests = [Request(i, prompt_token_ids=p) for i, p in prompts.items()]
-    with _timed_forwards(engine.target, on_target):  # the engine's own view of the target (for_inference)
-        start = time.perf_counter()
-        results = engine.generate(requests)
-        seconds = time.perf_counter() - start
-    errors = [r for r in results if r.finish_reason == "error"]
-    if errors:
-        raise RuntimeError(f"{contender.name}: prompt {errors[0].id} failed: {errors[0].error}")
-    specs = [r.spec_decode for r in results]
-    return _Measurement(
-        {r.id: r.token_ids for r in results}, seconds, profile,
-        accepted=sum(s["num_accepted_draft_tokens"] for s in specs),
-        drafted=sum(s["num_draft_tokens"] for s in specs),
-        forwards=sum(s["num_spec_steps"] for s in specs),
-    )
+    def run(prompts: dict[str, list[int]]) -> None:
+        requests = [Request(i, prompt_token_ids=p) for i, p in prompts.items()]
+        with _timed_forwards(engine.target, on_target):  # the engine's own view of the target (for_inference)
+            start = time.perf_counter()
+            results = engine.generate(requests)
+            total.seconds += time.perf_counter() - start
+        errors = [r for r in results if r.finish_reason == "error"]
+        if errors:
+            raise RuntimeError(f"{contender.name}: prompt {errors[0].id} failed: {errors[0].error}")
+        for result in results:
+            total.outputs[result.id] = result.token_ids
+            total.accepted += result.spec_decode["num_accepted_draft_tokens"]
+            total.drafted += result.spec_decode["num_draft_tokens"]
+            total.forwards += result.spec_decode["num_spec_steps"]
+
+    return _Runner(total, run)
 
 
-def _measure(models: Models, contender: Contender, prompts: dict[str, list[int]]) -> _Measurement:
-    run = _run_engine if contender.kind == "engine" else _run_transformers
-    return run(models, contender, prompts)
+@dataclass
+class _Runner:
+    total: _Measurement  # what ``run`` has measured so far
+    run: Callable[[dict[str, list[int]]], None]  # decode one chunk of prompts, adding to ``total``
+
+
+def _runner(models: Models, contender: Contender) -> _Runner:
+    return (_engine_runner if contender.kind == "engine" else _transformers_runner)(models, contender)
 
 
 def _ratio(numerator: float, denominator: float) -> float | None:
@@ -434,7 +447,27 @@ def _warm_up(models: Models, runs: list[Contender], prompt: list[int]) -> None:
     for contender in first.values():
         sampling = contender.config.sampling.model_copy(update={"max_tokens": 8})
         short = contender.config.model_copy(update={"batch_size": 1, "sampling": sampling})
-        _measure(models, Contender(contender.kind, short), {"warm-up": prompt})
+        _runner(models, Contender(contender.kind, short)).run({"warm-up": prompt})
+
+
+def _interleaved(
+    models: Models, group: list[Contender], prompts: dict[str, list[int]], rounds: Callable[[int, int], None]
+) -> list[_Measurement]:
+    """Contenders of one batch size, taking turns chunk by chunk (``batch_size`` prompts each).
+
+    A shared machine drifts by tens of percent over minutes; turns a few seconds apart make every contender
+    see the same drift, where one-after-the-other runs would hand it to whoever ran during a slow spell. The
+    starting contender rotates so none always follows a change of prompt.
+    """
+    runners = [_runner(models, contender) for contender in group]
+    ids = list(prompts)
+    size = group[0].batch_size
+    chunks = [ids[first : first + size] for first in range(0, len(ids), size)]
+    for turn, chunk in enumerate(chunks):
+        for k in range(len(runners)):
+            runners[(turn + k) % len(runners)].run({i: prompts[i] for i in chunk})
+        rounds(turn + 1, len(chunks))
+    return [runner.total for runner in runners]
 
 
 def run_bench(
@@ -458,12 +491,18 @@ def run_bench(
             log.warning("prompt set %s has %d prompts: larger batch sizes decode at most that many rows at once",
                         name, len(prompts))
         set_rows, set_outputs = [], []
-        for contender in runs:
-            measurement = _measure(models, contender, prompts)
-            set_rows.append(_row(name, contender, measurement))
-            set_outputs.append(measurement.outputs)
-            if progress:
-                progress(set_rows[-1])
+        for batch in sorted({c.batch_size for c in runs}):
+            group = [c for c in runs if c.batch_size == batch]
+
+            def chunk_done(done: int, chunks: int, batch: int = batch, set_name: str = name) -> None:
+                log.info("%s batch %d: %d/%d chunks of prompts decoded by every contender", set_name, batch, done,
+                         chunks)
+
+            for contender, measurement in zip(group, _interleaved(models, group, prompts, chunk_done), strict=True):
+                set_rows.append(_row(name, contender, measurement))
+                set_outputs.append(measurement.outputs)
+                if progress:
+                    progress(set_rows[-1])
         _compare(set_rows, set_outputs, config.sampling.greedy)
         rows += set_rows
     return BenchResult(

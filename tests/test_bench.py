@@ -10,6 +10,7 @@ import pyarrow.parquet as pq
 import pytest
 from matplotlib.image import imread
 
+from decoding import benchmark
 from decoding.benchmark import BenchGrid, Models, Sweep, contenders, format_table, run_bench
 from decoding.config import Config
 from decoding.engine import Request
@@ -177,3 +178,28 @@ def test_prompt_sets_from_jsonl_csv_parquet(tmp_path):
     assert [(r.id, r.prompt) for r in bench.read_prompt_set(str(tmp_path / "p.parquet"), None)] == [
         ("p-0", "abc"), ("p-1", "def")
     ]
+
+
+def test_contenders_take_turns_chunk_by_chunk(monkeypatch, tiny_dirs):
+    calls = []
+
+    def recording_runner(_models, contender):
+        total = benchmark._Measurement()
+
+        def run(prompts):
+            calls.append((contender.name, list(prompts)))
+            total.outputs.update(prompts)
+
+        return benchmark._Runner(total, run)
+
+    monkeypatch.setattr(benchmark, "_runner", recording_runner)
+    group = [c for c in contenders(_config(tiny_dirs["draft"]), GRID) if c.batch_size == 2]
+    prompts = {f"p{i}": [i] for i in range(5)}
+    chunks = []
+    totals = benchmark._interleaved(None, group, prompts, lambda done, count: chunks.append((done, count)))
+    assert chunks == [(1, 3), (2, 3), (3, 3)]
+    names = [c.name for c in group]
+    # Every contender decodes chunk k before anyone starts chunk k + 1, starting with a different contender each time.
+    assert [prompts for _, prompts in calls] == [["p0", "p1"]] * 3 + [["p2", "p3"]] * 3 + [["p4"]] * 3
+    assert [name for name, _ in calls] == names + names[1:] + names[:1] + names[2:] + names[:2]
+    assert all(total.outputs == prompts for total in totals)
