@@ -8,6 +8,7 @@ sequence leaves (swap-remove, mirroring the target cache).
 from __future__ import annotations
 
 import copy
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -134,6 +135,28 @@ class NgramDrafter(Drafter):
         return Draft(draft.tokens[:, :size], draft.valid[:, :size], draft.token_probs[:, :size], None, used)
 
 
+_reduced_heads: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _with_reduced_head(model: torch.nn.Module, subset: tuple[int, ...]) -> torch.nn.Module:
+    """``model`` whose LM head has only the rows of ``subset``: the head dominates a tiny draft's cost.
+
+    The cut head goes on a shallow copy whose module table is its own, so the caller's model stays whole. One
+    view per (model, subset): engines sharing a draft share its view, its prepacked weights and measured costs.
+    """
+    views = _reduced_heads.setdefault(model, {})
+    if subset not in views:
+        full_head = model.get_output_embeddings()
+        head = torch.nn.Linear(full_head.in_features, len(subset), bias=False)
+        rows = torch.tensor(subset, dtype=torch.long, device=full_head.weight.device)
+        head.weight = torch.nn.Parameter(full_head.weight.detach()[rows])
+        view = copy.copy(model)
+        view._modules = dict(model._modules)
+        view.set_output_embeddings(head)
+        views[subset] = view
+    return views[subset]
+
+
 class DraftModelDrafter(Drafter):
     """A small causal LM sharing the target's tokenizer, with its own slot cache kept on the accepted path.
 
@@ -149,15 +172,8 @@ class DraftModelDrafter(Drafter):
         self.vocab_size = model.config.vocab_size
         self.vocab_subset = None
         if vocab_subset is not None:
-            # The LM head dominates a tiny draft's cost: keep only the rows of tokens it may propose. The cut
-            # head goes on a shallow copy whose module table is its own, so the caller's model stays whole.
             self.vocab_subset = torch.tensor(vocab_subset, dtype=torch.long)
-            full_head = model.get_output_embeddings()
-            head = torch.nn.Linear(full_head.in_features, len(vocab_subset), bias=False)
-            head.weight = torch.nn.Parameter(full_head.weight.detach()[self.vocab_subset.to(full_head.weight.device)])
-            self.model = copy.copy(model)
-            self.model._modules = dict(model._modules)
-            self.model.set_output_embeddings(head)
+            self.model = _with_reduced_head(model, tuple(vocab_subset))
         self.model = for_inference(self.model)
         self.cache = SlotKVCache(model.config.num_hidden_layers, capacity, device=device)
         self.uncached: list[list[int]] = []

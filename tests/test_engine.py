@@ -303,6 +303,8 @@ def test_vocabulary_subset_draft_is_lossless_and_leaves_the_model_whole(
     assert [r.token_ids for r in results] == reference
     # Tokens outside the subset are never proposed.
     assert all(3 <= stat[3] < 20 for r in results for stat in r.token_stats)
+    # A second engine on the same draft reuses the cut view (and so its prepacked weights and measured costs).
+    assert Engine(config, target=target, tokenizer=tokenizer, draft=draft).drafter.model is engine.drafter.model
 
 
 def test_prepacked_inference_model_matches_and_leaves_the_original(target) -> None:
