@@ -26,7 +26,7 @@ log = logging.getLogger(__name__)
 
 _CONTEXT = 32  # tokens already cached when timing, so attention over a cache is part of the cost
 _ROUNDS = 5
-_VERSION = 3  # of the measurement method and forward kernels: tables measured otherwise are not reused
+_VERSION = 4  # of the measurement method and forward kernels: tables measured otherwise are not reused
 _memo: dict[tuple, list[tuple[int, float]]] = {}
 
 

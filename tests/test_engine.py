@@ -321,3 +321,30 @@ def test_prepacked_inference_model_matches_and_leaves_the_original(target) -> No
     assert prepacked(fast) and all(prepacked(fast))
     assert not any(prepacked(target))  # the caller's modules run as before
     assert all(a is b for a, b in zip(fast.parameters(), target.parameters()))  # weights shared, not copied
+
+
+def test_grouped_query_attention_of_the_inference_model_matches_on_trees(target) -> None:
+    from decoding.kv_cache import SlotKVCache, forward_tree
+    from decoding.models import for_inference
+    from decoding.tree import TreeTopology, chain_ancestors
+
+    fast = for_inference(target)
+    assert target.config.num_attention_heads > target.config.num_key_value_heads  # the tiny model uses GQA
+    assert fast.config._attn_implementation != target.config._attn_implementation == "sdpa"
+    generator = torch.Generator().manual_seed(1)
+    prompts = torch.randint(3, target.config.vocab_size, (2, 9), generator=generator)
+    prompt_valid = torch.arange(9)[None] < torch.tensor([[9], [6]])  # ragged rows
+    topology = TreeTopology(num_candidates=2, max_depth=3, root_width=2)
+    tree = torch.randint(3, target.config.vocab_size, (2, topology.size(3)), generator=generator)
+    tree_valid = torch.ones_like(tree, dtype=torch.bool)
+    tree_valid[1, -2:] = False  # a row with a shallower tree
+    logits = []
+    for model in (target, fast):
+        cache = SlotKVCache(model.config.num_hidden_layers, 2)
+        rows = cache.add_rows(2)
+        prefill, _ = forward_tree(model, cache, rows, prompts, chain_ancestors(9), prompt_valid)
+        cache.commit(rows, torch.arange(9)[None].expand(2, -1), prompt_valid.sum(1))
+        verify, _ = forward_tree(model, cache, rows, tree, topology.sliced_ancestors(3), tree_valid)
+        logits.append((prefill[prompt_valid], verify[tree_valid]))
+    for reference, grouped in zip(*logits):
+        torch.testing.assert_close(grouped, reference, rtol=1e-5, atol=1e-5)
