@@ -1,9 +1,12 @@
 """Measured forward costs for the online length policy.
 
 Costs are hardware facts, acceptance is a workload fact. The online policy adapts acceptance on the fly but
-takes costs from a calibration measured once per (model, device, dtype, threads) and cached, so its depth
+takes costs from a calibration measured once per (model, device, dtype, threads, rows) and cached, so its depth
 decisions depend only on past steps and a fixed table: seeded sampling stays reproducible, and a noisy
 neighbour on the machine cannot push the policy around.
+
+Costs are measured for one row and for the engine's full batch, each over the tokens per row: a batch of 16
+rows of 2 tokens is not priced like one row of 32 (per-row attention, cache and mask work).
 """
 
 from __future__ import annotations
@@ -26,7 +29,7 @@ log = logging.getLogger(__name__)
 
 _CONTEXT = 32  # tokens already cached when timing, so attention over a cache is part of the cost
 _ROUNDS = 5
-_VERSION = 4  # of the measurement method and forward kernels: tables measured otherwise are not reused
+_VERSION = 5  # of the measurement method and forward kernels: tables measured otherwise are not reused
 _memo: dict[tuple, list[tuple[int, float]]] = {}
 
 
@@ -50,16 +53,19 @@ class CostTable:
         return ys[-1] + max(slope, 0.0) * (tokens - xs[-1])
 
 
-def _forward_timer(model: torch.nn.Module, device: torch.device, tokens: int) -> Callable[[], float]:
-    """A function timing one forward of ``tokens`` new tokens after a cached context (warmed up once)."""
-    cache = SlotKVCache(model.config.num_hidden_layers, 1, max_slots=_CONTEXT + tokens, device=device)
-    rows = cache.add_rows(1)
+def _forward_timer(model: torch.nn.Module, device: torch.device, batch: int, tokens: int) -> Callable[[], float]:
+    """A function timing one forward of ``batch`` rows of ``tokens`` new tokens after a cached context (warmed
+    up once)."""
+    cache = SlotKVCache(model.config.num_hidden_layers, batch, max_slots=_CONTEXT + tokens, device=device)
+    rows = cache.add_rows(batch)
     vocab = model.config.vocab_size
-    context = torch.randint(0, vocab, (1, _CONTEXT), device=device)
-    forward_tree(model, cache, rows, context, chain_ancestors(_CONTEXT), torch.ones(1, _CONTEXT, dtype=torch.bool))
-    cache.commit(rows, torch.arange(_CONTEXT, device=device)[None], torch.tensor([_CONTEXT], device=device))
-    ids = torch.randint(0, vocab, (1, tokens), device=device)
-    ancestors, valid = chain_ancestors(tokens), torch.ones(1, tokens, dtype=torch.bool)
+    context = torch.randint(0, vocab, (batch, _CONTEXT), device=device)
+    forward_tree(model, cache, rows, context, chain_ancestors(_CONTEXT),
+                 torch.ones(batch, _CONTEXT, dtype=torch.bool, device=device), logits_at=torch.tensor([_CONTEXT - 1]))
+    cache.commit(rows, torch.arange(_CONTEXT, device=device)[None].expand(batch, -1),
+                 torch.full((batch,), _CONTEXT, device=device))
+    ids = torch.randint(0, vocab, (batch, tokens), device=device)
+    ancestors, valid = chain_ancestors(tokens), torch.ones(batch, tokens, dtype=torch.bool, device=device)
 
     def timed() -> float:
         if device.type == "cuda":
@@ -82,11 +88,12 @@ def _sizes(max_tokens: int) -> list[int]:
     return [*sizes, max(max_tokens, 1)]
 
 
-def calibrate(model: torch.nn.Module, max_tokens: int, disk_key: str | None = None) -> CostTable:
-    """Time forwards of 1, 2, 4, ... max_tokens new tokens; memoised per model object and cached on disk."""
+def calibrate(model: torch.nn.Module, max_tokens: int, batch: int = 1, disk_key: str | None = None) -> CostTable:
+    """Time forwards of ``batch`` rows of 1, 2, 4, ... ``max_tokens`` new tokens each; memoised per model object
+    and cached on disk under ``disk_key``."""
     device = next(model.parameters()).device
     dtype = next(model.parameters()).dtype
-    setting = (str(device), str(dtype), torch.get_num_threads(), max_tokens)
+    setting = (str(device), str(dtype), torch.get_num_threads(), max_tokens, batch)
     memo_key = (id(model), *setting)
     if memo_key in _memo:
         return CostTable(_memo[memo_key])
@@ -97,9 +104,9 @@ def calibrate(model: torch.nn.Module, max_tokens: int, disk_key: str | None = No
         if path.exists():
             _memo[memo_key] = [tuple(p) for p in json.loads(path.read_text())]
             return CostTable(_memo[memo_key])
-    log.info("calibrating forward costs of %s on %s (once per machine)", disk_key or "model", device)
+    log.info("calibrating forward costs of %s on %s, %d row(s) (once per machine)", disk_key or "model", device, batch)
     sizes = _sizes(max_tokens)
-    timers = [_forward_timer(model, device, size) for size in sizes]
+    timers = [_forward_timer(model, device, batch, size) for size in sizes]
     # Interleaved rounds, median per size: a noisy moment spoils one sample of each size, not a whole size
     # (the table is cached for good, so one bad sample would steer the policy on every later run).
     rounds = [[timer() for timer in timers] for _ in range(_ROUNDS)]
@@ -112,3 +119,28 @@ def calibrate(model: torch.nn.Module, max_tokens: int, disk_key: str | None = No
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps(points))
     return CostTable(points)
+
+
+@dataclass(frozen=True)
+class BatchCosts:
+    """Seconds per forward of ``rows`` rows of ``tokens`` new tokens each: measured for one row and for the full
+    batch, linear in the rows between the two."""
+
+    one_row: CostTable
+    full: CostTable
+    full_rows: int
+
+    def __call__(self, rows: int, tokens: float) -> float:
+        single = self.one_row(tokens)
+        if self.full_rows <= 1:
+            return single
+        return single + (self.full(tokens) - single) * (rows - 1) / (self.full_rows - 1)
+
+
+def calibrate_batch(
+    model: torch.nn.Module, max_tokens: int, full_rows: int, disk_key: str | None = None
+) -> BatchCosts:
+    """``BatchCosts`` up to ``max_tokens`` new tokens per row and ``full_rows`` rows."""
+    one_row = calibrate(model, max_tokens, 1, disk_key)
+    full = calibrate(model, max_tokens, full_rows, disk_key) if full_rows > 1 else one_row
+    return BatchCosts(one_row, full, full_rows)

@@ -19,7 +19,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from decoding.acceptance import Verdict, verify_greedy, verify_sampled
 from decoding.config import Config, SamplingParams, format_validation_error
-from decoding.costs import CostTable, calibrate
+from decoding.costs import BatchCosts, calibrate_batch
 from decoding.drafters import Draft, Drafter, DraftInputs, DraftModelDrafter, NgramDrafter
 from decoding.kv_cache import SlotKVCache, forward_tree
 from decoding.length_policies import StepRecord, make_policy
@@ -194,17 +194,17 @@ class Engine:
         subset = draft_vocab_subset(spec.model) if spec.model else None
         return DraftModelDrafter(draft.to(self.device).eval(), self.capacity, self.device, subset)
 
-    def _calibrate(self, target_from_path: bool, draft_from_path: bool) -> tuple[CostTable, CostTable | None]:
+    def _calibrate(self, target_from_path: bool, draft_from_path: bool) -> tuple[BatchCosts, BatchCosts | None]:
         """Measured forward costs (cached on disk for models loaded by path) for the online policy."""
         spec = self.config.speculative
-        verify = calibrate(
-            self.target, self.capacity * self.topology.size(self.topology.max_depth),
+        verify = calibrate_batch(
+            self.target, self.topology.size(self.topology.max_depth), self.capacity,
             resolve_model_path(self.config.model) if target_from_path else None,
         )
         if not isinstance(self.drafter, DraftModelDrafter):
             return verify, None  # n-gram lookup costs next to nothing beside a forward
         draft_key = resolve_model_path(spec.model) if draft_from_path and spec.model else None
-        return verify, calibrate(self.drafter.model, self.capacity * (self.topology.root_width + 1), draft_key)
+        return verify, calibrate_batch(self.drafter.model, self.topology.root_width + 1, self.capacity, draft_key)
 
     # ------------------------------------------------------------------------------------------ requests
     def add_request(self, request: Request) -> None:
