@@ -23,7 +23,7 @@ import torch
 from torch import nn
 
 from decoding.config import SpeculativeConfig
-from decoding.costs import CostTable
+from decoding.costs import BatchCosts
 
 
 @dataclass(frozen=True)
@@ -85,21 +85,25 @@ class OnlinePolicy(LengthPolicy):
         self,
         max_depth: int,
         tree_size: Callable[[int], int],
-        verify_cost: CostTable,
-        draft_cost: CostTable | None,
+        verify_cost: BatchCosts,
+        draft_cost: BatchCosts | None,
         draft_tokens: tuple[int, int],
         decay: float = 0.9,
         probe_every: int = 8,
         probe_budget: float = 0.02,
+        margin: float = 0.05,
     ) -> None:
         super().__init__(max_depth)
         self.tree_size = tree_size  # depth -> nodes per row
-        self.verify_cost = verify_cost  # seconds vs. tokens in the verify forward
-        self.draft_cost = draft_cost  # seconds vs. tokens in one draft forward (None: drafting is ~free)
+        self.verify_cost = verify_cost  # seconds of the verify forward vs. rows and tokens per row
+        self.draft_cost = draft_cost  # the same for one draft forward (None: drafting is ~free)
         self.draft_tokens = draft_tokens  # tokens per row in the first and in later draft forwards
         self.decay = decay
         self.probe_every = probe_every
         self.probe_budget = probe_budget
+        # Speculate only for a predicted gain above the cost model's error (calibrated at a short context): a
+        # marginal depth is as likely to lose as to win, and plain decoding must never be the faster choice.
+        self.margin = margin
         # Per-level pseudo-counts: "reached level j" and "accepted at level j"; prior acceptance 0.5.
         self.reached = torch.ones(max_depth + 1, dtype=torch.float64)
         self.accepted = torch.full((max_depth + 1,), 0.5, dtype=torch.float64)
@@ -111,17 +115,19 @@ class OnlinePolicy(LengthPolicy):
         return 1.0 + float(torch.cumprod(rate[1 : depth + 1], 0).sum())
 
     def step_seconds(self, depth: int, rows: int) -> float:
-        seconds = self.verify_cost(rows * self.tree_size(depth))
+        seconds = self.verify_cost(rows, self.tree_size(depth))
         if depth and self.draft_cost is not None:
             first, later = self.draft_tokens
-            seconds += self.draft_cost(rows * first) + (depth - 1) * self.draft_cost(rows * later)
+            seconds += self.draft_cost(rows, first) + (depth - 1) * self.draft_cost(rows, later)
         return seconds
 
     def plan(self, ids: list[str]) -> torch.Tensor:
         self.steps += 1
         rows = len(ids)
-        best = max(range(self.max_depth + 1),
-                   key=lambda d: rows * self.expected_tokens(d) / max(self.step_seconds(d, rows), 1e-9))
+        speed = [self.expected_tokens(d) / max(self.step_seconds(d, rows), 1e-9) for d in range(self.max_depth + 1)]
+        best = max(range(self.max_depth + 1), key=speed.__getitem__)
+        if speed[best] < (1 + self.margin) * speed[0]:
+            best = 0
         if best < self.max_depth:
             # Probe one level deeper now and then to keep its acceptance estimate fresh (and to come back from
             # depth 0), but rarely enough that probing costs at most ``probe_budget`` of the time.
@@ -227,7 +233,7 @@ class DecisionPolicy(_HeadPolicy):
 def make_policy(
     config: SpeculativeConfig,
     tree_size: Callable[[int], int],
-    costs: Callable[[], tuple[CostTable, CostTable | None]],
+    costs: Callable[[], tuple[BatchCosts, BatchCosts | None]],
     draft_tokens: tuple[int, int],
 ) -> LengthPolicy:
     """The configured policy; ``costs`` (verify, draft) is only measured when the online policy needs it."""
