@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import shutil
 from pathlib import Path
 
@@ -19,6 +20,7 @@ from decoding.models import DEFAULT_DRAFT, DRAFT_METADATA, resolve_draft
 from decoding.training.data import PromptSource
 from decoding.training.distill import DraftTrainingConfig, acceptance_length, build_draft, train_draft
 from decoding.training.runs import METRICS_FILE, RunDir, RunError
+from decoding.training.signals import SignalTrainingConfig, fit
 from decoding.training.teacher import teacher_continuations
 from jobs import train_decision, train_head
 from jobs import train_draft as train_draft_job
@@ -244,3 +246,20 @@ def test_time_budget_caps_generation_and_training(tmp_path, tiny_dirs, prompts_f
     # however fast the machine); none is left for training.
     assert meta["metrics"]["train_examples"] + meta["metrics"]["validation_examples"] == 8
     assert meta["metrics"]["steps"] == 0
+
+
+def test_signal_fit_keeps_the_epoch_with_the_best_held_out_loss():
+    # Labels independent of the features: whatever the MLP learns beyond the base rate is memorisation, which
+    # drives the held-out loss far above the base rate's entropy (2.2-2.4 without early stopping, 0.62 here)
+    # unless the fit stops early.
+    torch.manual_seed(0)
+    generator = torch.Generator().manual_seed(0)
+    features = torch.randn(1000, 64 + 3, generator=generator)
+    y = (torch.rand(1000, generator=generator) < 0.7).float()
+    config = SignalTrainingConfig(kind="acceptance_head", draft="d", data=[PromptSource(path="p")], output="o",
+                                  epochs=40, minibatch=64)
+    _, metrics = fit(config, features, y, torch.tensor(1.0), torch.tensor(1.0))
+    held_out_rate = metrics["validation_mean_label"]
+    entropy = -(held_out_rate * math.log(held_out_rate) + (1 - held_out_rate) * math.log(1 - held_out_rate))
+    assert metrics["validation_bce"] < entropy + 0.15, metrics
+    assert 1 <= metrics["best_epoch"] < config.epochs

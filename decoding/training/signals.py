@@ -165,7 +165,10 @@ def fit(config: SignalTrainingConfig, features: torch.Tensor, y: torch.Tensor, w
     total = config.epochs * batches_per_epoch
     progress = Progress(f"fit {config.kind}", total)
     step = 0
-    for _ in range(config.epochs):
+    # Early stopping: a few thousand tokens from a few dozen prompts are memorised within epochs (training loss
+    # 0.03, held-out BCE 1.35 on the SmolLM2 draft), so keep the weights of the epoch with the best held-out loss.
+    best_loss, best_epoch, best_state = math.inf, 0, None
+    for epoch in range(1, config.epochs + 1):
         shuffled = train[torch.randperm(len(train), generator=generator)]
         for start in range(0, len(shuffled), config.minibatch):
             batch = shuffled[start : start + config.minibatch]
@@ -177,12 +180,18 @@ def fit(config: SignalTrainingConfig, features: torch.Tensor, y: torch.Tensor, w
             optimizer.step()
             step += 1
             progress.update(step, loss=loss.item())
+        with torch.no_grad():
+            held_out_loss = float(_bce(model(features[valid]), y[valid], w_pos, w_neg))
+        if held_out_loss < best_loss:
+            best_loss, best_epoch = held_out_loss, epoch
+            best_state = {name: value.clone() for name, value in model.state_dict().items()}
+    model.load_state_dict(best_state)
     model.eval()
     with torch.no_grad():
         predicted = torch.sigmoid(model(features[valid]))
         decided = predicted >= 0.5
     metrics = {
-        "examples": len(y), "validation_examples": held, "positive_rate": float(y.mean()),
+        "examples": len(y), "validation_examples": held, "positive_rate": float(y.mean()), "best_epoch": best_epoch,
         "validation_bce": float(_bce(torch.logit(predicted.clamp(1e-6, 1 - 1e-6)), y[valid], w_pos, w_neg)),
         "validation_mean_prediction": float(predicted.mean()), "validation_mean_label": float(y[valid].mean()),
         "validation_decision_accuracy": float((decided == (y[valid] >= 0.5)).float().mean()),
