@@ -10,6 +10,7 @@ from scipy.stats import chi2
 from tiny import noisy_copy, tiny_model
 
 from decoding import Config, Engine, Request
+from decoding.engine import prefill_groups
 from decoding.length_policies import DraftSignalMLP
 from decoding.tree import TreeTopology
 
@@ -265,6 +266,39 @@ def test_continuous_batching_step_api(tokenizer, target, draft, reference) -> No
             done[result.id] = result
     assert [done[str(i)].token_ids for i in range(len(PROMPTS))] == reference
     assert [streamed[str(i)] for i in range(len(PROMPTS))] == reference
+
+
+def test_prefill_groups_bound_the_padded_size() -> None:
+    assert prefill_groups([10, 20, 30, 40], 60) == [slice(0, 2), slice(2, 3), slice(3, 4)]
+    assert prefill_groups([10, 20, 30, 40], 160) == [slice(0, 4)]
+    assert prefill_groups([100, 5], 10) == [slice(0, 1), slice(1, 2)]  # an over-long prompt goes alone
+    assert prefill_groups([], 10) == []
+
+
+def test_prefill_in_small_groups_and_idle_caches_released(tokenizer, target, draft, reference) -> None:
+    """A tight prefill budget admits rows over several forwards; outputs are unchanged, and once every sequence
+    has finished neither KV cache holds memory, until the next requests allocate it again."""
+    engine = Engine(make_config(method="draft_model", batch_size=8), target=target, tokenizer=tokenizer, draft=draft,
+                    prefill_tokens=16)
+    forwards = []
+    hook = engine.target.register_forward_hook(lambda module, args, kwargs, out: forwards.append(1), with_kwargs=True)
+    engine.add_request(Request(id="x", prompt=PROMPTS[0]))
+    engine.step()
+    prefill_calls = len(forwards)  # one prompt: one prefill forward, one verify forward
+    for i, prompt in enumerate(PROMPTS):
+        engine.add_request(Request(id=str(i), prompt=prompt))
+    forwards.clear()
+    engine.step()  # admits 7 rows (one is busy) in groups of at most 16 padded tokens, then one verify
+    hook.remove()
+    assert prefill_calls == 2 and len(forwards) > 2
+    done = {}
+    while engine.has_unfinished():
+        done.update({r.id: r for r in engine.step().finished})
+    assert [done[str(i)].token_ids for i in range(len(PROMPTS))] == reference
+    for cache in (engine.cache, engine.drafter.cache):
+        assert cache.active == 0 and not any(layer.is_initialized for layer in cache.layers)
+    again = engine.generate([Request(id="again", prompt=PROMPTS[2])])
+    assert again[0].token_ids == reference[2]
 
 
 def test_mismatched_draft_vocabulary_is_refused(tokenizer, target) -> None:
