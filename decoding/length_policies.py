@@ -5,8 +5,8 @@ Every policy sees only draft-side signals and past steps, so verification stays 
 - heuristic: transformers' schedule per sequence, +2 after a fully accepted step, -1 otherwise.
 - online (default): no training. Estimates per-level acceptance from recent steps, takes verify and draft
   costs from a measured calibration (costs.py), and picks the depth (0 = no speculation) with the most expected
-  tokens per second (on-the-fly draft-length adaptation, Liu, Park & Shen 2025). It probes one level deeper now
-  and then, within a small time budget, so it can come back from depth 0.
+  tokens per second (on-the-fly draft-length adaptation, Liu, Park & Shen 2025), depth 0 unless another wins by
+  a margin. It probes one level deeper now and then, within a small time budget, so it can come back from 0.
 - threshold: SpecDec++ acceptance head; a candidate stops once P(some drafted token is rejected) > threshold.
 - decision: Lu et al.'s early-stop decision model; a candidate stops when the model says stop.
 """
