@@ -15,6 +15,7 @@ import contextlib
 import logging
 import signal
 import sys
+import threading
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -75,6 +76,10 @@ def build_config(
 
 def _task(trainer: Trainer, config: BaseModel, overwrite: bool) -> str:
     setup_logging()  # a Ray worker starts without logging configured; progress lines must reach the job log
+    # ray.cancel interrupts a running task with _thread.interrupt_main(), which does nothing while SIGINT is
+    # ignored, as it is in the workers of a Ray started from a nohup'd or background process: take it back.
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGINT, signal.default_int_handler)
     return str(trainer(config, overwrite))
 
 

@@ -5,7 +5,12 @@ from __future__ import annotations
 import json
 import logging
 import math
+import os
 import shutil
+import signal
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -263,3 +268,35 @@ def test_signal_fit_keeps_the_epoch_with_the_best_held_out_loss():
     entropy = -(held_out_rate * math.log(held_out_rate) + (1 - held_out_rate) * math.log(1 - held_out_rate))
     assert metrics["validation_bce"] < entropy + 0.15, metrics
     assert 1 <= metrics["best_epoch"] < config.epochs
+
+
+def test_sigterm_stops_a_run_whose_launcher_ignored_sigint(tmp_path, tiny_dirs, prompts_file):
+    """`ray job stop` (SIGTERM) stops a run cleanly even when it was launched with SIGINT ignored (nohup, a
+    background job of a script): Ray cancels a running task with interrupt_main(), a no-op while the worker, which
+    inherits that disposition, ignores SIGINT; the run then went on until it finished."""
+    output = tmp_path / "draft"
+    argv = [sys.executable, "-m", "jobs.train_draft", "--target", tiny_dirs["target"], "--data", prompts_file,
+            "--output", str(output), "--num-cpus", "1", "--layers", "[0]", "--vocab_size", "20",
+            "--max_new_tokens", "8", "--epochs", "100000", "--batch_tokens", "256", "--validation_prompts", "3",
+            "--checkpoint_seconds", "1"]
+    env = {key: value for key, value in os.environ.items() if key != "RAY_ADDRESS"}  # a cluster of its own
+
+    def launch_like_nohup() -> None:
+        os.setsid()
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+    process = subprocess.Popen(argv, env=env, preexec_fn=launch_like_nohup, stdout=subprocess.DEVNULL,
+                               stderr=subprocess.PIPE, text=True, cwd=Path(__file__).resolve().parents[1])
+    try:
+        checkpoint = output / ".specbatch-work" / "checkpoint.pt"
+        deadline = time.monotonic() + 180
+        while not checkpoint.exists() and process.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.5)
+        assert checkpoint.exists(), "training never reached its first checkpoint"
+        process.send_signal(signal.SIGTERM)
+        assert process.wait(timeout=60) == 130
+        assert "interrupted; re-run the same command to resume" in process.stderr.read()
+    finally:
+        if process.poll() is None:
+            os.killpg(process.pid, signal.SIGKILL)
+            process.wait()
