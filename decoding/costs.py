@@ -53,25 +53,37 @@ class CostTable:
         return ys[-1] + max(slope, 0.0) * (tokens - xs[-1])
 
 
-def _forward_timer(model: torch.nn.Module, device: torch.device, batch: int, tokens: int) -> Callable[[], float]:
-    """A function timing one forward of ``batch`` rows of ``tokens`` new tokens after a cached context (warmed
-    up once)."""
-    cache = SlotKVCache(model.config.num_hidden_layers, batch, max_slots=_CONTEXT + tokens, device=device)
+def _features(model: torch.nn.Module, batch: int, tokens: int, device: torch.device) -> torch.Tensor | None:
+    """Zero feature inputs of the right shape for a feature draft (its cost does not depend on their values)."""
+    if not getattr(model, "reads_features", False):
+        return None
+    return torch.zeros(batch, tokens, model.feature_size, device=device)
+
+
+def forward_timer(
+    model: torch.nn.Module, device: torch.device, batch: int, tokens: int, cached: int = _CONTEXT
+) -> Callable[[], float]:
+    """A function timing one forward of ``batch`` rows of ``tokens`` new tokens after ``cached`` cached ones
+    (warmed up once)."""
+    cache = SlotKVCache(model.config.num_hidden_layers, batch, max_slots=cached + tokens, device=device)
     rows = cache.add_rows(batch)
     vocab = model.config.vocab_size
-    context = torch.randint(0, vocab, (batch, _CONTEXT), device=device)
-    forward_tree(model, cache, rows, context, chain_ancestors(_CONTEXT),
-                 torch.ones(batch, _CONTEXT, dtype=torch.bool, device=device), logits_at=torch.tensor([_CONTEXT - 1]))
-    cache.commit(rows, torch.arange(_CONTEXT, device=device)[None].expand(batch, -1),
-                 torch.full((batch,), _CONTEXT, device=device))
+    context = torch.randint(0, vocab, (batch, cached), device=device)
+    forward_tree(model, cache, rows, context, chain_ancestors(cached),
+                 torch.ones(batch, cached, dtype=torch.bool, device=device), logits_at=torch.tensor([cached - 1]),
+                 features=_features(model, batch, cached, device))
+    cache.commit(rows, torch.arange(cached, device=device)[None].expand(batch, -1),
+                 torch.full((batch,), cached, device=device))
     ids = torch.randint(0, vocab, (batch, tokens), device=device)
     ancestors, valid = chain_ancestors(tokens), torch.ones(batch, tokens, dtype=torch.bool, device=device)
+    features = _features(model, batch, tokens, device)
 
     def timed() -> float:
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         start = time.perf_counter()
-        forward_tree(model, cache, rows, ids, ancestors, valid)  # uncommitted: every call rewrites the same slots
+        # Uncommitted: every call rewrites the same slots.
+        forward_tree(model, cache, rows, ids, ancestors, valid, features=features)
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         return time.perf_counter() - start
@@ -106,7 +118,7 @@ def calibrate(model: torch.nn.Module, max_tokens: int, batch: int = 1, disk_key:
             return CostTable(_memo[memo_key])
     log.info("calibrating forward costs of %s on %s, %d row(s) (once per machine)", disk_key or "model", device, batch)
     sizes = _sizes(max_tokens)
-    timers = [_forward_timer(model, device, batch, size) for size in sizes]
+    timers = [forward_timer(model, device, batch, size) for size in sizes]
     # Interleaved rounds, median per size: a noisy moment spoils one sample of each size, not a whole size
     # (the table is cached for good, so one bad sample would steer the policy on every later run).
     rounds = [[timer() for timer in timers] for _ in range(_ROUNDS)]

@@ -62,12 +62,17 @@ class Draft:
 
 
 class Drafter:
-    """No drafting: plain autoregressive decoding through the same engine (method ``none``)."""
+    """No drafting: plain autoregressive decoding through the same engine (method ``none``).
+
+    ``reads_target_states``: the engine then hands ``add_rows`` the target's final hidden state at every prompt
+    position [B, T, H] and ``observe`` the one at every verified tree node [B, N, H].
+    """
 
     uses_hidden_states = False
+    reads_target_states = False
 
-    def add_rows(self, rows: slice, prompts: list[list[int]]) -> None:
-        del rows, prompts
+    def add_rows(self, rows: slice, prompts: list[list[int]], target_states: torch.Tensor | None = None) -> None:
+        del rows, prompts, target_states
 
     def remove_row(self, row: int) -> None:
         del row
@@ -75,8 +80,8 @@ class Drafter:
     def propose(self, inputs: DraftInputs) -> Draft:
         return Draft.roots_only(inputs)
 
-    def observe(self, paths: list[list[int]], draft: Draft) -> None:
-        del paths, draft
+    def observe(self, paths: list[list[int]], draft: Draft, target_states: torch.Tensor | None = None) -> None:
+        del paths, draft, target_states
 
 
 class NgramDrafter(Drafter):
@@ -158,44 +163,63 @@ def _with_reduced_head(model: torch.nn.Module, subset: tuple[int, ...]) -> torch
 
 
 class DraftModelDrafter(Drafter):
-    """A small causal LM sharing the target's tokenizer, with its own slot cache kept on the accepted path.
+    """A small draft sharing the target's tokenizer, with its own slot cache kept on the accepted path.
 
-    Tokens committed while the draft did not run (the last accepted leaf, steps at depth 0) wait in
+    Tokens committed while the draft did not run on them (the last accepted leaf, steps at depth 0) wait in
     ``uncached`` and are fed as a causal prefix of the next draft tree, so no extra forward is spent on them.
+
+    A feature draft (``FeatureDraft``) reads with each token the state before it: root-level nodes the target's
+    state at the last committed position, deeper nodes the draft's own state at their parent. Only entries built
+    from the target's states stay in its cache; accepted nodes below the root level wait in ``uncached`` with the
+    target's states that verification computed for them, and are fed again as the next tree's prefix.
     """
 
     def __init__(
         self, model: torch.nn.Module, capacity: int, device: torch.device, vocab_subset: list[int] | None = None
     ) -> None:
-        self.model = model
         self.device = device
         self.vocab_size = model.config.vocab_size
+        self.reads_target_states = bool(getattr(model, "reads_features", False))
         self.vocab_subset = None
         if vocab_subset is not None:
             self.vocab_subset = torch.tensor(vocab_subset, dtype=torch.long)
-            self.model = _with_reduced_head(model, tuple(vocab_subset))
-        self.model = for_inference(self.model)
+            if not self.reads_target_states:  # a feature draft's head is stored cut
+                model = _with_reduced_head(model, tuple(vocab_subset))
+        self.model = for_inference(model)
         self.cache = SlotKVCache(model.config.num_hidden_layers, capacity, device=device)
         self.uncached: list[list[int]] = []
+        self.uncached_states: list[list[torch.Tensor]] = []  # feature draft: the target's state before each
+        self.root_states = (  # feature draft: the target's state at each row's last committed position
+            torch.zeros(capacity, model.feature_size, device=device) if self.reads_target_states else None
+        )
         self.prefix = 0
         self.forwarded_levels = 0
         self.topology: TreeTopology | None = None
         self.uses_hidden_states = False
 
-    def add_rows(self, rows: slice, prompts: list[list[int]]) -> None:
+    def add_rows(self, rows: slice, prompts: list[list[int]], target_states: torch.Tensor | None = None) -> None:
         joined = self.cache.add_rows(len(prompts))
         assert joined == rows, "draft cache rows must mirror the target cache"
+        states = None
+        if self.reads_target_states:
+            # Input t is token t + 1 with the target's state at t; the last state goes with the pending token.
+            last = torch.tensor([len(p) - 1 for p in prompts], device=self.device)
+            self.root_states[rows] = target_states[torch.arange(len(prompts), device=self.device), last]
+            states, prompts = target_states, [p[1:] for p in prompts]
         lengths = torch.tensor([len(p) for p in prompts])
         width = int(lengths.max())
-        ids = torch.zeros(len(prompts), width, dtype=torch.long)
-        for i, prompt in enumerate(prompts):
-            ids[i, : len(prompt)] = torch.tensor(prompt)
-        valid = torch.arange(width)[None] < lengths[:, None]
-        forward_tree(self.model, self.cache, rows, ids.to(self.device), chain_ancestors(width), valid.to(self.device),
-                     logits_at=torch.tensor([width - 1]))
-        self.cache.commit(rows, torch.arange(width)[None].expand(len(prompts), -1).to(self.device),
-                          lengths.to(self.device))
+        if width:
+            ids = torch.zeros(len(prompts), width, dtype=torch.long)
+            for i, prompt in enumerate(prompts):
+                ids[i, : len(prompt)] = torch.tensor(prompt, dtype=torch.long)
+            valid = torch.arange(width)[None] < lengths[:, None]
+            forward_tree(self.model, self.cache, rows, ids.to(self.device), chain_ancestors(width),
+                         valid.to(self.device), logits_at=torch.tensor([width - 1]),
+                         features=states[:, :width] if states is not None else None)
+            self.cache.commit(rows, torch.arange(width)[None].expand(len(prompts), -1).to(self.device),
+                              lengths.to(self.device))
         self.uncached.extend([] for _ in prompts)
+        self.uncached_states.extend([] for _ in prompts)
 
     def _full_vocab(self, logits: torch.Tensor) -> torch.Tensor:
         if self.vocab_subset is None:
@@ -205,9 +229,12 @@ class DraftModelDrafter(Drafter):
         return full
 
     def remove_row(self, row: int) -> None:
+        if self.root_states is not None:
+            self.root_states[row] = self.root_states[self.cache.active - 1]
         self.cache.remove_row(row)
-        self.uncached[row] = self.uncached[-1]
-        self.uncached.pop()
+        for waiting in (self.uncached, self.uncached_states):
+            waiting[row] = waiting[-1]
+            waiting.pop()
 
     @staticmethod
     def _sample_level(inputs: DraftInputs, probs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -246,6 +273,13 @@ class DraftModelDrafter(Drafter):
         width = topology.root_width
         tokens[:, prefix : prefix + width] = inputs.roots
         valid[:, prefix : prefix + width] = inputs.root_valid
+        states = None  # feature draft: the state each node reads
+        if self.root_states is not None:
+            states = self.root_states.new_zeros(batch, total, self.root_states.shape[1])
+            for row, waiting in enumerate(self.uncached_states):
+                if waiting:
+                    states[row, : len(waiting)] = torch.stack(waiting)
+            states[:, prefix : prefix + width] = self.root_states[:batch, None]
         token_probs = torch.ones(batch, total)
         sampling = not bool(inputs.greedy.all())
         laws = torch.zeros(batch, total, self.vocab_size) if sampling else None
@@ -256,7 +290,8 @@ class DraftModelDrafter(Drafter):
             logits, hidden = forward_tree(
                 self.model, self.cache, rows, tokens[:, start:end].to(self.device), ancestors.to(self.device),
                 valid.to(self.device), start, logits_at=torch.arange(max(start, prefix), end) - start,
-                want_hidden=self.uses_hidden_states,
+                want_hidden=self.uses_hidden_states or states is not None,
+                features=states[:, start:end] if states is not None else None,
             )
             self.forwarded_levels = level
             probs = warp_probs(self._full_vocab(logits.float().cpu()), inputs.warp)  # [B, w_parent, V]
@@ -269,7 +304,7 @@ class DraftModelDrafter(Drafter):
                 parent_valid = parent_valid.expand(-1, topology.num_candidates)
                 hidden = hidden.expand(-1, topology.num_candidates, -1) if hidden is not None else None
             keep = parent_valid & inputs.keep(level, inputs.depths, child_probs,
-                                              hidden.float().cpu() if hidden is not None else None)
+                                              hidden.float().cpu() if self.uses_hidden_states else None)
             if not bool(keep.any()):
                 break
             level_nodes = topology.level_slice(level)
@@ -277,6 +312,8 @@ class DraftModelDrafter(Drafter):
             tokens[:, start:end] = children
             valid[:, start:end] = keep
             token_probs[:, start:end] = child_probs
+            if states is not None:
+                states[:, start:end] = hidden
             depth = level
             if level == max_depth:
                 break
@@ -289,19 +326,31 @@ class DraftModelDrafter(Drafter):
             depth,
         )
 
-    def observe(self, paths: list[list[int]], draft: Draft) -> None:
-        """Keep the accepted path in the draft cache; path tokens the draft never ran on wait for next time."""
-        if self.forwarded_levels == 0:
-            for row, path in enumerate(paths):
-                self.uncached[row].extend(int(draft.tokens[row, node]) for node in path)
-            return
-        ran_nodes = self.topology.size(self.forwarded_levels - 1)  # levels the draft model ran on
+    def observe(self, paths: list[list[int]], draft: Draft, target_states: torch.Tensor | None = None) -> None:
+        """Keep the accepted path's final entries in the draft cache; the rest of the path waits for next time.
+
+        Final: what the draft ran on with the inputs it will always have; for a token draft every level it ran,
+        for a feature draft only the root level (deeper levels read its own states, not the target's).
+        """
+        ran = self.forwarded_levels > 0
+        final_nodes = 0
+        if ran:
+            final_nodes = (self.topology.root_width if self.root_states is not None
+                           else self.topology.size(self.forwarded_levels - 1))
         keeps, counts = [], []
         for row, path in enumerate(paths):
-            kept = list(range(len(self.uncached[row]))) + [self.prefix + n for n in path if n < ran_nodes]
-            self.uncached[row] = [int(draft.tokens[row, n]) for n in path if n >= ran_nodes]
-            keeps.append(kept)
-            counts.append(len(kept))
+            if ran:
+                keeps.append(list(range(len(self.uncached[row]))) + [self.prefix + n for n in path if n < final_nodes])
+                counts.append(len(keeps[-1]))
+                self.uncached[row], self.uncached_states[row] = [], []
+            waiting = [i for i, node in enumerate(path) if node >= final_nodes]
+            self.uncached[row] += [int(draft.tokens[row, path[i]]) for i in waiting]
+            if self.root_states is not None:
+                before = [self.root_states[row].clone(), *target_states[row, path[:-1]]]  # the state before each node
+                self.uncached_states[row] += [before[i] for i in waiting]
+                self.root_states[row] = target_states[row, path[-1]]
+        if not ran:
+            return
         keep = torch.zeros(len(paths), max(counts), dtype=torch.long)
         for row, kept in enumerate(keeps):
             keep[row, : len(kept)] = torch.tensor(kept, dtype=torch.long)

@@ -28,6 +28,7 @@ from decoding.models import (
     default_device,
     draft_vocab_subset,
     for_inference,
+    load_draft,
     load_model,
     load_tokenizer,
     resolve_draft,
@@ -163,7 +164,7 @@ class Engine:
         *,
         target: PreTrainedModel | None = None,
         tokenizer: PreTrainedTokenizerBase | None = None,
-        draft: PreTrainedModel | None = None,
+        draft: torch.nn.Module | None = None,
         device: torch.device | None = None,
         prefill_tokens: int = 8192,
     ) -> None:
@@ -197,7 +198,7 @@ class Engine:
         self.steps = 0
 
     # ----------------------------------------------------------------------------------------------- setup
-    def _make_drafter(self, draft: PreTrainedModel | None) -> Drafter:
+    def _make_drafter(self, draft: torch.nn.Module | None) -> Drafter:
         spec = self.config.speculative
         if spec.method == "none":
             return Drafter()
@@ -205,7 +206,7 @@ class Engine:
             return NgramDrafter(spec.prompt_lookup_max, spec.prompt_lookup_min)
         if draft is None:
             check_same_tokenizer(self.tokenizer, load_tokenizer(spec.model), spec.model)
-            draft = load_model(spec.model, self.config.dtype, self.device)
+            draft = load_draft(spec.model, self.config.dtype, self.device)
         elif draft.config.vocab_size != self.target.config.vocab_size:
             raise ValueError(
                 f"draft vocab size {draft.config.vocab_size} differs from the target's "
@@ -317,9 +318,11 @@ class Engine:
             ids[i, : len(seq.prompt_ids)] = torch.tensor(seq.prompt_ids)
         valid = torch.arange(width)[None] < lengths[:, None]
         last_positions = sorted(set((lengths - 1).tolist()))
-        logits, _ = forward_tree(
+        reads_states = self.drafter.reads_target_states
+        logits, states = forward_tree(
             self.target, self.cache, rows, ids.to(self.device), chain_ancestors(width), valid.to(self.device),
-            logits_at=torch.tensor(last_positions),
+            logits_at=torch.tensor(last_positions), want_hidden=reads_states,
+            hidden_at=torch.arange(width) if reads_states else None,
         )
         keep = torch.arange(width)[None].expand(len(joining), -1)
         self.cache.commit(rows, keep.to(self.device), lengths.to(self.device))
@@ -336,7 +339,7 @@ class Engine:
                 token = int(torch.multinomial(probs[i], 1, generator=seq.generator))
             self._emit(seq, [token], [False], emitted)
         self.running.extend(joining)
-        self.drafter.add_rows(rows, [s.prompt_ids for s in joining])
+        self.drafter.add_rows(rows, [s.prompt_ids for s in joining], states)
 
     def _plan(self, seqs: list[_Sequence]) -> torch.Tensor:
         depths = self.policy.plan([s.request_id for s in seqs])
@@ -389,8 +392,9 @@ class Engine:
             )
         )
         ancestors = self.topology.sliced_ancestors(draft.depth)
-        logits, _ = forward_tree(
-            self.target, self.cache, rows, draft.tokens.to(self.device), ancestors, draft.valid.to(self.device)
+        logits, states = forward_tree(
+            self.target, self.cache, rows, draft.tokens.to(self.device), ancestors, draft.valid.to(self.device),
+            want_hidden=self.drafter.reads_target_states,
         )
         logits = logits.float().cpu()
         verdicts, target_token_probs = self._verify(seqs, draft, logits, warp)
@@ -399,7 +403,7 @@ class Engine:
         for row, path in enumerate(paths):
             keep[row, : len(path)] = torch.tensor(path, dtype=torch.long)
         self.cache.commit(rows, keep.to(self.device), torch.tensor([len(p) for p in paths]).to(self.device))
-        self.drafter.observe(paths, draft)
+        self.drafter.observe(paths, draft, states)
 
         self.steps += 1
         depth_of = self.topology.depths

@@ -143,11 +143,15 @@ def forward_tree(
     start: int = 0,
     logits_at: torch.Tensor | None = None,
     want_hidden: bool = False,
+    hidden_at: torch.Tensor | None = None,
+    features: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """One model forward over tree nodes [start, start + T) of rows ``rows``; returns (logits, last hidden).
 
     ``logits_at`` (1D node indices, relative to ``start``) limits the LM head to those nodes: a prefill only
-    needs the last prompt position of each row, and the head is most of a small model's cost.
+    needs the last prompt position of each row, and the head is most of a small model's cost. The last hidden
+    state comes back at ``hidden_at`` (default: the ``logits_at`` nodes). ``features`` [B, T, H] is the extra
+    input of a feature draft.
     """
     end = start + input_ids.shape[1]
     dtype = next(model.parameters()).dtype
@@ -161,8 +165,10 @@ def forward_tree(
         use_cache=True,
         output_hidden_states=want_hidden,
         logits_to_keep=logits_at if logits_at is not None else 0,
+        **({"features": features} if features is not None else {}),
     )
     hidden = out.hidden_states[-1] if want_hidden else None
-    if hidden is not None and logits_at is not None:
-        hidden = hidden[:, logits_at]
+    hidden_at = hidden_at if hidden_at is not None else logits_at
+    if hidden is not None and hidden_at is not None:
+        hidden = hidden[:, hidden_at]
     return out.logits, hidden

@@ -38,6 +38,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from decoding.config import SpeculativeConfig
+from decoding.feature_draft import FeatureDraft
 
 log = logging.getLogger(__name__)
 
@@ -225,12 +226,23 @@ def load_model(name: str, dtype: str = "auto", device: torch.device | None = Non
 DRAFT_METADATA = "specbatch_draft.json"
 
 
-def draft_vocab_subset(name: str) -> list[int] | None:
-    """Token ids a trained draft proposes from (``specbatch_draft.json`` beside its weights), if restricted."""
+def _draft_metadata(name: str) -> dict[str, Any]:
+    """What ``specbatch train-draft`` wrote beside a draft's weights (``specbatch_draft.json``); {} elsewhere."""
     path = Path(resolve_model_path(name)) / DRAFT_METADATA
-    if not path.exists():
-        return None
-    return json.loads(path.read_text()).get("vocab_subset")
+    return json.loads(path.read_text()) if path.exists() else {}
+
+
+def draft_vocab_subset(name: str) -> list[int] | None:
+    """Token ids a trained draft proposes from, if restricted."""
+    return _draft_metadata(name).get("vocab_subset")
+
+
+def load_draft(name: str, dtype: str = "auto", device: torch.device | None = None) -> torch.nn.Module:
+    """A draft model: a causal LM, or a ``FeatureDraft`` where its training metadata says so."""
+    if _draft_metadata(name).get("architecture") != "feature":
+        return load_model(name, dtype, device)
+    device = device or default_device()
+    return FeatureDraft.load(resolve_model_path(name), resolve_dtype(dtype, device)).to(device)
 
 
 def resolve_draft(spec: SpeculativeConfig, target: str | None = None) -> SpeculativeConfig:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -23,8 +24,9 @@ import torch
 import yaml
 
 from decoding import Config, Engine, Request
+from decoding.costs import forward_timer
 from decoding.drafters import DraftModelDrafter
-from decoding.models import load_model, load_tokenizer, resolve_model_path
+from decoding.models import for_inference, load_model, load_tokenizer, resolve_model_path
 from decoding.training.data import PromptSource, read_rows, row_prompt_ids
 
 
@@ -73,18 +75,11 @@ def time_drafting(drafter: DraftModelDrafter) -> dict[str, float]:
     return totals
 
 
-@torch.no_grad()
 def forward_seconds(model: torch.nn.Module, context: int = 256, repeats: int = 20) -> float:
-    """One decode forward (1 new token after ``context`` cached ones), batch 1: median seconds."""
-    ids = torch.randint(0, model.config.vocab_size, (1, context), generator=torch.Generator().manual_seed(0))
-    past = model(ids, use_cache=True).past_key_values
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        model(ids[:, :1], past_key_values=past, use_cache=True)
-        times.append(time.perf_counter() - start)
-        past.crop(-1)  # back to the same context for the next repeat
-    return sorted(times)[len(times) // 2]
+    """One decode forward (1 new token after ``context`` cached ones), batch 1, through the engine's forward:
+    median seconds."""
+    timer = forward_timer(model, torch.device("cpu"), 1, 1, context)
+    return statistics.median(timer() for _ in range(repeats))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -145,7 +140,8 @@ def main(argv: list[str] | None = None) -> int:
                      "mean_acceptance_length": round(entry["tokens"] / entry["forwards"], 3) if entry["forwards"]
                      else None, "identical_to_generate": f"{entry['identical']}/{len(prompts)}"})
     drafter = next(e.drafter for e in engines.values() if isinstance(e.drafter, DraftModelDrafter))
-    cost = {"target_forward_s": forward_seconds(target), "draft_forward_s": forward_seconds(drafter.model)}
+    cost = {"target_forward_s": forward_seconds(for_inference(target)),
+            "draft_forward_s": forward_seconds(drafter.model)}
     cost["draft_cost_ratio"] = cost["draft_forward_s"] / cost["target_forward_s"]
     if drafting is not None and drafting["forwards"]:
         # In the engine: drafting seconds per draft forward, against the plain engine's seconds per token.

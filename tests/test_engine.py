@@ -11,6 +11,7 @@ from tiny import noisy_copy, tiny_model
 
 from decoding import Config, Engine, Request
 from decoding.engine import prefill_groups
+from decoding.feature_draft import FeatureDraft
 from decoding.length_policies import DraftSignalMLP
 from decoding.tree import TreeTopology
 
@@ -99,6 +100,32 @@ def test_greedy_matches_transformers(
         assert forwards < 0.8 * sum(len(r.token_ids) for r in results)
 
 
+@pytest.fixture(scope="module")
+def feature_draft(target) -> FeatureDraft:
+    """An untrained feature draft: the engine must stay lossless whatever it proposes."""
+    torch.manual_seed(0)
+    return FeatureDraft.from_target(target, [1], list(range(target.config.vocab_size)))
+
+
+@pytest.mark.parametrize("batch_size", [1, 3])
+@pytest.mark.parametrize(("width", "init", "policy"), [
+    (1, "draft", "static"), (2, "draft", "static"), (3, "target", "static"), (2, "target", "online"),
+    (1, "draft", "heuristic"), (2, "draft", "threshold"), (1, "draft", "decision"),
+])
+def test_feature_draft_greedy_matches_transformers(
+    width, init, policy, batch_size, tokenizer, target, feature_draft, reference, heads
+) -> None:
+    extra = {key: heads[key] for key in heads if policy in ("threshold", "decision")}
+    config = make_config(
+        method="draft_model", num_candidates=width, candidate_init=init, length_policy=policy,
+        num_speculative_tokens=4, batch_size=batch_size, **extra,
+    )
+    results = run(config, tokenizer, target, feature_draft)
+    assert [r.token_ids for r in results] == reference
+    if policy == "static":  # the others may rightly give up on a draft this poor
+        assert sum(sum(r.per_step_drafted) for r in results) > 0
+
+
 def test_sliced_mask_equals_rebuilt_mask() -> None:
     largest = TreeTopology(num_candidates=3, max_depth=5, root_width=3)
     for depth in range(6):
@@ -175,12 +202,15 @@ SAMPLING_GRID = [
 ] + [
     ("draft_model", 3, False, "draft", {"temperature": 0.7, "top_k": 4, "top_p": 0.9}),
     ("ngram", 2, False, "draft", {"temperature": 1.0, "top_k": 0, "top_p": 1.0}),
+    ("feature_draft", 2, False, "draft", {"temperature": 1.0, "top_k": 0, "top_p": 1.0}),
 ]
 
 
 @pytest.mark.parametrize(("method", "width", "replacement", "init", "warp"), SAMPLING_GRID)
 def test_sampling_follows_target_law(method, width, replacement, init, warp, small_models, tokenizer) -> None:
     target, draft = small_models
+    if method == "feature_draft":  # a draft_model of the feature kind
+        method, draft = "draft_model", FeatureDraft.from_target(target, [0], list(range(SMALL_VOCAB)))
     prompt = [3, 4, 5, 3, 4, 5, 3]  # repetitive, so n-gram lookup proposes candidates too
     samples = 3000
     config = make_config(

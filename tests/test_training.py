@@ -20,10 +20,17 @@ from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
 from decoding import Config, Engine, Request
+from decoding.feature_draft import FeatureDraft
 from decoding.length_policies import DraftSignalMLP
-from decoding.models import DEFAULT_DRAFT, DRAFT_METADATA, resolve_draft
+from decoding.models import DEFAULT_DRAFT, DRAFT_METADATA, load_draft, resolve_draft
 from decoding.training.data import PromptSource
-from decoding.training.distill import DraftTrainingConfig, acceptance_length, build_draft, train_draft
+from decoding.training.distill import (
+    DraftTrainingConfig,
+    _FeatureStudent,
+    acceptance_length,
+    build_draft,
+    train_draft,
+)
 from decoding.training.runs import METRICS_FILE, RunDir, RunError
 from decoding.training.signals import SignalTrainingConfig, fit
 from decoding.training.teacher import teacher_continuations
@@ -51,6 +58,15 @@ def trained_draft(tmp_path_factory, tiny_dirs, prompts_file, ray_cluster) -> Pat
     output = tmp_path_factory.mktemp("draft") / "draft"
     argv = ["--target", tiny_dirs["target"], "--data", prompts_file, "--output", str(output), "--num-cpus", "1"]
     assert train_draft_job.main(argv + TINY_DRAFT) == 0
+    return output
+
+
+@pytest.fixture(scope="module")
+def feature_draft(tmp_path_factory, tiny_dirs, prompts_file, ray_cluster) -> Path:
+    output = tmp_path_factory.mktemp("feature") / "draft"
+    argv = ["--target", tiny_dirs["target"], "--data", prompts_file, "--output", str(output), "--num-cpus", "1",
+            "--architecture", "feature", "--layers", "[1]", "--unroll", "2"]
+    assert train_draft_job.main(argv + TINY_DRAFT[2:]) == 0
     return output
 
 
@@ -83,6 +99,54 @@ def test_train_draft_makes_a_draft_the_engine_uses(trained_draft, tiny_dirs, tok
     assert proposed <= set(meta["vocab_subset"])  # the reduced head was applied
 
 
+def test_train_draft_makes_a_feature_draft_the_engine_uses(feature_draft, tiny_dirs, tokenizer, target):
+    meta = json.loads((feature_draft / DRAFT_METADATA).read_text())
+    assert meta["architecture"] == "feature" and len(meta["vocab_subset"]) == 20
+    validation, before = meta["metrics"]["validation"], meta["metrics"]["validation_before"]
+    assert validation["agreement"] > before["agreement"]  # it learned something
+    draft = load_draft(str(feature_draft))
+    assert isinstance(draft, FeatureDraft) and draft.config.num_hidden_layers == 1
+    for width in (1, 2):
+        results = run_engine(tiny_dirs["target"], tokenizer, target, method="draft_model", model=str(feature_draft),
+                             num_speculative_tokens=3, length_policy="static", num_candidates=width)
+        assert_drafts_losslessly(results, tokenizer, target, tiny_dirs["target"])
+        assert {s[3] for r in results for s in r.token_stats} <= set(meta["vocab_subset"])
+        assert sum(sum(r.per_step_accepted) for r in results) > 0
+
+
+def test_feature_draft_proposes_at_run_time_what_training_simulates(feature_draft, tiny_dirs, tokenizer, target):
+    """The engine's draft cache (target states for what it kept, re-fed prefixes, its own states below the root)
+    must give the tokens that training's level-by-level simulation predicts for the same context: else training
+    optimises, and validation reports, something the engine never runs."""
+    draft = load_draft(str(feature_draft))
+    subset = torch.tensor(json.loads((feature_draft / DRAFT_METADATA).read_text())["vocab_subset"])
+    student = _FeatureStudent(draft, subset.tolist()).eval()
+    depth = 3
+    results = run_engine(tiny_dirs["target"], tokenizer, target, method="draft_model", model=str(feature_draft),
+                         num_speculative_tokens=depth, length_policy="static")
+    checked = 0
+    for result in results:
+        sequence = torch.tensor([result.prompt_token_ids + result.token_ids])
+        with torch.no_grad():
+            states = target(sequence, output_hidden_states=True).hidden_states[-1]
+            levels = student.levels({"ids": sequence, "mask": torch.ones_like(sequence), "states": states}, depth)
+        predicted = []  # predicted[k][p]: level k's token after position p + k of the sequence
+        for level in levels:
+            row = torch.full((sequence.shape[1],), -1)
+            row[level.at] = subset[level.logits.argmax(-1)]
+            predicted.append(row)
+        root = len(result.prompt_token_ids)  # the first generated token came from the prefill
+        stats = result.token_stats  # step by step, level by level
+        for drafted, accepted in zip(result.per_step_drafted, result.per_step_accepted, strict=True):
+            chain, stats = stats[:drafted], stats[drafted:]
+            for stat in chain[: accepted + 1]:  # levels whose parent was accepted: conditioned on true tokens
+                level = stat[1] - 1
+                assert stat[3] == int(predicted[level][root + level]), (result.id, stat[0], level)
+                checked += 1
+            root += accepted + 1
+    assert checked > 20
+
+
 def test_teacher_hidden_states_reproduce_the_targets_predictions(tmp_path, tokenizer, target):
     prompts = [tokenizer(p)["input_ids"] for p in PROMPTS[:5]]
     run = RunDir(tmp_path, DraftTrainingConfig(data=[PromptSource(path="unused")], output=str(tmp_path)), "done")
@@ -106,9 +170,11 @@ def test_build_draft_with_every_layer_reproduces_the_target(target):
 
 
 def test_acceptance_length_simulates_greedy_chains():
-    assert acceptance_length([True] * 10, 5) == 10 / 2  # 6 tokens, then 4 (the last token has no successor)
-    assert acceptance_length([False] * 4, 5) == 1.0
-    assert acceptance_length([True, False, True, True, False, False], 5) == 6 / 3
+    assert acceptance_length([[True] * 10], 5) == 10 / 2  # 6 tokens, then 4 (the last token has no successor)
+    assert acceptance_length([[False] * 4], 5) == 1.0
+    assert acceptance_length([[True, False, True, True, False, False]], 5) == 6 / 3
+    # Per level: level 0 right everywhere, level 1 wrong everywhere: every chain accepts exactly one token.
+    assert acceptance_length([[True] * 6, [False] * 6], 5) == 6 / 3
 
 
 def test_interrupted_draft_training_resumes(tmp_path, tiny_dirs, prompts_file, monkeypatch, caplog):

@@ -21,13 +21,16 @@ import logging
 import math
 import time
 from collections import Counter
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Literal
 
 import torch
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 from torch import nn
-from transformers import AutoModelForCausalLM, PreTrainedModel, PreTrainedTokenizerBase
+from transformers import AutoModelForCausalLM, DynamicCache, PreTrainedModel, PreTrainedTokenizerBase
 
+from decoding.feature_draft import FeatureDraft
 from decoding.models import DEFAULT_MODEL, DRAFT_METADATA, load_model, load_tokenizer, resolve_model_path
 from decoding.training.data import PromptSource, load_prompts
 from decoding.training.runs import Progress, RunDir, require_same_tokenizer, set_threads
@@ -44,8 +47,15 @@ class DraftTrainingConfig(BaseModel):
     target: str = DEFAULT_MODEL
     data: list[PromptSource] = Field(min_length=1)
     output: str
+    architecture: Literal["layers", "feature"] = Field(
+        "layers", description="layers: a causal LM of target layers; feature: EAGLE-style, reads the target's "
+        "final hidden state (decoding/feature_draft.py)")
     init: str | None = Field(None, description="start from this model (same tokenizer) instead of target layers")
     layers: list[int] = Field([0, 1], min_length=1, description="target decoder layers copied into the draft")
+    feature_weight: float = Field(1.0, ge=0, description="feature draft: smooth-L1 weight of its state against "
+                                  "the target's")
+    unroll: int = Field(3, ge=1, description="feature draft: draft levels trained, each fed the level above's "
+                        "own states as at run time")
     vocab_size: int = Field(8192, ge=0, description="tokens the draft's head keeps; 0 keeps the full vocabulary")
     max_new_tokens: int = Field(128, ge=1, description="length of the target continuations trained on")
     generation_batch_size: int = Field(16, ge=1)
@@ -74,6 +84,8 @@ class DraftTrainingConfig(BaseModel):
     def _check(self) -> DraftTrainingConfig:
         if self.soft_weight == 0 and self.hard_weight == 0:
             raise ValueError("soft_weight and hard_weight cannot both be 0")
+        if self.architecture == "feature" and self.init is not None:
+            raise ValueError("init applies to architecture 'layers' only")
         return self
 
 
@@ -120,6 +132,16 @@ def choose_vocab_subset(examples: list[TeacherExample], size: int, vocab: int, a
     return sorted(chosen)
 
 
+@dataclass
+class _Level:
+    """One draft level's predictions: logits over the subset (and, for a feature draft, its states) at the flat
+    positions ``at`` (row-major over the batch's unmasked positions, like the batch's teacher tensors)."""
+
+    logits: torch.Tensor
+    states: torch.Tensor | None
+    at: torch.Tensor
+
+
 class _Student(nn.Module):
     """The draft's body plus a trainable head over the vocabulary subset only, and the target's frozen head rows
     for the same subset (teacher logits = target hidden state @ those rows)."""
@@ -132,10 +154,12 @@ class _Student(nn.Module):
         self.register_buffer("teacher_head", teacher_head, persistent=False)
         self.head = nn.Parameter(draft.get_output_embeddings().weight.detach()[self.subset].clone())
 
-    def forward(self, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-        """Logits over the subset at the unmasked positions, in row-major order."""
-        hidden = self.body(input_ids=ids, attention_mask=mask).last_hidden_state
-        return hidden[mask.bool()] @ self.head.T
+    def levels(self, batch: dict[str, torch.Tensor], count: int) -> list[_Level]:
+        """A token draft conditions on true tokens only: every level predicts like the first, so one is enough."""
+        del count
+        mask = batch["mask"].bool()
+        hidden = self.body(input_ids=batch["ids"], attention_mask=batch["mask"]).last_hidden_state
+        return [_Level(hidden[mask] @ self.head.T, None, torch.ones(int(mask.sum()), dtype=torch.bool))]
 
     @torch.no_grad()
     def calibrate_scale(self, batch: dict[str, torch.Tensor], loss) -> float:
@@ -144,15 +168,64 @@ class _Student(nn.Module):
         Copied from the target, a shallow draft is far over-confident (its logits spread about twice as wide as
         the target's), and Adam would need thousands of small steps to shrink the head's norm by itself.
         """
-        logits = self(batch["ids"], batch["mask"])
+        level = self.levels(batch, 1)[0]
         scales = torch.linspace(0.05, 1.5, 30)
-        best = float(min(scales, key=lambda scale: float(loss(logits * scale, batch))))
+        best = float(min(scales, key=lambda scale: float(loss(_Level(level.logits * scale, None, level.at), batch))))
         self.head.mul_(best)
         return best
 
     def write_back(self, draft: PreTrainedModel) -> None:
         with torch.no_grad():
             draft.get_output_embeddings().weight[self.subset] = self.head.detach()
+
+
+def _unroll_mask(valid: torch.Tensor, level: int) -> torch.Tensor:
+    """Which keys the queries of draft level ``level`` (0 = reading true features) see, as at run time.
+
+    Keys are ``level + 1`` blocks of the same T positions: block 0 computed from the target's features, block m
+    from level m's. A level-k query at position j drafts k tokens past a root at j - k: it sees block 0 up to the
+    root and, of each deeper block m, only position j - k + m (its own chain). Returns [B, 1, T, (level+1) T].
+    """
+    width = valid.shape[1]
+    query, key = torch.arange(width)[:, None], torch.arange(width)[None, :]
+    blocks = [(key <= query - level)[None] & valid[:, None, :]]
+    blocks += [(key == query - level + m)[None].expand(len(valid), -1, -1) for m in range(1, level + 1)]
+    return torch.cat(blocks, -1)[:, None]
+
+
+class _FeatureStudent(nn.Module):
+    """A ``FeatureDraft`` trained level by level: level k reads the states level k - 1 produced, one position
+    back, through the keys it would see at run time (``_unroll_mask``). Embeddings and head stay the target's."""
+
+    def __init__(self, draft: FeatureDraft, subset: list[int]) -> None:
+        super().__init__()
+        self.draft = draft
+        draft.body.embed_tokens.weight.requires_grad_(False)
+        draft.lm_head.weight.requires_grad_(False)  # maps the target's states to its logits: g should match them
+        self.register_buffer("subset", torch.tensor(subset, dtype=torch.long), persistent=False)
+
+    @property
+    def teacher_head(self) -> torch.Tensor:
+        return self.draft.lm_head.weight
+
+    def levels(self, batch: dict[str, torch.Tensor], count: int) -> list[_Level]:
+        mask = batch["mask"].bool()
+        tokens, valid = batch["ids"][:, 1:], mask[:, 1:]  # input j: token j + 1 with the target's state at j
+        positions = torch.arange(tokens.shape[1])[None].expand(len(tokens), -1)
+        features = batch["states"][:, :-1]
+        cache = DynamicCache()
+        levels = []
+        for level in range(count):
+            states = self.draft.hidden(tokens, features, attention_mask=_unroll_mask(valid, level),
+                                       position_ids=positions, past_key_values=cache, use_cache=True)
+            at = valid.clone()
+            at[:, :level] = False  # no root that far back
+            flat = torch.zeros_like(mask)
+            flat[:, 1:] = at  # input j predicts what the target's state at j + 1 does
+            kept = states[at]
+            levels.append(_Level(self.draft.lm_head(kept), kept, flat[mask]))
+            features = torch.cat([torch.zeros_like(states[:, :1]), states[:, :-1]], 1)
+        return levels
 
 
 # ------------------------------------------------------------------------------------------------------ batches
@@ -196,60 +269,81 @@ def _schedule(windows: list[_Window], config: DraftTrainingConfig, per_epoch: in
 
 
 def _collate(windows: list[_Window]) -> dict[str, torch.Tensor]:
-    """Right-padded ids and mask; per-position targets in the row-major order of the unmasked positions."""
+    """Right-padded ids, mask and teacher states; per-position targets in the row-major order of the unmasked
+    positions."""
     width = max(len(w) for w in windows)
     ids = torch.zeros(len(windows), width, dtype=torch.long)
     mask = torch.zeros_like(ids)
+    states = windows[0].hidden.new_zeros(len(windows), width, windows[0].hidden.shape[-1])
     for r, w in enumerate(windows):
         ids[r, : len(w)] = w.ids
         mask[r, : len(w)] = 1
-    return {"ids": ids, "mask": mask, "hidden": torch.cat([w.hidden for w in windows]),
+        states[r, : len(w)] = w.hidden
+    return {"ids": ids, "mask": mask, "states": states, "hidden": states[mask.bool()],
             "continuation": torch.cat([w.continuation for w in windows]),
             "labels": torch.cat([w.labels for w in windows])}
 
 
-def _loss(logits: torch.Tensor, batch: dict[str, torch.Tensor], teacher_head: torch.Tensor,
+def _loss(level: _Level, batch: dict[str, torch.Tensor], teacher_head: torch.Tensor,
           config: DraftTrainingConfig) -> torch.Tensor:
-    logp = logits.float().log_softmax(-1)
+    logp = level.logits.float().log_softmax(-1)
+    hidden = batch["hidden"][level.at]
     with torch.no_grad():
-        teacher = (batch["hidden"].to(teacher_head.dtype) @ teacher_head.T).float().softmax(-1)
+        teacher = (hidden.to(teacher_head.dtype) @ teacher_head.T).float().softmax(-1)
     soft = -(teacher * logp).sum(-1)
-    continuation = batch["continuation"]
-    labels = batch["labels"]
+    continuation = batch["continuation"][level.at]
+    labels = batch["labels"][level.at]
     known = labels >= 0  # greedy tokens outside the subset cannot be predicted: no hard loss there
     loss = config.soft_weight * soft[continuation].mean()
     if bool(known.any()):
         loss = loss + config.hard_weight * -logp[known, labels[known]].mean()
     if bool((~continuation).any()):
         loss = loss + config.prompt_weight * soft[~continuation].mean()
+    if level.states is not None:
+        loss = loss + config.feature_weight * nn.functional.smooth_l1_loss(level.states.float(), hidden.float())
     return loss
 
 
-def acceptance_length(agree: list[bool], depth: int) -> float:
-    """Mean tokens per target forward of greedy chain speculation at ``depth`` along one continuation."""
+def _step_loss(student: _Student | _FeatureStudent, batch: dict[str, torch.Tensor],
+               config: DraftTrainingConfig) -> torch.Tensor:
+    levels = student.levels(batch, config.unroll)
+    return sum(_loss(level, batch, student.teacher_head, config) for level in levels) / len(levels)
+
+
+def acceptance_length(agree: list[list[bool]], depth: int) -> float:
+    """Mean tokens per target forward of greedy chain speculation at ``depth`` along one continuation.
+
+    ``agree[k][i]``: the level-k draft (k tokens past the root) predicts token i + 1 as the target does; a draft
+    whose levels all predict alike (a token draft fed true tokens) may give one list for every level.
+    """
+    length = len(agree[0])
     position, forwards = 0, 0
-    while position < len(agree):
+    while position < length:
         run = 0
-        while run < depth and position + run < len(agree) - 1 and agree[position + run]:
+        while (run < depth and position + run < length - 1
+               and agree[min(run, len(agree) - 1)][position + run]):
             run += 1
         position += run + 1
         forwards += 1
-    return len(agree) / max(forwards, 1)
+    return length / max(forwards, 1)
 
 
 @torch.no_grad()
-def evaluate(student: _Student, windows: list[_Window], depth: int) -> dict[str, float]:
+def evaluate(student: _Student | _FeatureStudent, windows: list[_Window], depth: int) -> dict[str, float]:
     """Top-1 agreement with the target (= greedy per-token acceptance) and the acceptance length it implies."""
     student.eval()
     agree_all, lengths, weights = [], [], []
     for w in windows:
         batch = _collate([w])
         continuation = batch["continuation"]
-        agree = (student(batch["ids"], batch["mask"])[continuation].argmax(-1) == batch["labels"][continuation])
-        agree = agree.tolist()
-        agree_all += agree
-        lengths.append(acceptance_length(agree, depth))
-        weights.append(len(agree))
+        by_level = []
+        for level in student.levels(batch, depth):
+            agree = torch.zeros_like(continuation)
+            agree[level.at] = level.logits.argmax(-1) == batch["labels"][level.at]
+            by_level.append(agree[continuation].tolist())
+        agree_all += by_level[0]
+        lengths.append(acceptance_length(by_level, depth))
+        weights.append(len(by_level[0]))
     student.train()
     tokens = sum(weights)
     return {"agreement": sum(agree_all) / max(tokens, 1),
@@ -281,7 +375,7 @@ def train_draft(config: DraftTrainingConfig, overwrite: bool = False) -> Path:
     run = RunDir(config.output, config, DRAFT_METADATA, overwrite)
     tokenizer = load_tokenizer(config.target)
     target = load_model(config.target, "float32", torch.device("cpu"))
-    draft = _initial_draft(config, target, tokenizer)
+    draft = _initial_draft(config, target, tokenizer) if config.architecture == "layers" else None
     prompts = load_prompts(config.data, tokenizer)
     setup_seconds = time.perf_counter() - started
     budget = config.time_budget_s
@@ -296,15 +390,18 @@ def train_draft(config: DraftTrainingConfig, overwrite: bool = False) -> Path:
     every = len(examples) / config.validation_prompts
     held = {int(i * every) for i in range(config.validation_prompts)}
     train_examples = [e for i, e in enumerate(examples) if i not in held]
-    vocab = draft.config.vocab_size
+    vocab = target.config.vocab_size
     subset = None
     if 0 < config.vocab_size < vocab:
-        always = set(tokenizer.all_special_ids) | eos_ids(draft)
+        always = set(tokenizer.all_special_ids) | eos_ids(target)
         subset = choose_vocab_subset(train_examples, config.vocab_size, vocab, always)
     subset_ids = subset if subset is not None else list(range(vocab))
-    teacher_head = target.get_output_embeddings().weight.detach()[subset_ids].clone()
+    if draft is None:
+        student = _FeatureStudent(FeatureDraft.from_target(target, config.layers, subset_ids), subset_ids).train()
+    else:
+        teacher_head = target.get_output_embeddings().weight.detach()[subset_ids].clone()
+        student = _Student(draft, subset_ids, teacher_head).train()
     del target  # free its memory for training
-    student = _Student(draft, subset_ids, teacher_head).train()
     index = torch.full((vocab,), -1, dtype=torch.long)
     index[student.subset] = torch.arange(len(student.subset))
     windows = [_Window(e, config.context_tokens, index) for e in train_examples]
@@ -312,9 +409,9 @@ def train_draft(config: DraftTrainingConfig, overwrite: bool = False) -> Path:
 
     # Training gets what generation left, minus time to set up, validate and save (counted across resumes).
     train_budget = budget - setup_seconds - generation_seconds - _FINISH_RESERVE_S if budget else None
-    if run.load_state("checkpoint.pt") is None:
+    if isinstance(student, _Student) and run.load_state("checkpoint.pt") is None:
         sample = _collate(windows[:: max(1, len(windows) // 16)])
-        scale = student.calibrate_scale(sample, lambda logits, batch: _loss(logits, batch, teacher_head, config))
+        scale = student.calibrate_scale(sample, lambda level, batch: _loss(level, batch, student.teacher_head, config))
         log.info("head rescaled by %.2f to the target's confidence", scale)
     before = evaluate(student, valid, config.eval_depth)
     steps, total_steps, train_seconds = _optimize(student, windows, valid, config, run, train_budget)
@@ -334,8 +431,8 @@ def train_draft(config: DraftTrainingConfig, overwrite: bool = False) -> Path:
     return run.path
 
 
-def _optimize(student: _Student, windows: list[_Window], valid: list[_Window], config: DraftTrainingConfig,
-              run: RunDir, budget: float | None) -> tuple[int, int, float]:
+def _optimize(student: _Student | _FeatureStudent, windows: list[_Window], valid: list[_Window],
+              config: DraftTrainingConfig, run: RunDir, budget: float | None) -> tuple[int, int, float]:
     """AdamW with warm-up and cosine decay over epochs (or the time budget, whichever ends first); checkpoints
     every ``checkpoint_seconds`` and on interruption. Returns (steps, planned steps, training seconds)."""
     params = [p for p in student.parameters() if p.requires_grad]
@@ -368,8 +465,7 @@ def _optimize(student: _Student, windows: list[_Window], valid: list[_Window], c
                 param_group["lr"] = lr
             batch = _collate([windows[i] for i in group])
             with torch.autocast("cpu", dtype=torch.bfloat16, enabled=config.bf16):
-                logits = student(batch["ids"], batch["mask"])
-                loss = _loss(logits, batch, student.teacher_head, config)
+                loss = _step_loss(student, batch, config)
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
             torch.nn.utils.clip_grad_norm_(params, 1.0)
@@ -391,12 +487,17 @@ def _optimize(student: _Student, windows: list[_Window], valid: list[_Window], c
     return step, total_steps, time.perf_counter() - loop_start
 
 
-def _save(run: RunDir, draft: PreTrainedModel, student: _Student, tokenizer: PreTrainedTokenizerBase,
-          config: DraftTrainingConfig, subset: list[int] | None, metrics: dict) -> None:
-    student.write_back(draft)
-    draft.save_pretrained(run.path)
+def _save(run: RunDir, draft: PreTrainedModel | None, student: _Student | _FeatureStudent,
+          tokenizer: PreTrainedTokenizerBase, config: DraftTrainingConfig, subset: list[int] | None,
+          metrics: dict) -> None:
+    if isinstance(student, _FeatureStudent):
+        student.draft.save(run.path)
+    else:
+        student.write_back(draft)
+        draft.save_pretrained(run.path)
     tokenizer.save_pretrained(run.path)
-    meta = {"vocab_subset": subset, "target": config.target, "target_path": resolve_model_path(config.target),
+    meta = {"architecture": config.architecture, "vocab_subset": subset, "target": config.target,
+            "target_path": resolve_model_path(config.target),
             "training": config.model_dump(mode="json"), "metrics": metrics}
     # Written last: its presence marks the directory as a finished draft.
     (run.path / DRAFT_METADATA).write_text(json.dumps(meta))
