@@ -29,7 +29,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from decoding.config import Config, SamplingParams
 from decoding.engine import Engine, Request, encode_request, eos_token_ids
-from decoding.models import load_model, load_tokenizer
+from decoding.models import load_draft, load_model, load_tokenizer
 
 log = logging.getLogger(__name__)
 
@@ -252,7 +252,7 @@ class _Measurement:
 class Models:
     target: PreTrainedModel
     tokenizer: PreTrainedTokenizerBase
-    draft: PreTrainedModel | None = None  # as loaded: transformers assisted generation needs the full head
+    draft: torch.nn.Module | None = None  # as loaded: transformers assisted generation needs the full head
     draft_name: str | None = None
     eos_ids: list[int] = field(default_factory=list)
 
@@ -263,7 +263,7 @@ class Models:
     def load(cls, config: Config, needs_draft: bool) -> Models:
         target = load_model(config.model, config.dtype)
         draft_name = config.speculative.model if needs_draft else None
-        draft = load_model(draft_name, config.dtype, target.device) if draft_name else None
+        draft = load_draft(draft_name, config.dtype, target.device) if draft_name else None
         return cls(target, load_tokenizer(config.model), draft, draft_name)
 
     @property
@@ -297,6 +297,9 @@ def _transformers_runner(models: Models, contender: Contender) -> _Runner:
     if contender.kind == "assisted":
         spec = contender.config.speculative
         if spec.method == "draft_model":
+            if getattr(models.draft, "reads_features", False):
+                raise ValueError(f"transformers assisted generation cannot run the feature draft {models.draft_name} "
+                                 "(it reads the target's hidden states): bench it with --no-assisted")
             kwargs["assistant_model"] = models.draft
         else:
             kwargs.update(prompt_lookup_num_tokens=spec.num_speculative_tokens,

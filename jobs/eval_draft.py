@@ -5,7 +5,8 @@ batch 1, every method decodes every prompt in turn (so a load change on the mach
 transformers ``generate``, the engine without speculation, the engine with the draft at several static depths,
 and with the ``threshold`` / ``decision`` policies when their artifacts exist. Reports tokens/s, speedup over
 ``generate``, mean acceptance length, whether every output equals ``generate``'s, and the draft's cost per token
-relative to the target's. Example (after the commands of docs/training.md):
+relative to the target's. ``--draft`` several times compares drafts in the same run. Example (after the commands
+of docs/training.md):
 
     python -m jobs.eval_draft --config jobs/configs/smollm2_draft.yaml --output eval.json
 """
@@ -40,22 +41,26 @@ def held_out_prompts(sources: list[PromptSource], tokenizer, per_source: int) ->
     return prompts
 
 
-def methods(draft: str, depths: list[int], thresholds: list[float]) -> dict[str, dict[str, Any] | None]:
-    """Name -> speculative config (None: transformers generate)."""
-    chain = {"method": "draft_model", "model": draft, "num_candidates": 1}
+def methods(drafts: dict[str, str], depths: list[int], thresholds: list[float]) -> dict[str, dict[str, Any] | None]:
+    """Name -> speculative config (None: transformers generate), for each draft (label -> directory)."""
     table: dict[str, dict[str, Any] | None] = {"transformers generate": None, "engine none": {"method": "none"}}
-    for depth in depths:
-        table[f"static depth {depth}"] = {**chain, "num_speculative_tokens": depth, "length_policy": "static"}
     deepest = max(depths)
-    head, decision = Path(draft) / "acceptance_head", Path(draft) / "decision_model"
-    if (head / "head.json").exists():
-        for threshold in thresholds:
-            table[f"threshold {threshold} (max {deepest})"] = {
-                **chain, "num_speculative_tokens": deepest, "length_policy": "threshold",
-                "acceptance_head": str(head), "stop_threshold": threshold}
-    if (decision / "head.json").exists():
-        table[f"decision (max {deepest})"] = {**chain, "num_speculative_tokens": deepest, "length_policy": "decision",
-                                              "decision_model": str(decision)}
+    for label, draft in drafts.items():
+        prefix = f"{label}: " if len(drafts) > 1 else ""
+        chain = {"method": "draft_model", "model": draft, "num_candidates": 1}
+        for depth in depths:
+            table[f"{prefix}static depth {depth}"] = {**chain, "num_speculative_tokens": depth,
+                                                      "length_policy": "static"}
+        head, decision = Path(draft) / "acceptance_head", Path(draft) / "decision_model"
+        if (head / "head.json").exists():
+            for threshold in thresholds:
+                table[f"{prefix}threshold {threshold} (max {deepest})"] = {
+                    **chain, "num_speculative_tokens": deepest, "length_policy": "threshold",
+                    "acceptance_head": str(head), "stop_threshold": threshold}
+        if (decision / "head.json").exists():
+            table[f"{prefix}decision (max {deepest})"] = {
+                **chain, "num_speculative_tokens": deepest, "length_policy": "decision",
+                "decision_model": str(decision)}
     return table
 
 
@@ -85,7 +90,8 @@ def forward_seconds(model: torch.nn.Module, context: int = 256, repeats: int = 2
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m jobs.eval_draft", description=__doc__.split("\n\n")[0])
     parser.add_argument("--config", default="jobs/configs/smollm2_draft.yaml", help="the draft-training config")
-    parser.add_argument("--draft", help="draft directory (default: the config's output)")
+    parser.add_argument("--draft", action="append",
+                        help="draft directory or alias, repeatable to compare drafts (default: the config's output)")
     parser.add_argument("--per-source", type=int, default=16, help="held-out prompts per data source")
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--depths", default="2,3,4,5,6,8", help="static depths (5 = the acceptance criterion)")
@@ -96,11 +102,15 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(args.threads)
     training = yaml.safe_load(Path(args.config).read_text())
     target_name = training.get("target", "smollm2-135m-instruct")
-    draft = resolve_model_path(args.draft or training["output"])
+    names = args.draft or [training["output"]]
+    short = [Path(name).name for name in names]
+    labels = short if len(set(short)) == len(short) else names  # directory names unless two are alike
+    drafts = {label: resolve_model_path(name) for label, name in zip(labels, names, strict=True)}
     tokenizer = load_tokenizer(target_name)
     target = load_model(target_name, "float32", torch.device("cpu"))
     prompts = held_out_prompts([PromptSource(**s) for s in training["data"]], tokenizer, args.per_source)
-    table = methods(draft, [int(d) for d in args.depths.split(",")], [float(t) for t in args.thresholds.split(",")])
+    depths = [int(d) for d in args.depths.split(",")]
+    table = methods(drafts, depths, [float(t) for t in args.thresholds.split(",")])
     engines = {}
     for name, spec in table.items():
         if spec is not None:
@@ -108,7 +118,9 @@ def main(argv: list[str] | None = None) -> int:
                                             "sampling": {"temperature": 0.0, "max_tokens": args.max_tokens}})
             engines[name] = Engine(config, target=target, tokenizer=tokenizer)  # loads its own draft copy
     stats = {name: {"tokens": 0, "seconds": 0.0, "forwards": 0, "identical": 0} for name in table}
-    drafting = time_drafting(engines["static depth 5"].drafter) if "static depth 5" in engines else None
+    # Each draft's drafting time at its deepest static depth, for its cost in the engine.
+    timed = {label: engines[f"{label}: " * (len(drafts) > 1) + f"static depth {max(depths)}"] for label in drafts}
+    drafting = {label: time_drafting(engine.drafter) for label, engine in timed.items()}
     reference: dict[str, list[int]] = {}
     for number, (pid, ids) in enumerate([("warmup", prompts[0][1][:32]), *prompts]):
         for name in table:
@@ -139,30 +151,33 @@ def main(argv: list[str] | None = None) -> int:
         rows.append({"method": name, "tokens_per_s": round(speed, 2), "speedup_vs_generate": round(speed / base, 3),
                      "mean_acceptance_length": round(entry["tokens"] / entry["forwards"], 3) if entry["forwards"]
                      else None, "identical_to_generate": f"{entry['identical']}/{len(prompts)}"})
-    drafter = next(e.drafter for e in engines.values() if isinstance(e.drafter, DraftModelDrafter))
-    cost = {"target_forward_s": forward_seconds(for_inference(target)),
-            "draft_forward_s": forward_seconds(drafter.model)}
-    cost["draft_cost_ratio"] = cost["draft_forward_s"] / cost["target_forward_s"]
-    if drafting is not None and drafting["forwards"]:
-        # In the engine: drafting seconds per draft forward, against the plain engine's seconds per token.
-        plain = stats["engine none"]
-        cost["engine_draft_level_s"] = drafting["seconds"] / drafting["forwards"]
-        cost["engine_step_s"] = plain["seconds"] / plain["tokens"]
-        cost["engine_draft_cost_ratio"] = cost["engine_draft_level_s"] / cost["engine_step_s"]
+    target_forward = forward_seconds(for_inference(target))
+    plain = stats["engine none"]
+    costs = {}
+    for label, engine in timed.items():
+        cost = {"draft_forward_s": forward_seconds(engine.drafter.model), "target_forward_s": target_forward}
+        cost["draft_cost_ratio"] = cost["draft_forward_s"] / target_forward
+        if drafting[label]["forwards"]:
+            # In the engine: drafting seconds per draft forward, against the plain engine's seconds per token.
+            cost["engine_draft_level_s"] = drafting[label]["seconds"] / drafting[label]["forwards"]
+            cost["engine_step_s"] = plain["seconds"] / plain["tokens"]
+            cost["engine_draft_cost_ratio"] = cost["engine_draft_level_s"] / cost["engine_step_s"]
+        costs[label] = cost
     print("| method | tokens/s | speedup vs generate | mean acceptance length | identical to generate |")
     print("|---|---|---|---|---|")
     for row in rows:
         print(f"| {row['method']} | {row['tokens_per_s']} | {row['speedup_vs_generate']}x | "
               f"{row['mean_acceptance_length'] or '-'} | {row['identical_to_generate']} |")
-    print(f"draft forward {cost['draft_forward_s'] * 1e3:.1f} ms vs target {cost['target_forward_s'] * 1e3:.1f} ms "
-          f"per token: cost ratio {cost['draft_cost_ratio']:.3f}")
-    if "engine_draft_cost_ratio" in cost:
-        print(f"in the engine: {cost['engine_draft_level_s'] * 1e3:.1f} ms per draft level vs "
-              f"{cost['engine_step_s'] * 1e3:.1f} ms per plain decode step: "
-              f"ratio {cost['engine_draft_cost_ratio']:.3f}")
+    for label, cost in costs.items():
+        print(f"{label}: draft forward {cost['draft_forward_s'] * 1e3:.1f} ms vs target "
+              f"{cost['target_forward_s'] * 1e3:.1f} ms per token: cost ratio {cost['draft_cost_ratio']:.3f}")
+        if "engine_draft_cost_ratio" in cost:
+            print(f"{label}: in the engine {cost['engine_draft_level_s'] * 1e3:.1f} ms per draft level vs "
+                  f"{cost['engine_step_s'] * 1e3:.1f} ms per plain decode step: "
+                  f"ratio {cost['engine_draft_cost_ratio']:.3f}")
     if args.output:
         Path(args.output).write_text(json.dumps({"prompts": len(prompts), "max_tokens": args.max_tokens,
-                                                 "threads": args.threads, "rows": rows, "cost": cost}, indent=2))
+                                                 "threads": args.threads, "rows": rows, "costs": costs}, indent=2))
     return 0
 
 

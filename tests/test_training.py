@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import yaml
 from tiny import tiny_model
 from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
@@ -34,7 +35,7 @@ from decoding.training.distill import (
 from decoding.training.runs import METRICS_FILE, RunDir, RunError
 from decoding.training.signals import SignalTrainingConfig, fit
 from decoding.training.teacher import teacher_continuations
-from jobs import train_decision, train_head
+from jobs import eval_draft, train_decision, train_head
 from jobs import train_draft as train_draft_job
 
 WORDS = "abc abd the cat sat on the mat. a bad cab, a dab. so it goes, so it goes. banana bandana. one two one"
@@ -63,7 +64,7 @@ def trained_draft(tmp_path_factory, tiny_dirs, prompts_file, ray_cluster) -> Pat
 
 @pytest.fixture(scope="module")
 def feature_draft(tmp_path_factory, tiny_dirs, prompts_file, ray_cluster) -> Path:
-    output = tmp_path_factory.mktemp("feature") / "draft"
+    output = tmp_path_factory.mktemp("feature") / "feature"
     argv = ["--target", tiny_dirs["target"], "--data", prompts_file, "--output", str(output), "--num-cpus", "1",
             "--architecture", "feature", "--layers", "[1]", "--unroll", "2"]
     assert train_draft_job.main(argv + TINY_DRAFT[2:]) == 0
@@ -145,6 +146,25 @@ def test_feature_draft_proposes_at_run_time_what_training_simulates(feature_draf
                 checked += 1
             root += accepted + 1
     assert checked > 20
+
+
+def test_eval_draft_compares_drafts_side_by_side(trained_draft, feature_draft, tiny_dirs, prompts_file, tmp_path,
+                                                capsys):
+    config = tmp_path / "draft.yaml"
+    config.write_text(yaml.safe_dump({"target": tiny_dirs["target"], "output": str(trained_draft),
+                                      "data": [{"path": prompts_file, "limit": len(PROMPTS) - 3}]}))
+    output = tmp_path / "eval.json"
+    argv = ["--config", str(config), "--draft", str(trained_draft), "--draft", str(feature_draft), "--depths", "1,2",
+            "--thresholds", "0.5", "--max-tokens", "12", "--threads", "1", "--output", str(output)]
+    assert eval_draft.main(argv) == 0
+    report = json.loads(output.read_text())
+    rows = {row["method"]: row for row in report["rows"]}
+    for label in ("draft", "feature"):  # the directories' names
+        for depth in (1, 2):
+            assert rows[f"{label}: static depth {depth}"]["identical_to_generate"] == "3/3"
+        assert report["costs"][label]["draft_cost_ratio"] > 0
+    assert rows["engine none"]["mean_acceptance_length"] == 1.0
+    assert "| feature: static depth 2 |" in capsys.readouterr().out
 
 
 def test_teacher_hidden_states_reproduce_the_targets_predictions(tmp_path, tokenizer, target):
