@@ -21,7 +21,8 @@ from decoding.sampling import WarpParams, draw, warp_probs
 from decoding.tree import TreeTopology, chain_ancestors, with_prefix_chain
 
 # (level, planned depths [B], draft prob of each new token [B, w], draft hidden state at its parent [B, w, H])
-KeepFn = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tensor]
+# -> (each candidate keeps its new token [B, w], and drafts below it [B, w]): LengthPolicy.keep
+KeepFn = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor | None], tuple[torch.Tensor, torch.Tensor]]
 
 
 @dataclass
@@ -286,6 +287,7 @@ class DraftModelDrafter(Drafter):
 
         start, end = 0, prefix + width
         depth = 0
+        extend = valid[:, prefix:end]  # the nodes drafted below
         for level in range(1, max_depth + 1):
             logits, hidden = forward_tree(
                 self.model, self.cache, rows, tokens[:, start:end].to(self.device), ancestors.to(self.device),
@@ -299,12 +301,12 @@ class DraftModelDrafter(Drafter):
             if laws is not None:
                 laws[:, parents] = probs
             children, child_probs = self._sample_level(inputs, probs)
-            parent_valid = valid[:, parents]
-            if parent_valid.shape[1] == 1:
-                parent_valid = parent_valid.expand(-1, topology.num_candidates)
+            if extend.shape[1] == 1:
+                extend = extend.expand(-1, topology.num_candidates)
                 hidden = hidden.expand(-1, topology.num_candidates, -1) if hidden is not None else None
-            keep = parent_valid & inputs.keep(level, inputs.depths, child_probs,
-                                              hidden.float().cpu() if self.uses_hidden_states else None)
+            keep, deeper = inputs.keep(level, inputs.depths, child_probs,
+                                       hidden.float().cpu() if self.uses_hidden_states else None)
+            keep = extend & keep
             if not bool(keep.any()):
                 break
             level_nodes = topology.level_slice(level)
@@ -315,7 +317,8 @@ class DraftModelDrafter(Drafter):
             if states is not None:
                 states[:, start:end] = hidden
             depth = level
-            if level == max_depth:
+            extend = keep & deeper
+            if level == max_depth or not bool(extend.any()):
                 break
         size = prefix + topology.size(depth)
         return Draft(

@@ -7,8 +7,10 @@ Every policy sees only draft-side signals and past steps, so verification stays 
   costs from a measured calibration (costs.py), and picks the depth (0 = no speculation) with the most expected
   tokens per second (on-the-fly draft-length adaptation, Liu, Park & Shen 2025), depth 0 unless another wins by
   a margin. It probes one level deeper now and then, within a small time budget, so it can come back from 0.
-- threshold: SpecDec++ acceptance head; a candidate stops once P(some drafted token is rejected) > threshold.
-- decision: Lu et al.'s early-stop decision model; a candidate stops when the model says stop.
+- threshold: SpecDec++ acceptance head; a candidate stops drafting once P(some drafted token is rejected)
+  > threshold (that last token is still verified).
+- decision: Lu et al.'s early-stop decision model; a candidate stops drafting after the token the model says
+  to stop at.
 """
 
 from __future__ import annotations
@@ -48,10 +50,16 @@ class LengthPolicy:
 
     def keep(
         self, level: int, depths: torch.Tensor, token_probs: torch.Tensor, hidden: torch.Tensor | None
-    ) -> torch.Tensor:
-        """Whether each candidate [B, w] keeps its token at ``level`` (1-based)."""
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Whether each candidate [B, w] keeps its new token at ``level`` (1-based), and whether it drafts on.
+
+        A stop decision only ever ends drafting *after* a token: the token that triggered it is already drafted
+        and costs almost nothing to verify, while deciding on it before keeping it would mean a draft forward per
+        step whose output is thrown away.
+        """
         del hidden
-        return (level <= depths)[:, None].expand_as(token_probs)
+        kept = (level <= depths)[:, None].expand_as(token_probs)
+        return kept, kept & (level < depths)[:, None]
 
     def observe(self, record: StepRecord) -> None:
         del record
@@ -208,7 +216,7 @@ class _HeadPolicy(LengthPolicy):
 
 
 class ThresholdPolicy(_HeadPolicy):
-    """SpecDec++: keep drafting a candidate while P(all its drafted tokens are accepted) >= 1 - threshold."""
+    """SpecDec++: a candidate drafts on while P(all its drafted tokens are accepted) >= 1 - threshold."""
 
     def __init__(self, max_depth: int, head: DraftSignalMLP, threshold: float) -> None:
         super().__init__(max_depth, head)
@@ -220,14 +228,16 @@ class ThresholdPolicy(_HeadPolicy):
         if level == 1 or self.all_accepted is None:
             self.all_accepted = torch.ones_like(accept)
         self.all_accepted = self.all_accepted * accept
-        return super().keep(level, depths, token_probs, hidden) & (1 - self.all_accepted <= self.threshold)
+        kept, deeper = super().keep(level, depths, token_probs, hidden)
+        return kept, deeper & (1 - self.all_accepted <= self.threshold)
 
 
 class DecisionPolicy(_HeadPolicy):
-    """Lu et al.: a learned stop/continue decision per drafted token."""
+    """Lu et al.: a learned stop/continue decision after each drafted token."""
 
     def keep(self, level, depths, token_probs, hidden):
-        return super().keep(level, depths, token_probs, hidden) & (self.predict(level, token_probs, hidden) >= 0.5)
+        kept, deeper = super().keep(level, depths, token_probs, hidden)
+        return kept, deeper & (self.predict(level, token_probs, hidden) >= 0.5)
 
 
 def make_policy(

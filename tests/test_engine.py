@@ -126,6 +126,34 @@ def test_feature_draft_greedy_matches_transformers(
         assert sum(sum(r.per_step_drafted) for r in results) > 0
 
 
+@pytest.mark.parametrize("policy", ["threshold", "decision"])
+def test_a_stop_ends_drafting_after_the_token_without_a_wasted_forward(
+    policy, tmp_path, tokenizer, target, draft, reference
+) -> None:
+    """A head that always says "stop" drafts exactly what static depth 1 drafts, with one draft forward per step:
+    the stop comes after the token it judged, so no forward is run for a token that is then thrown away."""
+    head = DraftSignalMLP(target.config.hidden_size)
+    with torch.no_grad():
+        head.out.weight.zero_()
+        head.out.bias.fill_(-20.0)  # P(accepted) ~ 0
+    head.save(tmp_path)
+    field = "acceptance_head" if policy == "threshold" else "decision_model"
+    config = make_config(method="draft_model", num_candidates=1, length_policy=policy, num_speculative_tokens=4,
+                         batch_size=3, **{field: str(tmp_path)})
+    engine = Engine(config, target=target, tokenizer=tokenizer, draft=draft)
+    for i, prompt in enumerate(PROMPTS):
+        engine.add_request(Request(id=str(i), prompt=prompt))
+    results, levels = {}, []
+    while engine.has_unfinished():
+        results.update((r.id, r) for r in engine.step().finished)
+        levels.append(engine.drafter.forwarded_levels)
+    assert max(levels) == 1
+    assert [results[str(i)].token_ids for i in range(len(PROMPTS))] == reference
+    static = run(make_config(method="draft_model", num_candidates=1, length_policy="static",
+                             num_speculative_tokens=1, batch_size=3), tokenizer, target, draft)
+    assert [results[str(i)].per_step_drafted for i in range(len(PROMPTS))] == [r.per_step_drafted for r in static]
+
+
 def test_sliced_mask_equals_rebuilt_mask() -> None:
     largest = TreeTopology(num_candidates=3, max_depth=5, root_width=3)
     for depth in range(6):
