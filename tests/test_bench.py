@@ -14,6 +14,8 @@ from decoding import benchmark
 from decoding.benchmark import BenchGrid, Models, Sweep, contenders, format_table, run_bench
 from decoding.config import Config
 from decoding.engine import Request
+from decoding.feature_draft import FeatureDraft
+from decoding.models import DRAFT_METADATA, load_draft
 from jobs import bench
 
 PROMPTS = ["the cat sat on the mat. the cat sat", "abc abc abc abc", "hello world, hello world, hello"]
@@ -54,6 +56,23 @@ EXPECTED = {  # (batch size, name) of every row GRID asks for
 @pytest.fixture
 def models(target, tokenizer, draft, tiny_dirs) -> Models:
     return Models(target, tokenizer, draft, tiny_dirs["draft"])
+
+
+def test_bench_runs_a_feature_draft_and_refuses_it_as_a_transformers_assistant(target, tokenizer, tiny_dirs,
+                                                                               tmp_path):
+    directory = tmp_path / "feature"
+    FeatureDraft.from_target(target, [1], list(range(target.config.vocab_size))).save(directory)
+    (directory / DRAFT_METADATA).write_text(json.dumps({"architecture": "feature", "vocab_subset": None}))
+    draft = load_draft(str(directory))
+    models = Models(target, tokenizer, draft, str(directory))
+    sets = {"p": [Request("p0", prompt=PROMPTS[0])]}
+    grid = BenchGrid(sweeps=[Sweep(batch_sizes=[1], methods=["draft_model"], num_candidates=[1],
+                                   length_policy=["static"])])
+    with pytest.raises(ValueError, match="--no-assisted"):
+        run_bench(_config(str(directory)), sets, grid, models)
+    grid = grid.model_copy(update={"assisted": False})
+    rows = {r.name: r for r in run_bench(_config(str(directory)), sets, grid, models).rows}
+    assert rows["engine draft_model w1 d3 init=draft static"].identical
 
 
 def test_grid_expands_to_every_configured_run(tiny_dirs):
