@@ -26,6 +26,18 @@ from transformers import AutoConfig, AutoModel, PretrainedConfig
 WEIGHTS = "model.safetensors"
 
 
+def layers_config(target_config: PretrainedConfig, layers: list[int]) -> PretrainedConfig:
+    """A copy of a target's config for a draft made of its decoder ``layers`` (checked to exist)."""
+    depth = target_config.num_hidden_layers
+    if any(not 0 <= i < depth for i in layers):
+        raise ValueError(f"layers {layers} out of range for a target with {depth} decoder layers")
+    config = target_config.__class__.from_dict(target_config.to_dict())
+    config.num_hidden_layers = len(layers)
+    if isinstance(getattr(config, "layer_types", None), list):
+        config.layer_types = [target_config.layer_types[i] for i in layers]
+    return config
+
+
 @dataclass
 class FeatureDraftOutput:
     logits: torch.Tensor
@@ -87,13 +99,7 @@ class FeatureDraft(nn.Module):
     def from_target(cls, target: nn.Module, layers: list[int], head_rows: list[int]) -> FeatureDraft:
         """Initialised from the target: its embeddings, decoder ``layers``, final norm and LM head rows; ``fc``
         starts by passing the feature through (the token's embedding enters with a small weight)."""
-        depth = target.config.num_hidden_layers
-        if any(not 0 <= i < depth for i in layers):
-            raise ValueError(f"layers {layers} out of range for a target with {depth} decoder layers")
-        config = target.config.__class__.from_dict(target.config.to_dict())
-        config.num_hidden_layers = len(layers)
-        if isinstance(getattr(config, "layer_types", None), list):
-            config.layer_types = [target.config.layer_types[i] for i in layers]
+        config = layers_config(target.config, layers)
         config._attn_implementation = "sdpa"
         draft = cls(config, len(head_rows)).to(next(target.parameters()).dtype)
         decoder = target.get_decoder()

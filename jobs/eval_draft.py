@@ -41,24 +41,28 @@ def held_out_prompts(sources: list[PromptSource], tokenizer, per_source: int) ->
     return prompts
 
 
+def method_name(drafts: dict[str, str], label: str, method: str) -> str:
+    """A draft's method row, named after the draft when several are compared."""
+    return f"{label}: {method}" if len(drafts) > 1 else method
+
+
 def methods(drafts: dict[str, str], depths: list[int], thresholds: list[float]) -> dict[str, dict[str, Any] | None]:
     """Name -> speculative config (None: transformers generate), for each draft (label -> directory)."""
     table: dict[str, dict[str, Any] | None] = {"transformers generate": None, "engine none": {"method": "none"}}
     deepest = max(depths)
     for label, draft in drafts.items():
-        prefix = f"{label}: " if len(drafts) > 1 else ""
         chain = {"method": "draft_model", "model": draft, "num_candidates": 1}
         for depth in depths:
-            table[f"{prefix}static depth {depth}"] = {**chain, "num_speculative_tokens": depth,
-                                                      "length_policy": "static"}
+            table[method_name(drafts, label, f"static depth {depth}")] = {
+                **chain, "num_speculative_tokens": depth, "length_policy": "static"}
         head, decision = Path(draft) / "acceptance_head", Path(draft) / "decision_model"
         if (head / "head.json").exists():
             for threshold in thresholds:
-                table[f"{prefix}threshold {threshold} (max {deepest})"] = {
+                table[method_name(drafts, label, f"threshold {threshold} (max {deepest})")] = {
                     **chain, "num_speculative_tokens": deepest, "length_policy": "threshold",
                     "acceptance_head": str(head), "stop_threshold": threshold}
         if (decision / "head.json").exists():
-            table[f"{prefix}decision (max {deepest})"] = {
+            table[method_name(drafts, label, f"decision (max {deepest})")] = {
                 **chain, "num_speculative_tokens": deepest, "length_policy": "decision",
                 "decision_model": str(decision)}
     return table
@@ -119,7 +123,7 @@ def main(argv: list[str] | None = None) -> int:
             engines[name] = Engine(config, target=target, tokenizer=tokenizer)  # loads its own draft copy
     stats = {name: {"tokens": 0, "seconds": 0.0, "forwards": 0, "identical": 0} for name in table}
     # Each draft's drafting time at its deepest static depth, for its cost in the engine.
-    timed = {label: engines[f"{label}: " * (len(drafts) > 1) + f"static depth {max(depths)}"] for label in drafts}
+    timed = {label: engines[method_name(drafts, label, f"static depth {max(depths)}")] for label in drafts}
     drafting = {label: time_drafting(engine.drafter) for label, engine in timed.items()}
     reference: dict[str, list[int]] = {}
     for number, (pid, ids) in enumerate([("warmup", prompts[0][1][:32]), *prompts]):

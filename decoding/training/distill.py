@@ -30,7 +30,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from torch import nn
 from transformers import AutoModelForCausalLM, DynamicCache, PreTrainedModel, PreTrainedTokenizerBase
 
-from decoding.feature_draft import FeatureDraft
+from decoding.feature_draft import FeatureDraft, layers_config
 from decoding.models import DEFAULT_MODEL, DRAFT_METADATA, load_model, load_tokenizer, resolve_model_path
 from decoding.training.data import PromptSource, load_prompts
 from decoding.training.runs import Progress, RunDir, require_same_tokenizer, set_threads
@@ -92,14 +92,8 @@ class DraftTrainingConfig(BaseModel):
 # ---------------------------------------------------------------------------------------------- the draft model
 def build_draft(target: PreTrainedModel, layers: list[int]) -> PreTrainedModel:
     """A shallow copy of the target's architecture: chosen decoder layers, embeddings, final norm; untied head."""
-    depth = target.config.num_hidden_layers
-    if any(not 0 <= i < depth for i in layers):
-        raise ValueError(f"layers {layers} out of range for a target with {depth} decoder layers")
-    config = target.config.__class__.from_dict(target.config.to_dict())
-    config.num_hidden_layers = len(layers)
+    config = layers_config(target.config, layers)
     config.tie_word_embeddings = False  # the draft trains its own head rows
-    if isinstance(getattr(config, "layer_types", None), list):
-        config.layer_types = [target.config.layer_types[i] for i in layers]
     draft = AutoModelForCausalLM.from_config(config, dtype=next(target.parameters()).dtype)
     source = target.state_dict()
     state = {}
