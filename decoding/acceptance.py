@@ -101,13 +101,16 @@ def verify_sampled(
     draft_probs: torch.Tensor | None,
     replacement: bool,
     generator: torch.Generator | None,
+    point_mass: Sequence[bool] | None = None,
 ) -> Verdict:
     """Recursive rejection sampling over a candidate tree.
 
     target_probs [N, V]: warped target law at each node. root_probs [V]: the target-side law at the last verified
     position, which is also the proposal of root-level nodes (they were drawn from it). draft_probs [N, V]: the
     drafter's warped law at each node, the proposal of that node's children; None means deterministic proposals
-    (n-gram lookup), i.e. q = one-hot of the proposed token.
+    (n-gram lookup), i.e. q = one-hot of the proposed token. ``point_mass[n]``: node n alone was proposed
+    deterministically (an n-gram sibling in a model's tree), so its q is one-hot: siblings of different drafters
+    are each checked against their own proposal, residuals updated in turn.
     """
     residual: dict[int, torch.Tensor] = {}
 
@@ -115,7 +118,7 @@ def verify_sampled(
         parent = parents[node]
         if parent < 0:
             return root_probs
-        if draft_probs is None:
+        if draft_probs is None or (point_mass is not None and point_mass[node]):
             return torch.nn.functional.one_hot(torch.tensor(tokens[node]), root_probs.shape[-1]).to(root_probs)
         return draft_probs[parent]
 

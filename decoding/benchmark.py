@@ -29,7 +29,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from decoding.config import Config, SamplingParams
 from decoding.engine import Engine, Request, encode_request, eos_token_ids
-from decoding.models import load_draft, load_model, load_tokenizer
+from decoding.models import SELF_DRAFT, load_draft, load_model, load_tokenizer
 
 log = logging.getLogger(__name__)
 
@@ -38,6 +38,15 @@ LengthPolicyName = Literal["static", "heuristic", "online", "threshold", "decisi
 
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid")
+
+
+class DraftChoice(_Strict):
+    """The draft of ``draft_model`` contenders: a model (``target``: the target drafts for itself), its
+    weight-only quantization, and n-gram lookup siblings beside its candidates."""
+
+    model: str | None = None  # None: the config's speculative.model
+    quantization: Literal["int4", "int8"] | None = None
+    ngram_candidates: int = 0
 
 
 class Sweep(_Strict):
@@ -49,6 +58,7 @@ class Sweep(_Strict):
     num_speculative_tokens: list[int] | None = None
     candidate_init: list[Literal["target", "draft"]] | None = None
     length_policy: list[LengthPolicyName] | None = None
+    drafts: list[DraftChoice] | None = None  # for method draft_model
 
 
 def _default_sweeps() -> list[Sweep]:
@@ -102,7 +112,13 @@ class Contender:
         if not self.speculative:
             return "engine none"
         spec = self.config.speculative
-        return (f"engine {self.method} w{spec.num_candidates} d{spec.num_speculative_tokens} "
+        draft = ""
+        if self.method == "draft_model":
+            draft = "self" if spec.model == SELF_DRAFT else ""
+            draft += f"-{spec.quantization}" if spec.quantization else ""
+            draft += f"+lookup{spec.ngram_candidates}" if spec.ngram_candidates else ""
+            draft = f" {draft.lstrip('-')}" if draft else ""
+        return (f"engine {self.method}{draft} w{spec.num_candidates} d{spec.num_speculative_tokens} "
                 f"init={spec.candidate_init} {spec.length_policy}")
 
 
@@ -129,11 +145,17 @@ def contenders(config: Config, grid: BenchGrid) -> list[Contender]:
         )
         for batch, method, width, depth, init, policy in axes:
             init = "draft" if width == 1 else init  # one candidate: both inits build the same chain
-            key = (batch, method, width, depth, init, policy)
-            engine.setdefault(key, _variant(
-                config, batch, method=method, num_candidates=width, num_speculative_tokens=depth,
-                candidate_init=init, length_policy=policy,
-            ))
+            drafts = (sweep.drafts or [None]) if method == "draft_model" else [None]
+            for choice in drafts:
+                draft = {} if choice is None else {
+                    "model": choice.model or spec.model, "quantization": choice.quantization,
+                    "ngram_candidates": choice.ngram_candidates,
+                }
+                key = (batch, method, width, depth, init, policy, tuple(draft.values()))
+                engine.setdefault(key, _variant(
+                    config, batch, method=method, num_candidates=width, num_speculative_tokens=depth,
+                    candidate_init=init, length_policy=policy, **draft,
+                ))
     batch_sizes = sorted({b for s in grid.sweeps for b in s.batch_sizes or [config.batch_size]} or {config.batch_size})
     methods = sorted({key[1] for key in engine})
     runs = []
@@ -141,7 +163,9 @@ def contenders(config: Config, grid: BenchGrid) -> list[Contender]:
         if grid.transformers:
             runs.append(Contender("transformers", _variant(config, batch, method="none")))
         if grid.assisted and batch == 1:
-            runs += [Contender("assisted", _variant(config, 1, method=m)) for m in methods]
+            # transformers can assist with a loaded draft or with prompt lookup, not with a self-draft
+            assistable = [m for m in methods if m == "ngram" or config.speculative.model != SELF_DRAFT]
+            runs += [Contender("assisted", _variant(config, 1, method=m)) for m in assistable]
         runs.append(Contender("engine", _variant(config, batch, method="none")))
         runs += [Contender("engine", c) for key, c in engine.items() if key[0] == batch]
     return runs
@@ -262,7 +286,7 @@ class Models:
     @classmethod
     def load(cls, config: Config, needs_draft: bool) -> Models:
         target = load_model(config.model, config.dtype)
-        draft_name = config.speculative.model if needs_draft else None
+        draft_name = config.speculative.model if needs_draft and config.speculative.model != SELF_DRAFT else None
         draft = load_draft(draft_name, config.dtype, target.device) if draft_name else None
         return cls(target, load_tokenizer(config.model), draft, draft_name)
 

@@ -20,6 +20,11 @@ class SpeculativeConfig(_Strict):
     model: str | None = Field(
         "smollm2-135m-instruct-draft", description="draft model path or alias, for method draft_model"
     )
+    # vLLM's speculative_config.quantization: the draft's weights only, weight-only (int4 groupwise, int8 per
+    # channel); null keeps them as loaded. With model 'target' it makes the target its own draft.
+    quantization: Literal["int4", "int8"] | None = None
+    # n-gram lookup continuations added as extra siblings of a draft_model tree, verified in the same forward.
+    ngram_candidates: int = Field(0, ge=0, le=8)
     num_speculative_tokens: int = Field(5, ge=0, le=32, description="maximum draft depth")
     num_candidates: int = Field(2, ge=1, le=16, description="width: candidates verified per step")
     candidate_init: Literal["target", "draft"] = "draft"
@@ -37,6 +42,9 @@ class SpeculativeConfig(_Strict):
     def _check_method(self) -> SpeculativeConfig:
         if self.method == "draft_model" and not self.model:
             raise ValueError("speculative.model is required when speculative.method is 'draft_model'")
+        if self.ngram_candidates and self.method != "draft_model":
+            raise ValueError("speculative.ngram_candidates adds siblings to a draft_model tree: use method "
+                             "'draft_model' (method 'ngram' drafts with lookup alone)")
         if self.length_policy == "threshold" and not self.acceptance_head:
             raise ValueError("speculative.acceptance_head is required for length_policy 'threshold'")
         if self.length_policy == "decision" and not self.decision_model:

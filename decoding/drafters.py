@@ -36,6 +36,8 @@ class DraftInputs:
     generators: list[torch.Generator]
     replacement: bool
     keep: KeepFn
+    # [B] depth of the n-gram siblings of a model's tree (None: ``depths``): a row may draft with either alone.
+    lookup_depths: torch.Tensor | None = None
 
     @property
     def greedy(self) -> torch.Tensor:
@@ -49,6 +51,9 @@ class Draft:
     token_probs: torch.Tensor  # [B, N] draft probability of each node's token (1 for root level)
     draft_probs: torch.Tensor | None  # [B, N, V] drafter's law at each node; None = deterministic proposals
     depth: int  # levels drafted below the root level
+    # [B, N] True where a node's token was proposed deterministically (an n-gram sibling in a model's tree): its
+    # proposal law is one-hot, whatever ``draft_probs`` says at its parent. None: as ``draft_probs`` says.
+    point_mass: torch.Tensor | None = None
 
     @classmethod
     def roots_only(cls, inputs: DraftInputs, depth: int = 0) -> Draft:
@@ -71,6 +76,7 @@ class Drafter:
 
     uses_hidden_states = False
     reads_target_states = False
+    forward_tokens: list[int] = []  # tokens per row of each draft forward of the last step (none here)
 
     def add_rows(self, rows: slice, prompts: list[list[int]], target_states: torch.Tensor | None = None) -> None:
         del rows, prompts, target_states
@@ -176,11 +182,18 @@ class DraftModelDrafter(Drafter):
     """
 
     def __init__(
-        self, model: torch.nn.Module, capacity: int, device: torch.device, vocab_subset: list[int] | None = None
+        self, model: torch.nn.Module, capacity: int, device: torch.device, vocab_subset: list[int] | None = None,
+        lookup: NgramDrafter | None = None, lookup_candidates: int = 0,
     ) -> None:
         self.device = device
         self.vocab_size = model.config.vocab_size
         self.reads_target_states = bool(getattr(model, "reads_features", False))
+        # Heterogeneous tree: the last ``lookup_candidates`` candidates of every level are n-gram continuations.
+        self.lookup = lookup if lookup_candidates else None
+        self.lookup_candidates = lookup_candidates
+        if self.lookup is not None and self.reads_target_states:
+            raise ValueError("speculative.ngram_candidates is not supported with a feature draft (its deeper "
+                             "levels read the draft's own states, which lookup nodes do not have)")
         self.vocab_subset = None
         if vocab_subset is not None:
             self.vocab_subset = torch.tensor(vocab_subset, dtype=torch.long)
@@ -195,6 +208,7 @@ class DraftModelDrafter(Drafter):
         )
         self.prefix = 0
         self.forwarded_levels = 0
+        self.forward_tokens: list[int] = []  # tokens per row of each draft forward of the last step
         self.topology: TreeTopology | None = None
         self.uses_hidden_states = False
 
@@ -238,9 +252,9 @@ class DraftModelDrafter(Drafter):
             waiting.pop()
 
     @staticmethod
-    def _sample_level(inputs: DraftInputs, probs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """One child per candidate below nodes with laws ``probs`` [B, w, V]; w == 1 means they branch here."""
-        width = inputs.topology.num_candidates
+    def _sample_level(inputs: DraftInputs, probs: torch.Tensor, width: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """One child per candidate below nodes with laws ``probs`` [B, w, V]; w == 1 means ``width`` children
+        branch here."""
         branching = probs.shape[1] == 1
         laws = probs.expand(-1, width, -1) if branching else probs
         tokens = torch.zeros(laws.shape[:2], dtype=torch.long)
@@ -254,10 +268,33 @@ class DraftModelDrafter(Drafter):
                 tokens[row] = torch.multinomial(laws[row], 1, generator=generator).squeeze(-1)
         return tokens, laws.gather(-1, tokens[..., None]).squeeze(-1)
 
+    def _lookup_siblings(
+        self, inputs: DraftInputs, prefix: int, tokens: torch.Tensor, valid: torch.Tensor, point_mass: torch.Tensor
+    ) -> int:
+        """Write the n-gram siblings (the last candidates of each level) into the tree; returns their depth."""
+        topology, lookup_depths = inputs.topology, inputs.lookup_depths
+        first = topology.num_candidates - self.lookup_candidates
+        deepest = 0
+        for row, context in enumerate(inputs.contexts):
+            depth = int(lookup_depths[row]) if lookup_depths is not None else int(inputs.depths[row])
+            if depth == 0:
+                continue
+            chains = self.lookup.continuations([*context, int(inputs.roots[row, 0])], depth, self.lookup_candidates)
+            for candidate, chain in enumerate(chains, start=first):
+                for level, token in enumerate(chain, start=1):
+                    node = prefix + topology.level_slice(level).start + candidate
+                    tokens[row, node], valid[row, node], point_mass[row, node] = token, True, True
+                deepest = max(deepest, len(chain))
+        return deepest
+
     def propose(self, inputs: DraftInputs) -> Draft:
         topology = inputs.topology
         batch = inputs.roots.shape[0]
-        max_depth = int(inputs.depths.max()) if batch else 0
+        model_depth = int(inputs.depths.max()) if batch else 0
+        lookup_depth = 0
+        if self.lookup is not None and batch:
+            lookup_depth = int((inputs.lookup_depths if inputs.lookup_depths is not None else inputs.depths).max())
+        max_depth = max(model_depth, lookup_depth)
         self.forwarded_levels = 0
         if max_depth == 0:
             return Draft.roots_only(inputs)
@@ -274,6 +311,13 @@ class DraftModelDrafter(Drafter):
         width = topology.root_width
         tokens[:, prefix : prefix + width] = inputs.roots
         valid[:, prefix : prefix + width] = inputs.root_valid
+        point_mass = None
+        depth = 0
+        if self.lookup is not None:
+            # Filled before the model drafts, so each draft forward also runs the lookup nodes of its level: the
+            # draft cache then holds every node a path can take, whichever candidate wins.
+            point_mass = torch.zeros(batch, total, dtype=torch.bool)
+            depth = self._lookup_siblings(inputs, prefix, tokens, valid, point_mass)
         states = None  # feature draft: the state each node reads
         if self.root_states is not None:
             states = self.root_states.new_zeros(batch, total, self.root_states.shape[1])
@@ -285,10 +329,12 @@ class DraftModelDrafter(Drafter):
         sampling = not bool(inputs.greedy.all())
         laws = torch.zeros(batch, total, self.vocab_size) if sampling else None
 
+        model_width = topology.num_candidates - self.lookup_candidates
         start, end = 0, prefix + width
-        depth = 0
         extend = valid[:, prefix:end]  # the nodes drafted below
-        for level in range(1, max_depth + 1):
+        self.forward_tokens = []
+        for level in range(1, model_depth + 1):
+            self.forward_tokens.append(end - start)
             logits, hidden = forward_tree(
                 self.model, self.cache, rows, tokens[:, start:end].to(self.device), ancestors.to(self.device),
                 valid.to(self.device), start, logits_at=torch.arange(max(start, prefix), end) - start,
@@ -296,29 +342,33 @@ class DraftModelDrafter(Drafter):
                 features=states[:, start:end] if states is not None else None,
             )
             self.forwarded_levels = level
-            probs = warp_probs(self._full_vocab(logits.float().cpu()), inputs.warp)  # [B, w_parent, V]
+            probs = warp_probs(self._full_vocab(logits.float().cpu()), inputs.warp)  # [B, parents, V]
             parents = slice(max(start, prefix), end)
             if laws is not None:
                 laws[:, parents] = probs
-            children, child_probs = self._sample_level(inputs, probs)
+            # The model's candidates come first in every level; the lookup siblings after them have their tokens.
+            probs = probs[:, :model_width]
+            hidden = hidden[:, :model_width] if hidden is not None else None
+            children, child_probs = self._sample_level(inputs, probs, model_width)
             if extend.shape[1] == 1:
-                extend = extend.expand(-1, topology.num_candidates)
-                hidden = hidden.expand(-1, topology.num_candidates, -1) if hidden is not None else None
+                extend = extend.expand(-1, model_width)
+                hidden = hidden.expand(-1, model_width, -1) if hidden is not None else None
             keep, deeper = inputs.keep(level, inputs.depths, child_probs,
                                        hidden.float().cpu() if self.uses_hidden_states else None)
-            keep = extend & keep
+            keep = extend[:, :model_width] & keep
             if not bool(keep.any()):
                 break
             level_nodes = topology.level_slice(level)
             start, end = prefix + level_nodes.start, prefix + level_nodes.stop
-            tokens[:, start:end] = children
-            valid[:, start:end] = keep
-            token_probs[:, start:end] = child_probs
+            model_nodes = slice(start, start + model_width)
+            tokens[:, model_nodes] = children
+            valid[:, model_nodes] = keep
+            token_probs[:, model_nodes] = child_probs
             if states is not None:
-                states[:, start:end] = hidden
-            depth = level
+                states[:, model_nodes] = hidden
+            depth = max(depth, level)
             extend = keep & deeper
-            if level == max_depth or not bool(extend.any()):
+            if level == model_depth or not bool(extend.any()):
                 break
         size = prefix + topology.size(depth)
         return Draft(
@@ -327,6 +377,7 @@ class DraftModelDrafter(Drafter):
             token_probs[:, prefix:size],
             laws[:, prefix:size] if laws is not None else None,
             depth,
+            point_mass[:, prefix:size] if point_mass is not None else None,
         )
 
     def observe(self, paths: list[list[int]], draft: Draft, target_states: torch.Tensor | None = None) -> None:

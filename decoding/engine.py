@@ -22,8 +22,9 @@ from decoding.config import Config, SamplingParams, format_validation_error
 from decoding.costs import BatchCosts, calibrate_batch
 from decoding.drafters import Draft, Drafter, DraftInputs, DraftModelDrafter, NgramDrafter
 from decoding.kv_cache import SlotKVCache, forward_tree
-from decoding.length_policies import StepRecord, make_policy
+from decoding.length_policies import Sources, StepRecord, StepTiming, make_policy
 from decoding.models import (
+    SELF_DRAFT,
     check_same_tokenizer,
     default_device,
     draft_vocab_subset,
@@ -34,6 +35,7 @@ from decoding.models import (
     resolve_draft,
     resolve_model_path,
 )
+from decoding.quantize import quantized
 from decoding.sampling import WarpParams, draw, warp_probs
 from decoding.tree import TreeTopology, chain_ancestors
 
@@ -177,18 +179,25 @@ class Engine:
         target_by_path = target is None  # its forward costs may be cached on disk under the path
         if target is None:
             target = load_model(config.model, config.dtype, self.device)
+        self.loaded_target = target  # as loaded: a self-draft quantizes these weights, never the view below
         self.target = for_inference(target)
         self.capacity = config.batch_size
         self.cache = SlotKVCache(self.target.config.num_hidden_layers, self.capacity, device=self.device)
         self.max_context = int(getattr(self.target.config, "max_position_embeddings", 1 << 30))
         depth = spec.num_speculative_tokens if spec.method != "none" else 0
-        width = spec.num_candidates if depth else 1
-        root_width = width if spec.candidate_init == "target" else 1
+        model_width = spec.num_candidates if depth else 1
+        # n-gram siblings are extra candidates after the model's own in every level (one target forward for all).
+        width = model_width + (spec.ngram_candidates if depth else 0)
+        root_width = model_width if spec.candidate_init == "target" else 1
         self.topology = TreeTopology(width, depth, root_width)
         self.drafter = self._make_drafter(draft)
+        model_drafts = spec.method == "draft_model"
+        self.sources = Sources(
+            root_width, model_width if model_drafts else 0,
+            (spec.ngram_candidates if model_drafts else model_width) if depth and spec.method != "none" else 0,
+        )
         self.policy = make_policy(
-            spec, self.topology.size, lambda: self._calibrate(target_by_path, draft is None),
-            draft_tokens=(root_width + 1, width),
+            spec, self.sources, lambda: self._calibrate(target_by_path, draft is None), capacity=self.capacity,
         )
         self.drafter.uses_hidden_states = self.policy.needs_hidden_states
         self.eos_ids = eos_token_ids(self.tokenizer, self.target)
@@ -204,7 +213,9 @@ class Engine:
             return Drafter()
         if spec.method == "ngram":
             return NgramDrafter(spec.prompt_lookup_max, spec.prompt_lookup_min)
-        if draft is None:
+        if spec.model == SELF_DRAFT:
+            draft = self.loaded_target
+        elif draft is None:
             check_same_tokenizer(self.tokenizer, load_tokenizer(spec.model), spec.model)
             draft = load_draft(spec.model, self.config.dtype, self.device)
         elif draft.config.vocab_size != self.target.config.vocab_size:
@@ -213,8 +224,12 @@ class Engine:
                 f"{self.target.config.vocab_size}: the draft must share the target's tokenizer"
             )
         self.max_context = min(self.max_context, int(getattr(draft.config, "max_position_embeddings", 1 << 30)))
-        subset = draft_vocab_subset(spec.model) if spec.model else None
-        return DraftModelDrafter(draft.to(self.device).eval(), self.capacity, self.device, subset)
+        subset = draft_vocab_subset(spec.model) if spec.model and spec.model != SELF_DRAFT else None
+        draft = draft.to(self.device).eval()
+        if spec.quantization:
+            draft = quantized(draft, spec.quantization)
+        lookup = NgramDrafter(spec.prompt_lookup_max, spec.prompt_lookup_min) if spec.ngram_candidates else None
+        return DraftModelDrafter(draft, self.capacity, self.device, subset, lookup, spec.ngram_candidates)
 
     def _calibrate(self, target_from_path: bool, draft_from_path: bool) -> tuple[BatchCosts, BatchCosts | None]:
         """Measured forward costs (cached on disk for models loaded by path) for the online policy."""
@@ -225,7 +240,11 @@ class Engine:
         )
         if not isinstance(self.drafter, DraftModelDrafter):
             return verify, None  # n-gram lookup costs next to nothing beside a forward
-        draft_key = resolve_model_path(spec.model) if draft_from_path and spec.model else None
+        draft_key = None  # the quantization is part of what was timed
+        if spec.model == SELF_DRAFT and target_from_path:
+            draft_key = f"{resolve_model_path(self.config.model)}|self-draft|{spec.quantization}"
+        elif draft_from_path and spec.model and spec.model != SELF_DRAFT:
+            draft_key = f"{resolve_model_path(spec.model)}|{spec.quantization}"
         return verify, calibrate_batch(self.drafter.model, self.topology.root_width + 1, self.capacity, draft_key)
 
     # ------------------------------------------------------------------------------------------ requests
@@ -341,15 +360,19 @@ class Engine:
         self.running.extend(joining)
         self.drafter.add_rows(rows, [s.prompt_ids for s in joining], states)
 
-    def _plan(self, seqs: list[_Sequence]) -> torch.Tensor:
-        depths = self.policy.plan([s.request_id for s in seqs])
-        for row, seq in enumerate(seqs):
-            room = min(
+    def _plan(self, seqs: list[_Sequence]) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(model depths, lookup depths or None) per row, within each row's room."""
+        contexts = [len(s.prompt_ids) + len(s.generated) - 1 for s in seqs]  # cached tokens, known on the host
+        depths, lookup_depths = self.policy.plan_rows(
+            [s.request_id for s in seqs], contexts, [not s.params.greedy and s.params.seed is not None for s in seqs]
+        )
+        room = torch.tensor([
+            0 if seq.finish_reason else max(0, min(
                 seq.params.max_tokens - len(seq.generated) - 1,  # a step emits accepted + 1 tokens
-                self.max_context - 1 - int(self.cache.lengths[row]),
-            )
-            depths[row] = 0 if seq.finish_reason else min(int(depths[row]), max(room, 0))
-        return depths
+                self.max_context - 1 - context,
+            )) for seq, context in zip(seqs, contexts)
+        ], dtype=torch.long)
+        return depths.minimum(room), lookup_depths.minimum(room) if lookup_depths is not None else None
 
     def _roots(self, seqs: list[_Sequence], depths: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Root-level tokens: the pending token, plus target-initialized siblings where a row drafts."""
@@ -382,32 +405,36 @@ class Engine:
         seqs = self.running
         rows = slice(0, len(seqs))
         warp = WarpParams.from_params([s.params for s in seqs])
-        depths = self._plan(seqs)
+        depths, lookup_depths = self._plan(seqs)
         roots, root_valid = self._roots(seqs, depths)
+        started = time.perf_counter()
         draft = self.drafter.propose(
             DraftInputs(
                 contexts=[s.context for s in seqs], roots=roots, root_valid=root_valid, depths=depths,
                 topology=self.topology, warp=warp, generators=[s.generator for s in seqs],
-                replacement=self.config.speculative.replacement, keep=self.policy.keep,
+                replacement=self.config.speculative.replacement, keep=self.policy.keep, lookup_depths=lookup_depths,
             )
         )
-        ancestors = self.topology.sliced_ancestors(draft.depth)
-        logits, states = forward_tree(
-            self.target, self.cache, rows, draft.tokens.to(self.device), ancestors, draft.valid.to(self.device),
-            want_hidden=self.drafter.reads_target_states,
-        )
+        drafted = time.perf_counter()
+        logits, states, slot_of = self._verify_forward(rows, draft)
         logits = logits.float().cpu()
+        context = sum(len(s.prompt_ids) + len(s.generated) - 1 for s in seqs) / len(seqs)
+        timing = StepTiming(
+            (len(seqs), int(draft.valid.any(0).sum()), context), time.perf_counter() - drafted,
+            [(len(seqs), tokens, context) for tokens in self.drafter.forward_tokens], drafted - started,
+        )
         verdicts, target_token_probs = self._verify(seqs, draft, logits, warp)
         paths = [v.path for v in verdicts]
         keep = torch.zeros(len(seqs), max(len(p) for p in paths), dtype=torch.long)
         for row, path in enumerate(paths):
-            keep[row, : len(path)] = torch.tensor(path, dtype=torch.long)
+            keep[row, : len(path)] = slot_of[path]
         self.cache.commit(rows, keep.to(self.device), torch.tensor([len(p) for p in paths]).to(self.device))
         self.drafter.observe(paths, draft, states)
 
         self.steps += 1
         depth_of = self.topology.depths
         drafted_nodes = draft.valid & (depth_of[: draft.tokens.shape[1]] > 0)[None]
+        emitted_by_row = []
         for row, (seq, verdict) in enumerate(zip(seqs, verdicts)):
             accepted_nodes = [n for n in verdict.path if depth_of[n] > 0]
             seq.forwards += 1
@@ -415,6 +442,7 @@ class Engine:
             law = verdict.next_probs if verdict.next_probs is not None else logits[row, verdict.path[-1]]
             seq.root_scores = law.clone()
             new_tokens = [int(draft.tokens[row, n]) for n in accepted_nodes] + [verdict.next_token]
+            emitted_by_row.append(new_tokens)
             kept = self._emit(seq, new_tokens, [True] * len(accepted_nodes) + [False], emitted)
             kept_nodes = set(accepted_nodes[:kept])  # a stop inside the accepted run drops the rest
             seq.per_step_drafted.append(int(drafted_nodes[row].sum()))
@@ -425,12 +453,59 @@ class Engine:
                     int(draft.tokens[row, node]), float(draft.token_probs[row, node]),
                     float(target_token_probs[row, node]), node in kept_nodes,
                 ))
+        matched = self._matched_by_source(draft, emitted_by_row)
         self.policy.observe(StepRecord(
             ids=[s.request_id for s in seqs],
             planned_depth=depths.tolist(),
             drafted_depth=(drafted_nodes * depth_of[: draft.tokens.shape[1]]).amax(1).tolist(),
             accepted=[s.per_step_accepted[-1] for s in seqs],
+            lookup_planned=(lookup_depths if lookup_depths is not None else depths).tolist(),
+            model_matched=matched[0], lookup_matched=matched[1], timing=timing,
         ))
+
+    def _matched_by_source(
+        self, draft: Draft, emitted: list[list[int]]
+    ) -> tuple[list[int] | None, list[int] | None]:
+        """How far the best chain of the model's candidates, and of the lookup siblings, agrees with the tokens
+        each row emitted: what each drafter alone would have had accepted, so the policy learns both from every
+        step whichever won. None where the tree has one drafter (its accepted run says it)."""
+        sources = self.sources
+        if not (sources.model_width and sources.lookup_width) or draft.depth == 0:
+            return None, None
+        topology, depth = self.topology, draft.depth
+        levels = torch.tensor([topology.level_slice(level).start for level in range(1, depth + 1)])
+        nodes = levels[None, :] + torch.arange(topology.num_candidates)[:, None]  # [C, D]
+        chains = draft.tokens[:, nodes]  # [B, C, D]
+        target = torch.full((len(emitted), depth), -1, dtype=torch.long)
+        for row, tokens in enumerate(emitted):
+            target[row, : min(len(tokens), depth)] = torch.tensor(tokens[:depth])
+        parents = torch.tensor(topology.parents)[nodes[:, 0]]
+        under_pending = (parents == 0)[None, :, None]  # target-initialized siblings' chains never count
+        agree = (chains == target[:, None, :]) & draft.valid[:, nodes] & under_pending
+        matched = agree.long().cumprod(-1).sum(-1)  # [B, C]
+        width = sources.model_width
+        return matched[:, :width].amax(1).tolist(), matched[:, width:].amax(1).tolist()
+
+    def _verify_forward(self, rows: slice, draft: Draft) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+        """The target forward over the tree's live nodes; (logits [B, N, V], states, cache slot of each node).
+
+        A node no row has (a candidate that stopped, an n-gram sibling without a match) is left out of the forward
+        rather than padded: on a CPU each extra token of a small verify costs ~5% of a plain step. A node's
+        ancestors are live wherever it is, so the live nodes form a tree of their own.
+        """
+        size = draft.tokens.shape[1]
+        nodes = draft.valid.any(0).nonzero().flatten()
+        ancestors = self.topology.sliced_ancestors(draft.depth)[nodes][:, nodes]
+        logits, states = forward_tree(
+            self.target, self.cache, rows, draft.tokens[:, nodes].to(self.device), ancestors,
+            draft.valid[:, nodes].to(self.device), want_hidden=self.drafter.reads_target_states,
+        )
+        slot_of = torch.zeros(size, dtype=torch.long)
+        slot_of[nodes] = torch.arange(len(nodes))
+        if len(nodes) < size:  # back to tree positions; dead nodes' rows are never read
+            logits = logits[:, slot_of]
+            states = states[:, slot_of.to(states.device)] if states is not None else None
+        return logits, states, slot_of
 
     def _verify(
         self, seqs: list[_Sequence], draft: Draft, logits: torch.Tensor, warp: WarpParams
@@ -460,6 +535,7 @@ class Engine:
                 tokens, parents, valid, probs, seq.root_scores,
                 draft.draft_probs[row] if draft.draft_probs is not None else None,
                 self.config.speculative.replacement, seq.generator,
+                draft.point_mass[row].tolist() if draft.point_mass is not None else None,
             ))
         return verdicts, token_probs
 

@@ -25,7 +25,7 @@ import torch
 from torch import nn
 
 from decoding.config import SpeculativeConfig
-from decoding.costs import BatchCosts
+from decoding.costs import BatchCosts, LearnedCosts
 
 
 @dataclass(frozen=True)
@@ -36,6 +36,11 @@ class StepRecord:
     planned_depth: list[int]  # depth each row was given (after the engine's room limits)
     drafted_depth: list[int]  # deepest valid drafted level of each row
     accepted: list[int]  # accepted drafted tokens of each row
+    # Heterogeneous trees: each drafter's depth and how far its best chain agreed with the emitted tokens.
+    lookup_planned: list[int] | None = None
+    model_matched: list[int] | None = None
+    lookup_matched: list[int] | None = None
+    timing: StepTiming | None = None
 
 
 class LengthPolicy:
@@ -47,6 +52,17 @@ class LengthPolicy:
     def plan(self, ids: list[str]) -> torch.Tensor:
         """Planned depth per row before drafting."""
         return torch.full((len(ids),), self.max_depth, dtype=torch.long)
+
+    def plan_rows(
+        self, ids: list[str], contexts: list[int] | None = None, fixed: list[bool] | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(depth of the model's candidates, depth of the lookup siblings or None = the same) per row.
+
+        ``contexts``: each row's cached tokens; ``fixed``: rows whose decisions must not depend on timing or
+        other rows (seeded sampling).
+        """
+        del contexts, fixed
+        return self.plan(ids), None
 
     def keep(
         self, level: int, depths: torch.Tensor, token_probs: torch.Tensor, hidden: torch.Tensor | None
@@ -86,75 +102,219 @@ class HeuristicPolicy(LengthPolicy):
         self.depth.pop(seq_id, None)
 
 
+@dataclass(frozen=True)
+class StepTiming:
+    """What one step's forwards cost, as the engine timed them: (rows, tokens per row, context) per forward."""
+
+    verify: tuple[int, float, float]
+    verify_seconds: float
+    drafts: list[tuple[int, float, float]]
+    draft_seconds: float
+
+
+@dataclass(frozen=True)
+class Sources:
+    """The drafters a tree is made of: a model's candidates and/or n-gram lookup candidates, per level."""
+
+    root_width: int = 1
+    model_width: int = 0  # model candidates per level (0: no model draft)
+    lookup_width: int = 0  # lookup candidates per level
+    prefix_tokens: int = 1  # typical catch-up tokens in the first draft forward
+
+    @property
+    def names(self) -> list[str]:
+        return [name for name, width in (("model", self.model_width), ("lookup", self.lookup_width)) if width]
+
+
+class _Rates:
+    """Per-level acceptance pseudo-counts ("reached level j", "accepted at level j"), exponentially decayed."""
+
+    def __init__(self, depth: int, prior: float = 0.5, weight: float = 1.0, decay: float = 0.9) -> None:
+        self.reached = torch.full((depth + 1,), weight, dtype=torch.float64)
+        self.accepted = torch.full((depth + 1,), prior * weight, dtype=torch.float64)
+        self.decay = decay
+
+    def observe(self, planned: list[int], matched: list[int]) -> None:
+        """One step of rows with these planned depths and matches. A level planned but not matched counts as a
+        rejection, also where nothing was drafted there (a lookup with no or a short match): the step's verify
+        forward was as wide as its deepest row, so that row paid for it and gained nothing."""
+        reached = torch.zeros_like(self.reached)
+        accepted = torch.zeros_like(self.accepted)
+        for depth, taken in zip(planned, matched):
+            reached[1 : min(taken + 1, depth) + 1] += 1
+            accepted[1 : min(taken, depth) + 1] += 1
+        seen = reached > 0
+        self.reached[seen] = self.reached[seen] * self.decay + reached[seen]
+        self.accepted[seen] = self.accepted[seen] * self.decay + accepted[seen]
+
+    def blended(self, base: torch.Tensor, strength: float) -> torch.Tensor:
+        """Acceptance per level, this row's counts pulled towards ``base`` with ``strength`` pseudo-steps."""
+        return ((self.accepted + strength * base) / (self.reached + strength)).clamp(0, 1)
+
+    @property
+    def rate(self) -> torch.Tensor:
+        return (self.accepted / self.reached).clamp(0, 1)
+
+
 class OnlinePolicy(LengthPolicy):
-    """Pick the depth maximising expected tokens/second from recent acceptance and measured costs."""
+    """Per row, the drafters and depth with the most expected tokens per second, learnt on the fly.
+
+    Acceptance: per level and per drafter (model draft, n-gram lookup), for every row (code and prose differ in one
+    batch) pulled towards the batch-wide rates. A drafter's level counts as accepted where its best chain agrees
+    with the tokens the step emitted, so both drafters learn from every step whichever won. Costs: a calibration
+    as the prior, corrected by the forwards the engine times (``LearnedCosts``: rows, tokens per row, context).
+    Options per row: plain decoding, lookup, model draft, or both, at depths 1..max; the row takes the best
+    option if it beats plain decoding by ``margin`` (the cost model's error), and probes one level deeper now and
+    then (within ``probe_budget`` of the time) to keep the deeper rates fresh and to come back from depth 0.
+
+    Reproducible seeded sampling (SPEC): a row marked ``fixed`` (T > 0 with a seed) decides from its own past
+    acceptance, a fixed prior instead of the batch's rates, the calibration alone (cached per machine) for costs,
+    the engine's full batch for rows, and its own step count for probes: nothing timed, nothing of other rows.
+    """
 
     def __init__(
         self,
         max_depth: int,
-        tree_size: Callable[[int], int],
+        sources: Sources,
         verify_cost: BatchCosts,
         draft_cost: BatchCosts | None,
-        draft_tokens: tuple[int, int],
+        capacity: int = 1,
         decay: float = 0.9,
         probe_every: int = 8,
         probe_budget: float = 0.02,
         margin: float = 0.05,
+        row_strength: float = 2.0,
     ) -> None:
         super().__init__(max_depth)
-        self.tree_size = tree_size  # depth -> nodes per row
-        self.verify_cost = verify_cost  # seconds of the verify forward vs. rows and tokens per row
-        self.draft_cost = draft_cost  # the same for one draft forward (None: drafting is ~free)
-        self.draft_tokens = draft_tokens  # tokens per row in the first and in later draft forwards
+        self.sources = sources
+        self.prior_verify, self.prior_draft = verify_cost, draft_cost
+        self.verify_cost = LearnedCosts(verify_cost)
+        self.draft_cost = LearnedCosts(draft_cost) if draft_cost is not None else None
+        self.capacity = capacity
         self.decay = decay
         self.probe_every = probe_every
         self.probe_budget = probe_budget
-        # Speculate only for a predicted gain above the cost model's error (calibrated at a short context): a
-        # marginal depth is as likely to lose as to win, and plain decoding must never be the faster choice.
         self.margin = margin
-        # Per-level pseudo-counts: "reached level j" and "accepted at level j"; prior acceptance 0.5.
-        self.reached = torch.ones(max_depth + 1, dtype=torch.float64)
-        self.accepted = torch.full((max_depth + 1,), 0.5, dtype=torch.float64)
-        self.steps = 0
+        self.row_strength = row_strength
+        self.batch_rates = {name: _Rates(max_depth, decay=decay) for name in sources.names}
+        self.row_rates: dict[str, dict[str, _Rates]] = {}
+        self.row_steps: dict[str, int] = {}
+        self.lookup_plan: torch.Tensor | None = None
 
-    def expected_tokens(self, depth: int) -> float:
-        """Tokens per step per row: the target's own token plus the expected accepted prefix."""
-        rate = (self.accepted / self.reached).clamp(0, 1)
-        return 1.0 + float(torch.cumprod(rate[1 : depth + 1], 0).sum())
-
-    def step_seconds(self, depth: int, rows: int) -> float:
-        seconds = self.verify_cost(rows, self.tree_size(depth))
-        if depth and self.draft_cost is not None:
-            first, later = self.draft_tokens
-            seconds += self.draft_cost(rows, first) + (depth - 1) * self.draft_cost(rows, later)
+    # ------------------------------------------------------------------------------------------- costs
+    def step_seconds(
+        self, model_depth: int, lookup_depth: int, rows: int, context: float = 0.0, fixed: bool = False
+    ) -> float:
+        """Predicted seconds of one step in which every row drafts like this."""
+        src = self.sources
+        verify = self.prior_verify if fixed else self.verify_cost
+        draft = self.prior_draft if fixed else self.draft_cost
+        tokens = src.root_width + src.model_width * model_depth + src.lookup_width * lookup_depth
+        seconds = verify(rows, tokens) if fixed else verify(rows, tokens, context)
+        if model_depth and draft is not None:
+            first = src.prefix_tokens + src.root_width
+            later = src.model_width + (src.lookup_width if lookup_depth else 0)
+            for width in [first] + [later] * (model_depth - 1):
+                seconds += draft(rows, width) if fixed else draft(rows, width, context)
         return seconds
 
-    def plan(self, ids: list[str]) -> torch.Tensor:
-        self.steps += 1
-        rows = len(ids)
-        speed = [self.expected_tokens(d) / max(self.step_seconds(d, rows), 1e-9) for d in range(self.max_depth + 1)]
-        best = max(range(self.max_depth + 1), key=speed.__getitem__)
-        if speed[best] < (1 + self.margin) * speed[0]:
-            best = 0
-        if best < self.max_depth:
-            # Probe one level deeper now and then to keep its acceptance estimate fresh (and to come back from
-            # depth 0), but rarely enough that probing costs at most ``probe_budget`` of the time.
-            extra = self.step_seconds(best + 1, rows) / max(self.step_seconds(best, rows), 1e-9) - 1
-            if self.steps % max(self.probe_every, math.ceil(extra / self.probe_budget)) == 0:
-                best += 1
-        return torch.full((rows,), best, dtype=torch.long)
+    # ------------------------------------------------------------------------------------------ choices
+    def _rates(self, seq_id: str, fixed: bool) -> dict[str, torch.Tensor]:
+        rows = self.row_rates.setdefault(
+            seq_id, {name: _Rates(self.max_depth, weight=0.0, decay=self.decay) for name in self.sources.names}
+        )
+        out = {}
+        for name, rates in rows.items():
+            base = torch.full_like(rates.reached, 0.5) if fixed else self.batch_rates[name].rate
+            out[name] = rates.blended(base, self.row_strength)
+        return out
 
+    def _options(self) -> list[tuple[int, int]]:
+        """(model depth, lookup depth) pairs this tree can take, plain decoding first."""
+        depths = range(1, self.max_depth + 1)
+        options = [(0, 0)]
+        if self.sources.model_width:
+            options += [(d, 0) for d in depths]
+        if self.sources.lookup_width:
+            options += [(0, d) for d in depths]
+        if self.sources.model_width and self.sources.lookup_width:
+            options += [(d, d) for d in depths]
+        return options
+
+    @staticmethod
+    def _expected_tokens(rates: dict[str, torch.Tensor], model_depth: int, lookup_depth: int) -> float:
+        """1 + expected accepted drafted tokens: level j is reached if some drafter's chain still agrees there."""
+        depth = max(model_depth, lookup_depth)
+        missing = torch.ones(depth, dtype=torch.float64)
+        for name, used in (("model", model_depth), ("lookup", lookup_depth)):
+            if used and name in rates:
+                agree = torch.cumprod(rates[name][1 : used + 1], 0)
+                missing[:used] *= 1 - agree
+        return 1.0 + float((1 - missing).sum())
+
+    def plan_rows(
+        self, ids: list[str], contexts: list[int] | None = None, fixed: list[bool] | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(model depth, lookup depth) per row; lookup depths are None where the tree has no lookup siblings."""
+        rows = len(ids)
+        contexts = contexts or [0] * rows
+        fixed = fixed or [False] * rows
+        model_depths = torch.zeros(rows, dtype=torch.long)
+        lookup_depths = torch.zeros(rows, dtype=torch.long)
+        options = self._options()
+        costs: dict[tuple, list[float]] = {}
+        for row, (seq_id, context, is_fixed) in enumerate(zip(ids, contexts, fixed)):
+            steps = self.row_steps[seq_id] = self.row_steps.get(seq_id, 0) + 1
+            batch = self.capacity if is_fixed else rows
+            key = (batch, 0 if is_fixed else context // 64, is_fixed)
+            if key not in costs:
+                costs[key] = [self.step_seconds(m, lk, batch, context, is_fixed) for m, lk in options]
+            rates = self._rates(seq_id, is_fixed)
+            speed = [self._expected_tokens(rates, m, lk) / max(c, 1e-9) for (m, lk), c in zip(options, costs[key])]
+            best = max(range(len(options)), key=speed.__getitem__)
+            if speed[best] < (1 + self.margin) * speed[0]:
+                best = 0
+            model_depth, lookup_depth = options[best]
+            # Probe one level deeper with every drafter now and then (a drafter left out comes back in at depth
+            # 1), so unused depths and drafters keep being measured: at most ``probe_budget`` of the time.
+            deeper = (min(model_depth + 1, self.max_depth) if self.sources.model_width else 0,
+                      min(lookup_depth + 1, self.max_depth) if self.sources.lookup_width else 0)
+            if deeper != (model_depth, lookup_depth):
+                probe = self.step_seconds(*deeper, batch, context, is_fixed)
+                extra = probe / max(costs[key][best], 1e-9) - 1
+                if steps % max(self.probe_every, math.ceil(extra / self.probe_budget)) == 0:
+                    model_depth, lookup_depth = deeper
+            model_depths[row], lookup_depths[row] = model_depth, lookup_depth
+        if not self.sources.model_width:  # a lookup-only tree: its depth is the tree's depth
+            return lookup_depths, None
+        return model_depths, lookup_depths if self.sources.lookup_width else None
+
+    def plan(self, ids: list[str]) -> torch.Tensor:
+        return self.plan_rows(ids)[0]
+
+    # ---------------------------------------------------------------------------------------- learning
     def observe(self, record: StepRecord) -> None:
-        reached = torch.zeros_like(self.reached)
-        accepted = torch.zeros_like(self.accepted)
-        # A level planned but not drafted (an n-gram lookup with no or a short match) counts as a rejection:
-        # the batch's verify forward is as wide as its deepest row, so that row paid for it and gained nothing.
-        for depth, taken in zip(record.planned_depth, record.accepted):
-            reached[1 : min(taken + 1, depth) + 1] += 1
-            accepted[1 : taken + 1] += 1
-        seen = reached > 0
-        self.reached[seen] = self.reached[seen] * self.decay + reached[seen]
-        self.accepted[seen] = self.accepted[seen] * self.decay + accepted[seen]
+        matched = {"model": record.model_matched, "lookup": record.lookup_matched}
+        planned = {"model": record.planned_depth, "lookup": record.lookup_planned}
+        if not self.sources.model_width:  # lookup alone: its depth is the planned depth
+            matched["lookup"], planned["lookup"] = record.lookup_matched, record.planned_depth
+        for name in self.sources.names:
+            # Without per-drafter matches (a one-drafter tree), the accepted run is the drafter's match.
+            got = matched[name] if matched[name] is not None else record.accepted
+            plans = planned[name] if planned[name] is not None else record.planned_depth
+            self.batch_rates[name].observe(plans, got)
+            for seq_id, depth, taken in zip(record.ids, plans, got):
+                if seq_id in self.row_rates:
+                    self.row_rates[seq_id][name].observe([depth], [taken])
+        if record.timing is not None:
+            timing = record.timing
+            self.verify_cost.observe([timing.verify], timing.verify_seconds)
+            if self.draft_cost is not None and timing.drafts:
+                self.draft_cost.observe(timing.drafts, timing.draft_seconds)
+
+    def forget(self, seq_id: str) -> None:
+        self.row_rates.pop(seq_id, None)
+        self.row_steps.pop(seq_id, None)
 
 
 class DraftSignalMLP(nn.Module):
@@ -242,9 +402,9 @@ class DecisionPolicy(_HeadPolicy):
 
 def make_policy(
     config: SpeculativeConfig,
-    tree_size: Callable[[int], int],
+    sources: Sources,
     costs: Callable[[], tuple[BatchCosts, BatchCosts | None]],
-    draft_tokens: tuple[int, int],
+    capacity: int = 1,
 ) -> LengthPolicy:
     """The configured policy; ``costs`` (verify, draft) is only measured when the online policy needs it."""
     depth = config.num_speculative_tokens if config.method != "none" else 0
@@ -253,7 +413,7 @@ def make_policy(
     if config.length_policy == "heuristic":
         return HeuristicPolicy(depth)
     if config.length_policy == "online":
-        return OnlinePolicy(depth, tree_size, *costs(), draft_tokens)
+        return OnlinePolicy(depth, sources, *costs(), capacity=capacity)
     if config.length_policy == "threshold":
         return ThresholdPolicy(depth, DraftSignalMLP.load(config.acceptance_head), config.stop_threshold)
     return DecisionPolicy(depth, DraftSignalMLP.load(config.decision_model))

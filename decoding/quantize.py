@@ -1,0 +1,108 @@
+"""Weight-only quantization of a draft (SPEC "Models": ``speculative.quantization: int4 | int8``).
+
+A quantized copy of a model reads its linear layers through torch's weight-only kernels, the path gpt-fast uses:
+int4 groupwise (``aten._weight_int4pack_mm_for_cpu`` on CPU, ``aten._weight_int4pack_mm`` on CUDA) and int8 per
+output channel (``aten._weight_int8pack_mm``). Everything else (embeddings, norms, attention) is the original
+module's, shared, not copied. The source model is left exactly as loaded: with ``speculative.model: target`` the
+target verifies in full precision and only its quantized twin drafts, so outputs stay those of the target.
+
+Why it drafts well for the default model: SmolLM2-135M-Instruct ships as a Q4_1 GGUF (blocks of 32 input
+weights, ``w = d * q + m``), and int4 groupsize 32 with an asymmetric (min, scale) per group is the same grid,
+so quantizing the converted weights again loses next to nothing.
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+import itertools
+import weakref
+from typing import Literal
+
+import torch
+
+Scheme = Literal["int4", "int8"]
+# One quantized twin per (model, scheme, groupsize): engines sharing a target share its draft's packed weights.
+_twins: weakref.WeakKeyDictionary[torch.nn.Module, dict[tuple, torch.nn.Module]] = weakref.WeakKeyDictionary()
+
+
+def int4_groupwise(weight: torch.Tensor, groupsize: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(q [N, K] int32 in 0..15, scales_and_zeros [K / groupsize, N, 2]) with w ~ (q - 8) * scale + zero.
+
+    Asymmetric per group: scale = (max - min) / 15, zero = min + 8 * scale (the layout the int4 kernels read).
+    """
+    rows, cols = weight.shape
+    groups = weight.float().reshape(rows, cols // groupsize, groupsize)
+    low = groups.amin(-1, keepdim=True)
+    high = groups.amax(-1, keepdim=True)
+    scale = ((high - low) / 15).clamp(min=1e-12)
+    q = ((groups - low) / scale).round().clamp(0, 15).to(torch.int32).reshape(rows, cols)
+    zero = low + 8 * scale
+    scales_and_zeros = torch.cat([scale, zero], -1).permute(1, 0, 2).contiguous()  # [K / g, N, 2]
+    return q, scales_and_zeros
+
+
+def int8_per_channel(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(q [N, K] int8, scales [N]) with w ~ q * scale, symmetric per output channel."""
+    scale = (weight.float().abs().amax(-1) / 127).clamp(min=1e-12)
+    q = (weight.float() / scale[:, None]).round().clamp(-127, 127).to(torch.int8)
+    return q, scale
+
+
+def _int4_linear(
+    packed: torch.Tensor, scales_and_zeros: torch.Tensor, groupsize: int, bias: torch.Tensor | None,
+    x: torch.Tensor,
+) -> torch.Tensor:
+    flat = x.reshape(-1, x.shape[-1]).to(scales_and_zeros.dtype)
+    if flat.device.type == "cpu":
+        out = torch.ops.aten._weight_int4pack_mm_for_cpu(flat, packed, groupsize, scales_and_zeros)
+    else:
+        out = torch.ops.aten._weight_int4pack_mm(flat, packed, groupsize, scales_and_zeros)
+    out = out.to(x.dtype).reshape(*x.shape[:-1], -1)
+    return out + bias if bias is not None else out
+
+
+def _int8_linear(q: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None, x: torch.Tensor) -> torch.Tensor:
+    flat = x.reshape(-1, x.shape[-1]).to(scales.dtype)
+    out = torch.ops.aten._weight_int8pack_mm(flat, q, scales).to(x.dtype).reshape(*x.shape[:-1], -1)
+    return out + bias if bias is not None else out
+
+
+def quantize_linear(module: torch.nn.Linear, scheme: Scheme, groupsize: int = 32) -> None:
+    """Make ``module`` (a copy the caller owns) compute through a weight-only kernel; its float weight stays
+    shared with the source model, never modified."""
+    weight = module.weight.detach()
+    dtype = torch.float32 if weight.device.type == "cpu" else torch.bfloat16
+    if scheme == "int8":
+        q, scales = int8_per_channel(weight)
+        module.forward = functools.partial(_int8_linear, q, scales.to(dtype), module.bias)
+        return
+    if weight.shape[1] % groupsize:
+        raise ValueError(f"int4 groupsize {groupsize} does not divide the input size {weight.shape[1]}")
+    q, scales_and_zeros = int4_groupwise(weight, groupsize)
+    if weight.device.type == "cpu":
+        packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1)
+    else:  # the CUDA kernel packs two int4 per byte, tiled
+        packed = torch.ops.aten._convert_weight_to_int4pack((q[:, ::2] << 4 | q[:, 1::2]).to(torch.uint8), 8)
+    module.forward = functools.partial(_int4_linear, packed, scales_and_zeros.to(dtype), groupsize, module.bias)
+
+
+def quantized(
+    model: torch.nn.Module, scheme: Scheme, groupsize: int = 32, head: Scheme | None = "int8"
+) -> torch.nn.Module:
+    """A twin of ``model`` whose linear layers run weight-only quantized (``head``: the LM head's scheme).
+
+    Modules and config are copied, parameters and buffers shared: the twin costs only its quantized weights.
+    """
+    key = (scheme, groupsize, head)
+    twins = _twins.setdefault(model, {})
+    if key in twins:
+        return twins[key]
+    shared = {id(t): t for t in itertools.chain(model.parameters(), model.buffers())}
+    twin = copy.deepcopy(model, shared)
+    output = twin.get_output_embeddings()
+    for module in twin.modules():
+        if isinstance(module, torch.nn.Linear):
+            quantize_linear(module, head if module is output and head else scheme, groupsize)
+    twins[key] = twin
+    return twin
