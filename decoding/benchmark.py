@@ -316,7 +316,7 @@ def _transformers_runner(models: Models, contender: Contender) -> _Runner:
 
     def run(prompts: dict[str, list[int]]) -> None:
         ids = list(prompts)
-        torch.manual_seed(params.seed)
+        torch.manual_seed(params.seed if params.seed is not None else 0)  # transformers' global stream
         draft_hooks = _timed_forwards(models.draft, on_draft) if "assistant_model" in kwargs else nullcontext()
         with _timed_forwards(models.target, on_target), draft_hooks, torch.no_grad():
             start = time.perf_counter()

@@ -1,0 +1,136 @@
+"""The acceptance metrics, defined once (SPEC "Output directory", ``spec_decode``), in vLLM's vocabulary.
+
+Every place that reports speculation (engine results, output rows, ``summary.json``, the report, the server's
+``metrics``, Prometheus, the benchmark, eval_draft) builds a ``SpecDecodeStats`` and reads its fields, so the
+definitions cannot drift apart:
+
+- ``num_spec_steps``: verification steps that drafted at least one token (vLLM's ``num_drafts``);
+- ``mean_acceptance_length``: 1 + accepted / num_spec_steps (vLLM's; 1.0 when nothing was drafted);
+- ``tokens_per_forward``: generated tokens / all target forwards, prefill included;
+- ``acceptance_histogram``: spec steps by accepted count (sums to num_spec_steps);
+- ``accepted_per_pos``: spec steps whose accepted run reached each draft position (vLLM's
+  ``num_accepted_tokens_per_pos``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+
+class _Result(Protocol):
+    token_ids: list[int]
+    per_step_drafted: list[int]
+    per_step_accepted: list[int]
+    num_target_forwards: int
+    acceptance_histogram: list[int]
+
+
+def acceptance_histogram(per_step_drafted: Sequence[int], per_step_accepted: Sequence[int], max_depth: int) -> list[int]:
+    """Spec steps (those that drafted) by accepted count, ``max_depth + 1`` bins."""
+    counts = [0] * (max_depth + 1)
+    for drafted, accepted in zip(per_step_drafted, per_step_accepted, strict=True):
+        if drafted:
+            counts[accepted] += 1
+    return counts
+
+
+def _add(a: Sequence[int], b: Sequence[int]) -> tuple[int, ...]:
+    longer, shorter = (a, b) if len(a) >= len(b) else (b, a)
+    return tuple(x + (shorter[i] if i < len(shorter) else 0) for i, x in enumerate(longer))
+
+
+@dataclass(frozen=True)
+class SpecDecodeStats:
+    num_spec_steps: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_draft_tokens: int = 0
+    num_generated_tokens: int = 0
+    num_target_forwards: int = 0
+    acceptance_histogram: tuple[int, ...] = ()
+
+    @classmethod
+    def of(cls, result: _Result) -> SpecDecodeStats:
+        """One generation's statistics (an engine ``GenerationResult``)."""
+        return cls.from_steps(
+            result.per_step_drafted, result.per_step_accepted, len(result.token_ids), result.num_target_forwards,
+            len(result.acceptance_histogram) - 1,
+        )
+
+    @classmethod
+    def from_steps(
+        cls, per_step_drafted: Sequence[int], per_step_accepted: Sequence[int], generated: int,
+        target_forwards: int | None = None, max_depth: int | None = None,
+    ) -> SpecDecodeStats:
+        """From per-step counts. ``target_forwards`` defaults to the prefill plus one per verification step (an
+        output row's ``per_step_drafted`` has one entry per step); ``max_depth`` to the deepest accepted run."""
+        if target_forwards is None:
+            target_forwards = 1 + len(per_step_drafted) if generated else 0
+        if max_depth is None:
+            max_depth = max(per_step_accepted, default=0)
+        return cls(
+            num_spec_steps=sum(1 for d in per_step_drafted if d),
+            num_draft_tokens=sum(per_step_drafted),
+            num_accepted_draft_tokens=sum(per_step_accepted),
+            num_generated_tokens=generated,
+            num_target_forwards=target_forwards,
+            acceptance_histogram=tuple(acceptance_histogram(per_step_drafted, per_step_accepted, max(max_depth, 0))),
+        )
+
+    @classmethod
+    def from_struct(cls, struct: dict[str, Any], generated: int, target_forwards: int) -> SpecDecodeStats:
+        """From an output row's ``spec_decode`` struct (plus what the struct states only as ratios)."""
+        return cls(
+            num_spec_steps=struct["num_spec_steps"] or 0,
+            num_draft_tokens=struct["num_draft_tokens"] or 0,
+            num_accepted_draft_tokens=struct["num_accepted_draft_tokens"] or 0,
+            num_generated_tokens=generated, num_target_forwards=target_forwards,
+            acceptance_histogram=tuple(struct["acceptance_histogram"] or ()),
+        )
+
+    def __add__(self, other: SpecDecodeStats) -> SpecDecodeStats:
+        return SpecDecodeStats(
+            self.num_spec_steps + other.num_spec_steps,
+            self.num_draft_tokens + other.num_draft_tokens,
+            self.num_accepted_draft_tokens + other.num_accepted_draft_tokens,
+            self.num_generated_tokens + other.num_generated_tokens,
+            self.num_target_forwards + other.num_target_forwards,
+            _add(self.acceptance_histogram, other.acceptance_histogram),
+        )
+
+    @classmethod
+    def total(cls, parts: Iterable[SpecDecodeStats]) -> SpecDecodeStats:
+        return sum(parts, cls())
+
+    @property
+    def mean_acceptance_length(self) -> float:
+        if self.num_spec_steps:
+            return 1.0 + self.num_accepted_draft_tokens / self.num_spec_steps
+        return 1.0 if self.num_generated_tokens else 0.0
+
+    @property
+    def draft_acceptance_rate(self) -> float:
+        return self.num_accepted_draft_tokens / self.num_draft_tokens if self.num_draft_tokens else 0.0
+
+    @property
+    def tokens_per_forward(self) -> float:
+        return self.num_generated_tokens / self.num_target_forwards if self.num_target_forwards else 0.0
+
+    @property
+    def accepted_per_pos(self) -> list[int]:
+        """Spec steps that accepted at least ``i + 1`` draft tokens, for each position i."""
+        histogram = self.acceptance_histogram
+        return [sum(histogram[i + 1 :]) for i in range(max(len(histogram) - 1, 0))]
+
+    def struct(self) -> dict[str, Any]:
+        """The ``spec_decode`` struct of an output row (and the server's ``metrics.speculative_decoding``)."""
+        return {
+            "num_spec_steps": self.num_spec_steps,
+            "num_draft_tokens": self.num_draft_tokens,
+            "num_accepted_draft_tokens": self.num_accepted_draft_tokens,
+            "mean_acceptance_length": self.mean_acceptance_length,
+            "tokens_per_forward": self.tokens_per_forward,
+            "draft_acceptance_rate": self.draft_acceptance_rate,
+            "acceptance_histogram": list(self.acceptance_histogram),
+        }
