@@ -27,7 +27,9 @@ class _Result(Protocol):
     acceptance_histogram: list[int]
 
 
-def acceptance_histogram(per_step_drafted: Sequence[int], per_step_accepted: Sequence[int], max_depth: int) -> list[int]:
+def acceptance_histogram(
+    per_step_drafted: Sequence[int], per_step_accepted: Sequence[int], max_depth: int
+) -> list[int]:
     """Spec steps (those that drafted) by accepted count, ``max_depth + 1`` bins."""
     counts = [0] * (max_depth + 1)
     for drafted, accepted in zip(per_step_drafted, per_step_accepted, strict=True):
