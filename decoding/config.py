@@ -106,6 +106,8 @@ class SamplingParams(_Strict):
 
 class Config(_Strict):
     model: str = "smollm2-135m-instruct"
+    # vLLM's: the model's name in the HTTP API (/v1/models, the ``model`` field of requests); default: ``model``.
+    served_model_name: str | None = None
     speculative: SpeculativeConfig = Field(default_factory=SpeculativeConfig)
     sampling: SamplingParams = Field(default_factory=SamplingParams)
     batch_size: int = Field(16, ge=1, le=1024, description="sequences decoded together inside one actor")
@@ -114,6 +116,17 @@ class Config(_Strict):
     # CPU cores per actor / replica (and torch threads on CPU); None = the machine's cores split over actors.
     num_cpus: float | None = Field(None, gt=0)
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+
+    @field_validator("num_gpus")
+    @classmethod
+    def _one_device_per_actor(cls, value: float) -> float:
+        # The engine keeps its model, caches and step on one device; reserving more would leave them idle.
+        if value > 1:
+            raise ValueError(
+                f"num_gpus is {value:g}, but one actor runs its engine on one GPU (no model sharding): use "
+                f"num_gpus: 1 with concurrency: {int(value) if value == int(value) else value} to use that many GPUs"
+            )
+        return value
 
     @field_validator("concurrency")
     @classmethod

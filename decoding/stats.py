@@ -14,7 +14,7 @@ definitions cannot drift apart:
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -36,6 +36,11 @@ def acceptance_histogram(
         if drafted:
             counts[accepted] += 1
     return counts
+
+
+def _forwards(per_step_drafted: Sequence[int], generated: int) -> int:
+    """Target forwards of a generation: its prefill, then one per verification step (one per_step entry each)."""
+    return 1 + len(per_step_drafted) if generated else 0
 
 
 def _add(a: Sequence[int], b: Sequence[int]) -> tuple[int, ...]:
@@ -68,7 +73,7 @@ class SpecDecodeStats:
         """From per-step counts. ``target_forwards`` defaults to the prefill plus one per verification step (an
         output row's ``per_step_drafted`` has one entry per step); ``max_depth`` to the deepest accepted run."""
         if target_forwards is None:
-            target_forwards = 1 + len(per_step_drafted) if generated else 0
+            target_forwards = _forwards(per_step_drafted, generated)
         if max_depth is None:
             max_depth = max(per_step_accepted, default=0)
         return cls(
@@ -81,14 +86,16 @@ class SpecDecodeStats:
         )
 
     @classmethod
-    def from_struct(cls, struct: dict[str, Any], generated: int, target_forwards: int) -> SpecDecodeStats:
-        """From an output row's ``spec_decode`` struct (plus what the struct states only as ratios)."""
+    def from_row(cls, row: dict[str, Any]) -> SpecDecodeStats:
+        """From an output row (``num_generated_tokens``, ``per_step_drafted``, ``spec_decode``)."""
+        struct, generated = row["spec_decode"] or {}, row["num_generated_tokens"] or 0
         return cls(
-            num_spec_steps=struct["num_spec_steps"] or 0,
-            num_draft_tokens=struct["num_draft_tokens"] or 0,
-            num_accepted_draft_tokens=struct["num_accepted_draft_tokens"] or 0,
-            num_generated_tokens=generated, num_target_forwards=target_forwards,
-            acceptance_histogram=tuple(struct["acceptance_histogram"] or ()),
+            num_spec_steps=struct.get("num_spec_steps") or 0,
+            num_draft_tokens=struct.get("num_draft_tokens") or 0,
+            num_accepted_draft_tokens=struct.get("num_accepted_draft_tokens") or 0,
+            num_generated_tokens=generated,
+            num_target_forwards=_forwards(row["per_step_drafted"] or [], generated),
+            acceptance_histogram=tuple(struct.get("acceptance_histogram") or ()),
         )
 
     def __add__(self, other: SpecDecodeStats) -> SpecDecodeStats:
@@ -136,3 +143,46 @@ class SpecDecodeStats:
             "draft_acceptance_rate": self.draft_acceptance_rate,
             "acceptance_histogram": list(self.acceptance_histogram),
         }
+
+
+# ------------------------------------------------------------------------------------------------ Prometheus
+# vLLM's spec-decode counters (``vllm/v1/spec_decode/metrics.py``), fed with each finished generation. The adapters
+# choose the backend (Ray's metrics export from actors and replicas): this module stays free of Ray.
+PER_POSITION = "spec_decode_num_accepted_tokens_per_pos"
+COUNTERS: dict[str, str] = {
+    "spec_decode_num_drafts": "Verification steps that drafted at least one token.",
+    "spec_decode_num_draft_tokens": "Draft tokens proposed.",
+    "spec_decode_num_accepted_tokens": "Draft tokens accepted.",
+    PER_POSITION: "Steps whose accepted draft tokens reached each position.",
+}
+
+
+class CounterLike(Protocol):
+    def inc(self, value: float = 1.0, tags: dict[str, str] | None = None) -> None: ...
+
+
+class SpecDecodeCounters:
+    """The Prometheus counters of one engine (vLLM names, labels ``model_name`` and, per position, ``position``),
+    plus the totals they were given, so that what was exported can be checked against the responses."""
+
+    def __init__(self, make_counter: Callable[[str, str, tuple[str, ...]], CounterLike], model_name: str) -> None:
+        self.tags = {"model_name": model_name}
+        self.counters = {
+            name: make_counter(name, description, ("model_name", "position") if name == PER_POSITION
+                               else ("model_name",))
+            for name, description in COUNTERS.items()
+        }
+        self.totals = SpecDecodeStats()
+
+    def record(self, stats: SpecDecodeStats) -> None:
+        self.totals += stats
+        for name, value in (
+            ("spec_decode_num_drafts", stats.num_spec_steps),
+            ("spec_decode_num_draft_tokens", stats.num_draft_tokens),
+            ("spec_decode_num_accepted_tokens", stats.num_accepted_draft_tokens),
+        ):
+            if value:  # Ray's counters take positive increments only
+                self.counters[name].inc(value, self.tags)
+        for position, value in enumerate(stats.accepted_per_pos):
+            if value:
+                self.counters[PER_POSITION].inc(value, {**self.tags, "position": str(position)})

@@ -9,6 +9,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from decoding.config import Config
+from decoding.stats import SpecDecodeStats
 from pipeline.store import OutputStore
 
 
@@ -25,44 +26,29 @@ def _sum(values: pa.ChunkedArray | pa.Array) -> int:
     return int(pc.sum(values).as_py() or 0)
 
 
-def per_position_acceptance(store: OutputStore) -> tuple[list[float], list[int], list[int]]:
-    """For each draft position (depth 1, 2, ...): the fraction of speculative steps that drafted that
-    position whose accepted path reached it; plus those two counts. With one candidate and a fixed
-    length this is vLLM's per-position acceptance rate (accepted at position / drafts)."""
-    stats = store.read_token_stats(["id", "step", "depth", "accepted"])
-    stats = stats.set_column(3, "accepted", pc.cast(stats["accepted"], pa.int32()))
-    per_step = stats.group_by(["id", "step", "depth"]).aggregate([("accepted", "max")])
-    by_depth = per_step.group_by("depth").aggregate([("accepted_max", "sum"), ("accepted_max", "count")])
-    by_depth = by_depth.sort_by("depth")
-    drafted = by_depth["accepted_max_count"].to_pylist()
-    accepted = by_depth["accepted_max_sum"].to_pylist()
-    return [a / d for a, d in zip(accepted, drafted, strict=True)], drafted, accepted
-
-
 def summarize(store: OutputStore, config: Config, run: RunStats, input_path: str) -> dict[str, Any]:
-    outputs = store.read_outputs(["finish_reason", "num_generated_tokens", "spec_decode"])
-    spec = outputs["spec_decode"]
-    generated = _sum(outputs["num_generated_tokens"])
-    forwards = _sum(pc.struct_field(spec, "num_spec_steps"))
-    drafted = _sum(pc.struct_field(spec, "num_draft_tokens"))
-    accepted = _sum(pc.struct_field(spec, "num_accepted_draft_tokens"))
-    rates, drafts_per_pos, accepted_per_pos = per_position_acceptance(store)
+    outputs = store.read_outputs(["finish_reason", "num_generated_tokens", "per_step_drafted", "spec_decode"])
+    rows = outputs.select(["num_generated_tokens", "per_step_drafted", "spec_decode"]).to_pylist()
+    total = SpecDecodeStats.total(SpecDecodeStats.from_row(row) for row in rows)  # the one definition
+    per_pos = total.accepted_per_pos
     return {
         "rows": outputs.num_rows,
         "errors": _sum(pc.equal(outputs["finish_reason"], "error")),
-        "generated_tokens": generated,
+        "generated_tokens": total.num_generated_tokens,
         "wall_seconds": run.wall_seconds,
         "tokens_per_second": run.generated_tokens / run.wall_seconds if run.wall_seconds else 0.0,
         "rows_this_run": run.rows,
         "generated_tokens_this_run": run.generated_tokens,
-        "mean_acceptance_length": generated / forwards if forwards else 0.0,
-        "draft_acceptance_rate": accepted / drafted if drafted else 0.0,
-        "per_position_acceptance_rate": rates,
-        "num_spec_steps": forwards,
-        "num_draft_tokens": drafted,
-        "num_accepted_draft_tokens": accepted,
-        "num_drafts_per_pos": drafts_per_pos,
-        "num_accepted_tokens_per_pos": accepted_per_pos,
+        "mean_acceptance_length": total.mean_acceptance_length,
+        "tokens_per_forward": total.tokens_per_forward,
+        "draft_acceptance_rate": total.draft_acceptance_rate,
+        # vLLM's: steps whose accepted run reached position i, over all spec steps.
+        "per_position_acceptance_rate": [a / total.num_spec_steps if total.num_spec_steps else 0.0 for a in per_pos],
+        "num_spec_steps": total.num_spec_steps,
+        "num_target_forwards": total.num_target_forwards,
+        "num_draft_tokens": total.num_draft_tokens,
+        "num_accepted_draft_tokens": total.num_accepted_draft_tokens,
+        "num_accepted_tokens_per_pos": per_pos,
         "input": input_path,
         "config": config.model_dump(mode="json"),
     }
