@@ -69,8 +69,13 @@ def test_pipeline_actor_exports_what_its_rows_report(ray_cluster, tiny_dirs) -> 
         "sampling": {"max_tokens": 10},
     })
     actor = GenerationActor(config.model_dump())
-    batch = pa.table({"id": [f"r{i}" for i in range(len(PROMPTS))], "prompt": PROMPTS})
+    # Ray Data LLM's own example sampling_params, as a JSON string column, must not make error rows.
+    ray_example = '{"temperature": 0.3, "max_tokens": 20, "detokenize": false}'
+    batch = pa.table({"id": [f"r{i}" for i in range(len(PROMPTS))], "prompt": PROMPTS,
+                      "sampling_params": [ray_example if i % 2 else None for i in range(len(PROMPTS))]})
     block = actor(batch)
+    assert block["finish_reason"].to_pylist().count("error") == 0
+    assert all(text == "" for text in block["generated_text"].to_pylist()[1::2])  # detokenize: false
     rows = block.select(["num_generated_tokens", "per_step_drafted", "spec_decode"]).to_pylist()
     totals = SpecDecodeStats.total(SpecDecodeStats.from_row(row) for row in rows)
     assert actor.metrics.totals.num_spec_steps == totals.num_spec_steps > 0
