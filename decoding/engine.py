@@ -451,9 +451,12 @@ class Engine:
 
     def _warp(self, seqs: list[_Sequence], prefill: bool = False) -> WarpParams:
         """Sampling parameters of ``seqs`` as tensors, with the committed histories their penalties need."""
+        params = [s.params for s in seqs]
+        if not any(p.penalized for p in params):
+            return WarpParams.from_params(params)
         return WarpParams.from_params(
-            [s.params for s in seqs], [s.prompt_ids for s in seqs],
-            [[] if prefill else s.generated[:-1] for s in seqs], self.eos_ids, self.target.config.vocab_size,
+            params, [s.prompt_ids for s in seqs], [[] if prefill else s.generated[:-1] for s in seqs],
+            self.eos_ids, self.target.config.vocab_size,
         )
 
     def _verify(
