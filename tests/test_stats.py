@@ -71,11 +71,16 @@ def test_pipeline_actor_exports_what_its_rows_report(ray_cluster, tiny_dirs) -> 
     actor = GenerationActor(config.model_dump())
     # Ray Data LLM's own example sampling_params, as a JSON string column, must not make error rows.
     ray_example = '{"temperature": 0.3, "max_tokens": 20, "detokenize": false}'
-    batch = pa.table({"id": [f"r{i}" for i in range(len(PROMPTS))], "prompt": PROMPTS,
-                      "sampling_params": [ray_example if i % 2 else None for i in range(len(PROMPTS))]})
+    params = [ray_example if i % 2 else None for i in range(len(PROMPTS))]
+    params[0] = '{"logprobs": 2}'
+    batch = pa.table({"id": [f"r{i}" for i in range(len(PROMPTS))], "prompt": PROMPTS, "sampling_params": params})
     block = actor(batch)
     assert block["finish_reason"].to_pylist().count("error") == 0
     assert all(text == "" for text in block["generated_text"].to_pylist()[1::2])  # detokenize: false
+    logprobs = block["logprobs"].to_pylist()  # the column, filled for the row that asked
+    assert len(logprobs[0]) == block["num_generated_tokens"][0].as_py()
+    assert all(len(entry["top_logprobs"]) == 2 for entry in logprobs[0])
+    assert logprobs[1:] == [None] * (len(PROMPTS) - 1)
     rows = block.select(["num_generated_tokens", "per_step_drafted", "spec_decode"]).to_pylist()
     totals = SpecDecodeStats.total(SpecDecodeStats.from_row(row) for row in rows)
     assert actor.metrics.totals.num_spec_steps == totals.num_spec_steps > 0
