@@ -61,7 +61,7 @@ class GenerationRequest(_Request):
     max_tokens: int | None = Field(None, ge=1)
     temperature: float | None = Field(None, ge=0.0, le=2.0)
     top_p: float | None = Field(None, gt=0.0, le=1.0)
-    top_k: int | None = Field(None, ge=0, description="extension (vLLM): 0 disables top-k")
+    top_k: int | None = Field(None, ge=-1, description="extension (vLLM): 0 or -1 disables top-k")
     stop: str | list[str] | None = None
     seed: int | None = Field(None, ge=0, lt=_INT64)
     n: int = Field(1, ge=1, le=128, description="choices per prompt")
