@@ -41,6 +41,9 @@ class Penalties:
     repetition over prompt and output tokens (positive logits divided, negative multiplied), then frequency
     (minus count in the output) and presence (minus once per token seen in the output); the stop tokens (EOS
     unless ``ignore_eos``, and ``stop_token_ids``) are banned while fewer than ``min_tokens`` tokens are out.
+    transformers' processors take one value for the whole batch and one history per row; a tree needs per-row
+    values and a history per node, so the same formulas run here over [B, nodes, V] at once (the tests check them
+    against ``RepetitionPenaltyLogitsProcessor`` node by node, and greedy outputs against ``generate``).
     """
 
     presence: torch.Tensor  # [B]
