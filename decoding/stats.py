@@ -38,9 +38,13 @@ def acceptance_histogram(
     return counts
 
 
+def target_forwards(verification_steps: int, generations: int) -> int:
+    """Target forwards: each generation's prefill, then one per verification step (one per_step entry each)."""
+    return generations + verification_steps
+
+
 def _forwards(per_step_drafted: Sequence[int], generated: int) -> int:
-    """Target forwards of a generation: its prefill, then one per verification step (one per_step entry each)."""
-    return 1 + len(per_step_drafted) if generated else 0
+    return target_forwards(len(per_step_drafted), 1) if generated else 0
 
 
 def _add(a: Sequence[int], b: Sequence[int]) -> tuple[int, ...]:

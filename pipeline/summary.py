@@ -5,11 +5,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
 from decoding.config import Config
-from decoding.stats import SpecDecodeStats
+from decoding.stats import SpecDecodeStats, target_forwards
 from pipeline.store import OutputStore
 
 
@@ -26,10 +27,37 @@ def _sum(values: pa.ChunkedArray | pa.Array) -> int:
     return int(pc.sum(values).as_py() or 0)
 
 
+def _summed_lists(column: pa.ChunkedArray) -> tuple[int, ...]:
+    """Element-wise sum of a list<int> column (rows' histograms), in Arrow and numpy: no Python object per row."""
+    total = np.zeros(0, dtype=np.int64)
+    for chunk in column.chunks:
+        lengths = pc.fill_null(pc.list_value_length(chunk), 0).to_numpy()
+        values = pc.list_flatten(chunk).to_numpy(zero_copy_only=False)
+        positions = np.arange(len(values)) - np.repeat(np.cumsum(lengths) - lengths, lengths)
+        counts = np.bincount(positions, weights=values).astype(np.int64) if len(values) else total[:0]
+        size = max(len(total), len(counts))
+        total = np.pad(total, (0, size - len(total))) + np.pad(counts, (0, size - len(counts)))
+    return tuple(int(x) for x in total)
+
+
+def run_totals(outputs: pa.Table) -> SpecDecodeStats:
+    """Totals over output rows, counted in Arrow; the ratios come from the one definition (decoding.stats)."""
+    spec, generated = outputs["spec_decode"], outputs["num_generated_tokens"]
+    return SpecDecodeStats(
+        num_spec_steps=_sum(pc.struct_field(spec, "num_spec_steps")),
+        num_draft_tokens=_sum(pc.struct_field(spec, "num_draft_tokens")),
+        num_accepted_draft_tokens=_sum(pc.struct_field(spec, "num_accepted_draft_tokens")),
+        num_generated_tokens=_sum(generated),
+        num_target_forwards=target_forwards(
+            _sum(pc.list_value_length(outputs["per_step_drafted"])), _sum(pc.greater(generated, 0))
+        ),
+        acceptance_histogram=_summed_lists(pc.struct_field(spec, "acceptance_histogram")),
+    )
+
+
 def summarize(store: OutputStore, config: Config, run: RunStats, input_path: str) -> dict[str, Any]:
     outputs = store.read_outputs(["finish_reason", "num_generated_tokens", "per_step_drafted", "spec_decode"])
-    rows = outputs.select(["num_generated_tokens", "per_step_drafted", "spec_decode"]).to_pylist()
-    total = SpecDecodeStats.total(SpecDecodeStats.from_row(row) for row in rows)  # the one definition
+    total = run_totals(outputs)
     per_pos = total.accepted_per_pos
     return {
         "rows": outputs.num_rows,

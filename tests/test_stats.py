@@ -9,6 +9,7 @@ from test_engine import PROMPTS, make_config, run
 from decoding.config import Config
 from decoding.stats import PER_POSITION, SpecDecodeCounters, SpecDecodeStats
 from pipeline.actor import GenerationActor
+from pipeline.summary import run_totals
 
 
 def test_spec_decode_definitions_on_hand_made_steps() -> None:
@@ -59,6 +60,18 @@ def test_counters_total_the_per_result_statistics(tokenizer, target, draft) -> N
                "spec_decode": result.spec_decode}
         assert SpecDecodeStats.from_row(row) == result.stats
         assert sum(result.acceptance_histogram) == result.spec_decode["num_spec_steps"]
+
+
+def test_summary_totals_in_arrow_equal_the_per_row_definition(tokenizer, target, draft) -> None:
+    config = make_config(method="draft_model", num_candidates=3, candidate_init="target", length_policy="static")
+    results = run(config, tokenizer, target, draft)
+    rows = [{"num_generated_tokens": len(r.token_ids), "per_step_drafted": r.per_step_drafted,
+             "spec_decode": r.spec_decode} for r in results]
+    rows.append({"num_generated_tokens": 0, "per_step_drafted": [],  # an error row
+                 "spec_decode": {**SpecDecodeStats().struct(), "acceptance_histogram": []}})
+    table = pa.Table.from_pylist(rows)
+    table = pa.concat_tables([table.slice(0, 3), table.slice(3)])  # several chunks, one of them sliced
+    assert run_totals(table) == SpecDecodeStats.total(r.stats for r in results)
 
 
 def test_pipeline_actor_exports_what_its_rows_report(ray_cluster, tiny_dirs) -> None:
