@@ -122,9 +122,11 @@ class Config(_Strict):
     def _one_device_per_actor(cls, value: float) -> float:
         # The engine keeps its model, caches and step on one device; reserving more would leave them idle.
         if value > 1:
+            whole = value == int(value)
+            hint = f"num_gpus: 1 with concurrency: {value:g}" if whole else "num_gpus <= 1 and more actors"
             raise ValueError(
-                f"num_gpus is {value:g}, but one actor runs its engine on one GPU (no model sharding): use "
-                f"num_gpus: 1 with concurrency: {int(value) if value == int(value) else value} to use that many GPUs"
+                f"num_gpus is {value:g}, but one actor runs its engine on one GPU (no model sharding): use {hint} "
+                "(concurrency) to use more GPUs"
             )
         return value
 
