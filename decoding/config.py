@@ -123,10 +123,10 @@ class Config(_Strict):
         # The engine keeps its model, caches and step on one device; reserving more would leave them idle.
         if value > 1:
             whole = value == int(value)
-            hint = f"num_gpus: 1 with concurrency: {value:g}" if whole else "num_gpus <= 1 and more actors"
+            hint = f"num_gpus: 1 with concurrency: {value:g}" if whole else "num_gpus <= 1 with more actors"
             raise ValueError(
                 f"num_gpus is {value:g}, but one actor runs its engine on one GPU (no model sharding): use {hint} "
-                "(concurrency) to use more GPUs"
+                "to use more GPUs"
             )
         return value
 
