@@ -30,6 +30,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 from decoding.config import Config, SamplingParams
 from decoding.engine import Engine, Request, encode_request, eos_token_ids
 from decoding.models import SELF_DRAFT, load_draft, load_model, load_tokenizer
+from decoding.stats import SpecDecodeStats
 
 log = logging.getLogger(__name__)
 
@@ -186,7 +187,8 @@ class BenchRow(BaseModel):
     tokens_per_s: float
     speedup_vs_transformers: float | None = None
     speedup_vs_none: float | None = None
-    mean_acceptance_length: float | None
+    mean_acceptance_length: float | None  # vLLM's: 1 + accepted / spec steps (decoding.stats), engine only
+    tokens_per_forward: float | None  # generated tokens / per-sequence target forwards (prefill included)
     acceptance_rate: float | None
     target_forwards_per_token: float
     identical: bool | None = None  # outputs equal transformers generate's, at temperature 0
@@ -267,9 +269,7 @@ class _Measurement:
     outputs: dict[str, list[int]] = field(default_factory=dict)
     seconds: float = 0.0
     profile: _Profile = field(default_factory=_Profile)
-    accepted: int | None = None  # engine only: accepted and drafted tokens
-    drafted: int | None = None
-    forwards: int | None = None  # per-sequence target forwards (engine only; else counted by the hooks)
+    stats: SpecDecodeStats | None = None  # engine only (per-sequence target forwards; else counted by the hooks)
 
 
 @dataclass
@@ -340,7 +340,7 @@ def _transformers_runner(models: Models, contender: Contender) -> _Runner:
 
     def run(prompts: dict[str, list[int]]) -> None:
         ids = list(prompts)
-        torch.manual_seed(params.seed)
+        torch.manual_seed(params.seed if params.seed is not None else 0)  # transformers' global stream
         draft_hooks = _timed_forwards(models.draft, on_draft) if "assistant_model" in kwargs else nullcontext()
         with _timed_forwards(models.target, on_target), draft_hooks, torch.no_grad():
             start = time.perf_counter()
@@ -367,7 +367,7 @@ def _engine_runner(models: Models, contender: Contender) -> _Runner:
     """One engine for all of the contender's chunks, so that what it learns (length policy) carries over."""
     draft = models.draft if contender.method == "draft_model" else None
     engine = Engine(contender.config, target=models.target, tokenizer=models.tokenizer, draft=draft)
-    total = _Measurement(accepted=0, drafted=0, forwards=0)
+    total = _Measurement(stats=SpecDecodeStats())
     _time_methods(engine.drafter, ("add_rows", "propose", "observe"), total.profile)
 
     def on_target(seconds: float, rows: int) -> None:
@@ -385,9 +385,7 @@ def _engine_runner(models: Models, contender: Contender) -> _Runner:
             raise RuntimeError(f"{contender.name}: prompt {errors[0].id} failed: {errors[0].error}")
         for result in results:
             total.outputs[result.id] = result.token_ids
-            total.accepted += result.spec_decode["num_accepted_draft_tokens"]
-            total.drafted += result.spec_decode["num_draft_tokens"]
-            total.forwards += result.spec_decode["num_spec_steps"]
+            total.stats += result.stats
 
     return _Runner(total, run)
 
@@ -411,7 +409,7 @@ def _row(prompt_set: str, contender: Contender, m: _Measurement) -> BenchRow:
     spec = contender.config.speculative
     drafting = contender.kind != "transformers" and contender.method != "none"
     # Per-sequence target forwards: exact for the engine; for transformers, counted by the forward hooks.
-    forwards = m.forwards if m.forwards is not None else m.profile.target_rows
+    forwards = m.stats.num_target_forwards if m.stats is not None else m.profile.target_rows
     return BenchRow(
         prompt_set=prompt_set, name=contender.name, batch_size=contender.batch_size, method=contender.method,
         num_candidates=spec.num_candidates if contender.speculative else None,
@@ -419,8 +417,9 @@ def _row(prompt_set: str, contender: Contender, m: _Measurement) -> BenchRow:
         candidate_init=spec.candidate_init if contender.speculative else None,
         length_policy=spec.length_policy if contender.speculative else None,
         prompts=len(m.outputs), generated_tokens=tokens, seconds=m.seconds, tokens_per_s=tokens / m.seconds,
-        mean_acceptance_length=_ratio(tokens, forwards) if contender.kind != "transformers" else None,
-        acceptance_rate=_ratio(m.accepted, m.drafted) if m.drafted is not None else None,
+        mean_acceptance_length=m.stats.mean_acceptance_length if m.stats is not None else None,
+        tokens_per_forward=_ratio(tokens, forwards),
+        acceptance_rate=m.stats.draft_acceptance_rate if m.stats is not None and m.stats.num_draft_tokens else None,
         target_forwards_per_token=m.profile.target_rows / tokens if tokens else 0.0,
         draft_s=m.profile.draft_s, target_s=m.profile.target_s,
         other_s=max(m.seconds - m.profile.draft_s - m.profile.target_s, 0.0),
@@ -543,6 +542,7 @@ _COLUMNS = [  # header, field, format
     ("prompt set", "prompt_set", "{}"), ("contender", "name", "{}"), ("batch", "batch_size", "{}"),
     ("tok/s", "tokens_per_s", "{:.1f}"), ("x transformers", "speedup_vs_transformers", "{:.2f}"),
     ("x engine none", "speedup_vs_none", "{:.2f}"), ("accept len", "mean_acceptance_length", "{:.2f}"),
+    ("tok/fwd", "tokens_per_forward", "{:.2f}"),
     ("accept rate", "acceptance_rate", "{:.2f}"), ("fwd/token", "target_forwards_per_token", "{:.3f}"),
     ("identical", "identical", "{}"), ("draft/target/other s", None, ""),
 ]

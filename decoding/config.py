@@ -55,25 +55,67 @@ class SpeculativeConfig(_Strict):
 
 
 class SamplingParams(_Strict):
+    """vLLM's ``SamplingParams`` names (config ``sampling`` and per-row ``sampling_params``).
+
+    Fields the engine cannot honour are refused by name (``extra="forbid"``), never ignored.
+    """
+
+    n: int = Field(1, ge=1, le=128, description="sequences per request (the server's choices)")
     temperature: float = Field(0.0, ge=0.0, le=100.0)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
-    top_k: int = Field(0, ge=0, description="0 disables top-k")
+    top_k: int = Field(0, ge=-1, description="0 or -1 (vLLM) disables top-k")
     max_tokens: int = Field(256, ge=1, le=1_000_000)
-    seed: int = Field(0, ge=0, lt=2**63)
+    min_tokens: int = Field(0, ge=0, description="EOS and stop_token_ids are banned until this many tokens")
+    # Config: the run seed (null = fresh randomness); per row: that row's own seed (SPEC "Decoding semantics").
+    seed: int | None = Field(None, ge=0, lt=2**63)
     stop: list[str] = Field(default_factory=list)
+    stop_token_ids: list[int] = Field(default_factory=list)
+    ignore_eos: bool = False
+    presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    repetition_penalty: float = Field(1.0, gt=0.0, le=100.0)
+    logprobs: int | None = Field(None, ge=0, le=20, description="top alternatives returned with each token")
+    skip_special_tokens: bool = True
+    detokenize: bool = True
 
     @field_validator("stop", mode="before")
     @classmethod
     def _stop_as_list(cls, value: Any) -> Any:
         return [value] if isinstance(value, str) else value
 
+    @field_validator("top_k")
+    @classmethod
+    def _top_k_off(cls, value: int) -> int:
+        return 0 if value == -1 else value
+
+    @model_validator(mode="after")
+    def _check_consistent(self) -> SamplingParams:
+        if self.min_tokens > self.max_tokens:
+            raise ValueError(f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})")
+        if self.stop and not self.detokenize:
+            raise ValueError("stop strings need detokenize: true (use stop_token_ids to stop on tokens)")
+        return self
+
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
 
+    @property
+    def penalized(self) -> bool:
+        """Whether logits need the penalty / ban pass (decoding.sampling.Penalties)."""
+        return bool(
+            self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0 or self.min_tokens
+        )
+
+    def stop_ids(self, eos_ids: Any) -> set[int]:
+        """Tokens that end the sequence: EOS (unless ignore_eos) and stop_token_ids, as vLLM."""
+        return set(self.stop_token_ids) | (set() if self.ignore_eos else set(eos_ids))
+
 
 class Config(_Strict):
     model: str = "smollm2-135m-instruct"
+    # vLLM's: the model's name in the HTTP API (/v1/models, the ``model`` field of requests); default: ``model``.
+    served_model_name: str | None = None
     speculative: SpeculativeConfig = Field(default_factory=SpeculativeConfig)
     sampling: SamplingParams = Field(default_factory=SamplingParams)
     batch_size: int = Field(16, ge=1, le=1024, description="sequences decoded together inside one actor")
@@ -82,6 +124,19 @@ class Config(_Strict):
     # CPU cores per actor / replica (and torch threads on CPU); None = the machine's cores split over actors.
     num_cpus: float | None = Field(None, gt=0)
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+
+    @field_validator("num_gpus")
+    @classmethod
+    def _one_device_per_actor(cls, value: float) -> float:
+        # The engine keeps its model, caches and step on one device; reserving more would leave them idle.
+        if value > 1:
+            whole = value == int(value)
+            hint = f"num_gpus: 1 with concurrency: {value:g}" if whole else "num_gpus <= 1 with more actors"
+            raise ValueError(
+                f"num_gpus is {value:g}, but one actor runs its engine on one GPU (no model sharding): use {hint} "
+                "to use more GPUs"
+            )
+        return value
 
     @field_validator("concurrency")
     @classmethod

@@ -342,8 +342,12 @@ class DraftModelDrafter(Drafter):
                 features=states[:, start:end] if states is not None else None,
             )
             self.forwarded_levels = level
-            probs = warp_probs(self._full_vocab(logits.float().cpu()), inputs.warp)  # [B, parents, V]
             parents = slice(max(start, prefix), end)
+            scores = inputs.warp.penalize(  # each node with its own history, as the target's verification does
+                self._full_vocab(logits.float().cpu()), tokens[:, prefix:], topology.ancestors,
+                slice(parents.start - prefix, parents.stop - prefix),
+            )
+            probs = warp_probs(scores, inputs.warp)  # [B, w_parent, V]
             if laws is not None:
                 laws[:, parents] = probs
             # The model's candidates come first in every level; the lookup siblings after them have their tokens.

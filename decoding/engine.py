@@ -36,7 +36,8 @@ from decoding.models import (
     resolve_model_path,
 )
 from decoding.quantize import quantized
-from decoding.sampling import WarpParams, draw, warp_probs
+from decoding.sampling import WarpParams, draw, row_generator, run_seed, token_logprobs, warp_probs
+from decoding.stats import SpecDecodeStats, acceptance_histogram
 from decoding.tree import TreeTopology, chain_ancestors
 
 
@@ -47,6 +48,7 @@ class Request:
     messages: list[dict[str, Any]] | None = None
     prompt_token_ids: list[int] | None = None
     sampling: SamplingParams | dict[str, Any] | None = None
+    seed_key: str | None = None  # what the row's random stream derives from with the run seed; default: id
 
 
 @dataclass
@@ -66,20 +68,16 @@ class GenerationResult:
     acceptance_histogram: list[int]
     # One tuple per drafted candidate token: (step, depth, candidate, token_id, draft_prob, target_prob, accepted)
     token_stats: list[tuple[int, int, int, int, float, float, bool]] = field(default_factory=list)
+    # With sampling_params.logprobs: per generated token, the target's log-probability and top alternatives.
+    logprobs: list[dict[str, Any]] | None = None
+
+    @property
+    def stats(self) -> SpecDecodeStats:
+        return SpecDecodeStats.of(self)
 
     @property
     def spec_decode(self) -> dict[str, Any]:
-        drafted = sum(self.per_step_drafted)
-        accepted = sum(self.per_step_accepted)
-        forwards = self.num_target_forwards
-        return {
-            "num_spec_steps": self.num_target_forwards,
-            "num_draft_tokens": drafted,
-            "num_accepted_draft_tokens": accepted,
-            "mean_acceptance_length": len(self.token_ids) / forwards if forwards else 0.0,
-            "draft_acceptance_rate": accepted / drafted if drafted else 0.0,
-            "acceptance_histogram": self.acceptance_histogram,
-        }
+        return self.stats.struct()
 
 
 @dataclass
@@ -102,9 +100,11 @@ class _Sequence:
     per_step_drafted: list[int] = field(default_factory=list)
     per_step_accepted: list[int] = field(default_factory=list)
     token_stats: list[tuple] = field(default_factory=list)
+    logprobs: list[dict[str, Any]] = field(default_factory=list)
     forwards: int = 0
     finish_reason: str | None = None
     stop_text: str | None = None
+    stop_ids: set[int] = field(default_factory=set)  # EOS unless ignore_eos, and stop_token_ids
 
     @property
     def context(self) -> list[int]:
@@ -205,6 +205,7 @@ class Engine:
         self.running: list[_Sequence] = []
         self.rejected: list[GenerationResult] = []
         self.steps = 0
+        self.run_seed = run_seed(config.sampling.seed)
 
     # ----------------------------------------------------------------------------------------------- setup
     def _make_drafter(self, draft: torch.nn.Module | None) -> Drafter:
@@ -258,18 +259,28 @@ class Engine:
             prompt = request.prompt if isinstance(request.prompt, str) else ""
             self.rejected.append(self._error_result(request.id, prompt, str(exc), started))
             return
-        generator = torch.Generator().manual_seed(params.seed)
-        self.waiting.append(_Sequence(request.id, prompt, prompt_ids, params, generator, started))
+        generator = row_generator(params, self.run_seed, request.seed_key or request.id)
+        seq = _Sequence(request.id, prompt, prompt_ids, params, generator, started)
+        seq.stop_ids = params.stop_ids(self.eos_ids)
+        self.waiting.append(seq)
 
     def _sampling_params(self, sampling: SamplingParams | dict[str, Any] | None) -> SamplingParams:
-        if isinstance(sampling, SamplingParams):
-            return sampling
-        try:
-            merged = {**self.config.sampling.model_dump(), **(sampling or {})}
-            return SamplingParams.model_validate(merged)
-        except (ValidationError, TypeError) as exc:
-            detail = format_validation_error(exc) if isinstance(exc, ValidationError) else str(exc)
-            raise EngineError(f"invalid sampling_params: {detail}") from exc
+        if not isinstance(sampling, SamplingParams):
+            try:  # the config's seed is the run's, not a row's (see decoding.sampling.row_generator)
+                merged = {**self.config.sampling.model_dump(exclude={"seed"}), **(sampling or {})}
+                sampling = SamplingParams.model_validate(merged)
+            except (ValidationError, TypeError) as exc:
+                detail = format_validation_error(exc) if isinstance(exc, ValidationError) else str(exc)
+                raise EngineError(f"invalid sampling_params: {detail}") from exc
+        vocab = self.target.config.vocab_size
+        if any(t < 0 or t >= vocab for t in sampling.stop_token_ids):
+            raise EngineError(f"invalid sampling_params: stop_token_ids must lie in [0, {vocab})")
+        if sampling.n != 1:
+            raise EngineError(
+                f"invalid sampling_params: n is {sampling.n}; one request decodes one sequence (the server returns "
+                "n choices; a batch job writes one row per input row, so repeat the row for more samples)"
+            )
+        return sampling
 
     def _tokenize(self, request: Request) -> tuple[str, list[int]]:
         prompt, ids = encode_request(self.tokenizer, request)
@@ -347,24 +358,32 @@ class Engine:
         self.cache.commit(rows, keep.to(self.device), lengths.to(self.device))
         logits = logits.float().cpu()
         last = logits[torch.arange(len(joining)), [last_positions.index(n - 1) for n in lengths.tolist()]]
-        warp = WarpParams.from_params([s.params for s in joining])
-        probs = warp_probs(last, warp)
+        warp = self._warp(joining, prefill=True)
+        scores = warp.penalize(last)
+        probs = warp_probs(scores, warp)
         for i, seq in enumerate(joining):
             seq.forwards = 1
             if seq.params.greedy:
-                seq.root_scores, token = last[i], int(last[i].argmax())
+                seq.root_scores, token = scores[i], int(scores[i].argmax())
             else:
                 seq.root_scores = probs[i]
                 token = int(torch.multinomial(probs[i], 1, generator=seq.generator))
+            if seq.params.logprobs is not None:
+                seq.logprobs += token_logprobs(last[i : i + 1], [token], seq.params.logprobs)
             self._emit(seq, [token], [False], emitted)
         self.running.extend(joining)
         self.drafter.add_rows(rows, [s.prompt_ids for s in joining], states)
+
+    def _reproducible(self, params: SamplingParams) -> bool:
+        """A sampled row that must reproduce (a run seed, or its own): the policy's choices for it may then depend
+        only on its seed and its past acceptance, never on timings or other rows (SPEC "Decoding semantics")."""
+        return not params.greedy and (params.seed is not None or self.config.sampling.seed is not None)
 
     def _plan(self, seqs: list[_Sequence]) -> tuple[torch.Tensor, torch.Tensor | None]:
         """(model depths, lookup depths or None) per row, within each row's room."""
         contexts = [len(s.prompt_ids) + len(s.generated) - 1 for s in seqs]  # cached tokens, known on the host
         depths, lookup_depths = self.policy.plan_rows(
-            [s.request_id for s in seqs], contexts, [not s.params.greedy and s.params.seed is not None for s in seqs]
+            [s.request_id for s in seqs], contexts, [self._reproducible(s.params) for s in seqs]
         )
         room = torch.tensor([
             0 if seq.finish_reason else max(0, min(
@@ -404,7 +423,7 @@ class Engine:
     def _speculate(self, emitted: dict[str, list[int]]) -> None:
         seqs = self.running
         rows = slice(0, len(seqs))
-        warp = WarpParams.from_params([s.params for s in seqs])
+        warp = self._warp(seqs)
         depths, lookup_depths = self._plan(seqs)
         roots, root_valid = self._roots(seqs, depths)
         started = time.perf_counter()
@@ -416,13 +435,15 @@ class Engine:
             )
         )
         drafted = time.perf_counter()
-        logits, states, slot_of = self._verify_forward(rows, draft)
-        logits = logits.float().cpu()
+        raw, states, slot_of = self._verify_forward(rows, draft)
+        raw = raw.float().cpu()
         context = sum(len(s.prompt_ids) + len(s.generated) - 1 for s in seqs) / len(seqs)
         timing = StepTiming(
             (len(seqs), int(draft.valid.any(0).sum()), context), time.perf_counter() - drafted,
             [(len(seqs), tokens, context) for tokens in self.drafter.forward_tokens], drafted - started,
         )
+        # Each node with its own history, as the draft did.
+        logits = warp.penalize(raw, draft.tokens, self.topology.sliced_ancestors(draft.depth))
         verdicts, target_token_probs = self._verify(seqs, draft, logits, warp)
         paths = [v.path for v in verdicts]
         keep = torch.zeros(len(seqs), max(len(p) for p in paths), dtype=torch.long)
@@ -443,6 +464,8 @@ class Engine:
             seq.root_scores = law.clone()
             new_tokens = [int(draft.tokens[row, n]) for n in accepted_nodes] + [verdict.next_token]
             emitted_by_row.append(new_tokens)
+            if seq.params.logprobs is not None:
+                seq.logprobs += token_logprobs(raw[row, verdict.path], new_tokens, seq.params.logprobs)
             kept = self._emit(seq, new_tokens, [True] * len(accepted_nodes) + [False], emitted)
             kept_nodes = set(accepted_nodes[:kept])  # a stop inside the accepted run drops the rest
             seq.per_step_drafted.append(int(drafted_nodes[row].sum()))
@@ -507,6 +530,16 @@ class Engine:
             states = states[:, slot_of.to(states.device)] if states is not None else None
         return logits, states, slot_of
 
+    def _warp(self, seqs: list[_Sequence], prefill: bool = False) -> WarpParams:
+        """Sampling parameters of ``seqs`` as tensors, with the committed histories their penalties need."""
+        params = [s.params for s in seqs]
+        if not any(p.penalized for p in params):
+            return WarpParams.from_params(params)
+        return WarpParams.from_params(
+            params, [s.prompt_ids for s in seqs], [[] if prefill else s.generated[:-1] for s in seqs],
+            self.eos_ids, self.target.config.vocab_size,
+        )
+
     def _verify(
         self, seqs: list[_Sequence], draft: Draft, logits: torch.Tensor, warp: WarpParams
     ) -> tuple[list[Verdict], torch.Tensor]:
@@ -546,7 +579,7 @@ class Engine:
         for token, flag in zip(tokens, accepted):
             seq.generated.append(token)
             seq.accepted.append(flag)
-            if token in self.eos_ids:
+            if token in seq.stop_ids:
                 seq.finish_reason = "stop"
                 break
             if len(seq.generated) >= seq.params.max_tokens or (
@@ -589,28 +622,29 @@ class Engine:
         self.running[row] = self.running[-1]
         self.running.pop()
 
-    def _histogram(self, per_step_accepted: list[int]) -> list[int]:
-        counts = [0] * (self.topology.max_depth + 1)
-        for accepted in per_step_accepted:
-            counts[accepted] += 1
-        return counts
+    def _histogram(self, per_step_drafted: list[int], per_step_accepted: list[int]) -> list[int]:
+        return acceptance_histogram(per_step_drafted, per_step_accepted, self.topology.max_depth)
 
     def _result(self, seq: _Sequence) -> GenerationResult:
         text = seq.stop_text
-        if text is None:
-            text = self.tokenizer.decode(seq.generated, skip_special_tokens=True)
+        if not seq.params.detokenize:
+            text = ""
+        elif text is None:
+            text = self.tokenizer.decode(seq.generated, skip_special_tokens=seq.params.skip_special_tokens)
         return GenerationResult(
             id=seq.request_id, prompt=seq.prompt, prompt_token_ids=seq.prompt_ids, token_ids=seq.generated,
             text=text, finish_reason=seq.finish_reason or "length", error=None,
             time_taken=time.perf_counter() - seq.started, token_accepted=seq.accepted,
             per_step_drafted=seq.per_step_drafted, per_step_accepted=seq.per_step_accepted,
-            num_target_forwards=seq.forwards, acceptance_histogram=self._histogram(seq.per_step_accepted),
+            num_target_forwards=seq.forwards,
+            acceptance_histogram=self._histogram(seq.per_step_drafted, seq.per_step_accepted),
             token_stats=seq.token_stats,
+            logprobs=seq.logprobs[: len(seq.generated)] if seq.params.logprobs is not None else None,
         )
 
     def _error_result(self, request_id: str, prompt: str, message: str, started: float) -> GenerationResult:
         return GenerationResult(
             id=request_id, prompt=prompt, prompt_token_ids=[], token_ids=[], text="", finish_reason="error",
             error=message, time_taken=time.perf_counter() - started, token_accepted=[], per_step_drafted=[],
-            per_step_accepted=[], num_target_forwards=0, acceptance_histogram=self._histogram([]),
+            per_step_accepted=[], num_target_forwards=0, acceptance_histogram=self._histogram([], []),
         )

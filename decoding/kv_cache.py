@@ -161,7 +161,7 @@ def forward_tree(
         input_ids=input_ids,
         attention_mask=mask,
         position_ids=positions,
-        past_key_values=cache,
+        cache=cache,  # transformers >= 5.24 (past_key_values is removed in 5.40)
         use_cache=True,
         output_hidden_states=want_hidden,
         logits_to_keep=logits_at if logits_at is not None else 0,

@@ -1,16 +1,107 @@
-"""Logit warping shared by target and draft: temperature, then top-k, then top-p (transformers' order).
+"""Logit processing shared by target and draft: penalties and token bans, then temperature, top-k, top-p.
 
-Both sides must use the identical warp: speculative sampling is lossless with respect to the *warped* target law.
+Both sides must use the identical processing: speculative sampling is lossless with respect to the *processed*
+target law. Penalties depend on the tokens before each position, so inside a candidate tree every node is
+penalized with its own history (the committed tokens plus its ancestors in the tree), on both sides.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import hashlib
+import secrets
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 
 import torch
 
 from decoding.config import SamplingParams
+
+
+def run_seed(configured: int | None) -> int:
+    """The run's seed (vLLM): the configured one, or fresh randomness when it is null."""
+    return configured if configured is not None else secrets.randbits(63)
+
+
+def row_seed(run: int, key: str) -> int:
+    """A row's own seed, derived from (run seed, row key): rows with equal prompts still draw independently."""
+    digest = hashlib.blake2b(f"{run}:{key}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") >> 1
+
+
+def row_generator(params: SamplingParams, run: int, key: str) -> torch.Generator:
+    """The row's random stream: its own ``seed`` when it gave one (vLLM), else derived from (run seed, key)."""
+    return torch.Generator().manual_seed(params.seed if params.seed is not None else row_seed(run, key))
+
+
+@dataclass(frozen=True)
+class Penalties:
+    """vLLM's penalties and ``min_tokens`` ban as tensors, for the rows of one step.
+
+    Semantics follow vLLM (and transformers' ``RepetitionPenaltyLogitsProcessor`` for the repetition penalty):
+    repetition over prompt and output tokens (positive logits divided, negative multiplied), then frequency
+    (minus count in the output) and presence (minus once per token seen in the output); the stop tokens (EOS
+    unless ``ignore_eos``, and ``stop_token_ids``) are banned while fewer than ``min_tokens`` tokens are out.
+    transformers' processors take one value for the whole batch and one history per row; a tree needs per-row
+    values and a history per node, so the same formulas run here over [B, nodes, V] at once (the tests check them
+    against ``RepetitionPenaltyLogitsProcessor`` node by node, and greedy outputs against ``generate``).
+    """
+
+    presence: torch.Tensor  # [B]
+    frequency: torch.Tensor  # [B]
+    repetition: torch.Tensor  # [B]; 1 = off
+    min_tokens: torch.Tensor  # [B] long
+    output_counts: torch.Tensor  # [B, V] committed output tokens
+    prompt_seen: torch.Tensor  # [B, V] bool
+    stop_ids: torch.Tensor  # [B, V] bool: tokens min_tokens bans
+
+    @classmethod
+    def build(
+        cls, params: Sequence[SamplingParams], prompts: Sequence[Sequence[int]], outputs: Sequence[Sequence[int]],
+        eos_ids: Collection[int], vocab: int,
+    ) -> Penalties | None:
+        """``outputs``: each row's committed output tokens; None when no row has a penalty or a ban."""
+        if not any(p.penalized for p in params):
+            return None
+        batch = len(params)
+        counts = torch.zeros(batch, vocab)
+        seen = torch.zeros(batch, vocab, dtype=torch.bool)
+        stops = torch.zeros(batch, vocab, dtype=torch.bool)
+        for row, (p, prompt, output) in enumerate(zip(params, prompts, outputs)):
+            if output:
+                counts[row].index_add_(0, torch.tensor(output, dtype=torch.long), torch.ones(len(output)))
+            if p.repetition_penalty != 1.0:
+                seen[row, torch.tensor(list(prompt), dtype=torch.long)] = True
+            if p.min_tokens:
+                stops[row, torch.tensor(sorted(p.stop_ids(eos_ids)), dtype=torch.long)] = True
+        return cls(
+            presence=torch.tensor([p.presence_penalty for p in params], dtype=torch.float32),
+            frequency=torch.tensor([p.frequency_penalty for p in params], dtype=torch.float32),
+            repetition=torch.tensor([p.repetition_penalty for p in params], dtype=torch.float32),
+            min_tokens=torch.tensor([p.min_tokens for p in params], dtype=torch.long),
+            output_counts=counts, prompt_seen=seen, stop_ids=stops,
+        )
+
+    def apply(
+        self, logits: torch.Tensor, tokens: torch.Tensor | None = None, ancestors: torch.Tensor | None = None,
+        nodes: slice = slice(None),
+    ) -> torch.Tensor:
+        """Penalized copy of ``logits`` [B, k, V] at tree ``nodes``; ``tokens`` [B, N] and ``ancestors`` [N, N]
+        give each node's uncommitted history (itself and its ancestors). Without a tree: committed history only."""
+        batch, vocab = logits.shape[0], logits.shape[-1]
+        counts = self.output_counts[:, None].expand(batch, logits.shape[1], vocab).clone()
+        if tokens is not None:
+            size = tokens.shape[1]
+            path = ancestors[:size, :size][nodes].float()  # [k, N]
+            index = tokens[:, None, :].expand(batch, path.shape[0], size)
+            counts.scatter_add_(-1, index, path[None].expand(batch, -1, -1).contiguous())
+        out = logits.float()
+        repetition = self.repetition[:, None, None]
+        seen = counts.gt(0) | self.prompt_seen[:, None]
+        out = torch.where(seen, torch.where(out > 0, out / repetition, out * repetition), out)
+        out = out - self.frequency[:, None, None] * counts - self.presence[:, None, None] * counts.gt(0)
+        produced = counts.sum(-1)  # output tokens before each node's child
+        banned = self.stop_ids[:, None] & (produced < self.min_tokens[:, None])[..., None]
+        return out.masked_fill(banned, -torch.inf)
 
 
 @dataclass(frozen=True)
@@ -20,17 +111,36 @@ class WarpParams:
     temperature: torch.Tensor  # [B] float; 0 = greedy
     top_k: torch.Tensor  # [B] long; 0 = off
     top_p: torch.Tensor  # [B] float; 1 = off
+    penalties: Penalties | None = None  # None: no row has a penalty or a ban
 
     @classmethod
-    def from_params(cls, params: Sequence[SamplingParams]) -> WarpParams:
+    def from_params(
+        cls, params: Sequence[SamplingParams], prompts: Sequence[Sequence[int]] = (),
+        outputs: Sequence[Sequence[int]] = (), eos_ids: Collection[int] = (), vocab: int = 0,
+    ) -> WarpParams:
+        """``prompts``/``outputs`` (committed tokens per row), ``eos_ids`` and ``vocab`` feed the penalties."""
+        penalties = Penalties.build(params, prompts, outputs, eos_ids, vocab) if vocab else None
         return cls(
             temperature=torch.tensor([p.temperature for p in params], dtype=torch.float32),
             top_k=torch.tensor([p.top_k for p in params], dtype=torch.long),
             top_p=torch.tensor([p.top_p for p in params], dtype=torch.float32),
+            penalties=penalties,
         )
 
     def __getitem__(self, rows: torch.Tensor | slice) -> WarpParams:
+        """The warp of some rows; penalties are applied to logits before, on all rows at once."""
         return WarpParams(self.temperature[rows], self.top_k[rows], self.top_p[rows])
+
+    def penalize(
+        self, logits: torch.Tensor, tokens: torch.Tensor | None = None, ancestors: torch.Tensor | None = None,
+        nodes: slice = slice(None),
+    ) -> torch.Tensor:
+        """``logits`` [B, V] or [B, k, V] with penalties and bans applied (see ``Penalties.apply``)."""
+        if self.penalties is None:
+            return logits
+        if logits.dim() == 2:
+            return self.penalties.apply(logits[:, None])[:, 0]
+        return self.penalties.apply(logits, tokens, ancestors, nodes)
 
 
 def warp_probs(logits: torch.Tensor, params: WarpParams) -> torch.Tensor:
@@ -70,3 +180,18 @@ def draw(law: torch.Tensor, num: int, replacement: bool, generator: torch.Genera
     support = int((law > 0).sum())
     drawn = torch.multinomial(law, min(num, support), replacement=False, generator=generator)
     return torch.cat([drawn, drawn[:1].expand(num - len(drawn))])
+
+
+def token_logprobs(logits: torch.Tensor, tokens: Sequence[int], top: int) -> list[dict]:
+    """vLLM's ``logprobs``: for each token, its log-probability under the model's raw law at the position before
+    it (``logits`` [k, V], one row per token) and the ``top`` most likely tokens there."""
+    logprobs = logits.float().log_softmax(-1)
+    chosen = logprobs.gather(-1, torch.tensor(tokens, dtype=torch.long)[:, None])[:, 0].tolist()
+    best = logprobs.topk(top, dim=-1) if top else None
+    entries = []
+    for i, (token, value) in enumerate(zip(tokens, chosen)):
+        alternatives = [] if best is None else [
+            {"token_id": t, "logprob": v} for t, v in zip(best.indices[i].tolist(), best.values[i].tolist())
+        ]
+        entries.append({"token_id": token, "logprob": value, "top_logprobs": alternatives})
+    return entries

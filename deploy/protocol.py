@@ -6,10 +6,11 @@ mistake is a 400 with the offending parameter named, never a silently different 
 
 from __future__ import annotations
 
+import json
 import time
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
 # Context keys the server passes to ``model_validate_json`` (limits only a loaded model knows).
 MAX_CONTEXT = "max_context"
@@ -23,6 +24,36 @@ class _Request(BaseModel):
 
 class StreamOptions(_Request):
     include_usage: bool = False
+    continuous_usage_stats: bool = False  # vLLM's extension; usage comes in the last chunk only
+
+
+# OpenAI fields that clients send with default or neutral values: accepted with those values, refused (by name)
+# with any other, since the engine could not honour it.
+_NEUTRAL: dict[str, tuple[Any, ...]] = {
+    "logit_bias": (None, {}),
+    "store": (None, False),
+    "service_tier": (None, "auto", "default"),
+    "response_format": (None, {"type": "text"}),
+    "tools": (None, []),
+    "tool_choice": (None, "none", "auto"),  # auto without tools chooses none
+    "functions": (None, []),
+    "function_call": (None, "none", "auto"),
+    "modalities": (None, ["text"]),
+    "reasoning_effort": (None,),
+    "prediction": (None,),
+    "audio": (None,),
+    "echo": (None, False),
+    "best_of": (None, 1),
+    "suffix": (None, ""),
+}
+
+
+def _neutral(value: Any, info: ValidationInfo) -> Any:
+    allowed = _NEUTRAL[info.field_name]
+    if value not in allowed:
+        shown = " or ".join(json.dumps(a) for a in allowed)
+        raise ValueError(f"{info.field_name} is not supported here; only {shown} is accepted")
+    return value
 
 
 class GenerationRequest(_Request):
@@ -30,20 +61,27 @@ class GenerationRequest(_Request):
     max_tokens: int | None = Field(None, ge=1)
     temperature: float | None = Field(None, ge=0.0, le=2.0)
     top_p: float | None = Field(None, gt=0.0, le=1.0)
-    top_k: int | None = Field(None, ge=0, description="extension (vLLM): 0 disables top-k")
+    top_k: int | None = Field(None, ge=-1, description="extension (vLLM): 0 or -1 disables top-k")
     stop: str | list[str] | None = None
-    seed: int | None = Field(None, ge=-_INT64, lt=_INT64)
-    n: int = 1
+    seed: int | None = Field(None, ge=0, lt=_INT64)
+    n: int = Field(1, ge=1, le=128, description="choices per prompt")
+    frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
+    presence_penalty: float | None = Field(None, ge=-2.0, le=2.0)
+    # vLLM's extensions
+    repetition_penalty: float | None = Field(None, gt=0.0, le=100.0)
+    min_tokens: int | None = Field(None, ge=0)
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool | None = None
+    skip_special_tokens: bool | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = Field(None, description="accepted for compatibility; unused")
+    metadata: dict[str, str] | None = Field(None, description="accepted for compatibility; unused")
+    logit_bias: Any = None
+    store: Any = None
+    service_tier: Any = None
 
-    @field_validator("n")
-    @classmethod
-    def _only_one_choice(cls, value: int) -> int:
-        if value != 1:
-            raise ValueError("only n=1 is supported")
-        return value
+    _check_neutral = field_validator(*_NEUTRAL, mode="before", check_fields=False)(_neutral)
 
     @field_validator("stop")
     @classmethod
@@ -70,18 +108,46 @@ class GenerationRequest(_Request):
     def include_usage(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_usage
 
+    @property
+    def top_logprobs(self) -> int | None:
+        """Alternatives per token the response reports; None = no logprobs."""
+        return None
+
     def sampling(self) -> dict[str, Any]:
-        """The request's sampling fields, to be merged onto the configured defaults by the engine."""
-        fields = self.model_dump(include={"temperature", "top_p", "top_k", "seed"}, exclude_none=True)
+        """The request's sampling fields (decoding.config.SamplingParams names), to be merged onto the configured
+        defaults by the engine. ``n`` is the server's: each choice is a sequence of its own."""
+        fields = self.model_dump(include=_SAMPLING_FIELDS, exclude_none=True)
         if self.stop is not None:
             fields["stop"] = [self.stop] if isinstance(self.stop, str) else self.stop
         if self.output_limit is not None:
             fields["max_tokens"] = self.output_limit
-        return fields
+        if self.top_logprobs is not None:
+            fields["logprobs"] = self.top_logprobs
+        return {**fields, "n": 1}
+
+    @model_validator(mode="after")
+    def _logprobs_not_streamed(self) -> GenerationRequest:
+        if self.stream and self.top_logprobs is not None:
+            raise ValueError("logprobs are returned with whole responses only, not with stream: true")
+        return self
+
+
+_SAMPLING_FIELDS = {
+    "temperature", "top_p", "top_k", "seed", "frequency_penalty", "presence_penalty", "repetition_penalty",
+    "min_tokens", "stop_token_ids", "ignore_eos", "skip_special_tokens",
+}
 
 
 class CompletionRequest(GenerationRequest):
     prompt: str | list[str]
+    logprobs: int | None = Field(None, ge=0, le=20, description="alternatives per token (legacy completions)")
+    echo: Any = None
+    best_of: Any = None
+    suffix: Any = None
+
+    @property
+    def top_logprobs(self) -> int | None:
+        return self.logprobs
 
     @field_validator("prompt")
     @classmethod
@@ -114,6 +180,30 @@ class ChatMessage(_Request):
 class ChatCompletionRequest(GenerationRequest):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(None, ge=1, description="OpenAI's newer name for max_tokens")
+    logprobs: bool | None = None
+    top_logprobs_: int | None = Field(None, ge=0, le=20, alias="top_logprobs")
+    response_format: Any = None
+    tools: Any = None
+    tool_choice: Any = None
+    parallel_tool_calls: bool | None = None
+    functions: Any = None
+    function_call: Any = None
+    modalities: Any = None
+    reasoning_effort: Any = None
+    prediction: Any = None
+    audio: Any = None
+
+    @property
+    def top_logprobs(self) -> int | None:
+        if not self.logprobs:
+            return None
+        return self.top_logprobs_ or 0
+
+    @model_validator(mode="after")
+    def _top_logprobs_need_logprobs(self) -> ChatCompletionRequest:
+        if self.top_logprobs_ and not self.logprobs:
+            raise ValueError("top_logprobs needs logprobs: true")
+        return self
 
     @property
     def output_limit(self) -> int | None:
@@ -128,12 +218,13 @@ class Usage(BaseModel):
 
 
 class SpecDecodeMetrics(BaseModel):
-    """The ``spec_decode`` struct of SPEC's output rows, summed over the response's choices."""
+    """The ``spec_decode`` struct of SPEC's output rows over the response's choices (``decoding.stats``)."""
 
     num_spec_steps: int
     num_draft_tokens: int
     num_accepted_draft_tokens: int
     mean_acceptance_length: float
+    tokens_per_forward: float
     draft_acceptance_rate: float
     acceptance_histogram: list[int]
 
@@ -154,10 +245,19 @@ class _Response(BaseModel):
     metrics: Metrics | None = None
 
 
+class CompletionLogprobs(BaseModel):
+    """Legacy completions' logprobs (OpenAI): parallel lists over the generated tokens."""
+
+    tokens: list[str]
+    token_logprobs: list[float]
+    top_logprobs: list[dict[str, float]]
+    text_offset: list[int]
+
+
 class CompletionChoice(BaseModel):
     index: int
     text: str
-    logprobs: None = None
+    logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
 
 
@@ -173,10 +273,24 @@ class AssistantMessage(BaseModel):
     content: str
 
 
+class TopLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int]
+
+
+class TokenLogprob(TopLogprob):
+    top_logprobs: list[TopLogprob]
+
+
+class ChatLogprobs(BaseModel):
+    content: list[TokenLogprob]
+
+
 class ChatChoice(BaseModel):
     index: int
     message: AssistantMessage
-    logprobs: None = None
+    logprobs: ChatLogprobs | None = None
     finish_reason: str
 
 

@@ -23,17 +23,21 @@ from contextlib import aclosing
 from pathlib import Path
 from typing import Any
 
+import prometheus_client
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ValidationError
 from ray import serve
 from ray.serve import Application
+from ray.util.metrics import Counter
 from starlette.exceptions import HTTPException
 
 from decoding.config import Config, load_config
 from decoding.engine import Engine, GenerationResult
 from decoding.engine import Request as EngineRequest
 from decoding.models import load_tokenizer, worker_threads
+from decoding.sampling import row_seed
+from decoding.stats import SpecDecodeCounters, SpecDecodeStats
 from deploy.detokenize import IncrementalText
 from deploy.engine_loop import EngineFailure, EngineLoop, Event, RequestRejected
 from deploy.protocol import (
@@ -45,7 +49,9 @@ from deploy.protocol import (
     ChatCompletionRequest,
     ChatCompletionResponse,
     ChatDelta,
+    ChatLogprobs,
     CompletionChoice,
+    CompletionLogprobs,
     CompletionRequest,
     CompletionResponse,
     ErrorDetail,
@@ -55,6 +61,8 @@ from deploy.protocol import (
     ModelCard,
     ModelList,
     SpecDecodeMetrics,
+    TokenLogprob,
+    TopLogprob,
     Usage,
 )
 from pipeline.actor import ENGINE_RUNTIME_ENV
@@ -121,30 +129,52 @@ def _totals(results: list[GenerationResult]) -> dict[str, Any]:
     prompt = sum(len(r.prompt_token_ids) for r in results)
     completion = sum(len(r.token_ids) for r in results)
     usage = Usage(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)
-    return {"usage": usage, "metrics": _metrics(results, completion)}
+    return {"usage": usage, "metrics": _metrics(results)}
 
 
-def _metrics(results: list[GenerationResult], tokens: int) -> Metrics:
-    stats = [r.spec_decode for r in results]
-    steps = sum(s["num_spec_steps"] for s in stats)
-    drafted = sum(s["num_draft_tokens"] for s in stats)
-    accepted = sum(s["num_accepted_draft_tokens"] for s in stats)
-    return Metrics(speculative_decoding=SpecDecodeMetrics(
-        num_spec_steps=steps,
-        num_draft_tokens=drafted,
-        num_accepted_draft_tokens=accepted,
-        mean_acceptance_length=tokens / steps if steps else 0.0,
-        draft_acceptance_rate=accepted / drafted if drafted else 0.0,
-        # Every result's histogram has one bin per draft depth of the same engine: equal lengths.
-        acceptance_histogram=[sum(c) for c in zip(*(s["acceptance_histogram"] for s in stats), strict=True)],
-    ))
+def _metrics(results: list[GenerationResult]) -> Metrics:
+    total = SpecDecodeStats.total(r.stats for r in results)  # the one definition (decoding.stats)
+    return Metrics(speculative_decoding=SpecDecodeMetrics(**total.struct()))
+
+
+def _token_text(tokenizer: Any, token_id: int) -> str:
+    return tokenizer.decode([token_id])
+
+
+def _chat_logprobs(tokenizer: Any, result: GenerationResult) -> ChatLogprobs | None:
+    if result.logprobs is None:
+        return None
+
+    def top(token_id: int, logprob: float) -> TopLogprob:
+        text = _token_text(tokenizer, token_id)
+        return TopLogprob(token=text, logprob=logprob, bytes=list(text.encode()))
+
+    return ChatLogprobs(content=[
+        TokenLogprob(**top(e["token_id"], e["logprob"]).model_dump(),
+                     top_logprobs=[top(a["token_id"], a["logprob"]) for a in e["top_logprobs"]])
+        for e in result.logprobs
+    ])
+
+
+def _completion_logprobs(tokenizer: Any, result: GenerationResult) -> CompletionLogprobs | None:
+    if result.logprobs is None:
+        return None
+    tokens = [_token_text(tokenizer, e["token_id"]) for e in result.logprobs]
+    offsets = [sum(len(t) for t in tokens[:i]) for i in range(len(tokens))]
+    return CompletionLogprobs(
+        tokens=tokens, token_logprobs=[e["logprob"] for e in result.logprobs],
+        top_logprobs=[{_token_text(tokenizer, a["token_id"]): a["logprob"] for a in e["top_logprobs"]}
+                      for e in result.logprobs],
+        text_offset=offsets,
+    )
 
 
 class _Format(ABC):
     """How one endpoint shapes results: whole responses, stream chunks, and which field holds the input."""
 
-    def __init__(self, prefix: str, input_field: str, model: str) -> None:
+    def __init__(self, prefix: str, input_field: str, model: str, tokenizer: Any = None) -> None:
         self.id, self.input_field, self.model = f"{prefix}-{uuid.uuid4().hex}", input_field, model
+        self.tokenizer = tokenizer  # for logprobs' token strings
         self.created = int(time.time())
 
     def _fields(self) -> dict[str, Any]:
@@ -164,11 +194,15 @@ class _Format(ABC):
 
 
 class _CompletionFormat(_Format):
-    def __init__(self, model: str) -> None:
-        super().__init__("cmpl", "prompt", model)
+    def __init__(self, model: str, tokenizer: Any = None) -> None:
+        super().__init__("cmpl", "prompt", model, tokenizer)
 
     def response(self, results: list[GenerationResult]) -> CompletionResponse:
-        choices = [CompletionChoice(index=i, text=r.text, finish_reason=r.finish_reason) for i, r in enumerate(results)]
+        choices = [
+            CompletionChoice(index=i, text=r.text, finish_reason=r.finish_reason,
+                             logprobs=_completion_logprobs(self.tokenizer, r))
+            for i, r in enumerate(results)
+        ]
         return CompletionResponse(**self._fields(), choices=choices, **_totals(results))
 
     def chunk(self, index: int, text: str | None, finish_reason: str | None, role: bool = False) -> CompletionResponse:
@@ -180,12 +214,13 @@ class _CompletionFormat(_Format):
 
 
 class _ChatFormat(_Format):
-    def __init__(self, model: str) -> None:
-        super().__init__("chatcmpl", "messages", model)
+    def __init__(self, model: str, tokenizer: Any = None) -> None:
+        super().__init__("chatcmpl", "messages", model, tokenizer)
 
     def response(self, results: list[GenerationResult]) -> ChatCompletionResponse:
         choices = [
-            ChatChoice(index=i, message=AssistantMessage(content=r.text), finish_reason=r.finish_reason)
+            ChatChoice(index=i, message=AssistantMessage(content=r.text), finish_reason=r.finish_reason,
+                       logprobs=_chat_logprobs(self.tokenizer, r))
             for i, r in enumerate(results)
         ]
         return ChatCompletionResponse(**self._fields(), choices=choices, **_totals(results))
@@ -217,6 +252,19 @@ async def _replay(
             yield item
 
 
+class _TeeCounter:
+    """A Ray counter (Ray's metrics export, scraped per node) and the replica's own one (its GET /metrics)."""
+
+    def __init__(self, registry: prometheus_client.CollectorRegistry, name: str, description: str,
+                 keys: tuple[str, ...]) -> None:
+        self.ray = Counter(name, description=description, tag_keys=keys)
+        self.local = prometheus_client.Counter(name, description, keys, registry=registry)
+
+    def inc(self, value: float = 1.0, tags: dict[str, str] | None = None) -> None:
+        self.ray.inc(value, tags)
+        self.local.labels(**(tags or {})).inc(value)
+
+
 # -------------------------------------------------------------------------------------------------- deployment
 @serve.deployment
 @serve.ingress(api)
@@ -228,8 +276,13 @@ class OpenAIServer:
         self.loop = EngineLoop(lambda: Engine(config), threads)
         # The engine thread tokenizes with its own tokenizer; streaming decodes on the event loop with this one.
         self.tokenizer = load_tokenizer(config.model)
-        self.model_id = config.model
-        self.model_names = {config.model, Path(config.model).name}
+        # vLLM: served_model_name names the model in /v1/models and requests; else its path (or the path's name).
+        self.model_id = config.served_model_name or config.model
+        self.model_names = {self.model_id} if config.served_model_name else {config.model, Path(config.model).name}
+        self.registry = prometheus_client.CollectorRegistry()
+        self.metrics = SpecDecodeCounters(
+            lambda name, description, keys: _TeeCounter(self.registry, name, description, keys), self.model_id
+        )
 
     def check_health(self) -> None:
         """Serve's periodic probe: raising marks the replica unhealthy, so Serve replaces it."""
@@ -244,35 +297,58 @@ class OpenAIServer:
             "status": "ok", "steps": self.loop.steps, "running": len(engine.running), "waiting": len(engine.waiting),
         }
 
+    @api.get("/metrics")
+    async def prometheus(self) -> Response:
+        """This replica's spec-decode counters in Prometheus' text format (all replicas: Ray's metrics export)."""
+        text = prometheus_client.generate_latest(self.registry)
+        return Response(text, media_type=prometheus_client.CONTENT_TYPE_LATEST)
+
+    def _card(self) -> ModelCard:
+        return ModelCard(id=self.model_id, max_model_len=self.loop.engine.max_context)
+
     @api.get("/v1/models")
     async def models(self) -> dict[str, Any]:
-        return ModelList(data=[ModelCard(id=self.model_id, max_model_len=self.loop.engine.max_context)]).model_dump()
+        return ModelList(data=[self._card()]).model_dump()
+
+    @api.get("/v1/models/{model_id:path}")
+    async def model(self, model_id: str) -> dict[str, Any]:
+        self._check_model(model_id)
+        return self._card().model_dump()
 
     @api.post("/v1/completions")
     async def completions(self, raw: Request) -> Response:
         body: CompletionRequest = self._parse(await raw.body(), CompletionRequest)
-        requests = [self._request(body, prompt=prompt) for prompt in body.prompts]
-        return await self._generate(body, requests, _CompletionFormat(self.model_id))
+        # OpenAI's order: the n choices of the first prompt, then those of the next.
+        requests = [self._request(body, choice, prompt=prompt) for prompt in body.prompts for choice in range(body.n)]
+        return await self._generate(body, requests, _CompletionFormat(self.model_id, self.tokenizer))
 
     @api.post("/v1/chat/completions")
     async def chat_completions(self, raw: Request) -> Response:
         body: ChatCompletionRequest = self._parse(await raw.body(), ChatCompletionRequest)
         messages = [message.rendered() for message in body.messages]
-        return await self._generate(body, [self._request(body, messages=messages)], _ChatFormat(self.model_id))
+        requests = [self._request(body, choice, messages=messages) for choice in range(body.n)]
+        return await self._generate(body, requests, _ChatFormat(self.model_id, self.tokenizer))
 
     # ------------------------------------------------------------------------------------------- internals
     def _parse(self, raw: bytes, model: type[GenerationRequest]) -> Any:
         body = _parse(raw, model, self.loop.engine.max_context)
-        if body.model is not None and body.model not in self.model_names:
-            raise ApiError(
-                400, f"model '{body.model}' is not served here; use '{self.model_id}'", param="model",
-                code="model_not_found",
-            )
+        if body.model is not None:
+            self._check_model(body.model)
         return body
 
+    def _check_model(self, name: str) -> None:
+        if name not in self.model_names:  # OpenAI's answer to an unknown model: 404, code model_not_found
+            raise ApiError(
+                404, f"The model `{name}` does not exist; this server serves '{self.model_id}'", param="model",
+                code="model_not_found",
+            )
+
     @staticmethod
-    def _request(body: GenerationRequest, **inputs: Any) -> EngineRequest:
-        return EngineRequest(id=uuid.uuid4().hex, sampling=body.sampling(), **inputs)
+    def _request(body: GenerationRequest, choice: int, **inputs: Any) -> EngineRequest:
+        sampling = body.sampling()
+        if body.seed is not None and body.n > 1:  # n seeded choices: n reproducible, different samples
+            sampling["seed"] = row_seed(body.seed, str(choice))
+        return EngineRequest(id=uuid.uuid4().hex, sampling=sampling, **inputs)
 
     async def _generate(self, body: GenerationRequest, requests: list[EngineRequest], fmt: _Format) -> Response:
         events = self.loop.generate(requests)
@@ -286,6 +362,7 @@ class OpenAIServer:
             async for index, event in stream:
                 if isinstance(event, GenerationResult):
                     results[index] = event
+                    self.metrics.record(event.stats)
         return JSONResponse(fmt.response(results).model_dump())
 
     @staticmethod
@@ -321,6 +398,7 @@ class OpenAIServer:
                 async for index, event in events:
                     if isinstance(event, GenerationResult):
                         results.append(event)
+                        self.metrics.record(event.stats)
                         yield _sse(fmt.chunk(index, texts[index].finish(event.text), event.finish_reason))
                     elif delta := texts[index].push(event):
                         yield _sse(fmt.chunk(index, delta, None))

@@ -121,7 +121,7 @@ def main(argv: list[str] | None = None) -> int:
             config = Config.model_validate({"model": target_name, "batch_size": 1, "speculative": spec,
                                             "sampling": {"temperature": 0.0, "max_tokens": args.max_tokens}})
             engines[name] = Engine(config, target=target, tokenizer=tokenizer)  # loads its own draft copy
-    stats = {name: {"tokens": 0, "seconds": 0.0, "forwards": 0, "identical": 0} for name in table}
+    stats = {name: {"tokens": 0, "seconds": 0.0, "spec": None, "identical": 0} for name in table}
     # Each draft's drafting time at its deepest static depth, for its cost in the engine.
     timed = {label: engines[method_name(drafts, label, f"static depth {max(depths)}")] for label in drafts}
     drafting = {label: time_drafting(engine.drafter) for label, engine in timed.items()}
@@ -131,12 +131,12 @@ def main(argv: list[str] | None = None) -> int:
             start = time.perf_counter()
             if name in engines:
                 result = engines[name].generate([Request(id=pid, prompt_token_ids=ids)])[0]
-                tokens, forwards = result.token_ids, result.num_target_forwards
+                tokens, measured = result.token_ids, result.stats
             else:
                 input_ids = torch.tensor([ids])
                 out = target.generate(input_ids, attention_mask=torch.ones_like(input_ids), do_sample=False,
                                       max_new_tokens=args.max_tokens, top_p=None, top_k=None, temperature=None)
-                tokens, forwards = out[0, len(ids):].tolist(), 0
+                tokens, measured = out[0, len(ids):].tolist(), None
                 reference[pid] = tokens
             seconds = time.perf_counter() - start
             if number == 0:
@@ -144,7 +144,8 @@ def main(argv: list[str] | None = None) -> int:
             entry = stats[name]
             entry["tokens"] += len(tokens)
             entry["seconds"] += seconds
-            entry["forwards"] += forwards
+            if measured is not None:  # decoding.stats: the one definition of the acceptance metrics
+                entry["spec"] = measured if entry["spec"] is None else entry["spec"] + measured
             entry["identical"] += int(tokens == reference[pid])
         print(f"[{number}/{len(prompts)}] {pid} done", file=sys.stderr, flush=True)
 
@@ -153,7 +154,7 @@ def main(argv: list[str] | None = None) -> int:
     for name, entry in stats.items():
         speed = entry["tokens"] / entry["seconds"]
         rows.append({"method": name, "tokens_per_s": round(speed, 2), "speedup_vs_generate": round(speed / base, 3),
-                     "mean_acceptance_length": round(entry["tokens"] / entry["forwards"], 3) if entry["forwards"]
+                     "mean_acceptance_length": round(entry["spec"].mean_acceptance_length, 3) if entry["spec"]
                      else None, "identical_to_generate": f"{entry['identical']}/{len(prompts)}"})
     target_forward = forward_seconds(for_inference(target))
     plain = stats["engine none"]

@@ -21,6 +21,7 @@ import ray
 
 from decoding.config import ConfigError, load_config
 from decoding.engine import Engine, Request
+from decoding.stats import SpecDecodeStats
 from jobs.common import setup_logging, split_overrides
 from pipeline.job import run
 
@@ -57,9 +58,9 @@ def main(argv: list[str] | None = None) -> int:
     results = engine.generate([Request(r["id"], messages=r["messages"]) for r in rows])
     seconds = time.perf_counter() - start
     tokens = sum(len(r.token_ids) for r in results)
-    forwards = sum(r.num_target_forwards for r in results)
     direct = tokens / seconds
-    print_row("Engine.generate (direct)", len(results), tokens, seconds, direct, tokens / forwards if forwards else 0.0)
+    stats = SpecDecodeStats.total(r.stats for r in results)
+    print_row("Engine.generate (direct)", len(results), tokens, seconds, direct, stats.mean_acceptance_length)
     del engine
 
     ray.init()

@@ -35,7 +35,7 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, lambda *_: stop.set())  # ray job stop / docker stop: shut down cleanly
     try:
         url = start(make_app(config), args.host, args.port)
-        log.info("serving %s at %s (Ctrl-C to stop)", config.model, url)
+        log.info("serving %s at %s (Ctrl-C to stop)", config.served_model_name or config.model, url)
         stop.wait()
     except KeyboardInterrupt:
         pass

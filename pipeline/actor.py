@@ -17,10 +17,12 @@ from concurrent.futures import Future
 from typing import Any
 
 import pyarrow as pa
+from ray.util.metrics import Counter
 
 from decoding.config import Config
 from decoding.engine import Engine, GenerationResult, Request
 from decoding.models import use_torch_threads, worker_threads
+from decoding.stats import SpecDecodeCounters
 from pipeline.schema import READ_ERROR, output_block
 
 log = logging.getLogger(__name__)
@@ -90,6 +92,10 @@ class GenerationActor:
         self._inbox: queue.SimpleQueue[tuple[Request, Future]] = queue.SimpleQueue()
         self._in_engine: dict[str, tuple[Request, Future]] = {}
         self.engine: Engine
+        # Prometheus (vLLM's spec-decode names) through Ray's metrics export; fed on the engine thread only.
+        self.metrics = SpecDecodeCounters(
+            lambda name, description, keys: Counter(name, description=description, tag_keys=keys), self.config.model
+        )
         ready: Future = Future()
         threading.Thread(target=self._run_engine, args=(ready,), name="engine", daemon=True).start()
         ready.result()  # a failure to build the engine (bad model path, ...) fails the actor here
@@ -107,7 +113,9 @@ class GenerationActor:
         future: Future = Future()
         key = next(self._keys)
         try:
-            self._inbox.put((request_from_row(key, row), future))
+            request = request_from_row(key, row)
+            request.seed_key = str(row.get("id", key))  # a row's random stream follows its id, not its actor
+            self._inbox.put((request, future))
         except RowError as exc:
             future.set_result(error_result(key, row.get("prompt"), str(exc)))
         return future
@@ -132,6 +140,7 @@ class GenerationActor:
                 self._recover()
                 continue
             for result in finished:
+                self.metrics.record(result.stats)
                 self._in_engine.pop(result.id)[1].set_result(result)
 
     def _admit(self, request: Request, future: Future) -> None:

@@ -5,7 +5,8 @@ so it works on any directory that follows the SPEC's schema, whoever wrote it. W
 charts under ``report_files/``; the same summary is returned as text.
 
 Definitions (all over successful rows):
-- mean acceptance length: generated tokens / target forwards (prefill included), as in ``spec_decode``.
+- mean acceptance length, tokens per forward: as in ``spec_decode`` (``decoding.stats``, the one definition):
+  1 + accepted / spec steps (vLLM's), and generated tokens / target forwards (prefill included).
 - acceptance rate at depth d, per step: of the steps that drafted some candidate to depth d, the share whose
   accepted path reached depth d; per token: the share of drafted tokens at depth d that were accepted.
 - per-prompt speedup: tokens per target forward of each prompt (the forward-count speedup over plain decoding),
@@ -26,6 +27,8 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 from matplotlib.axes import Axes
 from matplotlib.figure import Figure
+
+from decoding.stats import SpecDecodeStats
 
 OUTPUT_COLUMNS = [
     "id", "finish_reason", "num_generated_tokens", "time_taken_llm", "per_step_drafted", "per_step_accepted",
@@ -115,7 +118,7 @@ def _seconds_per_token(data: RunData) -> dict[str, float]:
 
 def per_prompt_speedups(data: RunData, baseline: RunData | None = None) -> dict[str, float]:
     if baseline is None:
-        return {r["id"]: r["spec_decode"]["mean_acceptance_length"] for r in _ok(data) if r["num_generated_tokens"]}
+        return {r["id"]: SpecDecodeStats.from_row(r).tokens_per_forward for r in _ok(data) if r["num_generated_tokens"]}
     base, this = _seconds_per_token(baseline), _seconds_per_token(data)
     return {i: base[i] / seconds for i, seconds in this.items() if i in base}
 
@@ -123,10 +126,8 @@ def per_prompt_speedups(data: RunData, baseline: RunData | None = None) -> dict[
 def summarize(data: RunData, baseline: RunData | None = None) -> dict[str, Any]:
     """The summary table: label -> value, in display order."""
     ok = _ok(data)
-    tokens = sum(r["num_generated_tokens"] for r in ok)
-    forwards = sum(r["spec_decode"]["num_spec_steps"] for r in ok)
-    drafted = sum(r["spec_decode"]["num_draft_tokens"] for r in ok)
-    accepted = sum(r["spec_decode"]["num_accepted_draft_tokens"] for r in ok)
+    total = SpecDecodeStats.total(SpecDecodeStats.from_row(r) for r in ok)
+    tokens, drafted, accepted = total.num_generated_tokens, total.num_draft_tokens, total.num_accepted_draft_tokens
     llm_seconds = sum(r["time_taken_llm"] for r in ok)
     depths, per_step, _ = acceptance_by_depth(data)
     speedups = list(per_prompt_speedups(data, baseline).values())
@@ -135,11 +136,13 @@ def summarize(data: RunData, baseline: RunData | None = None) -> dict[str, Any]:
         "rows": len(data.rows),
         "errors": len(data.rows) - len(ok),
         "generated tokens": tokens,
-        "target forwards": forwards,
-        "mean acceptance length": round(tokens / forwards, 3) if forwards else None,
+        "target forwards": total.num_target_forwards,
+        "spec steps": total.num_spec_steps,
+        "mean acceptance length": round(total.mean_acceptance_length, 3) if tokens else None,
+        "tokens per forward": round(total.tokens_per_forward, 3) if total.num_target_forwards else None,
         "draft tokens": drafted,
         "accepted draft tokens": accepted,
-        "draft acceptance rate": round(accepted / drafted, 3) if drafted else None,
+        "draft acceptance rate": round(total.draft_acceptance_rate, 3) if drafted else None,
         "acceptance rate by depth (per step)": dict(zip(depths.tolist(), per_step.round(3).tolist(), strict=True)),
         # time_taken_llm may include a row's wait in the engine's queue: a per-row latency, not throughput.
         "mean time_taken_llm per row (s)": round(llm_seconds / len(ok), 3) if ok else None,

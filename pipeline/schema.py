@@ -14,6 +14,7 @@ SPEC_DECODE = pa.struct([
     pa.field("num_draft_tokens", pa.int32()),
     pa.field("num_accepted_draft_tokens", pa.int32()),
     pa.field("mean_acceptance_length", pa.float64()),
+    pa.field("tokens_per_forward", pa.float64()),
     pa.field("draft_acceptance_rate", pa.float64()),
     pa.field("acceptance_histogram", pa.list_(pa.int32())),
 ])
@@ -34,6 +35,14 @@ OUTPUT_SCHEMA = pa.schema([
     pa.field("spec_decode", SPEC_DECODE),
     pa.field("target_model", pa.string()),
     pa.field("draft_model", pa.string()),
+    # sampling_params.logprobs (vLLM): per generated token, the target's log-probability and the top alternatives;
+    # null for rows that did not ask.
+    pa.field("logprobs", pa.list_(pa.struct([
+        pa.field("token_id", pa.int32()),
+        pa.field("logprob", pa.float32()),
+        pa.field("top_logprobs", pa.list_(pa.struct([pa.field("token_id", pa.int32()),
+                                                     pa.field("logprob", pa.float32())]))),
+    ]))),
 ])
 
 # One row per drafted candidate token; field order matches GenerationResult.token_stats tuples after `id`.
@@ -74,6 +83,7 @@ def _output_row(result: GenerationResult) -> dict[str, Any]:
         "per_step_drafted": result.per_step_drafted,
         "per_step_accepted": result.per_step_accepted,
         "spec_decode": spec_decode,
+        "logprobs": result.logprobs,
     }
 
 

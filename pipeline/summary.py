@@ -5,10 +5,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
 from decoding.config import Config
+from decoding.stats import SpecDecodeStats, target_forwards
 from pipeline.store import OutputStore
 
 
@@ -25,44 +27,56 @@ def _sum(values: pa.ChunkedArray | pa.Array) -> int:
     return int(pc.sum(values).as_py() or 0)
 
 
-def per_position_acceptance(store: OutputStore) -> tuple[list[float], list[int], list[int]]:
-    """For each draft position (depth 1, 2, ...): the fraction of speculative steps that drafted that
-    position whose accepted path reached it; plus those two counts. With one candidate and a fixed
-    length this is vLLM's per-position acceptance rate (accepted at position / drafts)."""
-    stats = store.read_token_stats(["id", "step", "depth", "accepted"])
-    stats = stats.set_column(3, "accepted", pc.cast(stats["accepted"], pa.int32()))
-    per_step = stats.group_by(["id", "step", "depth"]).aggregate([("accepted", "max")])
-    by_depth = per_step.group_by("depth").aggregate([("accepted_max", "sum"), ("accepted_max", "count")])
-    by_depth = by_depth.sort_by("depth")
-    drafted = by_depth["accepted_max_count"].to_pylist()
-    accepted = by_depth["accepted_max_sum"].to_pylist()
-    return [a / d for a, d in zip(accepted, drafted, strict=True)], drafted, accepted
+def _summed_lists(column: pa.ChunkedArray) -> tuple[int, ...]:
+    """Element-wise sum of a list<int> column (rows' histograms), in Arrow and numpy: no Python object per row."""
+    total = np.zeros(0, dtype=np.int64)
+    for chunk in column.chunks:
+        lengths = pc.fill_null(pc.list_value_length(chunk), 0).to_numpy()
+        values = pc.list_flatten(chunk).to_numpy(zero_copy_only=False)
+        positions = np.arange(len(values)) - np.repeat(np.cumsum(lengths) - lengths, lengths)
+        counts = np.bincount(positions, weights=values).astype(np.int64) if len(values) else total[:0]
+        size = max(len(total), len(counts))
+        total = np.pad(total, (0, size - len(total))) + np.pad(counts, (0, size - len(counts)))
+    return tuple(int(x) for x in total)
+
+
+def run_totals(outputs: pa.Table) -> SpecDecodeStats:
+    """Totals over output rows, counted in Arrow; the ratios come from the one definition (decoding.stats)."""
+    spec, generated = outputs["spec_decode"], outputs["num_generated_tokens"]
+    return SpecDecodeStats(
+        num_spec_steps=_sum(pc.struct_field(spec, "num_spec_steps")),
+        num_draft_tokens=_sum(pc.struct_field(spec, "num_draft_tokens")),
+        num_accepted_draft_tokens=_sum(pc.struct_field(spec, "num_accepted_draft_tokens")),
+        num_generated_tokens=_sum(generated),
+        num_target_forwards=target_forwards(
+            _sum(pc.list_value_length(outputs["per_step_drafted"])), _sum(pc.greater(generated, 0))
+        ),
+        acceptance_histogram=_summed_lists(pc.struct_field(spec, "acceptance_histogram")),
+    )
 
 
 def summarize(store: OutputStore, config: Config, run: RunStats, input_path: str) -> dict[str, Any]:
-    outputs = store.read_outputs(["finish_reason", "num_generated_tokens", "spec_decode"])
-    spec = outputs["spec_decode"]
-    generated = _sum(outputs["num_generated_tokens"])
-    forwards = _sum(pc.struct_field(spec, "num_spec_steps"))
-    drafted = _sum(pc.struct_field(spec, "num_draft_tokens"))
-    accepted = _sum(pc.struct_field(spec, "num_accepted_draft_tokens"))
-    rates, drafts_per_pos, accepted_per_pos = per_position_acceptance(store)
+    outputs = store.read_outputs(["finish_reason", "num_generated_tokens", "per_step_drafted", "spec_decode"])
+    total = run_totals(outputs)
+    per_pos = total.accepted_per_pos
     return {
         "rows": outputs.num_rows,
         "errors": _sum(pc.equal(outputs["finish_reason"], "error")),
-        "generated_tokens": generated,
+        "generated_tokens": total.num_generated_tokens,
         "wall_seconds": run.wall_seconds,
         "tokens_per_second": run.generated_tokens / run.wall_seconds if run.wall_seconds else 0.0,
         "rows_this_run": run.rows,
         "generated_tokens_this_run": run.generated_tokens,
-        "mean_acceptance_length": generated / forwards if forwards else 0.0,
-        "draft_acceptance_rate": accepted / drafted if drafted else 0.0,
-        "per_position_acceptance_rate": rates,
-        "num_spec_steps": forwards,
-        "num_draft_tokens": drafted,
-        "num_accepted_draft_tokens": accepted,
-        "num_drafts_per_pos": drafts_per_pos,
-        "num_accepted_tokens_per_pos": accepted_per_pos,
+        "mean_acceptance_length": total.mean_acceptance_length,
+        "tokens_per_forward": total.tokens_per_forward,
+        "draft_acceptance_rate": total.draft_acceptance_rate,
+        # vLLM's: steps whose accepted run reached position i, over all spec steps.
+        "per_position_acceptance_rate": [a / total.num_spec_steps if total.num_spec_steps else 0.0 for a in per_pos],
+        "num_spec_steps": total.num_spec_steps,
+        "num_target_forwards": total.num_target_forwards,
+        "num_draft_tokens": total.num_draft_tokens,
+        "num_accepted_draft_tokens": total.num_accepted_draft_tokens,
+        "num_accepted_tokens_per_pos": per_pos,
         "input": input_path,
         "config": config.model_dump(mode="json"),
     }

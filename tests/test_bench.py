@@ -105,7 +105,7 @@ def test_bench_rows_metrics_and_lossless_outputs(models, tiny_dirs):
             assert row.identical, f"{row.name} batch {row.batch_size} differs from greedy decoding"
         if row.name.startswith("engine"):
             # The hooks count the same target forwards as the engine's own per-sequence statistics.
-            assert row.target_forwards_per_token * row.mean_acceptance_length == pytest.approx(1.0)
+            assert row.target_forwards_per_token * row.tokens_per_forward == pytest.approx(1.0)
         if row.name.startswith("engine") and row.method != "none":
             assert row.mean_acceptance_length >= 1.0 and row.draft_s > 0
             # No rate when nothing was drafted (a lookup without matches); a static draft model always drafts.
@@ -118,7 +118,8 @@ def test_bench_rows_metrics_and_lossless_outputs(models, tiny_dirs):
         if row.name == "transformers generate" and row.batch_size == 1:
             assert row.speedup_vs_transformers == 1.0 and row.target_forwards_per_token == 1.0
         if row.name == "transformers assisted (draft)":
-            assert row.draft_s > 0 and row.mean_acceptance_length >= 1.0
+            # Forwards counted by the hooks; vLLM's acceptance length needs per-step counts it does not expose.
+            assert row.draft_s > 0 and row.tokens_per_forward >= 1.0 and row.mean_acceptance_length is None
     table = format_table(result.rows)
     assert len(table.splitlines()) == len(result.rows) + 1
     flagged = sum(r.slower_than_none for r in result.rows)

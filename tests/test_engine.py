@@ -284,7 +284,8 @@ def test_sampling_follows_target_law(method, width, replacement, init, warp, sma
 
 
 def test_seed_makes_sampling_reproducible(tokenizer, target, draft) -> None:
-    config = make_config(method="draft_model", num_candidates=2, sampling={"max_tokens": 16, "temperature": 1.0})
+    sampling = {"max_tokens": 16, "temperature": 1.0, "seed": 7}  # the run seed (default null: fresh randomness)
+    config = make_config(method="draft_model", num_candidates=2, sampling=sampling)
     first = run(config, tokenizer, target, draft)
     second = run(config, tokenizer, target, draft)
     assert [r.token_ids for r in first] == [r.token_ids for r in second]

@@ -135,14 +135,20 @@ def test_token_stats_agree_with_outputs_and_summary(one_actor_run):
         assert drafted[i] == spec["num_draft_tokens"] == sum(row["per_step_drafted"])
         assert accepted[i] == spec["num_accepted_draft_tokens"] == sum(row["per_step_accepted"])
         assert accepted[i] == sum(row["token_accepted"])
-        if row["finish_reason"] != "error":
-            assert spec["num_spec_steps"] == len(row["per_step_drafted"]) + 1  # + the prefill forward
-            assert spec["mean_acceptance_length"] == pytest.approx(row["num_generated_tokens"] / spec["num_spec_steps"])
+        if row["finish_reason"] != "error":  # SPEC: spec steps are the verification steps that drafted
+            assert spec["num_spec_steps"] == sum(1 for d in row["per_step_drafted"] if d)
+            assert sum(spec["acceptance_histogram"]) == spec["num_spec_steps"]
+            if spec["num_spec_steps"]:
+                assert spec["mean_acceptance_length"] == pytest.approx(
+                    1 + spec["num_accepted_draft_tokens"] / spec["num_spec_steps"])
+            forwards = len(row["per_step_drafted"]) + 1  # + the prefill forward
+            assert spec["tokens_per_forward"] == pytest.approx(row["num_generated_tokens"] / forwards)
     generated = sum(row["num_generated_tokens"] for row in rows.values())
-    forwards = sum(row["spec_decode"]["num_spec_steps"] for row in rows.values())
+    steps = sum(row["spec_decode"]["num_spec_steps"] for row in rows.values())
     assert summary["rows"] == summary["rows_this_run"] == len(rows)
     assert summary["generated_tokens"] == summary["generated_tokens_this_run"] == generated
-    assert summary["mean_acceptance_length"] == pytest.approx(generated / forwards)
+    assert summary["num_spec_steps"] == steps
+    assert summary["mean_acceptance_length"] == pytest.approx(1 + sum(accepted.values()) / steps)
     assert summary["draft_acceptance_rate"] == pytest.approx(sum(accepted.values()) / sum(drafted.values()))
     assert sum(summary["num_accepted_tokens_per_pos"]) == sum(accepted.values())
     assert len(summary["per_position_acceptance_rate"]) == 3

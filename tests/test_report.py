@@ -20,7 +20,8 @@ PROMPTS = ["the cat sat on the mat. the cat sat", "abc abc abc abc", "hello worl
 
 SPEC_DECODE = pa.struct([
     ("num_spec_steps", pa.int32()), ("num_draft_tokens", pa.int32()), ("num_accepted_draft_tokens", pa.int32()),
-    ("mean_acceptance_length", pa.float64()), ("draft_acceptance_rate", pa.float64()),
+    ("mean_acceptance_length", pa.float64()), ("tokens_per_forward", pa.float64()),
+    ("draft_acceptance_rate", pa.float64()),
     ("acceptance_histogram", pa.list_(pa.int32())),
 ])
 OUTPUTS = pa.schema([
@@ -110,7 +111,10 @@ def test_report_page_charts_and_summary(spec_run, capsys):
     accepted = sum(sum(r.per_step_accepted) for r in ok)
     table = summarize(load_run(directory))
     assert table["rows"] == 5 and table["errors"] == 1 and table["generated tokens"] == tokens
-    assert table["mean acceptance length"] == round(tokens / forwards, 3)
+    steps = sum(sum(1 for d in r.per_step_drafted if d) for r in ok)
+    assert table["mean acceptance length"] == round(1 + accepted / steps, 3)  # vLLM's
+    assert table["tokens per forward"] == round(tokens / forwards, 3)
+    assert table["spec steps"] == steps and table["target forwards"] == forwards
     assert table["draft acceptance rate"] == round(accepted / drafted, 3)
     assert table["summary.json: wall_seconds"] > 0
     assert table["target model"] == "tiny-target"

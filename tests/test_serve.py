@@ -21,6 +21,7 @@ from deploy.engine_loop import EngineFailure, EngineLoop, RequestRejected
 from deploy.server import OpenAIServer, build_app, deployment_options
 
 MAX_TOKENS = 12
+MODEL = "tiny-llm"  # served_model_name
 WORDS = ["the", "cat", "sat", "on", "a", "mat", "and", "dog", "ran", "far", "away", "home"]
 
 
@@ -29,7 +30,9 @@ def config_file(tiny_dirs, tmp_path_factory) -> str:
     path = tmp_path_factory.mktemp("serve") / "serve.yaml"
     path.write_text(yaml.safe_dump({
         "model": tiny_dirs["target"],
-        "speculative": {"method": "draft_model", "model": tiny_dirs["draft"], "num_speculative_tokens": 3},
+        "served_model_name": MODEL,
+        "speculative": {"method": "draft_model", "model": tiny_dirs["draft"], "num_speculative_tokens": 3,
+                        "length_policy": "static"},  # deterministic statistics, compared with the engine's
         "sampling": {"max_tokens": MAX_TOKENS},
     }))
     return str(path)
@@ -93,17 +96,17 @@ def _stream(client: httpx.Client, path: str, body: dict[str, Any]) -> list[dict[
 def test_models_and_health(client, config):
     models = client.get("/v1/models").json()
     assert models["object"] == "list"
-    assert [m["id"] for m in models["data"]] == [config.model]
+    assert [m["id"] for m in models["data"]] == [MODEL]
     health = client.get("/health")
     assert health.status_code == 200
     assert health.json()["status"] == "ok"
 
 
 def test_completion_matches_engine(client, config, reference, tokenizer):
-    body = _post(client, "/v1/completions", {"model": config.model, "prompt": "the cat sat", "temperature": 0})
+    body = _post(client, "/v1/completions", {"model": MODEL, "prompt": "the cat sat", "temperature": 0})
     expected = reference(prompt="the cat sat")
     assert body["object"] == "text_completion"
-    assert body["model"] == config.model
+    assert body["model"] == MODEL
     [choice] = body["choices"]
     assert (choice["index"], choice["text"], choice["finish_reason"]) == (0, expected.text, expected.finish_reason)
     prompt_tokens = len(tokenizer("the cat sat")["input_ids"])
@@ -113,10 +116,12 @@ def test_completion_matches_engine(client, config, reference, tokenizer):
         "total_tokens": prompt_tokens + completion_tokens,
     }
     spec = body["metrics"]["speculative_decoding"]
-    assert set(spec) == set(expected.spec_decode)
-    assert spec["num_spec_steps"] >= 1
-    assert spec["mean_acceptance_length"] == pytest.approx(completion_tokens / spec["num_spec_steps"])
-    assert sum(spec["acceptance_histogram"]) == spec["num_spec_steps"] - 1  # the prefill forward drafts nothing
+    assert spec == expected.spec_decode  # SPEC's definitions, computed in one place (decoding.stats)
+    assert spec["num_spec_steps"] == sum(1 for drafted in expected.per_step_drafted if drafted) > 0
+    accepted, steps = spec["num_accepted_draft_tokens"], spec["num_spec_steps"]
+    assert spec["mean_acceptance_length"] == pytest.approx(1 + accepted / steps)
+    assert spec["tokens_per_forward"] == pytest.approx(completion_tokens / expected.num_target_forwards)
+    assert sum(spec["acceptance_histogram"]) == spec["num_spec_steps"]
     assert spec["num_accepted_draft_tokens"] <= spec["num_draft_tokens"]
 
 
@@ -216,9 +221,15 @@ BAD_REQUESTS = [
     ("seed-huge", "/v1/completions", {"prompt": "ab", "seed": 2**70}, "seed"),
     ("stop-not-string", "/v1/completions", {"prompt": "ab", "stop": 3}, "stop"),
     ("stream-not-bool", "/v1/completions", {"prompt": "ab", "stream": "yes"}, "stream"),
-    ("n-two", "/v1/completions", {"prompt": "ab", "n": 2}, "n"),
-    ("unknown-field", "/v1/completions", {"prompt": "ab", "logit_bias": {}}, "logit_bias"),
-    ("unknown-model", "/v1/completions", {"prompt": "ab", "model": "gpt-4"}, "model"),
+    ("seed-negative", "/v1/completions", {"prompt": "ab", "seed": -1}, "seed"),
+    ("n-zero", "/v1/completions", {"prompt": "ab", "n": 0}, "n"),
+    ("unknown-field", "/v1/completions", {"prompt": "ab", "best_of_all": 2}, "best_of_all"),
+    ("logit-bias-set", "/v1/completions", {"prompt": "ab", "logit_bias": {"5": 10}}, "logit_bias"),
+    ("tools-set", "/v1/chat/completions",
+     {"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]}, "tools"),
+    ("presence-penalty-big", "/v1/completions", {"prompt": "ab", "presence_penalty": 3}, "presence_penalty"),
+    ("top-logprobs-big", "/v1/chat/completions",
+     {"messages": [{"role": "user", "content": "x"}], "logprobs": True, "top_logprobs": 50}, "top_logprobs"),
     ("prompt-too-long", "/v1/completions", {"prompt": "a" * 300}, "prompt"),
     ("prompt-too-long-stream", "/v1/completions", {"prompt": "a" * 300, "stream": True}, "prompt"),
     ("prompt-list-one-too-long", "/v1/completions", {"prompt": ["ab", "a" * 300]}, "prompt"),
@@ -236,6 +247,50 @@ def test_bad_request_is_a_400_with_an_openai_error(client, path, body, param):
     assert isinstance(error["message"], str) and error["message"]
     assert error["param"] == param
     assert client.get("/health").status_code == 200  # the replica survives
+
+
+def test_models_by_id_and_unknown_models_are_404s(client, config):
+    card = client.get(f"/v1/models/{MODEL}")
+    assert card.status_code == 200 and card.json()["id"] == MODEL
+    for response in (client.get("/v1/models/gpt-4"),
+                     client.post("/v1/completions", json={"prompt": "ab", "model": "gpt-4"}),
+                     client.post("/v1/completions", json={"prompt": "ab", "model": config.model})):  # the path
+        assert response.status_code == 404, response.text
+        error = response.json()["error"]
+        assert error["code"] == "model_not_found" and error["param"] == "model" and error["type"]
+
+
+def _prometheus(client: httpx.Client) -> dict[tuple[str, str], float]:
+    """The replica's spec-decode counters: (name, position label) -> value."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    response = client.get("/metrics")
+    assert response.status_code == 200
+    return {
+        (sample.name, sample.labels.get("position", "")): sample.value
+        for family in text_string_to_metric_families(response.text) for sample in family.samples
+        if sample.name.startswith("spec_decode_") and sample.name.endswith("_total")
+    }
+
+
+def test_prometheus_totals_equal_the_sum_of_per_response_metrics(client):
+    before = _prometheus(client)
+    responses = [
+        _post(client, "/v1/completions", {"prompt": ["the cat sat on", "a dog ran far"], "max_tokens": 10, "n": 2}),
+        _post(client, "/v1/chat/completions", {"messages": [{"role": "user", "content": "home"}], "max_tokens": 9}),
+        _post(client, "/v1/completions", {"prompt": "a mat and", "max_tokens": 8, "temperature": 1.0}),
+    ]
+    after = _prometheus(client)
+    delta = {key: after[key] - before.get(key, 0.0) for key in after}
+    specs = [r["metrics"]["speculative_decoding"] for r in responses]
+    assert sum(s["num_spec_steps"] for s in specs) > 0
+    assert delta[("spec_decode_num_drafts_total", "")] == sum(s["num_spec_steps"] for s in specs)
+    assert delta[("spec_decode_num_draft_tokens_total", "")] == sum(s["num_draft_tokens"] for s in specs)
+    assert delta[("spec_decode_num_accepted_tokens_total", "")] == sum(s["num_accepted_draft_tokens"] for s in specs)
+    # Per position: the steps whose accepted run reached it, from the responses' histograms.
+    for position in range(3):
+        reached = sum(sum(s["acceptance_histogram"][position + 1 :]) for s in specs)
+        assert delta.get(("spec_decode_num_accepted_tokens_per_pos_total", str(position)), 0.0) == reached
 
 
 def test_unknown_route_has_an_openai_error_body(client):
@@ -284,18 +339,19 @@ def test_64_concurrent_requests_match_sequential_and_share_steps(client, server)
 
 def test_official_openai_client(server, config, reference):
     client = openai.OpenAI(base_url=f"{server}/v1", api_key="unused", max_retries=0)
-    assert config.model in [m.id for m in client.models.list()]
+    assert MODEL in [m.id for m in client.models.list()]
 
-    completion = client.completions.create(model=config.model, prompt="the dog ran", max_tokens=8, temperature=0)
+    completion = client.completions.create(model=MODEL, prompt="the dog ran", max_tokens=8, temperature=0)
     assert completion.choices[0].text == reference(prompt="the dog ran", sampling={"max_tokens": 8}).text
-    assert completion.model_extra["metrics"]["speculative_decoding"]["num_spec_steps"] >= 1
+    expected = reference(prompt="the dog ran", sampling={"max_tokens": 8}).spec_decode
+    assert completion.model_extra["metrics"]["speculative_decoding"] == expected
 
     messages = [{"role": "user", "content": "a cat"}]
-    chat = client.chat.completions.create(model=config.model, messages=messages, max_tokens=8, temperature=0)
+    chat = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=8, temperature=0)
     assert chat.choices[0].message.content == reference(messages=messages, sampling={"max_tokens": 8}).text
 
     stream = client.chat.completions.create(
-        model=config.model, messages=messages, max_tokens=8, temperature=0, stream=True,
+        model=MODEL, messages=messages, max_tokens=8, temperature=0, stream=True,
         stream_options={"include_usage": True},
     )
     chunks = list(stream)
@@ -303,7 +359,42 @@ def test_official_openai_client(server, config, reference):
     assert chunks[-1].usage.completion_tokens == chat.usage.completion_tokens
 
     with pytest.raises(openai.BadRequestError, match="context"):
-        client.completions.create(model=config.model, prompt="a" * 300)
+        client.completions.create(model=MODEL, prompt="a" * 300)
+
+
+def test_official_openai_client_with_vllm_sampling_fields(server, config, reference, tokenizer):
+    """n, logprobs/top_logprobs, penalties (neutral and not), seed and max_completion_tokens as clients send them."""
+    client = openai.OpenAI(base_url=f"{server}/v1", api_key="unused", max_retries=0)
+    messages = [{"role": "user", "content": "the cat"}]
+    chat = client.chat.completions.create(
+        model=MODEL, messages=messages, n=2, logprobs=True, top_logprobs=2, frequency_penalty=0,
+        presence_penalty=0.5, max_completion_tokens=8, temperature=0, response_format={"type": "text"},
+    )
+    expected = reference(messages=messages, sampling={"max_tokens": 8, "presence_penalty": 0.5, "logprobs": 2})
+    assert [c.index for c in chat.choices] == [0, 1]
+    for choice in chat.choices:  # greedy: both choices are the penalized greedy output
+        assert choice.message.content == expected.text
+        content = choice.logprobs.content
+        assert [tokenizer.decode([e["token_id"]]) for e in expected.logprobs] == [t.token for t in content]
+        for token, entry in zip(content, expected.logprobs, strict=True):
+            assert token.logprob == pytest.approx(entry["logprob"], abs=1e-4)
+            assert len(token.top_logprobs) == 2
+            assert token.top_logprobs[0].logprob >= token.top_logprobs[1].logprob
+    assert chat.usage.completion_tokens == 2 * len(expected.token_ids)
+
+    # Sampled: a seed reproduces the n choices, and the choices differ from one another.
+    def sampled(seed: int) -> list[str]:
+        completion = client.completions.create(model=MODEL, prompt="the dog", n=4, seed=seed, temperature=1.0,
+                                               max_tokens=10, logprobs=1)
+        assert all(len(c.logprobs.tokens) == len(c.logprobs.token_logprobs) for c in completion.choices)
+        return [c.text for c in completion.choices]
+
+    first = sampled(5)
+    assert first == sampled(5) and len(set(first)) > 1
+    with pytest.raises(openai.BadRequestError, match="seed"):
+        client.completions.create(model=MODEL, prompt="the dog", seed=-1)
+    with pytest.raises(openai.NotFoundError):
+        client.completions.create(model="gpt-4o", prompt="the dog")
 
 
 # --------------------------------------------------------------------------------------- replica internals

@@ -211,7 +211,7 @@ class _FeatureStudent(nn.Module):
         levels = []
         for level in range(count):
             states = self.draft.hidden(tokens, features, attention_mask=_unroll_mask(valid, level),
-                                       position_ids=positions, past_key_values=cache, use_cache=True)
+                                       position_ids=positions, cache=cache, use_cache=True)
             at = valid.clone()
             at[:, :level] = False  # no root that far back
             flat = torch.zeros_like(mask)

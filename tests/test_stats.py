@@ -1,0 +1,106 @@
+"""The one definition of the acceptance metrics (decoding.stats) and its Prometheus counters."""
+
+from __future__ import annotations
+
+import pyarrow as pa
+import pytest
+from test_engine import PROMPTS, make_config, run
+
+from decoding.config import Config
+from decoding.stats import PER_POSITION, SpecDecodeCounters, SpecDecodeStats
+from pipeline.actor import GenerationActor
+from pipeline.summary import run_totals
+
+
+def test_spec_decode_definitions_on_hand_made_steps() -> None:
+    # Three verification steps after the prefill; the middle one drafted nothing.
+    stats = SpecDecodeStats.from_steps([4, 0, 4], [2, 0, 4], generated=10, max_depth=4)
+    assert stats.num_spec_steps == 2  # vLLM's num_drafts: steps that drafted
+    assert stats.num_target_forwards == 4  # prefill + three steps
+    assert stats.mean_acceptance_length == 1 + 6 / 2
+    assert stats.tokens_per_forward == 10 / 4
+    assert stats.draft_acceptance_rate == 6 / 8
+    assert stats.acceptance_histogram == (0, 0, 1, 0, 1) and sum(stats.acceptance_histogram) == 2
+    assert stats.accepted_per_pos == [2, 2, 1, 1]
+    assert sum(stats.accepted_per_pos) == stats.num_accepted_draft_tokens
+    # Totals add counts and re-derive the ratios, histograms of different depths included.
+    total = stats + SpecDecodeStats.from_steps([1], [1], generated=3, max_depth=1)
+    assert total.acceptance_histogram == (0, 1, 1, 0, 1)
+    assert total.mean_acceptance_length == 1 + 7 / 3 and total.tokens_per_forward == 13 / 6
+    assert SpecDecodeStats.from_steps([], [], generated=1).mean_acceptance_length == 1.0  # nothing drafted
+    assert SpecDecodeStats().struct()["mean_acceptance_length"] == 0.0  # nothing generated (error rows)
+
+
+class FakeCounter:
+    def __init__(self, name: str, description: str, keys: tuple[str, ...]) -> None:
+        assert description and "model_name" in keys
+        self.name, self.keys, self.values = name, keys, {}
+
+    def inc(self, value: float = 1.0, tags: dict[str, str] | None = None) -> None:
+        assert value > 0 and set(tags) == set(self.keys)  # as Ray's counters require
+        key = tags.get("position")
+        self.values[key] = self.values.get(key, 0) + value
+
+
+def test_counters_total_the_per_result_statistics(tokenizer, target, draft) -> None:
+    config = make_config(method="draft_model", num_candidates=2, length_policy="static")
+    results = run(config, tokenizer, target, draft)
+    counters = SpecDecodeCounters(FakeCounter, "tiny")
+    for result in results:
+        counters.record(result.stats)
+    structs = [r.spec_decode for r in results]
+    values = {name: counter.values for name, counter in counters.counters.items()}
+    assert values["spec_decode_num_drafts"][None] == sum(s["num_spec_steps"] for s in structs) > 0
+    assert values["spec_decode_num_draft_tokens"][None] == sum(s["num_draft_tokens"] for s in structs)
+    assert values["spec_decode_num_accepted_tokens"][None] == sum(s["num_accepted_draft_tokens"] for s in structs)
+    assert sum(values[PER_POSITION].values()) == sum(s["num_accepted_draft_tokens"] for s in structs)
+    assert counters.totals == SpecDecodeStats.total(r.stats for r in results)
+    for result in results:  # engine result -> output row -> the same statistics
+        row = {"num_generated_tokens": len(result.token_ids), "per_step_drafted": result.per_step_drafted,
+               "spec_decode": result.spec_decode}
+        assert SpecDecodeStats.from_row(row) == result.stats
+        assert sum(result.acceptance_histogram) == result.spec_decode["num_spec_steps"]
+
+
+def test_summary_totals_in_arrow_equal_the_per_row_definition(tokenizer, target, draft) -> None:
+    config = make_config(method="draft_model", num_candidates=3, candidate_init="target", length_policy="static")
+    results = run(config, tokenizer, target, draft)
+    rows = [{"num_generated_tokens": len(r.token_ids), "per_step_drafted": r.per_step_drafted,
+             "spec_decode": r.spec_decode} for r in results]
+    rows.append({"num_generated_tokens": 0, "per_step_drafted": [],  # an error row
+                 "spec_decode": {**SpecDecodeStats().struct(), "acceptance_histogram": []}})
+    table = pa.Table.from_pylist(rows)
+    table = pa.concat_tables([table.slice(0, 3), table.slice(3)])  # several chunks, one of them sliced
+    assert run_totals(table) == SpecDecodeStats.total(r.stats for r in results)
+
+
+def test_pipeline_actor_exports_what_its_rows_report(ray_cluster, tiny_dirs) -> None:
+    config = Config.model_validate({
+        "model": tiny_dirs["target"], "batch_size": 4,
+        "speculative": {"method": "draft_model", "model": tiny_dirs["draft"], "num_speculative_tokens": 3,
+                        "length_policy": "static"},
+        "sampling": {"max_tokens": 10},
+    })
+    actor = GenerationActor(config.model_dump())
+    # Ray Data LLM's own example sampling_params, as a JSON string column, must not make error rows.
+    ray_example = '{"temperature": 0.3, "max_tokens": 20, "detokenize": false}'
+    params = [ray_example if i % 2 else None for i in range(len(PROMPTS))]
+    params[0] = '{"logprobs": 2}'
+    batch = pa.table({"id": [f"r{i}" for i in range(len(PROMPTS))], "prompt": PROMPTS, "sampling_params": params})
+    block = actor(batch)
+    assert block["finish_reason"].to_pylist().count("error") == 0
+    assert all(text == "" for text in block["generated_text"].to_pylist()[1::2])  # detokenize: false
+    logprobs = block["logprobs"].to_pylist()  # the column, filled for the row that asked
+    assert len(logprobs[0]) == block["num_generated_tokens"][0].as_py()
+    assert all(len(entry["top_logprobs"]) == 2 for entry in logprobs[0])
+    assert logprobs[1:] == [None] * (len(PROMPTS) - 1)
+    rows = block.select(["num_generated_tokens", "per_step_drafted", "spec_decode"]).to_pylist()
+    totals = SpecDecodeStats.total(SpecDecodeStats.from_row(row) for row in rows)
+    assert actor.metrics.totals.num_spec_steps == totals.num_spec_steps > 0
+    assert actor.metrics.totals == totals
+
+
+def test_two_gpus_on_one_actor_are_refused_by_name() -> None:
+    with pytest.raises(ValueError, match="num_gpus is 2.*concurrency: 2"):
+        Config(num_gpus=2)
+    assert Config(num_gpus=0.5).num_gpus == 0.5
