@@ -252,13 +252,15 @@ class DraftModelDrafter(Drafter):
             waiting.pop()
 
     @staticmethod
-    def _sample_level(inputs: DraftInputs, probs: torch.Tensor, width: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def _sample_level(
+        inputs: DraftInputs, probs: torch.Tensor, width: int, active: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """One child per candidate below nodes with laws ``probs`` [B, w, V]; w == 1 means ``width`` children
-        branch here."""
+        branch here. Only ``active`` rows draw: a row's random stream must not depend on how deep others draft."""
         branching = probs.shape[1] == 1
         laws = probs.expand(-1, width, -1) if branching else probs
         tokens = torch.zeros(laws.shape[:2], dtype=torch.long)
-        for row in range(laws.shape[0]):
+        for row in active.nonzero().flatten().tolist():
             generator = inputs.generators[row]
             if inputs.greedy[row]:
                 tokens[row] = laws[row, 0].topk(width).indices if branching else laws[row].argmax(-1)
@@ -353,7 +355,8 @@ class DraftModelDrafter(Drafter):
             # The model's candidates come first in every level; the lookup siblings after them have their tokens.
             probs = probs[:, :model_width]
             hidden = hidden[:, :model_width] if hidden is not None else None
-            children, child_probs = self._sample_level(inputs, probs, model_width)
+            active = extend.any(1) & (level <= inputs.depths)
+            children, child_probs = self._sample_level(inputs, probs, model_width, active)
             if extend.shape[1] == 1:
                 extend = extend.expand(-1, model_width)
                 hidden = hidden.expand(-1, model_width, -1) if hidden is not None else None

@@ -49,6 +49,14 @@ def int8_per_channel(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return q, scale
 
 
+def int4_fits(weight: torch.Tensor, groupsize: int) -> bool:
+    """Whether the int4 kernels take this [N, K] weight: the CPU packing wants N % 16 == 0, both want whole groups
+    along K; the CUDA packing tiles K by 128 (gpt-fast's constraint; not run here: no GPU in this project's CI)."""
+    rows, cols = weight.shape
+    tile = 128 if weight.device.type == "cuda" else groupsize
+    return rows % 16 == 0 and cols % groupsize == 0 and cols % tile == 0
+
+
 def _int4_linear(
     packed: torch.Tensor, scales_and_zeros: torch.Tensor, groupsize: int, bias: torch.Tensor | None,
     x: torch.Tensor,
@@ -77,8 +85,9 @@ def quantize_linear(module: torch.nn.Linear, scheme: Scheme, groupsize: int = 32
         q, scales = int8_per_channel(weight)
         module.forward = functools.partial(_int8_linear, q, scales.to(dtype), module.bias)
         return
-    if weight.shape[1] % groupsize:
-        raise ValueError(f"int4 groupsize {groupsize} does not divide the input size {weight.shape[1]}")
+    if not int4_fits(weight, groupsize):  # a shape the int4 kernels cannot take: int8 for this layer
+        quantize_linear(module, "int8", groupsize)
+        return
     q, scales_and_zeros = int4_groupwise(weight, groupsize)
     if weight.device.type == "cpu":
         packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1)

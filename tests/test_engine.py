@@ -533,8 +533,27 @@ def test_int4_and_int8_kernels_compute_the_quantized_weights() -> None:
         expected = x @ weight.T + linear.bias
         assert torch.allclose(layer(x), expected, atol=1e-4)
         assert (weight - linear.weight).abs().max() < 0.1 * linear.weight.abs().max()
+    odd = torch.nn.Linear(64, 6)  # 6 outputs: the CPU int4 packing wants multiples of 16, so this layer is int8
+    quantize_linear(odd, "int4", groupsize=32)
+    q, scale = int8_per_channel(odd.weight.detach())
+    assert torch.allclose(odd(x), x @ (q.float() * scale[:, None]).T + odd.bias, atol=1e-4)
 
 
 def test_lookup_siblings_need_a_model_draft() -> None:
     with pytest.raises(ValueError, match="ngram_candidates"):
         make_config(method="ngram", ngram_candidates=1)
+
+
+@pytest.mark.parametrize("policy", ["heuristic", "online"])
+def test_a_seeded_sampled_row_is_the_same_whatever_rows_run_beside_it(policy, tokenizer, target, draft) -> None:
+    """Rows beside it draft to other depths (their own acceptance), yet a seeded row's draws stay its own."""
+    config = make_config(
+        method="draft_model", num_candidates=2, ngram_candidates=1, length_policy=policy, batch_size=4,
+        sampling={"max_tokens": 20, "temperature": 1.0},
+    )
+    seeded = Request(id="seeded", prompt=PROMPTS[2], sampling={"seed": 5})
+    alone = Engine(config, target=target, tokenizer=tokenizer, draft=draft).generate([seeded])[0]
+    others = [Request(id=f"other{i}", prompt=p) for i, p in enumerate(PROMPTS[:3])]
+    beside = Engine(config, target=target, tokenizer=tokenizer, draft=draft).generate([*others, seeded])[-1]
+    assert sum(alone.per_step_drafted) > 0 and sum(beside.per_step_drafted) > 0
+    assert beside.token_ids == alone.token_ids
