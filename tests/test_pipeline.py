@@ -281,14 +281,14 @@ def test_inputs_parquet_csv_jsonl_dirs_globs_and_derived_ids(ray_cluster, tmp_pa
     write_jsonl(folder / "j.jsonl", [{"prompt": "hi", "k": 1}, {"id": 5, "prompt": "yo", "k": "one"}])
     (folder / "notes.txt").write_text("ignored in a directory")
 
-    files, base = list_input_files(str(folder))
+    fs, files, base = list_input_files(str(folder))
     rows = {row["id"]: row for row in read_prompts(files, base, skip=frozenset(), rows_per_block=1).take_all()}
     assert set(rows) == {"sub/p.parquet:0", "sub/p.parquet:1", "007", "c.csv:1", "j.jsonl:0", "5"}
     assert rows["007"]["prompt"] == "42"  # CSV text stays text
     assert rows["sub/p.parquet:1"]["sampling_params"] == {"temperature": None, "max_tokens": 3}
     assert rows["5"]["k"] == "one" and rows["j.jsonl:0"]["k"] == "1"  # a mixed-type column becomes JSON text
 
-    files, base = list_input_files(str(folder / "*.csv"))
+    fs, files, base = list_input_files(str(folder / "*.csv"))
     again = read_prompts(files, base, skip=frozenset({"007"}), rows_per_block=4).take_all()
     assert [row["id"] for row in again] == ["c.csv:1"]
 
