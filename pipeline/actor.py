@@ -16,13 +16,14 @@ from concurrent.futures import Future
 from typing import Any
 
 import pyarrow as pa
+import ray
 
 from decoding.config import Config
 from decoding.engine import Engine, GenerationResult, Request
 from decoding.models import use_torch_threads, worker_threads
 from decoding.remote import localize_models
 from decoding.requests import RequestError, parse_request
-from pipeline.schema import READ_ERROR, output_block
+from pipeline.schema import PRODUCER_NODE, READ_ERROR, output_block
 
 log = logging.getLogger(__name__)
 
@@ -72,10 +73,13 @@ class GenerationActor:
             "target_model": given.model,
             "draft_model": given.speculative.model if spec.method == "draft_model" else None,
         }
+        # Which node produced a block: the writer records it in the part's commit marker.
+        self.metadata = {PRODUCER_NODE: ray.get_runtime_context().get_node_id() if ray.is_initialized() else ""}
 
     def __call__(self, batch: pa.Table) -> pa.Table:
         futures = [self._submit(row) for row in batch.to_pylist()]
-        return output_block(batch, [future.result() for future in futures], self.provenance, self.token_stats)
+        block = output_block(batch, [future.result() for future in futures], self.provenance, self.token_stats)
+        return block.replace_schema_metadata(self.metadata)
 
     def _submit(self, row: dict[str, Any]) -> Future:
         future: Future = Future()

@@ -54,6 +54,8 @@ TOKEN_STAT = pa.struct(list(TOKEN_STATS_SCHEMA)[1:])
 READ_ERROR = "__read_error"
 TOKEN_STATS = "token_stats"
 _PRIVATE = (READ_ERROR, TOKEN_STATS)
+# Schema metadata key of an actor's output block: the Ray node it was generated on.
+PRODUCER_NODE = "specbatch.node"
 
 
 def _output_row(result: GenerationResult) -> dict[str, Any]:
