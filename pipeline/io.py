@@ -176,7 +176,7 @@ def with_ids(table: pa.Table, name: str) -> pa.Table:
     derived = pa.array([f"{name}:{row}" for row in range(table.num_rows)], pa.string())
     if "id" not in table.column_names:
         return table.add_column(0, "id", derived)
-    given = table["id"] if table["id"].type == pa.string() else pa.array(_as_text(table["id"].to_pylist()))
+    given = table["id"] if table["id"].type == pa.string() else pa.array(as_text(table["id"].to_pylist()))
     missing = pc.or_kleene(pc.is_null(given), pc.equal(given, ""))
     return table.set_column(table.column_names.index("id"), "id", pc.if_else(missing, derived, given))
 
@@ -223,8 +223,8 @@ def _column(values: list[Any], name: str, errors: list[str | None]) -> pa.Array:
             if value is not None and not isinstance(value, str):
                 errors[row] = errors[row] or f"prompt must be a string, got {type(value).__name__}"
         return pa.array([v if isinstance(v, str) else None for v in values], pa.string())
-    return pa.array(_as_text(values), pa.string())
+    return pa.array(as_text(values), pa.string())
 
 
-def _as_text(values: list[Any]) -> list[str | None]:
+def as_text(values: list[Any]) -> list[str | None]:
     return [v if v is None or isinstance(v, str) else json.dumps(v) for v in values]

@@ -35,7 +35,7 @@ import pyarrow.parquet as pq
 from ray.data import Datasink
 from ray.data.block import Block
 
-from pipeline.io import InputError, resolve
+from pipeline.io import InputError, as_text, resolve
 from pipeline.schema import OUTPUT_SCHEMA, PRODUCER_NODE, TOKEN_STATS_SCHEMA, split_block
 from pipeline.summary import part_stats
 
@@ -104,9 +104,7 @@ class OutputStore:
         files = self.committed_files(folder)
         if not files:
             return schema.empty_table().select(columns or schema.names)
-        # One file at a time: carried-through columns may have other types in parts from other input files.
-        return pa.concat_tables([pq.read_table(f, columns=columns, filesystem=self.fs) for f in files],
-                                promote_options="permissive")
+        return concat_parts([pq.read_table(f, columns=columns, filesystem=self.fs) for f in files])
 
     def _list(self, folder: str) -> list[pafs.FileInfo]:
         selector = pafs.FileSelector(self.path(folder), allow_not_found=True)
@@ -118,6 +116,29 @@ class OutputStore:
                 return json.loads(f.read())
         except (OSError, ValueError):  # vanished, or torn by a killed writer on a local disk
             return None
+
+
+def concat_parts(tables: list[pa.Table]) -> pa.Table:
+    """Parts as one table. A carried-through column keeps each input file's own type in that file's parts
+    (an ``extra`` column may be int in one file, string in another); where types clash, the column is read
+    as JSON text, as the reader does for a column mixing types within one file."""
+    types: dict[str, set[pa.DataType]] = {}
+    for table in tables:
+        for field in table.schema:
+            if not pa.types.is_null(field.type):
+                types.setdefault(field.name, set()).add(field.type)
+    clashing = {name for name, kinds in types.items() if len(kinds) > 1}
+    try:
+        return pa.concat_tables(tables, promote_options="permissive")
+    except (pa.ArrowInvalid, pa.ArrowTypeError):
+        pass
+    texts = []
+    for table in tables:
+        for name in clashing & set(table.column_names):
+            text = pa.array(as_text(table[name].to_pylist()), pa.string())
+            table = table.set_column(table.column_names.index(name), name, text)
+        texts.append(table)
+    return pa.concat_tables(texts, promote_options="permissive")
 
 
 class OutputSink(Datasink[list[dict[str, Any]]]):
