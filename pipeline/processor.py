@@ -57,7 +57,8 @@ class Processor:
             runtime_env=ENGINE_RUNTIME_ENV,
         )
         if self.postprocess is not None:
-            ds = ds.map(self.postprocess)
+            # Light per-row work after the actors, which may hold every CPU: it must not wait for one.
+            ds = ds.map(self.postprocess, num_cpus=0)
         return ds
 
 
