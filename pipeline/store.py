@@ -162,7 +162,8 @@ class OutputSink(Datasink[list[dict[str, Any]]]):
         marker = {"part": part, "run": self.run_id, "node": node, "ids": ids, **part_stats(outputs, stats)}
         with self.fs.open_output_stream(posixpath.join(self.root, COMMITS, part + ".json")) as f:
             f.write(json.dumps(marker).encode())  # last: the part counts from here on
-        return marker
+        # To the driver only the sums: it must not hold every output id in memory.
+        return {key: value for key, value in marker.items() if key != "ids"}
 
     def on_write_complete(self, write_result: Any) -> None:
         self.written = [marker for markers in write_result.write_returns for marker in markers]
