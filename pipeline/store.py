@@ -4,8 +4,8 @@ Object stores have no atomic rename, so a part is committed by a marker instead:
 ``token_stats/<part>.parquet``, then ``outputs/<part>.parquet``, then ``_commits/<part>.json``, a small file
 listing the part's ids and its aggregate statistics. Each object appears whole or not at all on an object store;
 on a local disk a torn marker does not parse and counts as absent. So a part is complete exactly when its marker
-reads back; the finished ids and ``summary.json`` come from listing the markers, and a run starts by deleting
-the data files no marker names (what a killed run left). Part names are a hash of the part's ids: a retried
+reads back and both files it names are listed; the finished ids and ``summary.json`` come from listing the
+markers, and a run starts by deleting whatever no complete part accounts for (what a killed run left). Part names are a hash of the part's ids: a retried
 write task or a restarted actor's batch rewrites the same part instead of adding a second one.
 
 Two drivers must not share a directory: the running one holds ``_lease.json``, renewed by a heartbeat; a
@@ -58,26 +58,27 @@ class OutputStore:
         return posixpath.join(self.root, *parts)
 
     def prepare(self) -> list[dict[str, Any]]:
-        """Create the folders and delete data files that no commit marker names (parts a killed run left
-        half-written); the committed parts' markers. Only under the lease: a live writer's files look alike."""
+        """Create the folders and delete what no complete part accounts for (files a killed run left
+        half-written, markers torn or naming missing files); the committed parts' markers. Only under the
+        lease: a live writer's files look alike."""
         for folder in (OUTPUTS, TOKEN_STATS, COMMITS, RUNS):
             self.fs.create_dir(self.path(folder), recursive=True)
         markers = self.markers()
         committed = {marker["part"] for marker in markers}
-        for folder in (OUTPUTS, TOKEN_STATS):
+        for folder in (OUTPUTS, TOKEN_STATS, COMMITS):
             for info in self._list(folder):
-                if info.base_name not in committed:
+                if info.base_name.removesuffix(".json") not in committed:
                     self.fs.delete_file(info.path)
-        for info in self._list(COMMITS):
-            if info.base_name.removesuffix(".json") not in committed:
-                self.fs.delete_file(info.path)  # torn marker
         return markers
 
     def markers(self) -> list[dict[str, Any]]:
-        """The commit markers that read back whole, read in parallel (on an object store each is a request)."""
+        """The markers of complete parts: the marker reads back whole and both data files it names are there.
+        Markers are read in parallel (on an object store each is a request)."""
+        present = [{info.base_name for info in self._list(folder)} for folder in (OUTPUTS, TOKEN_STATS)]
         infos = [info for info in self._list(COMMITS) if info.base_name.endswith(".json")]
         with ThreadPoolExecutor(16) as pool:
-            return [m for m in pool.map(lambda info: self._read_json(info.path), infos) if m and "part" in m]
+            markers = pool.map(lambda info: self._read_json(info.path), infos)
+            return [m for m in markers if isinstance(m, dict) and all(m.get("part") in names for names in present)]
 
     def committed_files(self, folder: str) -> list[str]:
         names = {marker["part"] for marker in self.markers()}

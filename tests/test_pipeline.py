@@ -177,6 +177,8 @@ def test_resume_skips_finished_ids_and_cleans_partial_parts(ray_cluster, config,
     (out / "outputs" / "part-torn.parquet").write_bytes(b"PAR1partial")
     pq.write_table(TOKEN_STATS_SCHEMA.empty_table(), out / "token_stats" / "part-orphan.parquet")
     (out / "_commits" / "part-torn.parquet.json").write_text('{"part": "part-torn.par')
+    # A marker whose data files are gone (written by a write task outliving its killed driver): not complete.
+    (out / "_commits" / "part-ghost.parquet.json").write_text('{"part": "part-ghost.parquet", "ids": ["row-008"]}')
 
     write_jsonl(source, good_rows(9))
     other = config.model_copy(update={"sampling": config.sampling.model_copy(update={"max_tokens": 7})})
@@ -187,7 +189,7 @@ def test_resume_skips_finished_ids_and_cleans_partial_parts(ray_cluster, config,
     assert sorted(outputs["id"].to_pylist()) == [row["id"] for row in good_rows(9)]
     assert by_id(before).items() <= by_id(outputs).items()
     leftovers = ["outputs/part-uncommitted.parquet", "outputs/part-torn.parquet", "token_stats/part-orphan.parquet",
-                 "_commits/part-torn.parquet.json"]
+                 "_commits/part-torn.parquet.json", "_commits/part-ghost.parquet.json"]
     assert not [name for name in leftovers if (out / name).exists()]
     assert {p.name for p in (out / "outputs").iterdir()} == {p.name for p in (out / "token_stats").iterdir()}
     assert {p.name + ".json" for p in (out / "outputs").iterdir()} == {p.name for p in (out / "_commits").iterdir()}
