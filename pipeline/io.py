@@ -10,10 +10,10 @@ retries) that numbers rows and turns undecodable rows into per-row errors instea
 from __future__ import annotations
 
 import contextlib
-import fnmatch
 import json
 import os
 import posixpath
+import re
 from collections.abc import Iterator
 from typing import Any
 
@@ -68,7 +68,8 @@ def list_input_files(uri: str) -> tuple[pafs.FileSystem, list[str], str]:
         prefix = path[: min(path.find(ch) for ch in "*?[" if ch in path)]
         base = posixpath.dirname(prefix) if "/" in prefix else ""
         listed = _list_files(fs, base or ".")
-        files = sorted(f for f in listed if fnmatch.fnmatchcase(f, path))
+        pattern = _glob_regex(path)
+        files = sorted(f for f in listed if pattern.fullmatch(f))
     else:
         kind = fs.get_file_info(path).type
         if kind == pafs.FileType.Directory:
@@ -83,6 +84,38 @@ def list_input_files(uri: str) -> tuple[pafs.FileSystem, list[str], str]:
     if unsupported:
         raise InputError(f"unsupported input file {unsupported[0]} (expected {', '.join(FORMATS)})")
     return fs, files, base
+
+
+def _glob_regex(pattern: str) -> re.Pattern[str]:
+    """A glob as shells and ``glob.glob(recursive=True)`` read it: ``*`` and ``?`` stay within one path
+    component, ``**/`` spans any number of them (fnmatch's ``*`` would cross ``/``)."""
+    out, i = [], 0
+    while i < len(pattern):
+        if pattern.startswith("**/", i):
+            out.append("(?:.*/)?")
+            i += 3
+        elif pattern.startswith("**", i):
+            out.append(".*")
+            i += 2
+        elif pattern[i] == "*":
+            out.append("[^/]*")
+            i += 1
+        elif pattern[i] == "?":
+            out.append("[^/]")
+            i += 1
+        elif pattern[i] == "[":
+            end = pattern.find("]", i + 1)
+            if end < 0:
+                out.append(re.escape("["))
+                i += 1
+            else:
+                body = pattern[i + 1:end]
+                out.append("[" + ("^" + body[1:] if body.startswith("!") else body) + "]")
+                i = end + 1
+        else:
+            out.append(re.escape(pattern[i]))
+            i += 1
+    return re.compile("".join(out))
 
 
 def _list_files(fs: pafs.FileSystem, directory: str) -> list[str]:

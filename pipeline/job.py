@@ -42,7 +42,7 @@ def generate(ds: ray.data.Dataset, config: Config) -> ray.data.Dataset:
     """Rows with ``id`` and ``prompt`` or ``messages``, in batch-sized blocks (``read_prompts``) -> output blocks
     with nested token statistics (``pipeline.schema.output_block``), one per input block."""
     # Blocks are not re-batched: two files' blocks may differ in column types, and concatenating them would fail.
-    return Processor(config, token_stats=True)(ds, batch_size=None)
+    return Processor(config, token_stats=True)(ds, rebatch=False)
 
 
 def run(config: Config, input_path: str, output_dir: str) -> dict[str, Any]:

@@ -33,9 +33,9 @@ class Processor:
                  postprocess: Callable[[Row], Row] | None = None, token_stats: bool = False) -> None:
         self.config, self.preprocess, self.postprocess, self.token_stats = config, preprocess, postprocess, token_stats
 
-    def __call__(self, ds: ray.data.Dataset, *, batch_size: int | None | str = "config") -> ray.data.Dataset:
-        """``batch_size`` rows per actor call: the config's ``batch_size`` by default; None takes the blocks as
-        they come (the job's reader makes them batch-sized and never mixes two files in one)."""
+    def __call__(self, ds: ray.data.Dataset, *, rebatch: bool = True) -> ray.data.Dataset:
+        """Actor calls of the config's ``batch_size`` rows; with ``rebatch=False`` the blocks as they come (the
+        job's reader makes them batch-sized and never mixes two files, whose column types may differ, in one)."""
         if self.preprocess is not None:
             ds = ds.map(self.preprocess)
         low, high = self.config.concurrency_range
@@ -43,7 +43,7 @@ class Processor:
             GenerationActor,
             fn_constructor_kwargs={"config": self.config.model_dump(mode="json"), "actors_per_node": high,
                                    "token_stats": self.token_stats},
-            batch_size=self.config.batch_size if batch_size == "config" else batch_size,
+            batch_size=self.config.batch_size if rebatch else None,
             batch_format="pyarrow",
             zero_copy_batch=True,  # the actor only reads its batch
             compute=ray.data.ActorPoolStrategy(

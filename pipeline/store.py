@@ -5,8 +5,9 @@ Object stores have no atomic rename, so a part is committed by a marker instead:
 listing the part's ids and its aggregate statistics. Each object appears whole or not at all on an object store;
 on a local disk a torn marker does not parse and counts as absent. So a part is complete exactly when its marker
 reads back and both files it names are listed; the finished ids and ``summary.json`` come from listing the
-markers, and a run starts by deleting whatever no complete part accounts for (what a killed run left). Part names are a hash of the part's ids: a retried
-write task or a restarted actor's batch rewrites the same part instead of adding a second one.
+markers, and a run starts by deleting whatever no complete part accounts for (what a killed run left). Part
+names are a hash of the part's ids: a retried write task or a restarted actor's batch rewrites the same part
+instead of adding a second one.
 
 Two drivers must not share a directory: the running one holds ``_lease.json``, renewed by a heartbeat; a
 second run is refused while the lease is live. A killed run's lease expires (or, on its own host, is seen to
