@@ -47,11 +47,11 @@ def generate(ds: ray.data.Dataset, config: Config) -> ray.data.Dataset:
 
 def run(config: Config, input_path: str, output_dir: str) -> dict[str, Any]:
     """Generate for every input row not yet in ``output_dir``; write parts as they finish, then summary.json."""
-    started = time.perf_counter()
     fs, files, base = list_input_files(input_path)
     store = OutputStore(output_dir)
     lease = Lease(store)
     lease.acquire()
+    started = time.perf_counter()  # after the lease's fixed one-second pause (see Lease)
     try:
         markers = store.prepare()
         done = frozenset(row_id for marker in markers for row_id in marker["ids"])
