@@ -12,6 +12,9 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
+# The one request validation, shared with the pipeline.
+from decoding.requests import ChatMessage, TextPart  # noqa: F401
+
 # Context keys the server passes to ``model_validate_json`` (limits only a loaded model knows).
 MAX_CONTEXT = "max_context"
 
@@ -159,22 +162,6 @@ class CompletionRequest(GenerationRequest):
     @property
     def prompts(self) -> list[str]:
         return [self.prompt] if isinstance(self.prompt, str) else self.prompt
-
-
-class TextPart(_Request):
-    type: Literal["text"]
-    text: str
-
-
-class ChatMessage(_Request):
-    role: Literal["system", "developer", "user", "assistant"]
-    content: str | list[TextPart]
-    name: str | None = None
-
-    def rendered(self) -> dict[str, str]:
-        """The ``{role, content}`` dict a chat template expects, text parts joined."""
-        content = self.content if isinstance(self.content, str) else "".join(part.text for part in self.content)
-        return {"role": self.role, "content": content}
 
 
 class ChatCompletionRequest(GenerationRequest):

@@ -24,8 +24,9 @@ def main(argv: list[str] | None = None) -> int:
         description="Generate for every row of a prompt dataset; any config field can be overridden, "
         "e.g. --speculative.num_candidates 3 --sampling.max_tokens 64",
     )
-    parser.add_argument("--input", help="Parquet/JSONL/CSV file, directory or glob (default: bundled samples)")
-    parser.add_argument("--output", default="specbatch-out", help="output directory; re-running resumes it")
+    parser.add_argument("--input", help="Parquet/JSONL/CSV file, directory or glob; a local path or any pyarrow URI "
+                        "(s3://, gs://, hdfs://) (default: bundled samples)")
+    parser.add_argument("--output", default="specbatch-out", help="output directory or URI; re-running resumes")
     args, config = parse_with_config(parser, sys.argv[1:] if argv is None else argv)
     setup_logging()
     try:

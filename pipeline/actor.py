@@ -9,7 +9,6 @@ at the end of each one.
 from __future__ import annotations
 
 import itertools
-import json
 import logging
 import queue
 import threading
@@ -17,13 +16,16 @@ from concurrent.futures import Future
 from typing import Any
 
 import pyarrow as pa
+import ray
 from ray.util.metrics import Counter
 
 from decoding.config import Config
 from decoding.engine import Engine, GenerationResult, Request
 from decoding.models import use_torch_threads, worker_threads
+from decoding.remote import localize_models
+from decoding.requests import RequestError, parse_request
 from decoding.stats import SpecDecodeCounters
-from pipeline.schema import READ_ERROR, output_block
+from pipeline.schema import PRODUCER_NODE, READ_ERROR, output_block
 
 log = logging.getLogger(__name__)
 
@@ -34,43 +36,14 @@ log = logging.getLogger(__name__)
 ENGINE_RUNTIME_ENV = {"env_vars": {"RAY_worker_niceness": "0"}}
 
 
-class RowError(ValueError):
-    """An input row that cannot become a request; it becomes an error row."""
-
-
-def _json_value(value: Any, column: str) -> Any:
-    if not isinstance(value, str):
-        return value
-    try:
-        return json.loads(value)
-    except ValueError as exc:
-        raise RowError(f"invalid {column}: not JSON ({exc})") from exc
-
-
-def _without_nulls(record: dict[str, Any]) -> dict[str, Any]:
-    # Arrow gives every struct row all fields of the column, null where that row had none.
-    return {key: value for key, value in record.items() if value is not None}
-
-
 def request_from_row(key: str, row: dict[str, Any]) -> Request:
-    """An input row (SPEC "Input") as an engine request; ``RowError`` when it cannot be one. The engine
-    itself rejects what it can judge: empty, over-long or non-string prompts, invalid sampling values."""
+    """An input row (SPEC "Input") as an engine request; ``RequestError`` when it cannot be one. Rows are
+    validated by the model the server uses too (decoding.requests); the engine itself rejects what only it can
+    judge: empty or over-long prompts, sampling values out of range."""
     if row.get(READ_ERROR):
-        raise RowError(row[READ_ERROR])
-    prompt, messages = row.get("prompt"), row.get("messages")
-    sampling = _json_value(row.get("sampling_params"), "sampling_params")
-    if sampling is not None:
-        if not isinstance(sampling, dict):
-            raise RowError(f"invalid sampling_params: expected an object, got {type(sampling).__name__}")
-        sampling = _without_nulls(sampling)
-    if messages is None:
-        return Request(key, prompt=prompt, sampling=sampling)
-    if prompt is not None:
-        raise RowError("a row has either a prompt or messages, not both")
-    messages = _json_value(messages, "messages")
-    if not isinstance(messages, list) or not all(isinstance(m, dict) for m in messages):
-        raise RowError("invalid messages: expected a list of {role, content} objects")
-    return Request(key, messages=[_without_nulls(m) for m in messages], sampling=sampling)
+        raise RequestError(row[READ_ERROR])
+    parsed = parse_request(row.get("prompt"), row.get("messages"), row.get("sampling_params"))
+    return Request(key, prompt=parsed.prompt, messages=parsed.messages, sampling=parsed.sampling)
 
 
 def error_result(request_id: str, prompt: Any, message: str) -> GenerationResult:
@@ -84,8 +57,10 @@ def error_result(request_id: str, prompt: Any, message: str) -> GenerationResult
 class GenerationActor:
     """``map_batches`` callable class: Arrow batch of input rows -> output block (see pipeline.schema)."""
 
-    def __init__(self, config: dict[str, Any], actors_per_node: int = 1) -> None:
-        self.config = Config.model_validate(config)
+    def __init__(self, config: dict[str, Any], actors_per_node: int = 1, token_stats: bool = True) -> None:
+        given = Config.model_validate(config)
+        self.config = localize_models(given)  # model URIs (s3://...) as local copies; provenance keeps the URIs
+        self.token_stats = token_stats
         # Ray sets OMP_NUM_THREADS=1 in workers: a CPU actor uses its num_cpus, else its share of the node.
         self.torch_threads = worker_threads(self.config.num_cpus, actors_per_node)
         self._keys = (str(n) for n in itertools.count())  # engine ids: input ids need not be unique
@@ -101,13 +76,16 @@ class GenerationActor:
         ready.result()  # a failure to build the engine (bad model path, ...) fails the actor here
         spec = self.engine.config.speculative  # as resolved: the default draft may have fallen back to ngram
         self.provenance = {
-            "target_model": self.config.model,
-            "draft_model": spec.model if spec.method == "draft_model" else None,
+            "target_model": given.model,
+            "draft_model": given.speculative.model if spec.method == "draft_model" else None,
         }
+        # Which node produced a block: the writer records it in the part's commit marker.
+        self.metadata = {PRODUCER_NODE: ray.get_runtime_context().get_node_id() if ray.is_initialized() else ""}
 
     def __call__(self, batch: pa.Table) -> pa.Table:
         futures = [self._submit(row) for row in batch.to_pylist()]
-        return output_block(batch, [future.result() for future in futures], self.provenance)
+        block = output_block(batch, [future.result() for future in futures], self.provenance, self.token_stats)
+        return block.replace_schema_metadata(self.metadata)
 
     def _submit(self, row: dict[str, Any]) -> Future:
         future: Future = Future()
@@ -116,7 +94,7 @@ class GenerationActor:
             request = request_from_row(key, row)
             request.seed_key = str(row.get("id", key))  # a row's random stream follows its id, not its actor
             self._inbox.put((request, future))
-        except RowError as exc:
+        except RequestError as exc:
             future.set_result(error_result(key, row.get("prompt"), str(exc)))
         return future
 

@@ -1,4 +1,5 @@
-"""Reading prompt datasets (SPEC "Input"): Parquet, JSONL or CSV; a file, a directory or a glob.
+"""Reading prompt datasets (SPEC "Input"): Parquet, JSONL or CSV; a file, a directory or a glob, on any filesystem
+pyarrow knows (a local path, s3://, gs://, hdfs://, ...).
 
 Ray Data's stock readers cannot tell a row's position in its file, which SPEC's derived ids need, and
 pyarrow's JSON reader rejects a whole file when one row has a value of another type. So the files are
@@ -9,84 +10,198 @@ retries) that numbers rows and turns undecodable rows into per-row errors instea
 from __future__ import annotations
 
 import contextlib
-import glob
 import json
 import os
+import posixpath
+import re
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.csv as pa_csv
+import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 import ray.data
 from ray.data.datasource import FileBasedDatasource
 
+from decoding.requests import MAX_DEPTH, too_deep
 from pipeline.schema import READ_ERROR
 
 FORMATS = {".parquet": "parquet", ".jsonl": "json", ".json": "json", ".csv": "csv"}
 # Read as text whatever they look like: "007" is an id and "42" a prompt, not numbers.
 _CSV_TEXT_COLUMNS = {"id": pa.string(), "prompt": pa.string()}
+# Deepest JSON record read: request columns are held to MAX_DEPTH later, carried-through columns may nest more.
+RECORD_DEPTH = 2 * MAX_DEPTH
 
 
 class InputError(ValueError):
-    """An input path that names no readable prompt files."""
+    """An input or output path that cannot be used: no such file, bucket or filesystem scheme."""
 
 
-def list_input_files(path: str) -> tuple[list[str], str]:
-    """The input's files, sorted, and the directory that derived ids name them relative to."""
+def resolve(uri: str, what: str) -> tuple[pafs.FileSystem, str]:
+    """The pyarrow filesystem and in-filesystem path of a local path or URI; ``InputError`` naming the
+    scheme or bucket when there is no such filesystem or bucket."""
+    if "://" not in uri:
+        return pafs.LocalFileSystem(), os.path.abspath(uri)
+    try:
+        fs, path = pafs.FileSystem.from_uri(uri)
+    except (pa.ArrowInvalid, pa.ArrowNotImplementedError, OSError) as exc:
+        scheme = uri.split("://", 1)[0]
+        raise InputError(f"{what} {uri}: unknown or unavailable filesystem scheme '{scheme}://' ({exc})") from None
+    if fs.type_name in ("s3", "gcs"):
+        bucket = path.split("/", 1)[0]
+        try:
+            missing = fs.get_file_info(bucket).type == pafs.FileType.NotFound
+        except OSError as exc:
+            raise InputError(f"{what} {uri}: cannot reach bucket '{bucket}' ({exc})") from None
+        if missing:
+            raise InputError(f"{what} {uri}: bucket '{bucket}' does not exist")
+    return fs, path.rstrip("/")
+
+
+def list_input_files(uri: str) -> tuple[pafs.FileSystem, list[str], str]:
+    """The input's filesystem, its files (sorted, in-filesystem paths) and the directory that derived ids
+    name them relative to."""
+    fs, path = resolve(uri, "input")
     if any(ch in path for ch in "*?["):
-        files = sorted(os.path.abspath(p) for p in glob.glob(path, recursive=True) if os.path.isfile(p))
-        base = os.path.dirname(path[: min(path.find(ch) for ch in "*?[" if ch in path)])
-    elif os.path.isdir(path):
-        files = sorted(os.path.abspath(p) for p in Path(path).rglob("*") if p.is_file() and p.suffix in FORMATS)
-        base = path
-    elif os.path.isfile(path):
-        files, base = [os.path.abspath(path)], os.path.dirname(path)
+        prefix = path[: min(path.find(ch) for ch in "*?[" if ch in path)]
+        base = posixpath.dirname(prefix) if "/" in prefix else ""
+        listed = _list_files(fs, base or ".")
+        pattern = _glob_regex(path)
+        files = sorted(f for f in listed if pattern.fullmatch(f))
     else:
-        raise InputError(f"input {path} does not exist")
+        kind = fs.get_file_info(path).type
+        if kind == pafs.FileType.Directory:
+            files, base = sorted(f for f in _list_files(fs, path) if _suffix(f) in FORMATS), path
+        elif kind == pafs.FileType.File:
+            files, base = [path], posixpath.dirname(path)
+        else:
+            raise InputError(f"input {uri} does not exist")
     if not files:
-        raise InputError(f"input {path} holds no {'/'.join(FORMATS)} files")
-    unsupported = [f for f in files if Path(f).suffix not in FORMATS]
+        raise InputError(f"input {uri} holds no {'/'.join(FORMATS)} files")
+    unsupported = [f for f in files if _suffix(f) not in FORMATS]
     if unsupported:
         raise InputError(f"unsupported input file {unsupported[0]} (expected {', '.join(FORMATS)})")
-    return files, os.path.abspath(base or ".")
+    return fs, files, base
 
 
-def read_prompts(files: list[str], base: str, *, skip: frozenset[str], rows_per_block: int) -> ray.data.Dataset:
+def _glob_regex(pattern: str) -> re.Pattern[str]:
+    """A glob as shells and ``glob.glob(recursive=True)`` read it: ``*`` and ``?`` stay within one path
+    component, ``**/`` spans any number of them (fnmatch's ``*`` would cross ``/``)."""
+    out, i = [], 0
+    while i < len(pattern):
+        if pattern.startswith("**/", i):
+            out.append("(?:.*/)?")
+            i += 3
+        elif pattern.startswith("**", i):
+            out.append(".*")
+            i += 2
+        elif pattern[i] == "*":
+            out.append("[^/]*")
+            i += 1
+        elif pattern[i] == "?":
+            out.append("[^/]")
+            i += 1
+        elif pattern[i] == "[":
+            end = pattern.find("]", i + 1)
+            if end < 0:
+                out.append(re.escape("["))
+                i += 1
+            else:
+                body = pattern[i + 1:end]
+                out.append("[" + ("^" + body[1:] if body.startswith("!") else body) + "]")
+                i = end + 1
+        else:
+            out.append(re.escape(pattern[i]))
+            i += 1
+    return re.compile("".join(out))
+
+
+def _list_files(fs: pafs.FileSystem, directory: str) -> list[str]:
+    infos = fs.get_file_info(pafs.FileSelector(directory, recursive=True, allow_not_found=True))
+    return [info.path for info in infos if info.type == pafs.FileType.File]
+
+
+def _suffix(path: str) -> str:
+    return posixpath.splitext(path)[1]
+
+
+def read_prompts(
+    files: list[str], base: str, *, skip: frozenset[str], rows_per_block: int, filesystem: pafs.FileSystem | None = None
+) -> ray.data.Dataset:
     """Rows of the files whose id is not in ``skip``, in blocks of ``rows_per_block``.
 
     The read does all per-row preparation itself (ids, resume filter, block size) and asks for no CPU:
     CPU actors hold the cluster's CPUs, and any other CPU-bound stage before them would wait forever.
     """
-    return ray.data.read_datasource(PromptFiles(files, base, skip, rows_per_block), num_cpus=0)
+    source = PromptFiles(files, base, skip, rows_per_block, filesystem or pafs.LocalFileSystem())
+    return ray.data.read_datasource(source, num_cpus=0)
 
 
 class PromptFiles(FileBasedDatasource):
-    """Prompt files of any supported format; every row gets a string ``id`` (derived: ``file:row``)."""
+    """Prompt files of any supported format; every row gets a string ``id`` (derived: ``file:row``).
 
-    def __init__(self, files: list[str], base: str, skip: frozenset[str], rows_per_block: int) -> None:
-        super().__init__(files)
+    Every block has a string ``prompt`` (when the file has prompts) and a ``READ_ERROR`` column, whatever the
+    file's own types: a file that cannot be parsed at all is one error row named after the file, so the other
+    files' rows still run."""
+
+    def __init__(
+        self, files: list[str], base: str, skip: frozenset[str], rows_per_block: int, filesystem: pafs.FileSystem
+    ) -> None:
+        super().__init__(files, filesystem=filesystem)
         self._base = base
         self._skip = skip
         self._rows_per_block = rows_per_block
 
     def _read_stream(self, f: pa.NativeFile, path: str) -> Iterator[pa.Table]:
-        data = f.read_buffer()
-        kind = FORMATS[Path(path).suffix]
-        if kind == "parquet":
-            table = pq.read_table(pa.BufferReader(data))
-        elif kind == "csv":
-            options = pa_csv.ConvertOptions(column_types=_CSV_TEXT_COLUMNS)
-            table = pa_csv.read_csv(pa.BufferReader(data), convert_options=options)
-        else:
-            table = read_json_records(data.to_pybytes())
-        table = with_ids(table, os.path.relpath(path, self._base).replace(os.sep, "/"))
+        data = f.read_buffer()  # outside the try: an I/O error is Ray Data's to retry, not an error row
+        name = posixpath.relpath(path, self._base) if self._base else path
+        try:
+            table = normalize(parse_file(data, FORMATS[_suffix(path)]))
+        except Exception as exc:  # any parser's error on a corrupt file: one error row instead of a failed job
+            table = pa.table({"id": [name], READ_ERROR: [f"unreadable input file {name}: {exc}"]})
+        table = with_ids(table, name)
         if self._skip:
             table = table.filter(pc.invert(pc.is_in(table["id"], pa.array(list(self._skip), pa.string()))))
         for start in range(0, table.num_rows, self._rows_per_block):
             yield table.slice(start, self._rows_per_block)
+
+
+def parse_file(data: pa.Buffer, kind: str) -> pa.Table:
+    if kind == "parquet":
+        return pq.read_table(pa.BufferReader(data))
+    if kind == "csv":
+        options = pa_csv.ConvertOptions(column_types=_CSV_TEXT_COLUMNS)
+        return pa_csv.read_csv(pa.BufferReader(data), convert_options=options)
+    return read_json_records(data.to_pybytes())
+
+
+def normalize(table: pa.Table) -> pa.Table:
+    """A ``prompt`` of another type than string (a file whose prompts are all numbers) becomes per-row
+    errors, and every table gets a ``READ_ERROR`` column: files of one input then give blocks of one shape."""
+    errors = table[READ_ERROR] if READ_ERROR in table.column_names else pa.nulls(table.num_rows, pa.string())
+    if "prompt" in table.column_names and not pa.types.is_string(table["prompt"].type):
+        prompt = table["prompt"]
+        if pa.types.is_large_string(prompt.type):
+            table = table.set_column(table.column_names.index("prompt"), "prompt", prompt.cast(pa.string()))
+        else:
+            got = f"prompt must be a string, got {_type_name(prompt.type)}"
+            errors = pc.if_else(pc.and_(pc.is_null(errors), pc.is_valid(prompt)), got, errors)
+            nulls = pa.nulls(table.num_rows, pa.string())
+            table = table.set_column(table.column_names.index("prompt"), "prompt", nulls)
+    if READ_ERROR in table.column_names:
+        return table.set_column(table.column_names.index(READ_ERROR), READ_ERROR, errors)
+    return table.append_column(READ_ERROR, errors)
+
+
+def _type_name(arrow_type: pa.DataType) -> str:
+    # The Python type name, as the engine and the JSON reader say it ("got int").
+    for test, name in ((pa.types.is_integer, "int"), (pa.types.is_floating, "float"), (pa.types.is_boolean, "bool"),
+                       (pa.types.is_list, "list"), (pa.types.is_struct, "dict"), (pa.types.is_null, "NoneType")):
+        if test(arrow_type):
+            return name
+    return str(arrow_type)
 
 
 def with_ids(table: pa.Table, name: str) -> pa.Table:
@@ -94,7 +209,7 @@ def with_ids(table: pa.Table, name: str) -> pa.Table:
     derived = pa.array([f"{name}:{row}" for row in range(table.num_rows)], pa.string())
     if "id" not in table.column_names:
         return table.add_column(0, "id", derived)
-    given = table["id"] if table["id"].type == pa.string() else pa.array(_as_text(table["id"].to_pylist()))
+    given = table["id"] if table["id"].type == pa.string() else pa.array(as_text(table["id"].to_pylist()))
     missing = pc.or_kleene(pc.is_null(given), pc.equal(given, ""))
     return table.set_column(table.column_names.index("id"), "id", pc.if_else(missing, derived, given))
 
@@ -105,15 +220,20 @@ def read_json_records(data: bytes) -> pa.Table:
     types elsewhere is stored as JSON text (``sampling_params`` and ``messages`` accept that form)."""
     lines = [line for line in data.splitlines() if line.strip()]
     if lines and lines[0].lstrip().startswith(b"["):  # one JSON array rather than JSON Lines
-        with contextlib.suppress(ValueError):
+        with contextlib.suppress(ValueError, RecursionError):
             lines = [json.dumps(record).encode() for record in json.loads(data)]
     records: list[dict[str, Any]] = []
     errors: list[str | None] = []
     for number, line in enumerate(lines, 1):
         try:
-            record = json.loads(line)  # bytes: invalid UTF-8 raises too, a ValueError like bad JSON
+            try:
+                record = json.loads(line)  # bytes: invalid UTF-8 raises too, a ValueError like bad JSON
+            except RecursionError:  # json recurses per nesting level
+                raise ValueError(f"nested deeper than {RECORD_DEPTH} levels") from None
             if not isinstance(record, dict):
                 raise ValueError(f"expected a JSON object, got {type(record).__name__}")
+            if too_deep(record, RECORD_DEPTH):  # before Arrow and pydantic recurse into it
+                raise ValueError(f"nested deeper than {RECORD_DEPTH} levels")
         except ValueError as exc:
             record, error = {}, f"undecodable JSON record {number}: {exc}"
         else:
@@ -136,8 +256,8 @@ def _column(values: list[Any], name: str, errors: list[str | None]) -> pa.Array:
             if value is not None and not isinstance(value, str):
                 errors[row] = errors[row] or f"prompt must be a string, got {type(value).__name__}"
         return pa.array([v if isinstance(v, str) else None for v in values], pa.string())
-    return pa.array(_as_text(values), pa.string())
+    return pa.array(as_text(values), pa.string())
 
 
-def _as_text(values: list[Any]) -> list[str | None]:
+def as_text(values: list[Any]) -> list[str | None]:
     return [v if v is None or isinstance(v, str) else json.dumps(v) for v in values]

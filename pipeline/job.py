@@ -1,4 +1,9 @@
-"""The batch generation job: input files -> Ray Data -> engine actors -> output directory (SPEC "Output directory")."""
+"""The batch generation job: input files -> Ray Data -> engine actors -> output directory (SPEC "Output directory").
+
+``specbatch generate`` is the processor of ``build_processor`` between a reader that numbers rows and skips the
+finished ones, and a datasink whose write tasks write the parts on the workers: no output row passes through
+the driver, which only lists commit markers (resume) and adds them up (summary.json).
+"""
 
 from __future__ import annotations
 
@@ -8,21 +13,16 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
-import pyarrow.compute as pc
 import ray
 import ray.data
 
 from decoding.config import Config
-from pipeline.actor import ENGINE_RUNTIME_ENV, GenerationActor
 from pipeline.io import list_input_files, read_prompts
-from pipeline.store import OutputStore
+from pipeline.processor import Processor
+from pipeline.store import Lease, OutputSink, OutputStore, new_run_id
 from pipeline.summary import RunStats, summarize
 
 log = logging.getLogger(__name__)
-
-# Ray Data batches an actor works on at once. Their rows share one engine, so while one batch's last
-# sequences finish, the next batch's rows already fill the freed engine rows.
-CALLS_PER_ACTOR = 4
 
 
 @contextmanager
@@ -39,40 +39,35 @@ def ray_session() -> Iterator[None]:
 
 
 def generate(ds: ray.data.Dataset, config: Config) -> ray.data.Dataset:
-    """Rows with ``id`` and ``prompt`` or ``messages`` -> output blocks (``pipeline.schema.output_block``)."""
-    low, high = config.concurrency_range
-    return ds.map_batches(
-        GenerationActor,
-        fn_constructor_kwargs={"config": config.model_dump(mode="json"), "actors_per_node": high},
-        batch_size=config.batch_size,
-        batch_format="pyarrow",
-        compute=ray.data.ActorPoolStrategy(
-            min_size=low, max_size=high, max_concurrent_calls_per_actor=CALLS_PER_ACTOR,
-            # No queue beyond the calls an actor runs: otherwise the first ready actor takes most blocks of
-            # a small job and the others idle.
-            max_tasks_in_flight_per_actor=CALLS_PER_ACTOR, enable_true_multi_threading=True,
-        ),
-        num_gpus=config.num_gpus,
-        num_cpus=config.num_cpus,  # None: Ray Data's default of one logical CPU per actor
-        runtime_env=ENGINE_RUNTIME_ENV,
-    )
+    """Rows with ``id`` and ``prompt`` or ``messages``, in batch-sized blocks (``read_prompts``) -> output blocks
+    with nested token statistics (``pipeline.schema.output_block``), one per input block."""
+    # Blocks are not re-batched: two files' blocks may differ in column types, and concatenating them would fail.
+    return Processor(config, token_stats=True)(ds, rebatch=False)
 
 
 def run(config: Config, input_path: str, output_dir: str) -> dict[str, Any]:
     """Generate for every input row not yet in ``output_dir``; write parts as they finish, then summary.json."""
-    started = time.perf_counter()
-    files, base = list_input_files(input_path)
+    fs, files, base = list_input_files(input_path)
     store = OutputStore(output_dir)
-    done = store.prepare()
-    if done:
-        log.info("resuming: %d rows already in %s are skipped", len(done), store.outputs)
-    rows = tokens = 0
-    with ray_session():
-        ds = read_prompts(files, base, skip=frozenset(done), rows_per_block=config.batch_size)
-        for block in generate(ds, config).iter_batches(batch_size=None, batch_format="pyarrow"):
-            outputs = store.write(block)
-            rows += outputs.num_rows
-            tokens += int(pc.sum(outputs["num_generated_tokens"]).as_py() or 0)
-    summary = summarize(store, config, RunStats(rows, tokens, time.perf_counter() - started), input_path)
-    store.write_summary(summary)
+    lease = Lease(store)
+    lease.acquire()
+    started = time.perf_counter()  # after the lease's fixed one-second pause (see Lease)
+    try:
+        markers = store.prepare()
+        done = frozenset(row_id for marker in markers for row_id in marker["ids"])
+        if done:
+            log.info("resuming: %d rows already in %s are skipped", len(done), output_dir)
+        run_id = new_run_id()
+        store.write_json(f"_runs/{run_id}.json", {"run": run_id, "started": lease.record["started"],
+                                                  "input": input_path, "config": config.model_dump(mode="json")})
+        sink = OutputSink(store, run_id)
+        with ray_session():
+            ds = read_prompts(files, base, skip=done, rows_per_block=config.batch_size, filesystem=fs)
+            # Write tasks are I/O: they ask for no CPU, which the actors hold (see read_prompts).
+            generate(ds, config).write_datasink(sink, ray_remote_args={"num_cpus": 0})
+        run_stats = RunStats(run_id, time.perf_counter() - started)
+        summary = summarize(markers + sink.written, store.runs(), config, run_stats, input_path)
+        store.write_json("summary.json", summary)
+    finally:
+        lease.release()
     return summary

@@ -58,11 +58,13 @@ TOKEN_STATS_SCHEMA = pa.schema([
 ])
 TOKEN_STAT = pa.struct(list(TOKEN_STATS_SCHEMA)[1:])
 
-# Columns private to the pipeline, never written: a reader's per-row decode error, and the token
-# statistics that travel nested in the actor's output block until the writer splits them off.
+# Columns private to the pipeline, never written: a reader's per-row decode error, and the token statistics
+# (opt-in for build_processor) that travel nested in the actor's output block until the writer splits them off.
 READ_ERROR = "__read_error"
-TOKEN_STATS = "__token_stats"
+TOKEN_STATS = "token_stats"
 _PRIVATE = (READ_ERROR, TOKEN_STATS)
+# Schema metadata key of an actor's output block: the Ray node it was generated on.
+PRODUCER_NODE = "specbatch.node"
 
 
 def _output_row(result: GenerationResult) -> dict[str, Any]:
@@ -88,16 +90,22 @@ def _output_row(result: GenerationResult) -> dict[str, Any]:
 
 
 def output_block(
-    inputs: pa.Table, results: list[GenerationResult], provenance: dict[str, str | None]
+    inputs: pa.Table, results: list[GenerationResult], provenance: dict[str, str | None], token_stats: bool = True
 ) -> pa.Table:
     """SPEC's output columns for ``results`` (one per input row, same order), carried-through input
-    columns after them, and the nested token statistics for the writer."""
-    rows = [{"id": row_id, **_output_row(result), **provenance}
-            for row_id, result in zip(inputs["id"].to_pylist(), results, strict=True)]
-    table = pa.Table.from_pylist(rows, schema=OUTPUT_SCHEMA)
+    columns after them, and with ``token_stats`` the nested token statistics. ``id`` only where the input has
+    one (build_processor needs none)."""
+    schema = OUTPUT_SCHEMA if "id" in inputs.column_names else OUTPUT_SCHEMA.remove(0)
+    rows = [{**_output_row(result), **provenance} for result in results]
+    if "id" in inputs.column_names:
+        for row, row_id in zip(rows, inputs["id"].to_pylist(), strict=True):
+            row["id"] = row_id
+    table = pa.Table.from_pylist(rows, schema=schema)
     for field in inputs.schema:
         if field.name not in OUTPUT_SCHEMA.names and field.name not in _PRIVATE:
             table = table.append_column(field, inputs[field.name])
+    if not token_stats:
+        return table
     stats = pa.array([[dict(zip(TOKEN_STAT.names, stat, strict=True)) for stat in r.token_stats] for r in results],
                      type=pa.list_(TOKEN_STAT))
     return table.append_column(TOKEN_STATS, stats)

@@ -1,73 +1,248 @@
-"""The output directory: ``outputs/`` and ``token_stats/`` parts written atomically, and resuming.
+"""The output directory (SPEC "Output directory") on any filesystem pyarrow knows, written by Ray Data write tasks.
 
-A part is one processed block, named by a hash of its ids, written to both folders under the same name:
-token_stats first, outputs last, each to a temporary name then renamed. So a part whose outputs file
-exists is complete, and a killed run leaves at worst a temporary file or a token_stats file without its
-outputs; ``prepare`` removes both and returns the finished ids for the next run to skip.
+Object stores have no atomic rename, so a part is committed by a marker instead: a write task writes
+``token_stats/<part>.parquet``, then ``outputs/<part>.parquet``, then ``_commits/<part>.json``, a small file
+listing the part's ids and its aggregate statistics. Each object appears whole or not at all on an object store;
+on a local disk a torn marker does not parse and counts as absent. So a part is complete exactly when its marker
+reads back and both files it names are listed; the finished ids and ``summary.json`` come from listing the
+markers, and a run starts by deleting whatever no complete part accounts for (what a killed run left). Part
+names are a hash of the part's ids: a retried write task or a restarted actor's batch rewrites the same part
+instead of adding a second one.
+
+Two drivers must not share a directory: the running one holds ``_lease.json``, renewed by a heartbeat; a
+second run is refused while the lease is live. A killed run's lease expires (or, on its own host, is seen to
+belong to a dead process at once).
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
-from pathlib import Path
+import posixpath
+import socket
+import threading
+import time
+import uuid
+from collections.abc import Iterable
+from concurrent.futures import ThreadPoolExecutor
+from datetime import datetime, timezone
 from typing import Any
 
 import pyarrow as pa
+import pyarrow.fs as pafs
 import pyarrow.parquet as pq
+from ray.data import Datasink
+from ray.data.block import Block
 
-from pipeline.schema import OUTPUT_SCHEMA, TOKEN_STATS_SCHEMA, split_block
+from pipeline.io import InputError, as_text, resolve
+from pipeline.schema import OUTPUT_SCHEMA, PRODUCER_NODE, TOKEN_STATS_SCHEMA, split_block
+from pipeline.summary import part_stats
+
+log = logging.getLogger(__name__)
+
+OUTPUTS, TOKEN_STATS, COMMITS, RUNS, LEASE = "outputs", "token_stats", "_commits", "_runs", "_lease.json"
+LEASE_SECONDS = float(os.environ.get("SPECBATCH_LEASE_SECONDS", "60"))
+
+
+class DirectoryInUse(InputError):
+    """The output directory is held by a live run."""
 
 
 class OutputStore:
-    def __init__(self, root: str | Path) -> None:
-        self.root = Path(root).resolve()
-        self.outputs = self.root / "outputs"
-        self.token_stats = self.root / "token_stats"
+    def __init__(self, uri: str) -> None:
+        self.uri = uri
+        self.fs, self.root = resolve(uri, "output")
 
-    def prepare(self) -> set[str]:
-        """Create the folders, drop what an interrupted run left half-written; the ids already done."""
-        for folder in (self.outputs, self.token_stats):
-            folder.mkdir(parents=True, exist_ok=True)
-            for leftover in folder.glob("*.tmp"):
-                leftover.unlink()
-        for stats in self.token_stats.glob("*.parquet"):
-            if not (self.outputs / stats.name).exists():
-                stats.unlink()
-        return set(self.read_outputs(["id"])["id"].to_pylist())
+    def path(self, *parts: str) -> str:
+        return posixpath.join(self.root, *parts)
 
-    def write(self, block: pa.Table) -> pa.Table:
-        """Write one actor output block as a part; returns its outputs table."""
-        outputs, stats = split_block(block)
-        digest = hashlib.sha1("\n".join(sorted(outputs["id"].to_pylist())).encode()).hexdigest()[:20]
-        name = f"part-{digest}.parquet"
-        _write_atomic(stats, self.token_stats / name)
-        _write_atomic(outputs, self.outputs / name)  # last: its presence marks the part complete
-        return outputs
+    def prepare(self) -> list[dict[str, Any]]:
+        """Create the folders and delete what no complete part accounts for (files a killed run left
+        half-written, markers torn or naming missing files); the committed parts' markers. Only under the
+        lease: a live writer's files look alike."""
+        for folder in (OUTPUTS, TOKEN_STATS, COMMITS, RUNS):
+            self.fs.create_dir(self.path(folder), recursive=True)
+        markers = self.markers()
+        committed = {marker["part"] for marker in markers}
+        for folder in (OUTPUTS, TOKEN_STATS, COMMITS):
+            for info in self._list(folder):
+                if info.base_name.removesuffix(".json") not in committed:
+                    self.fs.delete_file(info.path)
+        return markers
 
-    def read_outputs(self, columns: list[str]) -> pa.Table:
-        return _read_folder(self.outputs, OUTPUT_SCHEMA, columns)
+    def markers(self) -> list[dict[str, Any]]:
+        """The markers of complete parts: the marker reads back whole and both data files it names are there.
+        Markers are read in parallel (on an object store each is a request)."""
+        present = [{info.base_name for info in self._list(folder)} for folder in (OUTPUTS, TOKEN_STATS)]
+        infos = [info for info in self._list(COMMITS) if info.base_name.endswith(".json")]
+        with ThreadPoolExecutor(16) as pool:
+            markers = pool.map(lambda info: self._read_json(info.path), infos)
+            return [m for m in markers if isinstance(m, dict) and all(m.get("part") in names for names in present)]
 
-    def read_token_stats(self, columns: list[str]) -> pa.Table:
-        return _read_folder(self.token_stats, TOKEN_STATS_SCHEMA, columns)
+    def committed_files(self, folder: str) -> list[str]:
+        names = {marker["part"] for marker in self.markers()}
+        return sorted(info.path for info in self._list(folder) if info.base_name in names)
 
-    def write_summary(self, summary: dict[str, Any]) -> Path:
-        path = self.root / "summary.json"
-        tmp = path.with_name(path.name + ".tmp")
-        tmp.write_text(json.dumps(summary, indent=2) + "\n")
-        os.replace(tmp, path)
-        return path
+    def read_outputs(self, columns: list[str] | None = None) -> pa.Table:
+        return self._read_folder(OUTPUTS, OUTPUT_SCHEMA, columns)
+
+    def read_token_stats(self, columns: list[str] | None = None) -> pa.Table:
+        return self._read_folder(TOKEN_STATS, TOKEN_STATS_SCHEMA, columns)
+
+    def write_json(self, relative: str, value: Any) -> None:
+        with self.fs.open_output_stream(self.path(relative)) as f:
+            f.write((json.dumps(value, indent=2) + "\n").encode())
+
+    def read_json(self, relative: str) -> Any:
+        return self._read_json(self.path(relative))
+
+    def runs(self) -> list[dict[str, Any]]:
+        records = [self._read_json(info.path) for info in self._list(RUNS)]
+        return sorted((r for r in records if r), key=lambda r: r["started"])
+
+    def _read_folder(self, folder: str, schema: pa.Schema, columns: list[str] | None) -> pa.Table:
+        files = self.committed_files(folder)
+        if not files:
+            return schema.empty_table().select(columns or schema.names)
+        return concat_parts([pq.read_table(f, columns=columns, filesystem=self.fs) for f in files])
+
+    def _list(self, folder: str) -> list[pafs.FileInfo]:
+        selector = pafs.FileSelector(self.path(folder), allow_not_found=True)
+        return [info for info in self.fs.get_file_info(selector) if info.type == pafs.FileType.File]
+
+    def _read_json(self, path: str) -> Any:
+        try:
+            with self.fs.open_input_stream(path) as f:
+                return json.loads(f.read())
+        except (OSError, ValueError):  # vanished, or torn by a killed writer on a local disk
+            return None
 
 
-def _write_atomic(table: pa.Table, path: Path) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    pq.write_table(table, tmp)
-    os.replace(tmp, path)
+def concat_parts(tables: list[pa.Table]) -> pa.Table:
+    """Parts as one table. A carried-through column keeps each input file's own type in that file's parts
+    (an ``extra`` column may be int in one file, string in another); where types clash, the column is read
+    as JSON text, as the reader does for a column mixing types within one file."""
+    types: dict[str, set[pa.DataType]] = {}
+    for table in tables:
+        for field in table.schema:
+            if not pa.types.is_null(field.type):
+                types.setdefault(field.name, set()).add(field.type)
+    clashing = {name for name, kinds in types.items() if len(kinds) > 1}
+    try:
+        return pa.concat_tables(tables, promote_options="permissive")
+    except (pa.ArrowInvalid, pa.ArrowTypeError):
+        pass
+    texts = []
+    for table in tables:
+        for name in clashing & set(table.column_names):
+            text = pa.array(as_text(table[name].to_pylist()), pa.string())
+            table = table.set_column(table.column_names.index(name), name, text)
+        texts.append(table)
+    return pa.concat_tables(texts, promote_options="permissive")
 
 
-def _read_folder(folder: Path, schema: pa.Schema, columns: list[str]) -> pa.Table:
-    files = sorted(folder.glob("*.parquet"))
-    if not files:
-        return schema.empty_table().select(columns)
-    return pa.concat_tables(pq.read_table(f, columns=columns) for f in files)
+class OutputSink(Datasink[list[dict[str, Any]]]):
+    """Ray Data datasink of actor output blocks: each block becomes one committed part (see module doc)."""
+
+    def __init__(self, store: OutputStore, run_id: str) -> None:
+        self.fs, self.root, self.run_id = store.fs, store.root, run_id
+        self.written: list[dict[str, Any]] = []  # filled on the driver when the write completes
+
+    def write(self, blocks: Iterable[Block], ctx: Any) -> list[dict[str, Any]]:
+        # Block by block, never concatenated: parts from different input files may differ in carried columns.
+        return [self._write_part(block) for block in blocks if block.num_rows]
+
+    def _write_part(self, block: pa.Table) -> dict[str, Any]:
+        node = (block.schema.metadata or {}).get(PRODUCER_NODE.encode(), b"").decode()
+        outputs, stats = split_block(block.replace_schema_metadata(None))
+        ids = outputs["id"].to_pylist()
+        part = f"part-{hashlib.sha1(chr(10).join(ids).encode()).hexdigest()[:24]}.parquet"
+        pq.write_table(stats, posixpath.join(self.root, TOKEN_STATS, part), filesystem=self.fs)
+        pq.write_table(outputs, posixpath.join(self.root, OUTPUTS, part), filesystem=self.fs)
+        marker = {"part": part, "run": self.run_id, "node": node, "ids": ids, **part_stats(outputs, stats)}
+        with self.fs.open_output_stream(posixpath.join(self.root, COMMITS, part + ".json")) as f:
+            f.write(json.dumps(marker).encode())  # last: the part counts from here on
+        # To the driver only the sums: it must not hold every output id in memory.
+        return {key: value for key, value in marker.items() if key != "ids"}
+
+    def on_write_complete(self, write_result: Any) -> None:
+        self.written = [marker for markers in write_result.write_returns for marker in markers]
+
+    def get_name(self) -> str:
+        return "WriteOutputs"
+
+
+class Lease:
+    """``_lease.json`` in the output directory: who runs there, renewed every ``ttl / 3`` seconds.
+
+    There is no compare-and-swap on an object store: two runs starting within the same instant both write,
+    then both read back after a pause, and only the one whose write stuck goes on."""
+
+    def __init__(self, store: OutputStore, ttl: float = LEASE_SECONDS) -> None:
+        self.store, self.ttl = store, ttl
+        self.record = {"owner": uuid.uuid4().hex, "host": socket.gethostname(), "pid": os.getpid(),
+                       "started": _now(), "expires": 0.0}
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def acquire(self) -> None:
+        self.store.fs.create_dir(self.store.root, recursive=True)
+        self._refuse_if_held()
+        self._write()
+        time.sleep(min(1.0, self.ttl / 10))
+        self._refuse_if_held()
+        self._thread = threading.Thread(target=self._heartbeat, name="lease", daemon=True)
+        self._thread.start()
+
+    def release(self) -> None:
+        self._stop.set()
+        if self._thread:
+            self._thread.join()
+        held = self.store.read_json(LEASE)
+        if held and held.get("owner") == self.record["owner"]:
+            self.store.fs.delete_file(self.store.path(LEASE))
+
+    def _refuse_if_held(self) -> None:
+        held = self.store.read_json(LEASE)
+        if not held or held.get("owner") == self.record["owner"] or not _live(held):
+            return
+        until = datetime.fromtimestamp(held["expires"], timezone.utc).isoformat(timespec="seconds")
+        raise DirectoryInUse(
+            f"output {self.store.uri} is in use by another run (pid {held.get('pid')} on {held.get('host')}, "
+            f"started {held.get('started')}); its lease is renewed while it runs and lapses at {until} if it stops. "
+            "Wait for it to finish or choose another --output."
+        )
+
+    def _write(self) -> None:
+        self.record["expires"] = time.time() + self.ttl
+        self.store.write_json(LEASE, self.record)
+
+    def _heartbeat(self) -> None:
+        while not self._stop.wait(self.ttl / 3):
+            try:
+                self._write()
+            except OSError:  # a transient store error: the next beat retries well before expiry
+                log.warning("could not renew the lease on %s", self.store.uri, exc_info=True)
+
+
+def _live(lease: dict[str, Any]) -> bool:
+    if lease.get("expires", 0) < time.time():
+        return False
+    if lease.get("host") == socket.gethostname():  # on this host a dead process is visible at once
+        try:
+            os.kill(int(lease["pid"]), 0)
+        except ProcessLookupError:
+            return False
+        except (PermissionError, KeyError, ValueError):
+            pass
+    return True
+
+
+def _now() -> str:
+    return datetime.now(timezone.utc).isoformat(timespec="milliseconds")
+
+
+def new_run_id() -> str:
+    return f"{datetime.now(timezone.utc):%Y%m%dT%H%M%S}-{uuid.uuid4().hex[:8]}"

@@ -1,4 +1,9 @@
-"""``summary.json``: aggregate metrics of an output directory, in vLLM's vocabulary (SPEC "Output directory")."""
+"""``summary.json``: aggregate metrics of an output directory, in vLLM's vocabulary (SPEC "Output directory").
+
+Each part's sums are computed by the write task that writes it and stored in its commit marker
+(``part_stats``); the summary adds the markers up. So it is computed from what was written, costs the driver
+one small file per part, and never reads the outputs themselves.
+"""
 
 from __future__ import annotations
 
@@ -11,15 +16,13 @@ import pyarrow.compute as pc
 
 from decoding.config import Config
 from decoding.stats import SpecDecodeStats, target_forwards
-from pipeline.store import OutputStore
 
 
 @dataclass
 class RunStats:
     """What this run itself did; a resumed run's directory also holds rows of earlier runs."""
 
-    rows: int
-    generated_tokens: int
+    run_id: str
     wall_seconds: float
 
 
@@ -55,18 +58,48 @@ def run_totals(outputs: pa.Table) -> SpecDecodeStats:
     )
 
 
-def summarize(store: OutputStore, config: Config, run: RunStats, input_path: str) -> dict[str, Any]:
-    outputs = store.read_outputs(["finish_reason", "num_generated_tokens", "per_step_drafted", "spec_decode"])
-    total = run_totals(outputs)
-    per_pos = total.accepted_per_pos
+_STATS = ("num_spec_steps", "num_draft_tokens", "num_accepted_draft_tokens", "num_generated_tokens",
+          "num_target_forwards", "acceptance_histogram")
+
+
+def part_stats(outputs: pa.Table, stats: pa.Table) -> dict[str, Any]:
+    """The sums one part contributes to the summary (stored in its commit marker): its rows, errors and the
+    fields of its ``SpecDecodeStats`` (the one definition of the acceptance metrics)."""
+    del stats  # the per-position counts come from the histogram (vLLM's definition), not from token_stats
+    totals = run_totals(outputs)
     return {
         "rows": outputs.num_rows,
         "errors": _sum(pc.equal(outputs["finish_reason"], "error")),
+        **{field: getattr(totals, field) for field in _STATS},
+    }
+
+
+def _stats(marker: dict[str, Any]) -> SpecDecodeStats:
+    return SpecDecodeStats(**{field: marker.get(field) or 0 for field in _STATS[:-1]},
+                           acceptance_histogram=tuple(marker.get("acceptance_histogram") or ()))
+
+
+def _add(parts: list[dict[str, Any]]) -> tuple[int, int, SpecDecodeStats]:
+    """(rows, errors, statistics) of these parts."""
+    return (sum(p["rows"] for p in parts), sum(p["errors"] for p in parts),
+            SpecDecodeStats.total(_stats(p) for p in parts))
+
+
+def summarize(markers: list[dict[str, Any]], runs: list[dict[str, Any]], config: Config, run: RunStats,
+              input_path: str) -> dict[str, Any]:
+    """The summary of the parts ``markers`` (all committed parts), ``run`` being the run that just ended."""
+    rows, errors, total = _add(markers)
+    this_rows, _, this_run = _add([m for m in markers if m.get("run") == run.run_id])
+    per_run = {r["run"]: _add([m for m in markers if m.get("run") == r["run"]]) for r in runs}
+    per_pos = total.accepted_per_pos
+    return {
+        "rows": rows,
+        "errors": errors,
         "generated_tokens": total.num_generated_tokens,
         "wall_seconds": run.wall_seconds,
-        "tokens_per_second": run.generated_tokens / run.wall_seconds if run.wall_seconds else 0.0,
-        "rows_this_run": run.rows,
-        "generated_tokens_this_run": run.generated_tokens,
+        "tokens_per_second": this_run.num_generated_tokens / run.wall_seconds if run.wall_seconds else 0.0,
+        "rows_this_run": this_rows,
+        "generated_tokens_this_run": this_run.num_generated_tokens,
         "mean_acceptance_length": total.mean_acceptance_length,
         "tokens_per_forward": total.tokens_per_forward,
         "draft_acceptance_rate": total.draft_acceptance_rate,
@@ -79,6 +112,10 @@ def summarize(store: OutputStore, config: Config, run: RunStats, input_path: str
         "num_accepted_tokens_per_pos": per_pos,
         "input": input_path,
         "config": config.model_dump(mode="json"),
+        # Every run that wrote into this directory, with its own configuration: a directory resumed under
+        # another configuration holds rows of both.
+        "runs": [{**r, "rows": per_run[r["run"]][0], "generated_tokens": per_run[r["run"]][2].num_generated_tokens}
+                 for r in runs],
     }
 
 

@@ -27,6 +27,7 @@ from pipeline.actor import GenerationActor
 from pipeline.io import list_input_files, read_json_records, read_prompts
 from pipeline.job import run
 from pipeline.schema import OUTPUT_SCHEMA, READ_ERROR, TOKEN_STATS_SCHEMA
+from pipeline.store import OutputStore
 
 REPO = Path(__file__).resolve().parents[1]
 WORDS = ["the cat sat", "on a mat", "dogs run fast", "a bird, a tree.", "slow rivers bend", "stars are far"]
@@ -176,21 +177,31 @@ def test_resume_skips_finished_ids_and_cleans_partial_parts(ray_cluster, config,
     out = tmp_path / "out"
     run(config, str(source), str(out))
     before = pq.read_table(out / "outputs")
-    # What a run killed between its two writes leaves: a temporary file and token stats without outputs.
-    (out / "outputs" / "part-x.parquet.tmp").write_bytes(b"partial")
+    # What a run killed between its writes leaves: data files of a part whose commit marker was never written
+    # (a valid one and a truncated one), and a marker torn on a local disk.
+    pq.write_table(before.slice(0, 1), out / "outputs" / "part-uncommitted.parquet")
+    (out / "outputs" / "part-torn.parquet").write_bytes(b"PAR1partial")
     pq.write_table(TOKEN_STATS_SCHEMA.empty_table(), out / "token_stats" / "part-orphan.parquet")
+    (out / "_commits" / "part-torn.parquet.json").write_text('{"part": "part-torn.par')
+    # A marker whose data files are gone (written by a write task outliving its killed driver): not complete.
+    (out / "_commits" / "part-ghost.parquet.json").write_text('{"part": "part-ghost.parquet", "ids": ["row-008"]}')
 
     write_jsonl(source, good_rows(9))
-    summary = run(config, str(source), str(out))
+    other = config.model_copy(update={"sampling": config.sampling.model_copy(update={"max_tokens": 7})})
+    summary = run(other, str(source), str(out))  # resumed under another configuration
     assert summary["rows_this_run"] == 3 and summary["rows"] == 9
+    assert [(r["rows"], r["config"]["sampling"]["max_tokens"]) for r in summary["runs"]] == [(6, 12), (3, 7)]
     outputs = pq.read_table(out / "outputs")
     assert sorted(outputs["id"].to_pylist()) == [row["id"] for row in good_rows(9)]
     assert by_id(before).items() <= by_id(outputs).items()
-    assert not list(out.rglob("*.tmp")) and not (out / "token_stats" / "part-orphan.parquet").exists()
+    leftovers = ["outputs/part-uncommitted.parquet", "outputs/part-torn.parquet", "token_stats/part-orphan.parquet",
+                 "_commits/part-torn.parquet.json", "_commits/part-ghost.parquet.json"]
+    assert not [name for name in leftovers if (out / name).exists()]
     assert {p.name for p in (out / "outputs").iterdir()} == {p.name for p in (out / "token_stats").iterdir()}
+    assert {p.name + ".json" for p in (out / "outputs").iterdir()} == {p.name for p in (out / "_commits").iterdir()}
 
     summary = run(config, str(source), str(out))
-    assert summary["rows_this_run"] == 0 and summary["rows"] == 9
+    assert summary["rows_this_run"] == 0 and summary["rows"] == 9 and len(summary["runs"]) == 3
 
 
 def assert_each_id_once(out: Path, ids: list[str]) -> None:
@@ -228,11 +239,11 @@ def test_killed_driver_then_resume_yields_every_id_once(ray_cluster, config, tmp
             cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT,
         )
         try:
-            wait_for(lambda: any((out / "outputs").glob("*.parquet")) or driver.poll() is not None, 120, "a part")
+            wait_for(lambda: any((out / "_commits").glob("*.json")) or driver.poll() is not None, 120, "a part")
         finally:
             driver.send_signal(signal.SIGKILL)
             driver.wait()
-    done = pq.read_table(out / "outputs", columns=["id"]).num_rows
+    done = sum(len(marker["ids"]) for marker in OutputStore(str(out)).markers())
     assert 0 < done < len(rows), f"the driver was not killed midway ({done} rows done); see {tmp_path}/driver.log"
     summary = run(slow, str(source), str(out))
     assert summary["rows_this_run"] == len(rows) - done
@@ -287,14 +298,14 @@ def test_inputs_parquet_csv_jsonl_dirs_globs_and_derived_ids(ray_cluster, tmp_pa
     write_jsonl(folder / "j.jsonl", [{"prompt": "hi", "k": 1}, {"id": 5, "prompt": "yo", "k": "one"}])
     (folder / "notes.txt").write_text("ignored in a directory")
 
-    files, base = list_input_files(str(folder))
+    fs, files, base = list_input_files(str(folder))
     rows = {row["id"]: row for row in read_prompts(files, base, skip=frozenset(), rows_per_block=1).take_all()}
     assert set(rows) == {"sub/p.parquet:0", "sub/p.parquet:1", "007", "c.csv:1", "j.jsonl:0", "5"}
     assert rows["007"]["prompt"] == "42"  # CSV text stays text
     assert rows["sub/p.parquet:1"]["sampling_params"] == {"temperature": None, "max_tokens": 3}
     assert rows["5"]["k"] == "one" and rows["j.jsonl:0"]["k"] == "1"  # a mixed-type column becomes JSON text
 
-    files, base = list_input_files(str(folder / "*.csv"))
+    fs, files, base = list_input_files(str(folder / "*.csv"))
     again = read_prompts(files, base, skip=frozenset({"007"}), rows_per_block=4).take_all()
     assert [row["id"] for row in again] == ["c.csv:1"]
 

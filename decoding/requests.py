@@ -1,0 +1,154 @@
+"""The one validation of a generation request's inputs, shared by the batch pipeline and the HTTP server.
+
+A request is a ``prompt`` or chat ``messages`` (roles, content as a string or a list of text parts) plus
+optional ``sampling_params`` overrides, each of which may arrive as JSON text. Both front ends call
+``parse_request`` (the pipeline per row) or use ``ChatMessage`` (the server's OpenAI body), so they accept and
+refuse the same things with the same words. Values are checked for nesting depth before anything recurses
+into them: a row of ten thousand nested lists is an error row, not a RecursionError that kills the job.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, ValidationError, field_validator, model_validator
+
+from decoding.config import format_validation_error
+
+# Deepest nesting accepted in a request value (messages with text parts need 4; sampling_params 2). Deeper
+# values are refused before pydantic, Arrow or the chat template recurse into them.
+MAX_DEPTH = 32
+
+
+class RequestError(ValueError):
+    """Inputs that cannot become a request; the message names the field and the reason."""
+
+
+def too_deep(value: Any, limit: int = MAX_DEPTH) -> bool:
+    """Whether ``value`` (dicts and lists) nests deeper than ``limit``, found without recursion."""
+    stack = [(value, 1)]
+    while stack:
+        item, depth = stack.pop()
+        children = item.values() if isinstance(item, dict) else item if isinstance(item, list | tuple) else None
+        if children is None:
+            continue
+        if depth > limit:
+            return True
+        stack.extend((child, depth + 1) for child in children)
+    return False
+
+
+def parse_json(text: Any, field: str, limit: int = MAX_DEPTH) -> Any:
+    """``text`` decoded when it is a string (JSON text), as is otherwise; refused when nested too deep."""
+    if isinstance(text, str | bytes):
+        try:
+            text = json.loads(text)
+        except RecursionError:  # json recurses per level: a deep enough document exhausts the stack
+            raise RequestError(f"invalid {field}: nested deeper than {limit} levels") from None
+        except ValueError as exc:
+            raise RequestError(f"invalid {field}: not JSON ({exc})") from exc
+    if too_deep(text, limit):
+        raise RequestError(f"invalid {field}: nested deeper than {limit} levels")
+    return text
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+
+class TextPart(_Strict):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(_Strict):
+    role: Literal["system", "developer", "user", "assistant"]
+    content: str | list[TextPart]
+    name: str | None = None
+
+    def rendered(self) -> dict[str, str]:
+        """The ``{role, content}`` dict a chat template expects, text parts joined."""
+        content = self.content if isinstance(self.content, str) else "".join(part.text for part in self.content)
+        return {"role": self.role, "content": content}
+
+
+def check_stops(value: Any) -> Any:
+    """A stop string that is empty would end every sequence before its first token: refused."""
+    stops = [value] if isinstance(value, str) else value if isinstance(value, list) else []
+    if any(isinstance(stop, str) and not stop for stop in stops):
+        raise ValueError("stop strings must be non-empty")
+    return value
+
+
+class _Inputs(_Strict):
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    sampling_params: dict[str, Any] | None = None
+
+    @field_validator("prompt", mode="before")
+    @classmethod
+    def _text_prompt(cls, value: Any) -> Any:
+        if value is not None and not isinstance(value, str):
+            raise ValueError(f"prompt must be a string, got {type(value).__name__}")
+        return value
+
+    @field_validator("sampling_params")
+    @classmethod
+    def _sampling(cls, value: dict[str, Any] | None) -> dict[str, Any] | None:
+        if value is not None:
+            check_stops(value.get("stop"))
+        return value
+
+    @model_validator(mode="after")
+    def _one_source(self) -> _Inputs:
+        if self.messages is not None and self.prompt is not None:
+            raise ValueError("a row has either a prompt or messages, not both")
+        if self.messages is None and self.prompt is None:
+            raise ValueError("a row needs a prompt or messages")
+        if self.messages is not None and not self.messages:
+            raise ValueError("messages must not be empty")
+        return self
+
+
+@dataclass
+class ParsedRequest:
+    prompt: str | None
+    messages: list[dict[str, str]] | None
+    sampling: dict[str, Any] | None
+
+
+def _without_nulls(value: Any) -> Any:
+    # Arrow gives every struct row all fields of its column, null where that row had none.
+    return {k: v for k, v in value.items() if v is not None} if isinstance(value, dict) else value
+
+
+def parse_request(prompt: Any = None, messages: Any = None, sampling_params: Any = None) -> ParsedRequest:
+    """A row's or body's inputs, validated; ``RequestError`` with a message naming the field otherwise.
+    ``messages`` and ``sampling_params`` may be JSON text; null struct fields count as absent."""
+    messages = parse_json(messages, "messages")
+    sampling_params = _without_nulls(parse_json(sampling_params, "sampling_params"))
+    if isinstance(sampling_params, dict):
+        sampling_params = {k: _without_nulls(v) for k, v in sampling_params.items()}
+    if isinstance(messages, list):
+        messages = [_without_nulls(m) for m in messages]
+        for m in messages:
+            if isinstance(m, dict) and isinstance(m.get("content"), list):
+                m["content"] = [_without_nulls(part) for part in m["content"]]
+    if sampling_params is not None and not isinstance(sampling_params, dict):
+        raise RequestError(f"invalid sampling_params: expected an object, got {type(sampling_params).__name__}")
+    try:
+        inputs = _Inputs.model_validate({"prompt": prompt, "messages": messages, "sampling_params": sampling_params})
+    except ValidationError as exc:
+        raise RequestError(_message(exc)) from None
+    rendered = None if inputs.messages is None else [m.rendered() for m in inputs.messages]
+    return ParsedRequest(inputs.prompt, rendered, inputs.sampling_params)
+
+
+def _message(exc: ValidationError) -> str:
+    # A model-level or prompt-type error reads best as its own sentence, without pydantic's "Value error, ".
+    errors = exc.errors()
+    if len(errors) == 1 and errors[0]["type"] == "value_error" and errors[0]["loc"] in ((), ("prompt",)):
+        return str(errors[0]["ctx"]["error"])
+    return format_validation_error(exc)

@@ -1,0 +1,185 @@
+"""No row or file stops a job (issue 16 point 5): each kind of bad input becomes error rows naming the row or
+file and the reason, the job exits 0, and every good row beside it is generated.
+
+One `specbatch generate` run over a directory holding one file (or a few) per case; each test checks its case:
+rows in = rows out, the bad ones as error rows with the reason, the good ones generated."""
+
+from __future__ import annotations
+
+import json
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+import yaml
+
+from decoding.config import Config
+from pipeline.store import OutputStore
+
+DEEP = 100_000  # far past Python's recursion limit
+
+
+def deep_list(depth: int) -> str:
+    return "[" * depth + "]" * depth
+
+
+def jsonl(*records: dict | str) -> str:
+    return "".join((r if isinstance(r, str) else json.dumps(r)) + "\n" for r in records)
+
+
+def good(case: str, n: int = 2) -> list[dict]:
+    return [{"id": f"{case}-ok-{i}", "prompt": f"the cat sat {i}"} for i in range(n)]
+
+
+def nested(depth: int) -> object:
+    value: object = "x"
+    for _ in range(depth):
+        value = [value]
+    return value
+
+
+# file name -> (content, {id: expected error substring, or None for a row that must be generated})
+CASES: dict[str, tuple[str | bytes, dict[str, str | None]]] = {}
+
+
+def case(name: str, content: str | bytes, expected: dict[str, str | None]) -> None:
+    CASES[name] = (content, expected)
+
+
+case("deep_row.jsonl",
+     jsonl(*good("deep-row"), f'{{"id": "deep-row-bad", "prompt": "the cat", "extra": {deep_list(DEEP)}}}',
+           {"id": "deep-row-70", "prompt": "the cat", "extra": nested(70)}),
+     {"deep-row-ok-0": None, "deep-row-ok-1": None,
+      # a record too deep to read has no id of its own: it is named by file and record
+      "deep_row.jsonl:2": "record 3: nested deeper than", "deep_row.jsonl:3": "record 4: nested deeper than"})
+case("deep_sampling.jsonl",
+     jsonl(*good("deep-sp"), {"id": "deep-sp-text", "prompt": "the cat", "sampling_params": deep_list(DEEP)},
+           {"id": "deep-sp-stop", "prompt": "the cat", "sampling_params": json.dumps({"stop": nested(40)})}),
+     {"deep-sp-ok-0": None, "deep-sp-ok-1": None,
+      "deep-sp-text": "invalid sampling_params: nested deeper than 32",
+      "deep-sp-stop": "invalid sampling_params: nested deeper than 32"})
+
+
+def parquet_bytes(table: pa.Table) -> bytes:
+    sink = pa.BufferOutputStream()
+    pq.write_table(table, sink)
+    return sink.getvalue().to_pybytes()
+
+
+_GOOD_PARQUET = parquet_bytes(pa.table({"id": [r["id"] for r in good("pq", 3)],
+                                        "prompt": [r["prompt"] for r in good("pq", 3)]}))
+case("corrupt/good.parquet", _GOOD_PARQUET, {r["id"]: None for r in good("pq", 3)})
+case("corrupt/truncated.parquet", _GOOD_PARQUET[: len(_GOOD_PARQUET) // 2],
+     {"corrupt/truncated.parquet": "unreadable input file corrupt/truncated.parquet"})
+case("corrupt/garbage.parquet", b"PAR1 this is not parquet at all",
+     {"corrupt/garbage.parquet": "unreadable input file corrupt/garbage.parquet"})
+
+case("types/a.jsonl", jsonl(*[{**r, "extra": i} for i, r in enumerate(good("types-a"))]),
+     {"types-a-ok-0": None, "types-a-ok-1": None})
+case("types/b.jsonl", jsonl({"id": "types-b-0", "prompt": 7, "extra": "seven"},
+                            {"id": "types-b-1", "prompt": 8, "extra": "eight"}),
+     {"types-b-0": "prompt must be a string, got int", "types-b-1": "prompt must be a string, got int"})
+case("types/c.csv", "id,prompt,extra\ntypes-c-0,the cat,x\n", {"types-c-0": None})
+
+case("messages.jsonl", jsonl(
+    {"id": "msg-ok", "messages": [{"role": "user", "content": "hello there"}]},
+    {"id": "msg-parts", "messages": [{"role": "user", "content": [{"type": "text", "text": "hello"}]}]},
+    {"id": "msg-no-content", "messages": [{"role": "user"}]},
+    {"id": "msg-role", "messages": [{"role": "wizard", "content": "hi"}]},
+    {"id": "msg-int-content", "messages": [{"role": "user", "content": 5}]},
+    {"id": "msg-bad-part", "messages": [{"role": "user", "content": [{"type": "image", "url": "x"}]}]},
+    {"id": "msg-empty", "messages": []},
+    {"id": "msg-not-list", "messages": "hello"},
+), {"msg-ok": None, "msg-parts": None,
+    "msg-no-content": "messages.0.content", "msg-role": "messages.0.role", "msg-int-content": "messages.0.content",
+    "msg-bad-part": "messages.0.content", "msg-empty": "messages must not be empty", "msg-not-list": "messages"})
+
+case("stops.jsonl", jsonl(
+    {"id": "stop-ok", "prompt": "the cat", "sampling_params": {"stop": ["zz"]}},
+    {"id": "stop-empty-list", "prompt": "the cat", "sampling_params": {"stop": [""]}},
+    {"id": "stop-empty-str", "prompt": "the cat", "sampling_params": {"stop": ""}},
+    {"id": "stop-one-empty", "prompt": "the cat", "sampling_params": {"stop": ["ok", ""]}},
+), {"stop-ok": None, "stop-empty-list": "stop strings must be non-empty",
+    "stop-empty-str": "stop strings must be non-empty", "stop-one-empty": "stop strings must be non-empty"})
+
+
+@pytest.fixture(scope="module")
+def bad_run(ray_cluster, tiny_dirs, tmp_path_factory) -> tuple[int, dict[str, dict]]:
+    from jobs.generate import main
+
+    root = tmp_path_factory.mktemp("bad_inputs")
+    for name, (content, _) in CASES.items():
+        path = root / "in" / name
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_bytes(content if isinstance(content, bytes) else content.encode())
+    config = Config.model_validate({
+        "model": tiny_dirs["target"],
+        "speculative": {"method": "draft_model", "model": tiny_dirs["draft"], "num_speculative_tokens": 3,
+                        "length_policy": "static"},
+        "sampling": {"temperature": 0.0, "max_tokens": 8}, "batch_size": 4,
+    })
+    (root / "config.yaml").write_text(yaml.safe_dump(config.model_dump(mode="json")))
+    code = main(["--config", str(root / "config.yaml"), "--input", str(root / "in"), "--output", str(root / "out")])
+    rows = {row["id"]: row for row in OutputStore(str(root / "out")).read_outputs().to_pylist()}
+    return code, rows
+
+
+def check(bad_run: tuple[int, dict[str, dict]], *files: str) -> None:
+    code, rows = bad_run
+    assert code == 0
+    for name in files:
+        expected = CASES[name][1]
+        for row_id, reason in expected.items():
+            assert row_id in rows, f"{name}: no output row {row_id}"
+            row = rows[row_id]
+            if reason is None:
+                assert row["finish_reason"] in ("stop", "length") and row["error"] is None, (row_id, row["error"])
+            else:
+                assert row["finish_reason"] == "error" and reason in row["error"], (row_id, row["error"])
+    # rows in = rows out, over the whole input
+    assert sorted(rows) == sorted(i for _, expected in CASES.values() for i in expected)
+
+
+def test_deeply_nested_row(bad_run):
+    check(bad_run, "deep_row.jsonl")
+
+
+def test_deeply_nested_sampling_params_string(bad_run):
+    check(bad_run, "deep_sampling.jsonl")
+
+
+def test_corrupt_parquet_files_keep_good_files_rows(bad_run):
+    check(bad_run, "corrupt/good.parquet", "corrupt/truncated.parquet", "corrupt/garbage.parquet")
+
+
+def test_column_types_differing_between_files(bad_run):
+    check(bad_run, "types/a.jsonl", "types/b.jsonl", "types/c.csv")
+    _, rows = bad_run
+    # each part keeps its file's type; read together, the clashing column is JSON text
+    assert rows["types-a-ok-1"]["extra"] == "1" and rows["types-b-0"]["extra"] == "seven"
+    assert rows["types-c-0"]["extra"] == "x"
+
+
+def test_malformed_messages(bad_run):
+    check(bad_run, "messages.jsonl")
+
+
+def test_empty_stop_strings(bad_run):
+    check(bad_run, "stops.jsonl")
+
+
+def test_the_server_refuses_what_the_pipeline_refuses():
+    """One validation: the server's chat message model is the pipeline's."""
+    from pydantic import ValidationError
+
+    from decoding.requests import ChatMessage, RequestError, parse_request
+    from deploy.protocol import ChatCompletionRequest
+
+    assert ChatCompletionRequest.model_fields["messages"].annotation == list[ChatMessage]
+    for messages in ([{"role": "user"}], [{"role": "wizard", "content": "hi"}], [{"role": "user", "content": 5}]):
+        with pytest.raises(ValidationError):
+            ChatCompletionRequest.model_validate({"messages": messages})
+        with pytest.raises(RequestError):
+            parse_request(messages=messages)
+    with pytest.raises(RequestError, match="nested deeper"):
+        parse_request(prompt="x", sampling_params=deep_list(DEEP))
