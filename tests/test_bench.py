@@ -223,3 +223,22 @@ def test_contenders_take_turns_chunk_by_chunk(monkeypatch, tiny_dirs):
     assert [prompts for _, prompts in calls] == [["p0", "p1"]] * 3 + [["p2", "p3"]] * 3 + [["p4"]] * 3
     assert [name for name, _ in calls] == names + names[1:] + names[:1] + names[2:] + names[:2]
     assert all(total.outputs == prompts for total in totals)
+
+
+def test_draft_choices_make_self_draft_and_lookup_sibling_contenders(models, tiny_dirs):
+    grid = BenchGrid(transformers=False, sweeps=[Sweep(
+        batch_sizes=[1], methods=["draft_model"], num_candidates=[1], length_policy=["static"],
+        num_speculative_tokens=[3], drafts=[{"model": "target", "quantization": "int4"},
+                                            {"ngram_candidates": 1}],
+    )])
+    runs = contenders(_config(tiny_dirs["draft"]), grid)
+    names = {c.name for c in runs}
+    assert "engine draft_model self-int4 w1 d3 init=draft static" in names
+    assert "engine draft_model +lookup1 w1 d3 init=draft static" in names
+    assert not any(c.kind == "assisted" and c.method == "draft_model" and c.config.speculative.model == "target"
+                   for c in runs)  # transformers cannot assist with a self-draft
+    prompts = {"tiny": [Request("p0", prompt="abc abc abc"), Request("p1", prompt="hello world")]}
+    result = run_bench(_config(tiny_dirs["draft"]), prompts, grid, models)
+    rows = {row.name: row for row in result.rows}
+    assert rows["engine draft_model self-int4 w1 d3 init=draft static"].identical
+    assert rows["engine draft_model self-int4 w1 d3 init=draft static"].tokens_per_forward > 1
