@@ -117,6 +117,10 @@ class _Sequence:
         return self.prompt_ids + self.generated[:-1]
 
 
+# A request ready to join the batch, or the error result it already is.
+Prepared = _Sequence | GenerationResult
+
+
 class _Contexts(Sequence[list[int]]):
     """Each row's committed tokens, built only for a drafter that reads them (n-gram lookup)."""
 
@@ -266,16 +270,28 @@ class Engine:
     # ------------------------------------------------------------------------------------------ requests
     def add_request(self, request: Request) -> None:
         """Queue a request; an invalid one finishes at the next step with an error result."""
+        self.add_prepared(self.prepare(request))
+
+    def prepare(self, request: Request, tokenizer: PreTrainedTokenizerBase | None = None) -> Prepared:
+        """Validate and tokenize a request, touching no engine state: a runner calls this off the stepping thread
+        (with a ``tokenizer`` of that thread's own), so a long prompt never stalls the batch. The result goes to
+        ``add_prepared``; an invalid request becomes its error result."""
         started = time.perf_counter()
         try:
             params = self._sampling_params(request.sampling)
-            prompt, prompt_ids = self._tokenize(request)
+            prompt, prompt_ids = self._tokenize(request, tokenizer or self.tokenizer)
         except EngineError as exc:
             prompt = request.prompt if isinstance(request.prompt, str) else ""
-            self.rejected.append(self._error_result(request.id, prompt, str(exc), started))
-            return
+            return self._error_result(request.id, prompt, str(exc), started)
         generator = torch.Generator().manual_seed(params.seed)
-        self.waiting.append(_Sequence(request.id, prompt, prompt_ids, params, generator, started))
+        return _Sequence(request.id, prompt, prompt_ids, params, generator, started)
+
+    def add_prepared(self, prepared: Prepared) -> None:
+        """Queue what ``prepare`` made (cheap: for the stepping thread)."""
+        if isinstance(prepared, GenerationResult):
+            self.rejected.append(prepared)
+        else:
+            self.waiting.append(prepared)
 
     def _sampling_params(self, sampling: SamplingParams | dict[str, Any] | None) -> SamplingParams:
         if isinstance(sampling, SamplingParams):
@@ -287,8 +303,8 @@ class Engine:
             detail = format_validation_error(exc) if isinstance(exc, ValidationError) else str(exc)
             raise EngineError(f"invalid sampling_params: {detail}") from exc
 
-    def _tokenize(self, request: Request) -> tuple[str, list[int]]:
-        prompt, ids = encode_request(self.tokenizer, request)
+    def _tokenize(self, request: Request, tokenizer: PreTrainedTokenizerBase) -> tuple[str, list[int]]:
+        prompt, ids = encode_request(tokenizer, request)
         if not ids:
             raise EngineError("empty prompt")
         if len(ids) >= self.max_context:

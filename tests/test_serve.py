@@ -331,24 +331,31 @@ def test_engine_failure_makes_the_replica_unhealthy(engine, monkeypatch):
 
 
 def test_a_request_add_request_chokes_on_fails_alone(engine, monkeypatch):
-    add_request = engine.add_request
+    """Preparing (off the engine thread) or admitting (on it) may raise for one request: only it fails."""
+    prepare, add_prepared = engine.prepare, engine.add_prepared
 
-    def picky_add_request(request: Request) -> None:
+    def picky_prepare(request: Request, tokenizer=None):
         if request.id == "bad":
             raise OverflowError("seed out of range")
-        add_request(request)
+        return prepare(request, tokenizer)
 
-    monkeypatch.setattr(engine, "add_request", picky_add_request)
+    def picky_add_prepared(prepared) -> None:
+        if getattr(prepared, "request_id", None) == "worse":
+            raise OverflowError("seed out of range")
+        add_prepared(prepared)
+
+    monkeypatch.setattr(engine, "prepare", picky_prepare)
+    monkeypatch.setattr(engine, "add_prepared", picky_add_prepared)
     loop = EngineLoop(lambda: engine)
 
-    async def both() -> list[Any]:
+    async def three() -> list[Any]:
         return await asyncio.gather(
             _drain(loop, [Request(id="good", prompt="ab")]), _drain(loop, [Request(id="bad", prompt="ab")]),
-            return_exceptions=True,
+            _drain(loop, [Request(id="worse", prompt="ab")]), return_exceptions=True,
         )
 
-    good, bad = asyncio.run(both())
-    assert isinstance(bad, RequestRejected)
+    good, bad, worse = asyncio.run(three())
+    assert isinstance(bad, RequestRejected) and isinstance(worse, RequestRejected)
     assert isinstance(good[-1][1], GenerationResult) and good[-1][1].finish_reason in ("stop", "length")
     loop.check_health()
 
