@@ -7,7 +7,9 @@ failing request, or report the replica unhealthy). Everything else is here, free
 - one thread builds the engine and is the only one to touch it afterwards (torch's thread pool is per thread,
   see ``models.worker_threads``);
 - ``prepare`` validates and tokenizes a request on the caller's thread, with a tokenizer of that thread's own
-  (fast tokenizers must not be shared between threads), so a megabyte prompt never stalls the batch;
+  (fast tokenizers must not be shared between threads), so a megabyte prompt never stalls the batch; large
+  inputs take turns (a megabyte takes seconds to tokenize, and several at once would starve the engine thread
+  of cores), small ones never wait for them;
 - ``submit`` hands a prepared request to the engine thread through an inbox; the thread admits inbox items
   between steps, blocks on the inbox when idle, and sends each request's events to its ``sink``: new token ids
   after a step, then the finished ``GenerationResult`` (a result supersedes its last tokens, which may pass a
@@ -19,11 +21,13 @@ from __future__ import annotations
 
 import copy
 import logging
+import os
 import queue
 import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import Future
+from contextlib import nullcontext
 from dataclasses import dataclass
 
 from decoding.engine import Engine, GenerationResult, Prepared, Request, StepOutput
@@ -33,6 +37,18 @@ log = logging.getLogger(__name__)
 
 Event = list[int] | GenerationResult | BaseException
 Sink = Callable[[Event], None]
+
+
+# Inputs longer than this (characters) are tokenized a few at a time.
+LARGE_INPUT_CHARS = 1 << 16
+
+
+def _input_chars(request: Request) -> int:
+    if isinstance(request.prompt, str) and request.prompt_token_ids is None:
+        return len(request.prompt)
+    if isinstance(request.messages, list):
+        return sum(len(str(m.get("content", ""))) for m in request.messages if isinstance(m, dict))
+    return 0
 
 
 class RequestRejected(ValueError):
@@ -66,6 +82,7 @@ class EngineRunner:
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._jobs: dict[str, _Job] = {}
         self._local = threading.local()  # each preparing thread's own tokenizer
+        self._large_inputs = threading.BoundedSemaphore(max(1, (os.cpu_count() or 2) // 2))
         self.failure: BaseException | None = None
         self.steps = 0
         ready: Future[Engine] = Future()
@@ -80,7 +97,8 @@ class EngineRunner:
         if tokenizer is None:
             tokenizer = self._local.tokenizer = copy.deepcopy(self.engine.tokenizer)
         try:
-            return self.engine.prepare(request, tokenizer)
+            with self._large_inputs if _input_chars(request) > LARGE_INPUT_CHARS else nullcontext():
+                return self.engine.prepare(request, tokenizer)
         except Exception as exc:
             log.exception("prepare raised for request %s", request.id)
             raise RequestRejected(f"invalid request: {exc}") from exc

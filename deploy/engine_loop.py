@@ -8,7 +8,10 @@ never on the event loop nor on the engine's stepping thread.
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import threading
 from collections.abc import AsyncGenerator, Callable
+from typing import Any
 
 from decoding.engine import Engine, GenerationResult, Request
 from decoding.runner import EngineRunner, RequestRejected
@@ -27,6 +30,27 @@ __all__ = ["REPLICA_RUNTIME_ENV", "EngineFailure", "EngineLoop", "Event", "Reque
 
 class EngineFailure(RuntimeError):
     """The engine loop died; the replica is unhealthy until Serve replaces it."""
+
+
+async def _in_own_thread(work: Callable[[], Any]) -> Any:
+    """``work()`` in a thread of its own: a pool could make a short request queue behind megabyte prompts."""
+    loop = asyncio.get_running_loop()
+    done = loop.create_future()
+
+    def settle(method: str, value: Any) -> None:
+        if not done.done():  # the caller may have gone away meanwhile
+            getattr(done, method)(value)
+
+    def run() -> None:
+        try:
+            outcome = ("set_result", work())
+        except BaseException as exc:
+            outcome = ("set_exception", exc)
+        with contextlib.suppress(RuntimeError):  # the event loop is closed: nobody waits any more
+            loop.call_soon_threadsafe(settle, *outcome)
+
+    threading.Thread(target=run, name="prepare", daemon=True).start()
+    return await done
 
 
 class EngineLoop:
@@ -54,7 +78,7 @@ class EngineLoop:
         self.check_health()
         loop = asyncio.get_running_loop()
         events: asyncio.Queue[tuple[int, Event | BaseException]] = asyncio.Queue()
-        prepared = await asyncio.to_thread(lambda: [self.runner.prepare(request) for request in requests])
+        prepared = await _in_own_thread(lambda: [self.runner.prepare(request) for request in requests])
         pending = {request.id for request in requests}
         try:
             for index, (request, ready) in enumerate(zip(requests, prepared)):
