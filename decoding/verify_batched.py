@@ -170,13 +170,14 @@ def verify_batch(
             take = tried & (u < accept)
             chosen = torch.where(take, kid, chosen)
             if probs is not None:
-                # The residual after a rejection (a skipped repeat, q(x) = 0, leaves p as it is).
+                # The residual after a rejection (a skipped repeat, q(x) = 0, leaves p as it is). Where p - q has
+                # no positive mass left, the reference drops x from p instead.
                 update = tried & ~take & ~greedy & (q_x > 0)
-                shrunk = (law - q).clamp(min=0.0)
+                shrunk = (law - q).clamp_(min=0.0)
                 mass = shrunk.sum(-1, keepdim=True)
-                fallback = law.scatter(1, x[:, None], 0.0)
-                residual = torch.where(mass > 0, shrunk / mass, fallback)
-                law = torch.where(update[:, None], residual, law)
+                spent = update & (mass[:, 0] <= 0)
+                law = torch.where((update & ~spent)[:, None], shrunk.div_(mass), law)
+                law[rows, x] = torch.where(spent, 0.0, law[rows, x])
                 if not replacement:
                     removed[rows, x] |= update
         accepted = chosen >= 0

@@ -323,6 +323,19 @@ def test_stop_strings_and_max_tokens(tokenizer, target, reference, device) -> No
     assert result.finish_reason == "length" and result.token_ids == reference[longest][:5]
 
 
+def test_stop_strings_are_matched_without_decoding_the_generation_again(tokenizer, target, reference,
+                                                                      monkeypatch) -> None:
+    """Each token is decoded once as it arrives (DecodeStream): the only full decode is each result's final text.
+    (The stop strings cannot occur: the tiny vocabulary has no capitals nor punctuation but ".,".)"""
+    decoded: list[int] = []
+    decode = tokenizer.decode
+    monkeypatch.setattr(tokenizer, "decode", lambda ids, **kw: decoded.append(len(ids)) or decode(ids, **kw))
+    config = make_config(method="ngram", sampling={"max_tokens": MAX_TOKENS, "stop": ["ZZ", "!?"]})
+    results = run(config, tokenizer, target)
+    assert [r.token_ids for r in results] == reference
+    assert sorted(decoded) == sorted(len(r.token_ids) for r in results)
+
+
 def test_continuous_batching_step_api(tokenizer, target, draft, reference, device) -> None:
     """Requests join between steps and finished ones leave at once; outputs do not depend on the schedule."""
     engine = Engine(make_config(method="draft_model", num_candidates=2, batch_size=3),
