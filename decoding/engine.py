@@ -365,6 +365,10 @@ class Engine:
         self.host_bytes["stats" if stats else "state"] += tensor.numel() * tensor.element_size()
         return tensor.to("cpu")
 
+    def _to_device(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Host -> device without waiting: a blocking copy would also wait for the device's queue to drain."""
+        return tensor.to(self.device, non_blocking=True)
+
     def _uniforms(self, seqs: list[_Sequence], count: int) -> torch.Tensor | None:
         """[B, count] uniforms on the device, each sampled row's from its own generator (greedy rows: 0); None
         when every row is greedy. A row draws the same count every step, whatever the others do."""
@@ -374,14 +378,14 @@ class Engine:
         uniforms = torch.zeros(len(seqs), count)
         for row in sampled:
             uniforms[row] = torch.rand(count, generator=seqs[row].generator)
-        return uniforms.to(self.device, non_blocking=True)
+        return self._to_device(uniforms)
 
     def _set_rows(self, rows: slice, joining: list[_Sequence]) -> None:
         """Admission: the joining sequences' sampling parameters become rows of the batch tensors."""
         new = WarpParams.from_params([s.params for s in joining])
         for name in (f.name for f in fields(WarpParams)):
             getattr(self._warp_host, name)[rows] = getattr(new, name)
-            getattr(self._warp_device, name)[rows] = getattr(new, name).to(self.device, non_blocking=True)
+            getattr(self._warp_device, name)[rows] = self._to_device(getattr(new, name))
         self._max_tokens[rows] = torch.tensor([s.params.max_tokens for s in joining])
 
     @torch.no_grad()
@@ -393,14 +397,14 @@ class Engine:
         last_positions = sorted(set((lengths - 1).tolist()))
         reads_states = self.drafter.reads_target_states
         logits, states = forward_tree(
-            self.target, self.cache, rows, ids.to(self.device), chain_ancestors(width), valid.to(self.device),
+            self.target, self.cache, rows, self._to_device(ids), chain_ancestors(width), self._to_device(valid),
             logits_at=torch.tensor(last_positions), want_hidden=reads_states,
             hidden_at=torch.arange(width) if reads_states else None,
         )
         keep = torch.arange(width)[None].expand(len(joining), -1)
-        self.cache.commit(rows, keep.to(self.device), lengths)
+        self.cache.commit(rows, self._to_device(keep), lengths)
         self._set_rows(rows, joining)
-        at = torch.tensor([last_positions.index(n - 1) for n in lengths.tolist()], device=self.device)
+        at = self._to_device(torch.tensor([last_positions.index(n - 1) for n in lengths.tolist()]))
         last = logits[torch.arange(len(joining), device=self.device), at].float()  # [B, V]
         if self._root_scores is None:
             self._root_scores = last.new_zeros(self.capacity, last.shape[-1])
@@ -442,7 +446,7 @@ class Engine:
         batch = len(seqs)
         uniforms = self._uniforms(seqs, width - 1)
         siblings = self._to_host(sample_siblings(
-            self._root_scores[:batch], pending.to(self.device), self._warp_device.temperature[:batch] == 0,
+            self._root_scores[:batch], self._to_device(pending), self._warp_device.temperature[:batch] == 0,
             width - 1, self.config.speculative.replacement,
             uniforms if uniforms is not None else torch.zeros(batch, width - 1, device=self.device),
         ))
@@ -467,14 +471,14 @@ class Engine:
         )
         size = draft.tokens.shape[1]
         ancestors = self.topology.sliced_ancestors(draft.depth)
-        tokens, valid = draft.tokens.to(self.device), draft.valid.to(self.device)
+        tokens, valid = self._to_device(draft.tokens), self._to_device(draft.valid)
         logits, states = forward_tree(
             self.target, self.cache, rows, tokens, ancestors, valid, want_hidden=self.drafter.reads_target_states,
         )
         uniforms = self._uniforms(seqs, self.topology.size(self.topology.max_depth) + 1)
         verdict = verify_batch(
             logits, tokens, valid, self.topology, self._warp_device[rows], self._root_scores[rows],
-            draft.draft_probs.to(self.device) if draft.draft_probs is not None else None,
+            self._to_device(draft.draft_probs) if draft.draft_probs is not None else None,
             self.config.speculative.replacement,
             uniforms[:, [*range(size), -1]] if uniforms is not None else None,
         )

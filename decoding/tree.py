@@ -103,10 +103,10 @@ def attention_inputs(
     """
     batch = valid.shape[0]
     device = lengths.device
-    visible = ancestors[start:end, :end].to(device)[None] & valid[:, None, :end]  # [B, T, end]
+    visible = ancestors[start:end, :end].to(device, non_blocking=True)[None] & valid[:, None, :end]  # [B, T, end]
     own = torch.arange(start, end, device=device)
     visible[:, torch.arange(end - start, device=device), own] = True  # padding nodes see themselves: no NaN rows
-    strict = ancestors[start:end, :end].to(device)[None] & valid[:, None, :end]
+    strict = ancestors[start:end, :end].to(device, non_blocking=True)[None] & valid[:, None, :end]
     strict[:, torch.arange(end - start, device=device), own] = False
     positions = lengths[:, None] + strict.sum(-1)
     kv_length = (int(lengths.max()) if max_length is None else max_length) + end

@@ -116,9 +116,9 @@ def verify_batch(
     batch, size, vocab = logits.shape
     device = logits.device
     rows = torch.arange(batch, device=device)
-    parents = torch.tensor([max(p, 0) for p in topology.parents[:size]], device=device)
+    parents = torch.tensor([max(p, 0) for p in topology.parents[:size]]).to(device, non_blocking=True)
     levels = int(topology.depths[size - 1])
-    kids = children_table(topology).to(device)
+    kids = children_table(topology).to(device, non_blocking=True)
     greedy = warp.temperature == 0
     sampling = uniforms is not None
 
