@@ -285,6 +285,40 @@ def test_seed_makes_sampling_reproducible(tokenizer, target, draft, device) -> N
     assert [r.token_ids for r in first] == [r.token_ids for r in second]
 
 
+def test_mixed_batch_greedy_rows_stay_exact(tokenizer, target, draft, reference, device) -> None:
+    """Greedy and sampled rows verified together: greedy rows still equal plain greedy decoding, while the sampled
+    rows around them really speculate (drafted tokens, some rejected)."""
+    config = make_config(method="draft_model", num_candidates=2, length_policy="static", batch_size=8,
+                         sampling={"max_tokens": MAX_TOKENS, "temperature": 1.0})
+    requests = [
+        Request(id=str(i), prompt=p, sampling={"temperature": 0.0} if i % 2 else {"seed": 100 + i})
+        for i, p in enumerate(PROMPTS)
+    ]
+    mixed = Engine(config, target=on_device(target, device), tokenizer=tokenizer,
+                   draft=on_device(draft, device)).generate(requests)
+    assert [mixed[i].token_ids for i in range(1, len(PROMPTS), 2)] == reference[1::2]
+    assert sum(sum(r.per_step_drafted) for r in mixed[::2]) > sum(sum(r.per_step_accepted) for r in mixed[::2]) > 0
+
+
+@pytest.mark.parametrize("init", ["draft", "target"])
+def test_a_seeded_row_samples_the_same_alone_and_in_a_batch(init, tokenizer, target, device) -> None:
+    """Verification and root siblings read uniforms from each row's own generator, a fixed count per step: a
+    seeded row's tokens do not depend on what shares its batch. (n-gram drafts use no randomness; a draft model
+    also samples from the row's generator, at every level it forwards for the batch.)"""
+    config = make_config(method="ngram", num_candidates=3, candidate_init=init, length_policy="static",
+                         batch_size=8, sampling={"max_tokens": MAX_TOKENS, "temperature": 1.0})
+    requests = [
+        Request(id=str(i), prompt=p, sampling={"temperature": 0.0} if i % 2 else {"seed": 100 + i})
+        for i, p in enumerate(PROMPTS)
+    ]
+    engine = Engine(config, target=on_device(target, device), tokenizer=tokenizer)
+    batch = engine.generate(requests)
+    assert sum(sum(r.per_step_drafted) for r in batch[::2]) > sum(sum(r.per_step_accepted) for r in batch[::2]) > 0
+    for i in range(0, len(PROMPTS), 2):
+        alone = Engine(config, target=on_device(target, device), tokenizer=tokenizer).generate([requests[i]])
+        assert alone[0].token_ids == batch[i].token_ids
+
+
 # --------------------------------------------------------------------------------------------- bad input
 def test_bad_requests_become_error_results_and_spare_the_batch(tokenizer, target, draft, reference) -> None:
     config = make_config(method="draft_model", num_candidates=2, batch_size=8)
