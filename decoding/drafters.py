@@ -17,6 +17,7 @@ import torch
 
 from decoding.kv_cache import SlotKVCache, forward_tree
 from decoding.models import for_inference
+from decoding.padding import pad_rows
 from decoding.sampling import WarpParams, draw, warp_probs
 from decoding.tree import TreeTopology, chain_ancestors, with_prefix_chain
 
@@ -221,18 +222,14 @@ class DraftModelDrafter(Drafter):
             last = torch.tensor([len(p) - 1 for p in prompts], device=self.device)
             self.root_states[rows] = target_states[torch.arange(len(prompts), device=self.device), last]
             states, prompts = target_states, [p[1:] for p in prompts]
-        lengths = torch.tensor([len(p) for p in prompts])
-        width = int(lengths.max())
+        ids, lengths = pad_rows(prompts)
+        width = ids.shape[1]
         if width:
-            ids = torch.zeros(len(prompts), width, dtype=torch.long)
-            for i, prompt in enumerate(prompts):
-                ids[i, : len(prompt)] = torch.tensor(prompt, dtype=torch.long)
             valid = torch.arange(width)[None] < lengths[:, None]
             forward_tree(self.model, self.cache, rows, ids.to(self.device), chain_ancestors(width),
                          valid.to(self.device), logits_at=torch.tensor([width - 1]),
                          features=states[:, :width] if states is not None else None)
-            self.cache.commit(rows, torch.arange(width)[None].expand(len(prompts), -1).to(self.device),
-                              lengths.to(self.device))
+            self.cache.commit(rows, torch.arange(width)[None].expand(len(prompts), -1).to(self.device), lengths)
         self.uncached.extend([] for _ in prompts)
         self.uncached_states.extend([] for _ in prompts)
 
@@ -307,9 +304,8 @@ class DraftModelDrafter(Drafter):
         total = ancestors.shape[0]
         tokens = torch.zeros(batch, total, dtype=torch.long)
         valid = torch.zeros(batch, total, dtype=torch.bool)
-        for row, waiting in enumerate(self.uncached):
-            tokens[row, : len(waiting)] = torch.tensor(waiting, dtype=torch.long)
-            valid[row, : len(waiting)] = True
+        tokens[:, :prefix], waiting = pad_rows(self.uncached, prefix)
+        valid[:, :prefix] = torch.arange(prefix)[None] < waiting[:, None]
         width = topology.root_width
         tokens[:, prefix : prefix + width] = inputs.roots
         valid[:, prefix : prefix + width] = inputs.root_valid
@@ -398,11 +394,10 @@ class DraftModelDrafter(Drafter):
         if ran:
             final_nodes = (self.topology.root_width if self.root_states is not None
                            else self.topology.size(self.forwarded_levels - 1))
-        keeps, counts = [], []
+        keeps = []
         for row, path in enumerate(paths):
             if ran:
                 keeps.append(list(range(len(self.uncached[row]))) + [self.prefix + n for n in path if n < final_nodes])
-                counts.append(len(keeps[-1]))
                 self.uncached[row], self.uncached_states[row] = [], []
             waiting = [i for i, node in enumerate(path) if node >= final_nodes]
             self.uncached[row] += [int(draft.tokens[row, path[i]]) for i in waiting]
@@ -412,7 +407,5 @@ class DraftModelDrafter(Drafter):
                 self.root_states[row] = target_states[row, path[-1]]
         if not ran:
             return
-        keep = torch.zeros(len(paths), max(counts), dtype=torch.long)
-        for row, kept in enumerate(keeps):
-            keep[row, : len(kept)] = torch.tensor(kept, dtype=torch.long)
-        self.cache.commit(slice(0, len(paths)), keep.to(self.device), torch.tensor(counts).to(self.device))
+        keep, counts = pad_rows(keeps)
+        self.cache.commit(slice(0, len(paths)), keep.to(self.device), counts)

@@ -1,15 +1,20 @@
 """The batched speculative decoding engine: step-wise API for continuous batching.
 
 One step, for every running sequence at once (gpt-fast style, see ``_speculate``):
-plan depths -> draft a candidate tree -> ONE target forward over all trees -> verify each row ->
+plan depths -> draft a candidate tree -> ONE target forward over all trees -> verify all rows ->
 keep the accepted paths in both caches -> emit tokens -> learn (drafter, length policy).
+
+Verification, sampling and the per-token statistics run on the target's device (``verify_batched.py``); what
+the host reads back per step is the accepted paths and next tokens, and the statistics' O(B x N) floats, all
+through ``_to_host``. The batch's sampling parameters and the laws the pending tokens came from live in row-indexed
+tensors that follow the caches' swap-remove.
 """
 
 from __future__ import annotations
 
 import time
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -17,7 +22,6 @@ import torch
 from pydantic import ValidationError
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from decoding.acceptance import Verdict, verify_greedy, verify_sampled
 from decoding.config import Config, SamplingParams, format_validation_error
 from decoding.costs import BatchCosts, calibrate_batch
 from decoding.drafters import Draft, Drafter, DraftInputs, DraftModelDrafter, NgramDrafter
@@ -35,10 +39,13 @@ from decoding.models import (
     resolve_draft,
     resolve_model_path,
 )
+from decoding.padding import pad_rows
 from decoding.quantize import quantized
-from decoding.sampling import WarpParams, draw, row_generator, run_seed, token_logprobs, warp_probs
+from decoding.sampling import WarpParams, row_generator, run_seed, token_logprobs, warp_probs
 from decoding.stats import SpecDecodeStats, acceptance_histogram
+from decoding.text import IncrementalDecoder
 from decoding.tree import TreeTopology, chain_ancestors
+from decoding.verify_batched import sample_from, sample_siblings, verify_batch
 
 
 @dataclass
@@ -94,7 +101,6 @@ class _Sequence:
     params: SamplingParams
     generator: torch.Generator
     started: float
-    root_scores: torch.Tensor | None = None  # law the pending token came from (logits when greedy)
     generated: list[int] = field(default_factory=list)
     accepted: list[bool] = field(default_factory=list)
     per_step_drafted: list[int] = field(default_factory=list)
@@ -105,11 +111,40 @@ class _Sequence:
     finish_reason: str | None = None
     stop_text: str | None = None
     stop_ids: set[int] = field(default_factory=set)  # EOS unless ignore_eos, and stop_token_ids
+    text: IncrementalDecoder | None = None  # the generation's text so far, kept only to match stop strings
 
     @property
     def context(self) -> list[int]:
         """Committed tokens whose KV is cached: everything but the pending (last) token."""
         return self.prompt_ids + self.generated[:-1]
+
+
+# A request ready to join the batch, or the error result it already is.
+Prepared = _Sequence | GenerationResult
+
+
+class _Contexts(Sequence[list[int]]):
+    """Each row's committed tokens, built only for a drafter that reads them (n-gram lookup)."""
+
+    def __init__(self, seqs: list[_Sequence]) -> None:
+        self._seqs = seqs
+
+    def __len__(self) -> int:
+        return len(self._seqs)
+
+    def __getitem__(self, row):  # type: ignore[override]
+        if isinstance(row, slice):
+            return [seq.context for seq in self._seqs[row]]
+        return self._seqs[row].context
+
+
+# The per-row tensors of WarpParams kept as batch state; penalties are built per step, from each row's history.
+ROW_FIELDS = ("temperature", "top_k", "top_p")
+
+
+def _warp_on(warp: WarpParams, device: torch.device) -> WarpParams:
+    """Per-row sampling tensors moved field by field."""
+    return WarpParams(**{name: getattr(warp, name).to(device) for name in ROW_FIELDS})
 
 
 class EngineError(ValueError):
@@ -206,6 +241,14 @@ class Engine:
         self.rejected: list[GenerationResult] = []
         self.steps = 0
         self.run_seed = run_seed(config.sampling.seed)
+        # Row-indexed batch state, filled at admission and moved with swap-remove: sampling parameters on the
+        # host (the drafter warps there) and on the device (verification), max_tokens, and the law each pending
+        # token came from (allocated at the first prefill, when the logits' width is known).
+        self._warp_host = WarpParams.from_params([config.sampling] * self.capacity)
+        self._warp_device = _warp_on(self._warp_host, self.device)
+        self._max_tokens = torch.zeros(self.capacity, dtype=torch.long)
+        self._root_scores: torch.Tensor | None = None
+        self.host_bytes = {"state": 0, "stats": 0}  # bytes read back from the device (see _to_host)
 
     # ----------------------------------------------------------------------------------------------- setup
     def _make_drafter(self, draft: torch.nn.Module | None) -> Drafter:
@@ -251,18 +294,30 @@ class Engine:
     # ------------------------------------------------------------------------------------------ requests
     def add_request(self, request: Request) -> None:
         """Queue a request; an invalid one finishes at the next step with an error result."""
+        self.add_prepared(self.prepare(request))
+
+    def prepare(self, request: Request, tokenizer: PreTrainedTokenizerBase | None = None) -> Prepared:
+        """Validate and tokenize a request, touching no engine state: a runner calls this off the stepping thread
+        (with a ``tokenizer`` of that thread's own), so a long prompt never stalls the batch. The result goes to
+        ``add_prepared``; an invalid request becomes its error result."""
         started = time.perf_counter()
         try:
             params = self._sampling_params(request.sampling)
-            prompt, prompt_ids = self._tokenize(request)
+            prompt, prompt_ids = self._tokenize(request, tokenizer or self.tokenizer)
         except EngineError as exc:
             prompt = request.prompt if isinstance(request.prompt, str) else ""
-            self.rejected.append(self._error_result(request.id, prompt, str(exc), started))
-            return
+            return self._error_result(request.id, prompt, str(exc), started)
         generator = row_generator(params, self.run_seed, request.seed_key or request.id)
         seq = _Sequence(request.id, prompt, prompt_ids, params, generator, started)
         seq.stop_ids = params.stop_ids(self.eos_ids)
-        self.waiting.append(seq)
+        return seq
+
+    def add_prepared(self, prepared: Prepared) -> None:
+        """Queue what ``prepare`` made (cheap: for the stepping thread)."""
+        if isinstance(prepared, GenerationResult):
+            self.rejected.append(prepared)
+        else:
+            self.waiting.append(prepared)
 
     def _sampling_params(self, sampling: SamplingParams | dict[str, Any] | None) -> SamplingParams:
         if not isinstance(sampling, SamplingParams):
@@ -282,8 +337,8 @@ class Engine:
             )
         return sampling
 
-    def _tokenize(self, request: Request) -> tuple[str, list[int]]:
-        prompt, ids = encode_request(self.tokenizer, request)
+    def _tokenize(self, request: Request, tokenizer: PreTrainedTokenizerBase) -> tuple[str, list[int]]:
+        prompt, ids = encode_request(tokenizer, request)
         if not ids:
             raise EngineError("empty prompt")
         if len(ids) >= self.max_context:
@@ -338,38 +393,71 @@ class Engine:
         for group in prefill_groups([len(seq.prompt_ids) for seq in joining], self.prefill_tokens):
             self._prefill(joining[group], emitted)
 
+    def _to_host(self, tensor: torch.Tensor, *, stats: bool = False) -> torch.Tensor:
+        """Every device -> host copy of a step goes through here: a test bounds the bytes, and on a GPU each call
+        is a wait for the device, so the step makes few of them (admission, root siblings, verification)."""
+        self.host_bytes["stats" if stats else "state"] += tensor.numel() * tensor.element_size()
+        return tensor.to("cpu")
+
+    def _to_device(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Host -> device without waiting: a blocking copy would also wait for the device's queue to drain."""
+        return tensor.to(self.device, non_blocking=True)
+
+    def _uniforms(self, seqs: list[_Sequence], count: int) -> torch.Tensor | None:
+        """[B, count] uniforms on the device, each sampled row's from its own generator (greedy rows: 0); None
+        when every row is greedy. A row draws the same count every step, whatever the others do."""
+        sampled = [row for row, seq in enumerate(seqs) if not seq.params.greedy]
+        if not sampled:
+            return None
+        uniforms = torch.zeros(len(seqs), count)
+        for row in sampled:
+            uniforms[row] = torch.rand(count, generator=seqs[row].generator)
+        return self._to_device(uniforms)
+
+    def _set_rows(self, rows: slice, joining: list[_Sequence]) -> None:
+        """Admission: the joining sequences' sampling parameters become rows of the batch tensors."""
+        new = WarpParams.from_params([s.params for s in joining])
+        for name in ROW_FIELDS:
+            getattr(self._warp_host, name)[rows] = getattr(new, name)
+            getattr(self._warp_device, name)[rows] = self._to_device(getattr(new, name))
+        self._max_tokens[rows] = torch.tensor([s.params.max_tokens for s in joining])
+
     @torch.no_grad()
     def _prefill(self, joining: list[_Sequence], emitted: dict[str, list[int]]) -> None:
         rows = self.cache.add_rows(len(joining))
-        lengths = torch.tensor([len(s.prompt_ids) for s in joining])
-        width = int(lengths.max())
-        ids = torch.zeros(len(joining), width, dtype=torch.long)
-        for i, seq in enumerate(joining):
-            ids[i, : len(seq.prompt_ids)] = torch.tensor(seq.prompt_ids)
+        ids, lengths = pad_rows([s.prompt_ids for s in joining])
+        width = ids.shape[1]
         valid = torch.arange(width)[None] < lengths[:, None]
         last_positions = sorted(set((lengths - 1).tolist()))
         reads_states = self.drafter.reads_target_states
         logits, states = forward_tree(
-            self.target, self.cache, rows, ids.to(self.device), chain_ancestors(width), valid.to(self.device),
+            self.target, self.cache, rows, self._to_device(ids), chain_ancestors(width), self._to_device(valid),
             logits_at=torch.tensor(last_positions), want_hidden=reads_states,
             hidden_at=torch.arange(width) if reads_states else None,
         )
         keep = torch.arange(width)[None].expand(len(joining), -1)
-        self.cache.commit(rows, keep.to(self.device), lengths.to(self.device))
-        logits = logits.float().cpu()
-        last = logits[torch.arange(len(joining)), [last_positions.index(n - 1) for n in lengths.tolist()]]
-        warp = self._warp(joining, prefill=True)
-        scores = warp.penalize(last)
-        probs = warp_probs(scores, warp)
-        for i, seq in enumerate(joining):
+        self.cache.commit(rows, self._to_device(keep), lengths)
+        self._set_rows(rows, joining)
+        at = self._to_device(torch.tensor([last_positions.index(n - 1) for n in lengths.tolist()]))
+        raw = logits[torch.arange(len(joining), device=self.device), at].float()  # [B, V]
+        last = raw
+        if any(s.params.penalized for s in joining):
+            last = self._warp(joining, prefill=True).penalize(raw.cpu()).to(self.device)
+        if self._root_scores is None:
+            self._root_scores = last.new_zeros(self.capacity, last.shape[-1])
+        tokens, scores = last.argmax(-1), last
+        uniforms = self._uniforms(joining, 1)
+        if uniforms is not None:
+            warp = self._warp_device[rows]
+            probs = warp_probs(last, warp)
+            greedy = warp.temperature == 0
+            tokens = torch.where(greedy, tokens, sample_from(probs, uniforms[:, 0]))
+            scores = torch.where(greedy[:, None], last, probs)
+        self._root_scores[rows] = scores
+        for i, (seq, token) in enumerate(zip(joining, self._to_host(tokens).tolist())):
             seq.forwards = 1
-            if seq.params.greedy:
-                seq.root_scores, token = scores[i], int(scores[i].argmax())
-            else:
-                seq.root_scores = probs[i]
-                token = int(torch.multinomial(probs[i], 1, generator=seq.generator))
             if seq.params.logprobs is not None:
-                seq.logprobs += token_logprobs(last[i : i + 1], [token], seq.params.logprobs)
+                seq.logprobs += token_logprobs(self._to_host(raw[i : i + 1], stats=True), [token], seq.params.logprobs)
             self._emit(seq, [token], [False], emitted)
         self.running.extend(joining)
         self.drafter.add_rows(rows, [s.prompt_ids for s in joining], states)
@@ -381,106 +469,119 @@ class Engine:
 
     def _plan(self, seqs: list[_Sequence]) -> tuple[torch.Tensor, torch.Tensor | None]:
         """(model depths, lookup depths or None) per row, within each row's room."""
-        contexts = [len(s.prompt_ids) + len(s.generated) - 1 for s in seqs]  # cached tokens, known on the host
+        batch = len(seqs)
+        contexts = self.cache.host_lengths[:batch]  # cached tokens, known on the host
         depths, lookup_depths = self.policy.plan_rows(
             [s.request_id for s in seqs], contexts, [self._reproducible(s.params) for s in seqs]
         )
-        room = torch.tensor([
-            0 if seq.finish_reason else max(0, min(
-                seq.params.max_tokens - len(seq.generated) - 1,  # a step emits accepted + 1 tokens
-                self.max_context - 1 - context,
-            )) for seq, context in zip(seqs, contexts)
-        ], dtype=torch.long)
+        generated = torch.tensor([len(s.generated) for s in seqs])
+        room = torch.minimum(
+            self._max_tokens[:batch] - generated - 1,  # a step emits accepted + 1 tokens
+            self.max_context - 1 - torch.tensor(contexts),
+        )
+        finished = torch.tensor([s.finish_reason is not None for s in seqs])
+        room = torch.where(finished, 0, room.clamp(min=0))
         return depths.minimum(room), lookup_depths.minimum(room) if lookup_depths is not None else None
 
     def _roots(self, seqs: list[_Sequence], depths: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Root-level tokens: the pending token, plus target-initialized siblings where a row drafts."""
         width = self.topology.root_width
+        pending = torch.tensor([s.generated[-1] for s in seqs])
         roots = torch.zeros(len(seqs), width, dtype=torch.long)
         valid = torch.zeros(len(seqs), width, dtype=torch.bool)
-        for row, seq in enumerate(seqs):
-            roots[row, 0] = seq.generated[-1]
-            valid[row, 0] = True
-            if width == 1 or depths[row] == 0:
-                continue
-            pending = seq.generated[-1]
-            if seq.params.greedy:
-                ranked = [t for t in seq.root_scores.topk(width).indices.tolist() if t != pending]
-                siblings = torch.tensor(ranked[: width - 1])
-            elif self.config.speculative.replacement:
-                siblings = draw(seq.root_scores, width - 1, True, seq.generator)
-            else:
-                rest = seq.root_scores.clone()
-                rest[pending] = 0
-                if rest.sum() <= 0:
-                    continue
-                siblings = draw(rest / rest.sum(), width - 1, False, seq.generator)
-            roots[row, 1 : 1 + len(siblings)] = siblings
-            valid[row, 1 : 1 + len(siblings)] = True
+        roots[:, 0], valid[:, 0] = pending, True
+        if width == 1:
+            return roots, valid
+        batch = len(seqs)
+        uniforms = self._uniforms(seqs, width - 1)
+        siblings = self._to_host(sample_siblings(
+            self._root_scores[:batch], self._to_device(pending), self._warp_device.temperature[:batch] == 0,
+            width - 1, self.config.speculative.replacement,
+            uniforms if uniforms is not None else torch.zeros(batch, width - 1, device=self.device),
+        ))
+        drafts = (siblings >= 0) & (depths > 0)[:, None]
+        roots[:, 1:] = torch.where(drafts, siblings, 0)
+        valid[:, 1:] = drafts
         return roots, valid
 
     @torch.no_grad()
     def _speculate(self, emitted: dict[str, list[int]]) -> None:
         seqs = self.running
-        rows = slice(0, len(seqs))
-        warp = self._warp(seqs)
+        batch = len(seqs)
+        rows = slice(0, batch)
         depths, lookup_depths = self._plan(seqs)
+        # Penalties need each row's history: then the drafter warps with it (the target's logits get the same below).
+        penalized = any(s.params.penalized for s in seqs)
+        warp = self._warp(seqs) if penalized else self._warp_host[rows]
         roots, root_valid = self._roots(seqs, depths)
         started = time.perf_counter()
         draft = self.drafter.propose(
             DraftInputs(
-                contexts=[s.context for s in seqs], roots=roots, root_valid=root_valid, depths=depths,
+                contexts=_Contexts(seqs), roots=roots, root_valid=root_valid, depths=depths,  # type: ignore[arg-type]
                 topology=self.topology, warp=warp, generators=[s.generator for s in seqs],
                 replacement=self.config.speculative.replacement, keep=self.policy.keep, lookup_depths=lookup_depths,
             )
         )
         drafted = time.perf_counter()
-        raw, states, slot_of = self._verify_forward(rows, draft)
-        raw = raw.float().cpu()
-        context = sum(len(s.prompt_ids) + len(s.generated) - 1 for s in seqs) / len(seqs)
-        timing = StepTiming(
-            (len(seqs), int(draft.valid.any(0).sum()), context), time.perf_counter() - drafted,
-            [(len(seqs), tokens, context) for tokens in self.drafter.forward_tokens], drafted - started,
+        size = draft.tokens.shape[1]
+        ancestors = self.topology.sliced_ancestors(draft.depth)
+        tokens, valid = self._to_device(draft.tokens), self._to_device(draft.valid)
+        raw, states, slot_of = self._verify_forward(rows, draft, tokens, valid, ancestors)
+        logits = raw
+        if penalized:  # each node with its own history, as the draft did
+            logits = warp.penalize(raw.cpu(), draft.tokens, ancestors).to(self.device)
+        uniforms = self._uniforms(seqs, self.topology.size(self.topology.max_depth) + 1)
+        verdict = verify_batch(
+            logits, tokens, valid, self.topology, self._warp_device[rows], self._root_scores[rows],
+            self._to_device(draft.draft_probs) if draft.draft_probs is not None else None,
+            self.config.speculative.replacement,
+            uniforms[:, [*range(size), -1]] if uniforms is not None else None,
+            self._to_device(draft.point_mass) if draft.point_mass is not None else None,
         )
-        # Each node with its own history, as the draft did.
-        logits = warp.penalize(raw, draft.tokens, self.topology.sliced_ancestors(draft.depth))
-        verdicts, target_token_probs = self._verify(seqs, draft, logits, warp)
-        paths = [v.path for v in verdicts]
-        keep = torch.zeros(len(seqs), max(len(p) for p in paths), dtype=torch.long)
-        for row, path in enumerate(paths):
-            keep[row, : len(path)] = slot_of[path]
-        self.cache.commit(rows, keep.to(self.device), torch.tensor([len(p) for p in paths]).to(self.device))
+        self._root_scores[rows] = verdict.next_law
+        host = self._to_host(torch.cat([verdict.path, verdict.next_token[:, None]], 1))
+        lengths = (host[:, :-1] >= 0).sum(1)
+        paths = [path[:n] for path, n in zip(host[:, :-1].tolist(), lengths.tolist())]
+        next_tokens = host[:, -1].tolist()
+        context = sum(self.cache.host_lengths[:batch]) / batch
+        timing = StepTiming(  # the host copy above waited for the verify forward: its time is all in
+            (batch, int(draft.valid.any(0).sum()), context), time.perf_counter() - drafted,
+            [(batch, width, context) for width in self.drafter.forward_tokens], drafted - started,
+        )
+        self.cache.commit(rows, slot_of[verdict.path.clamp(min=0)], lengths)
+        target_token_probs = self._to_host(verdict.token_probs, stats=True).tolist()
+        draft_token_probs = self._to_host(draft.token_probs, stats=True).tolist()
         self.drafter.observe(paths, draft, states)
 
         self.steps += 1
         depth_of = self.topology.depths
-        drafted_nodes = draft.valid & (depth_of[: draft.tokens.shape[1]] > 0)[None]
+        drafted_nodes = draft.valid & (depth_of[:size] > 0)[None]
+        node_depths, node_candidates = depth_of.tolist(), self.topology.candidate_index.tolist()
+        draft_tokens = draft.tokens.tolist()
         emitted_by_row = []
-        for row, (seq, verdict) in enumerate(zip(seqs, verdicts)):
-            accepted_nodes = [n for n in verdict.path if depth_of[n] > 0]
+        for row, (seq, path) in enumerate(zip(seqs, paths)):
+            accepted_nodes = [n for n in path if node_depths[n] > 0]
             seq.forwards += 1
-            # A copy: a view would keep this step's whole [B, N, V] logits alive for as long as the sequence runs.
-            law = verdict.next_probs if verdict.next_probs is not None else logits[row, verdict.path[-1]]
-            seq.root_scores = law.clone()
-            new_tokens = [int(draft.tokens[row, n]) for n in accepted_nodes] + [verdict.next_token]
+            new_tokens = [draft_tokens[row][n] for n in accepted_nodes] + [next_tokens[row]]
             emitted_by_row.append(new_tokens)
-            if seq.params.logprobs is not None:
-                seq.logprobs += token_logprobs(raw[row, verdict.path], new_tokens, seq.params.logprobs)
+            if seq.params.logprobs is not None:  # opt-in: the target's log-probabilities at the path's nodes
+                at_path = self._to_host(raw[row, path], stats=True)
+                seq.logprobs += token_logprobs(at_path, new_tokens, seq.params.logprobs)
             kept = self._emit(seq, new_tokens, [True] * len(accepted_nodes) + [False], emitted)
             kept_nodes = set(accepted_nodes[:kept])  # a stop inside the accepted run drops the rest
-            seq.per_step_drafted.append(int(drafted_nodes[row].sum()))
+            drafted = drafted_nodes[row].nonzero().flatten().tolist()
+            seq.per_step_drafted.append(len(drafted))
             seq.per_step_accepted.append(len(kept_nodes))
-            for node in drafted_nodes[row].nonzero().flatten().tolist():
+            for node in drafted:
                 seq.token_stats.append((
-                    self.steps, int(depth_of[node]), int(self.topology.candidate_index[node]),
-                    int(draft.tokens[row, node]), float(draft.token_probs[row, node]),
-                    float(target_token_probs[row, node]), node in kept_nodes,
+                    self.steps, node_depths[node], node_candidates[node], draft_tokens[row][node],
+                    draft_token_probs[row][node], target_token_probs[row][node], node in kept_nodes,
                 ))
         matched = self._matched_by_source(draft, emitted_by_row)
         self.policy.observe(StepRecord(
             ids=[s.request_id for s in seqs],
             planned_depth=depths.tolist(),
-            drafted_depth=(drafted_nodes * depth_of[: draft.tokens.shape[1]]).amax(1).tolist(),
+            drafted_depth=(drafted_nodes * depth_of[:size]).amax(1).tolist(),
             accepted=[s.per_step_accepted[-1] for s in seqs],
             lookup_planned=(lookup_depths if lookup_depths is not None else depths).tolist(),
             model_matched=matched[0], lookup_matched=matched[1], timing=timing,
@@ -509,8 +610,11 @@ class Engine:
         width = sources.model_width
         return matched[:, :width].amax(1).tolist(), matched[:, width:].amax(1).tolist()
 
-    def _verify_forward(self, rows: slice, draft: Draft) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
-        """The target forward over the tree's live nodes; (logits [B, N, V], states, cache slot of each node).
+    def _verify_forward(
+        self, rows: slice, draft: Draft, tokens: torch.Tensor, valid: torch.Tensor, ancestors: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+        """The target forward over the tree's live nodes; (logits [B, N, V], states, cache slot of each node), on
+        the device. ``tokens``/``valid`` are the draft's on the device; the live nodes come from its host copy.
 
         A node no row has (a candidate that stopped, an n-gram sibling without a match) is left out of the forward
         rather than padded: on a CPU each extra token of a small verify costs ~5% of a plain step. A node's
@@ -518,17 +622,20 @@ class Engine:
         """
         size = draft.tokens.shape[1]
         nodes = draft.valid.any(0).nonzero().flatten()
-        ancestors = self.topology.sliced_ancestors(draft.depth)[nodes][:, nodes]
-        logits, states = forward_tree(
-            self.target, self.cache, rows, draft.tokens[:, nodes].to(self.device), ancestors,
-            draft.valid[:, nodes].to(self.device), want_hidden=self.drafter.reads_target_states,
-        )
         slot_of = torch.zeros(size, dtype=torch.long)
         slot_of[nodes] = torch.arange(len(nodes))
-        if len(nodes) < size:  # back to tree positions; dead nodes' rows are never read
-            logits = logits[:, slot_of]
-            states = states[:, slot_of.to(states.device)] if states is not None else None
-        return logits, states, slot_of
+        slot_of = self._to_device(slot_of)
+        if len(nodes) == size:
+            logits, states = forward_tree(self.target, self.cache, rows, tokens, ancestors, valid,
+                                          want_hidden=self.drafter.reads_target_states)
+            return logits, states, slot_of
+        live = self._to_device(nodes)
+        logits, states = forward_tree(
+            self.target, self.cache, rows, tokens[:, live], ancestors[nodes][:, nodes], valid[:, live],
+            want_hidden=self.drafter.reads_target_states,
+        )
+        # Back to tree positions; dead nodes' rows are never read.
+        return logits[:, slot_of], states[:, slot_of] if states is not None else None, slot_of
 
     def _warp(self, seqs: list[_Sequence], prefill: bool = False) -> WarpParams:
         """Sampling parameters of ``seqs`` as tensors, with the committed histories their penalties need."""
@@ -539,38 +646,6 @@ class Engine:
             params, [s.prompt_ids for s in seqs], [[] if prefill else s.generated[:-1] for s in seqs],
             self.eos_ids, self.target.config.vocab_size,
         )
-
-    def _verify(
-        self, seqs: list[_Sequence], draft: Draft, logits: torch.Tensor, warp: WarpParams
-    ) -> tuple[list[Verdict], torch.Tensor]:
-        """Apply the acceptance rule to each row; also the target probability of every node's token."""
-        size = draft.tokens.shape[1]
-        parents = self.topology.parents[:size]
-        parent_index = torch.tensor([max(p, 0) for p in parents])
-        greedy = warp.temperature == 0
-        sampled_rows = (~greedy).nonzero().flatten()
-        target_probs = warp_probs(logits[sampled_rows], warp[sampled_rows]) if len(sampled_rows) else None
-        # Target probability of each node's token at its parent (temperature 1 for greedy rows), for statistics;
-        # indexed rather than gathered from a copy of the parents' logits, which would cost a pass over [B, N, V].
-        rows = torch.arange(len(seqs))[:, None]
-        token_logits = logits[rows, parent_index[None], draft.tokens]
-        token_probs = (token_logits - logits.logsumexp(-1)[:, parent_index]).exp()
-        argmax = logits.argmax(-1).tolist()
-        verdicts = []
-        for row, seq in enumerate(seqs):
-            tokens, valid = draft.tokens[row].tolist(), draft.valid[row].tolist()
-            if greedy[row]:
-                verdicts.append(verify_greedy(tokens, parents, valid, argmax[row], tokens[0]))
-                continue
-            probs = target_probs[(sampled_rows == row).nonzero().item()]
-            token_probs[row] = probs[parent_index].gather(-1, draft.tokens[row][:, None]).squeeze(-1)
-            verdicts.append(verify_sampled(
-                tokens, parents, valid, probs, seq.root_scores,
-                draft.draft_probs[row] if draft.draft_probs is not None else None,
-                self.config.speculative.replacement, seq.generator,
-                draft.point_mass[row].tolist() if draft.point_mass is not None else None,
-            ))
-        return verdicts, token_probs
 
     # ------------------------------------------------------------------------------------------- results
     def _emit(self, seq: _Sequence, tokens: list[int], accepted: list[bool], emitted: dict[str, list[int]]) -> int:
@@ -595,15 +670,22 @@ class Engine:
         return len(seq.generated) - before
 
     def _apply_stop_strings(self, seq: _Sequence, before: int) -> None:
-        decode = self.tokenizer.decode
-        if not any(stop in decode(seq.generated, skip_special_tokens=True) for stop in seq.params.stop):
-            return
-        for end in range(before + 1, len(seq.generated) + 1):
-            text = decode(seq.generated[:end], skip_special_tokens=True)
-            hits = [text.find(stop) for stop in seq.params.stop if stop in text]
+        """Cut after the first token whose text completes a stop string; the text ends before the stop string.
+
+        Incremental: each token is decoded once, and only text that the new token could complete is searched (a
+        stop string found now must end in the token's text, else an earlier token would have ended the sequence).
+        """
+        if seq.text is None:
+            seq.text = IncrementalDecoder(self.tokenizer)
+        stops = seq.params.stop
+        longest = max(len(stop) for stop in stops)
+        for end in range(before, len(seq.generated)):
+            start = max(0, len(seq.text.text) - longest + 1)
+            seq.text.push([seq.generated[end]])
+            hits = [at for stop in stops if (at := seq.text.text.find(stop, start)) >= 0]
             if hits:
-                del seq.generated[end:], seq.accepted[end:]
-                seq.stop_text = text[: min(hits)]
+                del seq.generated[end + 1 :], seq.accepted[end + 1 :]
+                seq.stop_text = seq.text.text[: min(hits)]
                 seq.finish_reason = "stop"
                 return
 
@@ -615,8 +697,12 @@ class Engine:
         return results[::-1]
 
     def _remove_row(self, row: int) -> None:
-        """Swap-remove: the last running sequence takes this row in the caches and the drafter too."""
+        """Swap-remove: the last running sequence takes this row in the caches, the batch tensors and the drafter."""
         self.policy.forget(self.running[row].request_id)
+        last = len(self.running) - 1
+        for state in (*(getattr(w, name) for w in (self._warp_host, self._warp_device) for name in ROW_FIELDS),
+                      self._max_tokens, self._root_scores):
+            state[row] = state[last]
         self.cache.remove_row(row)
         self.drafter.remove_row(row)
         self.running[row] = self.running[-1]

@@ -8,6 +8,9 @@ Rows [0, active) are live; a finished row is replaced by the last one (swap-remo
 contiguous, view-sliceable prefix. When the last row leaves, the buffers are released: an idle engine (a Serve
 replica between bursts, one of several engines in a benchmark) holds no KV memory, which at 64 rows of 2048 slots
 is 6 GB for SmolLM2-135M.
+
+The host keeps its own copy of the committed lengths (``host_lengths``): it knows every commit's counts, so
+sizing a forward (the longest row) never reads a device tensor back, which on a GPU would wait for the queue.
 """
 
 from __future__ import annotations
@@ -50,7 +53,7 @@ class _SlotLayer(CacheLayerMixin):
         return self.owner.kv_length, 0
 
     def get_seq_length(self) -> int:
-        return int(self.owner.lengths.max()) if self.owner.active else 0
+        return self.owner.longest(slice(0, self.owner.active))
 
     def get_max_cache_shape(self) -> int:
         return self.owner.max_slots
@@ -65,27 +68,39 @@ class SlotKVCache(Cache):
         self.initial_slots = self.max_slots = max_slots
         self.device = device or torch.device("cpu")
         self.lengths = torch.zeros(capacity, dtype=torch.long, device=self.device)
+        self.host_lengths = [0] * capacity  # mirror of ``lengths``, kept from the commit counts
         self.active = 0
         self.rows = slice(0, 0)
         self.write_slots = torch.zeros(0, 0, dtype=torch.long)
         self.kv_length = 0
         super().__init__(layers=[_SlotLayer(self) for _ in range(num_layers)])
 
+    def longest(self, rows: slice) -> int:
+        """Longest committed length among ``rows``, from the host mirror (no device read)."""
+        return max(self.host_lengths[rows], default=0)
+
     def prepare(self, rows: slice, offset: int, num_new: int) -> None:
         """Aim the next forward: rows ``rows`` write ``num_new`` tokens after ``offset`` tentative slots."""
         lengths = self.lengths[rows]
         self.rows = rows
         self.write_slots = lengths[:, None] + offset + torch.arange(num_new, device=self.device)[None]
-        self.kv_length = int(lengths.max()) + offset + num_new
+        self.kv_length = self.longest(rows) + offset + num_new
         if self.kv_length > self.max_slots:
             self.max_slots = max(self.kv_length, 2 * self.max_slots)
             for layer in self.layers:
                 layer.grow(self.max_slots)
 
-    def commit(self, rows: slice, keep: torch.Tensor, counts: torch.Tensor) -> None:
-        """Keep tentative slots ``lengths + keep[b, :counts[b]]`` as the next committed entries of each row."""
+    def commit(self, rows: slice, keep: torch.Tensor, counts: torch.Tensor | list[int]) -> None:
+        """Keep tentative slots ``lengths + keep[b, :counts[b]]`` as the next committed entries of each row.
+
+        ``counts`` should come from the host (a list or a CPU tensor): counts on the device are read back.
+        """
         if keep.shape[1] == 0:
             return
+        host_counts = counts.tolist() if isinstance(counts, torch.Tensor) else list(counts)
+        for row, count in zip(range(rows.start, rows.stop), host_counts):
+            self.host_lengths[row] += count
+        counts = torch.as_tensor(counts).to(self.device, non_blocking=True)
         lengths = self.lengths[rows]
         source = lengths[:, None] + keep
         target = lengths[:, None] + torch.arange(keep.shape[1], device=self.device)[None]
@@ -107,6 +122,7 @@ class SlotKVCache(Cache):
             raise ValueError(f"cache holds at most {self.capacity} rows")
         rows = slice(self.active, self.active + count)
         self.lengths[rows] = 0
+        self.host_lengths[rows] = [0] * count
         self.active += count
         return rows
 
@@ -114,13 +130,15 @@ class SlotKVCache(Cache):
         """Swap-remove: the last live row moves into ``row``."""
         last = self.active - 1
         if row != last:
-            used = int(self.lengths[last])
+            used = self.host_lengths[last]
             for layer in self.layers:
                 if layer.is_initialized:
                     layer.keys[row, :, :used] = layer.keys[last, :, :used]
                     layer.values[row, :, :used] = layer.values[last, :, :used]
             self.lengths[row] = self.lengths[last]
+            self.host_lengths[row] = used
         self.lengths[last] = 0
+        self.host_lengths[last] = 0
         self.active = last
         if self.active == 0:
             self.max_slots = self.initial_slots
@@ -155,7 +173,9 @@ def forward_tree(
     """
     end = start + input_ids.shape[1]
     dtype = next(model.parameters()).dtype
-    mask, positions, _ = attention_inputs(ancestors, valid, cache.lengths[rows], start, end, dtype)
+    mask, positions, _ = attention_inputs(
+        ancestors, valid, cache.lengths[rows], start, end, dtype, max_length=cache.longest(rows)
+    )
     cache.prepare(rows, start, input_ids.shape[1])
     out = model(
         input_ids=input_ids,

@@ -93,22 +93,24 @@ def attention_inputs(
     start: int,
     end: int,
     dtype: torch.dtype,
+    max_length: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, int]:
     """4D additive mask, position ids and KV length for a forward over tree nodes [start, end).
 
     ancestors [N, N]: the tree; valid [B, N]: which nodes each row really has (padding nodes are invisible);
     lengths [B]: committed cache length per row, the tree's nodes sit in slots lengths + node index.
     Nodes [0, start) were written by earlier forwards of this step and are still tentative.
+    ``max_length``: ``lengths.max()`` when the caller knows it on the host (reading it from a device waits).
     """
     batch = valid.shape[0]
     device = lengths.device
-    visible = ancestors[start:end, :end].to(device)[None] & valid[:, None, :end]  # [B, T, end]
+    visible = ancestors[start:end, :end].to(device, non_blocking=True)[None] & valid[:, None, :end]  # [B, T, end]
     own = torch.arange(start, end, device=device)
     visible[:, torch.arange(end - start, device=device), own] = True  # padding nodes see themselves: no NaN rows
-    strict = ancestors[start:end, :end].to(device)[None] & valid[:, None, :end]
+    strict = ancestors[start:end, :end].to(device, non_blocking=True)[None] & valid[:, None, :end]
     strict[:, torch.arange(end - start, device=device), own] = False
     positions = lengths[:, None] + strict.sum(-1)
-    kv_length = int(lengths.max()) + end
+    kv_length = (int(lengths.max()) if max_length is None else max_length) + end
     relative = torch.arange(kv_length, device=device)[None, :] - lengths[:, None]  # [B, L]
     in_tree = (relative >= 0) & (relative < end)
     from_tree = visible.gather(2, relative.clamp(0, end - 1)[:, None, :].expand(batch, end - start, kv_length))

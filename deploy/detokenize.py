@@ -4,12 +4,11 @@ from __future__ import annotations
 
 from transformers import PreTrainedTokenizerBase
 
-# What a byte-level tokenizer decodes a character's incomplete UTF-8 bytes to.
-_PARTIAL_CHAR = "\ufffd"
+from decoding.text import IncrementalDecoder
 
 
 class IncrementalText:
-    """One sequence's text as its tokens arrive.
+    """One sequence's text as its tokens arrive, each token decoded once (``decoding.text``).
 
     ``push`` returns the new text that is safe to send: it holds back a trailing partial character and any
     suffix that could be the start of a stop string (the engine cuts the final text before a stop string, so
@@ -17,14 +16,13 @@ class IncrementalText:
     """
 
     def __init__(self, tokenizer: PreTrainedTokenizerBase, stop: list[str]) -> None:
-        self._tokenizer = tokenizer
+        self._decoder = IncrementalDecoder(tokenizer)
         self._stop = stop
-        self._ids: list[int] = []
         self.sent = ""
 
     def push(self, token_ids: list[int]) -> str:
-        self._ids.extend(token_ids)
-        text = self._tokenizer.decode(self._ids, skip_special_tokens=True).rstrip(_PARTIAL_CHAR)
+        self._decoder.push(token_ids)
+        text = self._decoder.text
         return self._advance(text[: len(text) - self._stop_prefix_length(text)])
 
     def finish(self, final_text: str) -> str:

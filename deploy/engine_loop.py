@@ -1,53 +1,70 @@
-"""Continuous batching for one replica: a single task steps the engine while any request is pending.
+"""Continuous batching for one replica: ``decoding.runner``'s engine thread, seen from asyncio.
 
 Requests join between steps (the engine prefills them into free rows), finished ones leave at once, and each
-caller receives its sequences' events as they happen. Steps run in one dedicated thread so the event loop
-keeps serving HTTP meanwhile; only that thread touches the engine.
+caller receives its sequences' events as they happen. Requests are validated and tokenized in a worker thread,
+never on the event loop nor on the engine's stepping thread.
 """
 
 from __future__ import annotations
 
 import asyncio
-import logging
+import contextlib
+import threading
 from collections.abc import AsyncGenerator, Callable
-from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from typing import Any
 
-from decoding.engine import Engine, GenerationResult, Request, StepOutput
-from decoding.models import use_torch_threads
+from decoding.engine import Engine, GenerationResult, Request
+from decoding.runner import EngineRunner, RequestRejected
 
-log = logging.getLogger(__name__)
+# Ray starts workers at niceness 15 to keep its own daemons responsive; an engine replica on a CPU node would
+# then yield its cores to every daemon wake-up (see pipeline.actor, which sets the same for its actors).
+# env_vars merge with the application's runtime_env.
+REPLICA_RUNTIME_ENV = {"env_vars": {"RAY_worker_niceness": "0"}}
 
 # What a caller receives per sequence: new token ids after each step, then (instead of the last step's tokens)
 # the finished result.
 Event = list[int] | GenerationResult
+
+__all__ = ["REPLICA_RUNTIME_ENV", "EngineFailure", "EngineLoop", "Event", "RequestRejected"]
 
 
 class EngineFailure(RuntimeError):
     """The engine loop died; the replica is unhealthy until Serve replaces it."""
 
 
-class RequestRejected(ValueError):
-    """``add_request`` raised for this request (its contract is to never raise): fail only this request."""
+async def _in_own_thread(work: Callable[[], Any]) -> Any:
+    """``work()`` in a thread of its own: a pool could make a short request queue behind megabyte prompts."""
+    loop = asyncio.get_running_loop()
+    done = loop.create_future()
 
+    def settle(method: str, value: Any) -> None:
+        if not done.done():  # the caller may have gone away meanwhile
+            getattr(done, method)(value)
 
-@dataclass
-class _Route:
-    queue: asyncio.Queue[tuple[int, Event] | BaseException]
-    index: int
+    def run() -> None:
+        try:
+            outcome = ("set_result", work())
+        except BaseException as exc:
+            outcome = ("set_exception", exc)
+        with contextlib.suppress(RuntimeError):  # the event loop is closed: nobody waits any more
+            loop.call_soon_threadsafe(settle, *outcome)
+
+    threading.Thread(target=run, name="prepare", daemon=True).start()
+    return await done
 
 
 class EngineLoop:
     def __init__(self, make_engine: Callable[[], Engine], torch_threads: int | None = None) -> None:
-        # One dedicated thread builds the engine and steps it, with these torch threads (see worker_threads).
-        self._executor = ThreadPoolExecutor(1, "engine", initializer=use_torch_threads, initargs=(torch_threads,))
-        self.engine = self._executor.submit(make_engine).result()
-        self.steps = 0
-        self.failure: BaseException | None = None
-        self._incoming: list[Request] = []
-        self._aborted: list[str] = []
-        self._routes: dict[str, _Route] = {}
-        self._task: asyncio.Task[None] | None = None
+        self.runner = EngineRunner(make_engine, torch_threads)  # a failure is the replica's: Serve replaces it
+        self.engine = self.runner.engine
+
+    @property
+    def steps(self) -> int:
+        return self.runner.steps
+
+    @property
+    def failure(self) -> BaseException | None:
+        return self.runner.failure
 
     def check_health(self) -> None:
         if self.failure is not None:
@@ -59,66 +76,25 @@ class EngineLoop:
         Closing the iterator early aborts the unfinished sequences, freeing their batch rows.
         """
         self.check_health()
-        queue: asyncio.Queue[tuple[int, Event] | BaseException] = asyncio.Queue()
-        for index, request in enumerate(requests):
-            self._routes[request.id] = _Route(queue, index)
-        self._incoming.extend(requests)
-        if self._task is None or self._task.done():
-            self._task = asyncio.create_task(self._run())
+        loop = asyncio.get_running_loop()
+        events: asyncio.Queue[tuple[int, Event | BaseException]] = asyncio.Queue()
+        prepared = await _in_own_thread(lambda: [self.runner.prepare(request) for request in requests])
         pending = {request.id for request in requests}
         try:
+            for index, (request, ready) in enumerate(zip(requests, prepared)):
+                def sink(event: Event | BaseException, index: int = index) -> None:
+                    loop.call_soon_threadsafe(events.put_nowait, (index, event))
+
+                self.runner.submit(request, ready, sink)
             while pending:
-                item = await queue.get()
-                if isinstance(item, RequestRejected):
-                    raise item
-                if isinstance(item, BaseException):
-                    raise EngineFailure(f"engine loop failed: {item!r}") from item
-                if isinstance(item[1], GenerationResult):
-                    pending.discard(item[1].id)
-                yield item
+                index, event = await events.get()
+                if isinstance(event, RequestRejected):
+                    raise event
+                if isinstance(event, BaseException):
+                    raise EngineFailure(f"engine loop failed: {event!r}") from event
+                if isinstance(event, GenerationResult):
+                    pending.discard(event.id)
+                yield index, event
         finally:
-            self._incoming = [r for r in self._incoming if r.id not in pending]
-            self._aborted.extend(pending)  # the loop thread drops them from the engine before its next step
-            for request in requests:
-                self._routes.pop(request.id, None)
-
-    async def _run(self) -> None:
-        try:
-            while self._incoming or self.engine.has_unfinished():
-                joining, self._incoming = self._incoming, []
-                aborted, self._aborted = self._aborted, []
-                rejected, output = await asyncio.get_running_loop().run_in_executor(
-                    self._executor, self._step, joining, aborted
-                )
-                self.steps += 1
-                for request_id, error in rejected.items():
-                    self._send(request_id, error)
-                finished = {result.id for result in output.finished}
-                for request_id, tokens in output.new_tokens.items():
-                    if request_id not in finished:  # a result supersedes its last tokens (they may pass a stop)
-                        self._send(request_id, tokens)
-                for result in output.finished:
-                    self._send(result.id, result)
-        except Exception as exc:
-            log.exception("engine loop failed")
-            self.failure = exc
-            for route in self._routes.values():
-                route.queue.put_nowait(exc)
-
-    def _step(self, joining: list[Request], aborted: list[str]) -> tuple[dict[str, RequestRejected], StepOutput]:
-        for request_id in aborted:
-            self.engine.abort(request_id)
-        rejected = {}
-        for request in joining:
-            try:
-                self.engine.add_request(request)
-            except Exception as exc:  # one request's input must not take the whole batch down
-                log.exception("add_request raised for request %s", request.id)
-                rejected[request.id] = RequestRejected(f"invalid request: {exc}")
-        return rejected, self.engine.step()
-
-    def _send(self, request_id: str, event: Event | RequestRejected) -> None:
-        route = self._routes.get(request_id)
-        if route is None:  # its caller went away
-            return
-        route.queue.put_nowait(event if isinstance(event, RequestRejected) else (route.index, event))
+            for request_id in pending:  # the engine thread drops them before its next step
+                self.runner.abort(request_id)

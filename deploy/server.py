@@ -39,7 +39,7 @@ from decoding.models import load_tokenizer, worker_threads
 from decoding.sampling import row_seed
 from decoding.stats import SpecDecodeCounters, SpecDecodeStats
 from deploy.detokenize import IncrementalText
-from deploy.engine_loop import EngineFailure, EngineLoop, Event, RequestRejected
+from deploy.engine_loop import REPLICA_RUNTIME_ENV, EngineFailure, EngineLoop, Event, RequestRejected
 from deploy.protocol import (
     MAX_CONTEXT,
     AssistantMessage,
@@ -65,7 +65,6 @@ from deploy.protocol import (
     TopLogprob,
     Usage,
 )
-from pipeline.actor import ENGINE_RUNTIME_ENV
 
 log = logging.getLogger(__name__)
 
@@ -413,7 +412,7 @@ class OpenAIServer:
 def deployment_options(config: Config) -> dict[str, Any]:
     """Replicas (fixed, or autoscaled within ``concurrency: [min, max]``) and GPUs per replica from the config."""
     options: dict[str, Any] = {
-        "ray_actor_options": {"num_gpus": config.num_gpus, "runtime_env": ENGINE_RUNTIME_ENV},
+        "ray_actor_options": {"num_gpus": config.num_gpus, "runtime_env": REPLICA_RUNTIME_ENV},
         # Admit enough requests to keep the batch full between steps; the rest queue in Serve for other replicas.
         "max_ongoing_requests": 4 * config.batch_size,
     }

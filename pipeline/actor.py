@@ -1,17 +1,15 @@
 """The Ray Data actor: one engine per actor, fed continuously by every batch the actor is working on.
 
 Ray Data runs several ``__call__``s of one actor at once (``max_concurrent_calls_per_actor``); each
-queues its rows and waits for their results, while a single engine thread admits queued requests into
-free rows between steps. So the engine's batch stays full across Ray Data batches instead of draining
-at the end of each one.
+tokenizes its rows on its own thread and queues them, while the engine thread (``decoding.runner``) admits
+queued requests into free rows between steps. So the engine's batch stays full across Ray Data batches
+instead of draining at the end of each one.
 """
 
 from __future__ import annotations
 
 import itertools
 import logging
-import queue
-import threading
 from concurrent.futures import Future
 from typing import Any
 
@@ -21,9 +19,10 @@ from ray.util.metrics import Counter
 
 from decoding.config import Config
 from decoding.engine import Engine, GenerationResult, Request
-from decoding.models import use_torch_threads, worker_threads
+from decoding.models import worker_threads
 from decoding.remote import localize_models
 from decoding.requests import RequestError, parse_request
+from decoding.runner import EngineRunner, Event, RequestRejected
 from decoding.stats import SpecDecodeCounters
 from pipeline.schema import PRODUCER_NODE, READ_ERROR, output_block
 
@@ -63,18 +62,16 @@ class GenerationActor:
         self.token_stats = token_stats
         # Ray sets OMP_NUM_THREADS=1 in workers: a CPU actor uses its num_cpus, else its share of the node.
         self.torch_threads = worker_threads(self.config.num_cpus, actors_per_node)
-        self._keys = (str(n) for n in itertools.count())  # engine ids: input ids need not be unique
-        self._inbox: queue.SimpleQueue[tuple[Request, Future]] = queue.SimpleQueue()
-        self._in_engine: dict[str, tuple[Request, Future]] = {}
-        self.engine: Engine
+        self._keys = itertools.count()  # engine ids (input ids need not be unique); next() is atomic across calls
         # Prometheus (vLLM's spec-decode names) through Ray's metrics export; fed on the engine thread only.
         self.metrics = SpecDecodeCounters(
             lambda name, description, keys: Counter(name, description=description, tag_keys=keys), self.config.model
         )
-        ready: Future = Future()
-        threading.Thread(target=self._run_engine, args=(ready,), name="engine", daemon=True).start()
-        ready.result()  # a failure to build the engine (bad model path, ...) fails the actor here
-        spec = self.engine.config.speculative  # as resolved: the default draft may have fallen back to ngram
+        # An engine failure must not lose rows or stop the job: the runner reruns the requests in flight one by
+        # one and only a request that fails on its own becomes an error row. A failure to build the engine (bad
+        # model path, ...) fails the actor here.
+        self.runner = EngineRunner(lambda: Engine(self.config), self.torch_threads, recover=True)
+        spec = self.runner.engine.config.speculative  # as resolved: the default draft may have fallen back to ngram
         self.provenance = {
             "target_model": given.model,
             "draft_model": given.speculative.model if spec.method == "draft_model" else None,
@@ -89,54 +86,21 @@ class GenerationActor:
 
     def _submit(self, row: dict[str, Any]) -> Future:
         future: Future = Future()
-        key = next(self._keys)
+        key = str(next(self._keys))
         try:
             request = request_from_row(key, row)
             request.seed_key = str(row.get("id", key))  # a row's random stream follows its id, not its actor
-            self._inbox.put((request, future))
-        except RequestError as exc:
+            prepared = self.runner.prepare(request)  # on this call's thread, not the engine's
+        except (RequestError, RequestRejected) as exc:
             future.set_result(error_result(key, row.get("prompt"), str(exc)))
+            return future
+
+        def sink(event: Event) -> None:  # called on the engine thread
+            if isinstance(event, GenerationResult):
+                self.metrics.record(event.stats)
+                future.set_result(event)
+            elif isinstance(event, BaseException):
+                future.set_result(error_result(key, row.get("prompt"), f"engine failure: {event!r}"))
+
+        self.runner.submit(request, prepared, sink)
         return future
-
-    def _run_engine(self, ready: Future) -> None:
-        """Build the engine, then step it for good: both on this thread (see worker_threads)."""
-        use_torch_threads(self.torch_threads)
-        try:
-            self.engine = Engine(self.config)
-        except BaseException as exc:
-            ready.set_exception(exc)
-            return
-        ready.set_result(None)
-        while True:
-            if not self.engine.has_unfinished():
-                self._admit(*self._inbox.get())  # idle: block until a call brings work
-            while not self._inbox.empty():
-                self._admit(*self._inbox.get())
-            try:
-                finished = self.engine.step().finished
-            except Exception:  # an engine failure must not lose the other rows or stop the job
-                self._recover()
-                continue
-            for result in finished:
-                self.metrics.record(result.stats)
-                self._in_engine.pop(result.id)[1].set_result(result)
-
-    def _admit(self, request: Request, future: Future) -> None:
-        self._in_engine[request.id] = (request, future)
-        self.engine.add_request(request)
-
-    def _recover(self) -> None:
-        """Rebuild the engine and rerun its requests one at a time: only a request that fails on its
-        own becomes an error row."""
-        log.exception("engine step failed with %d requests in flight; rerunning them one by one", len(self._in_engine))
-        suspects, self._in_engine = list(self._in_engine.values()), {}
-        self.engine = Engine(self.config)
-        for request, future in suspects:
-            try:
-                result = self.engine.generate([request])[0]
-            except Exception as solo_exc:
-                log.exception("request failed on its own")
-                result = error_result(request.id, request.prompt, f"engine failure: {solo_exc!r}")
-                self.engine = Engine(self.config)
-            future.set_result(result)
-

@@ -16,6 +16,15 @@ from tiny import noisy_copy, tiny_model, tiny_tokenizer  # noqa: E402
 SHARED = Path(__file__).resolve().parents[1].parent / "shared"
 
 
+# Engine tests run on every device this machine has: the CUDA path is tested wherever a GPU is present.
+DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+
+
+@pytest.fixture(scope="session", params=DEVICES)
+def device(request) -> torch.device:
+    return torch.device(request.param)
+
+
 @pytest.fixture(scope="session")
 def tokenizer():
     return tiny_tokenizer()

@@ -64,8 +64,21 @@ def heads(tmp_path_factory, target) -> dict[str, str]:
     return paths
 
 
-def run(config: Config, tokenizer, target, draft=None, prompts=PROMPTS) -> list:
-    engine = Engine(config, target=target, tokenizer=tokenizer, draft=draft)
+_MOVED: dict[tuple[int, str], torch.nn.Module] = {}
+
+
+def on_device(model, device: torch.device | None):
+    """The model on ``device`` (a copy, made once: the session's models stay on the CPU for the references)."""
+    if model is None or device is None or device.type == "cpu":
+        return model
+    key = (id(model), str(device))
+    if key not in _MOVED:
+        _MOVED[key] = copy.deepcopy(model).to(device)
+    return _MOVED[key]
+
+
+def run(config: Config, tokenizer, target, draft=None, prompts=PROMPTS, device=None) -> list:
+    engine = Engine(config, target=on_device(target, device), tokenizer=tokenizer, draft=on_device(draft, device))
     return engine.generate([Request(id=str(i), prompt=p) for i, p in enumerate(prompts)])
 
 
@@ -81,14 +94,14 @@ GREEDY_GRID = (
 @pytest.mark.parametrize("batch_size", [1, 3, 8])
 @pytest.mark.parametrize(("method", "width", "init", "policy"), GREEDY_GRID)
 def test_greedy_matches_transformers(
-    method, width, init, policy, batch_size, tokenizer, target, draft, reference, heads
+    method, width, init, policy, batch_size, tokenizer, target, draft, reference, heads, device
 ) -> None:
     extra = {key: heads[key] for key in heads if policy in ("threshold", "decision")}
     config = make_config(
         method=method, num_candidates=width, candidate_init=init, length_policy=policy,
         num_speculative_tokens=4, batch_size=batch_size, **extra,
     )
-    results = run(config, tokenizer, target, draft if method == "draft_model" else None)
+    results = run(config, tokenizer, target, draft if method == "draft_model" else None, device=device)
     assert [r.token_ids for r in results] == reference
     for result in results:
         assert result.num_target_forwards <= len(result.token_ids)
@@ -114,14 +127,14 @@ def feature_draft(target) -> FeatureDraft:
     (1, "draft", "heuristic"), (2, "draft", "threshold"), (1, "draft", "decision"),
 ])
 def test_feature_draft_greedy_matches_transformers(
-    width, init, policy, batch_size, tokenizer, target, feature_draft, reference, heads
+    width, init, policy, batch_size, tokenizer, target, feature_draft, reference, heads, device
 ) -> None:
     extra = {key: heads[key] for key in heads if policy in ("threshold", "decision")}
     config = make_config(
         method="draft_model", num_candidates=width, candidate_init=init, length_policy=policy,
         num_speculative_tokens=4, batch_size=batch_size, **extra,
     )
-    results = run(config, tokenizer, target, feature_draft)
+    results = run(config, tokenizer, target, feature_draft, device=device)
     assert [r.token_ids for r in results] == reference
     if policy == "static":  # the others may rightly give up on a draft this poor
         assert sum(sum(r.per_step_drafted) for r in results) > 0
@@ -250,7 +263,9 @@ SAMPLING_METHODS = {
 
 
 @pytest.mark.parametrize(("method", "width", "replacement", "init", "warp"), SAMPLING_GRID)
-def test_sampling_follows_target_law(method, width, replacement, init, warp, small_models, tokenizer) -> None:
+def test_sampling_follows_target_law(
+    method, width, replacement, init, warp, small_models, tokenizer, device
+) -> None:
     target, draft = small_models
     if method == "feature_draft":  # a draft_model of the feature kind
         method, draft = "draft_model", FeatureDraft.from_target(target, [0], list(range(SMALL_VOCAB)))
@@ -264,7 +279,8 @@ def test_sampling_follows_target_law(method, width, replacement, init, warp, sma
         num_speculative_tokens=3, length_policy="static", batch_size=64, sampling={"max_tokens": 4, **warp},
     )
     uses_draft = config.speculative.method == "draft_model" and config.speculative.model != "target"
-    engine = Engine(config, target=target, tokenizer=tokenizer, draft=draft if uses_draft else None)
+    engine = Engine(config, target=on_device(target, device), tokenizer=tokenizer,
+                    draft=on_device(draft, device) if uses_draft else None)
     results = engine.generate(
         [Request(id=str(i), prompt_token_ids=prompt, sampling={"seed": i}) for i in range(samples)]
     )
@@ -283,12 +299,46 @@ def test_sampling_follows_target_law(method, width, replacement, init, warp, sma
         assert chi_square_pvalue(counts, law) > 1e-3
 
 
-def test_seed_makes_sampling_reproducible(tokenizer, target, draft) -> None:
+def test_seed_makes_sampling_reproducible(tokenizer, target, draft, device) -> None:
     sampling = {"max_tokens": 16, "temperature": 1.0, "seed": 7}  # the run seed (default null: fresh randomness)
     config = make_config(method="draft_model", num_candidates=2, sampling=sampling)
-    first = run(config, tokenizer, target, draft)
-    second = run(config, tokenizer, target, draft)
+    first = run(config, tokenizer, target, draft, device=device)
+    second = run(config, tokenizer, target, draft, device=device)
     assert [r.token_ids for r in first] == [r.token_ids for r in second]
+
+
+def test_mixed_batch_greedy_rows_stay_exact(tokenizer, target, draft, reference, device) -> None:
+    """Greedy and sampled rows verified together: greedy rows still equal plain greedy decoding, while the sampled
+    rows around them really speculate (drafted tokens, some rejected)."""
+    config = make_config(method="draft_model", num_candidates=2, length_policy="static", batch_size=8,
+                         sampling={"max_tokens": MAX_TOKENS, "temperature": 1.0})
+    requests = [
+        Request(id=str(i), prompt=p, sampling={"temperature": 0.0} if i % 2 else {"seed": 100 + i})
+        for i, p in enumerate(PROMPTS)
+    ]
+    mixed = Engine(config, target=on_device(target, device), tokenizer=tokenizer,
+                   draft=on_device(draft, device)).generate(requests)
+    assert [mixed[i].token_ids for i in range(1, len(PROMPTS), 2)] == reference[1::2]
+    assert sum(sum(r.per_step_drafted) for r in mixed[::2]) > sum(sum(r.per_step_accepted) for r in mixed[::2]) > 0
+
+
+@pytest.mark.parametrize("init", ["draft", "target"])
+def test_a_seeded_row_samples_the_same_alone_and_in_a_batch(init, tokenizer, target, device) -> None:
+    """Verification and root siblings read uniforms from each row's own generator, a fixed count per step: a
+    seeded row's tokens do not depend on what shares its batch. (n-gram drafts use no randomness; a draft model
+    also samples from the row's generator, at every level it forwards for the batch.)"""
+    config = make_config(method="ngram", num_candidates=3, candidate_init=init, length_policy="static",
+                         batch_size=8, sampling={"max_tokens": MAX_TOKENS, "temperature": 1.0})
+    requests = [
+        Request(id=str(i), prompt=p, sampling={"temperature": 0.0} if i % 2 else {"seed": 100 + i})
+        for i, p in enumerate(PROMPTS)
+    ]
+    engine = Engine(config, target=on_device(target, device), tokenizer=tokenizer)
+    batch = engine.generate(requests)
+    assert sum(sum(r.per_step_drafted) for r in batch[::2]) > sum(sum(r.per_step_accepted) for r in batch[::2]) > 0
+    for i in range(0, len(PROMPTS), 2):
+        alone = Engine(config, target=on_device(target, device), tokenizer=tokenizer).generate([requests[i]])
+        assert alone[0].token_ids == batch[i].token_ids
 
 
 # --------------------------------------------------------------------------------------------- bad input
@@ -314,25 +364,38 @@ def test_bad_requests_become_error_results_and_spare_the_batch(tokenizer, target
     assert [results[f"ok{i}"].token_ids for i in range(3)] == reference[:3]
 
 
-def test_stop_strings_and_max_tokens(tokenizer, target, reference) -> None:
+def test_stop_strings_and_max_tokens(tokenizer, target, reference, device) -> None:
     longest = max(range(len(PROMPTS)), key=lambda i: len(reference[i]))
     full = tokenizer.decode(reference[longest], skip_special_tokens=True)
     stop = full[6:8]
     config = make_config(method="ngram", sampling={"max_tokens": MAX_TOKENS, "stop": [stop]})
-    (result,) = run(config, tokenizer, target, prompts=[PROMPTS[longest]])
+    (result,) = run(config, tokenizer, target, prompts=[PROMPTS[longest]], device=device)
     assert result.finish_reason == "stop" and result.text == full[: full.index(stop)]
     # Tokens are cut right after the one that completed the stop string.
     assert stop in tokenizer.decode(result.token_ids, skip_special_tokens=True)
     assert stop not in tokenizer.decode(result.token_ids[:-1], skip_special_tokens=True)
     config = make_config(method="ngram", sampling={"max_tokens": 5})
-    (result,) = run(config, tokenizer, target, prompts=[PROMPTS[longest]])
+    (result,) = run(config, tokenizer, target, prompts=[PROMPTS[longest]], device=device)
     assert result.finish_reason == "length" and result.token_ids == reference[longest][:5]
 
 
-def test_continuous_batching_step_api(tokenizer, target, draft, reference) -> None:
+def test_stop_strings_are_matched_without_decoding_the_generation_again(tokenizer, target, reference,
+                                                                      monkeypatch) -> None:
+    """Each token is decoded once as it arrives (DecodeStream): the only full decode is each result's final text.
+    (The stop strings cannot occur: the tiny vocabulary has no capitals nor punctuation but ".,".)"""
+    decoded: list[int] = []
+    decode = tokenizer.decode
+    monkeypatch.setattr(tokenizer, "decode", lambda ids, **kw: decoded.append(len(ids)) or decode(ids, **kw))
+    config = make_config(method="ngram", sampling={"max_tokens": MAX_TOKENS, "stop": ["ZZ", "!?"]})
+    results = run(config, tokenizer, target)
+    assert [r.token_ids for r in results] == reference
+    assert sorted(decoded) == sorted(len(r.token_ids) for r in results)
+
+
+def test_continuous_batching_step_api(tokenizer, target, draft, reference, device) -> None:
     """Requests join between steps and finished ones leave at once; outputs do not depend on the schedule."""
     engine = Engine(make_config(method="draft_model", num_candidates=2, batch_size=3),
-                    target=target, tokenizer=tokenizer, draft=draft)
+                    target=on_device(target, device), tokenizer=tokenizer, draft=on_device(draft, device))
     pending = [Request(id=str(i), prompt=p) for i, p in enumerate(PROMPTS)]
     done, streamed = {}, {}
     engine.add_request(pending.pop(0))
@@ -388,8 +451,9 @@ def test_mismatched_draft_vocabulary_is_refused(tokenizer, target) -> None:
         Engine(make_config(method="draft_model"), target=target, tokenizer=tokenizer, draft=other)
 
 
-def test_abort_frees_the_row_and_spares_the_rest(tokenizer, target, draft, reference) -> None:
-    engine = Engine(make_config(method="draft_model", batch_size=2), target=target, tokenizer=tokenizer, draft=draft)
+def test_abort_frees_the_row_and_spares_the_rest(tokenizer, target, draft, reference, device) -> None:
+    engine = Engine(make_config(method="draft_model", batch_size=2), target=on_device(target, device),
+                    tokenizer=tokenizer, draft=on_device(draft, device))
     for i in range(3):
         engine.add_request(Request(id=str(i), prompt=PROMPTS[i]))
     engine.step()
@@ -557,3 +621,34 @@ def test_a_seeded_sampled_row_is_the_same_whatever_rows_run_beside_it(policy, to
     beside = Engine(config, target=target, tokenizer=tokenizer, draft=draft).generate([*others, seeded])[-1]
     assert sum(alone.per_step_drafted) > 0 and sum(beside.per_step_drafted) > 0
     assert beside.token_ids == alone.token_ids
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+@pytest.mark.parametrize(("width", "init"), [(2, "draft"), (3, "target")])
+def test_a_step_reads_back_only_paths_tokens_and_statistics(temperature, width, init, tokenizer, target, draft,
+                                                            device) -> None:
+    """Every device -> host copy goes through Engine._to_host: per step at most 64·B·(D+2) bytes besides the
+    token statistics (which are O(B·N) floats), and never a tensor as wide as the vocabulary."""
+    depth = 4
+    config = make_config(method="draft_model", num_candidates=width, candidate_init=init, num_speculative_tokens=depth,
+                         length_policy="static", batch_size=8, sampling={"max_tokens": 40, "temperature": temperature})
+    engine = Engine(config, target=on_device(target, device), tokenizer=tokenizer, draft=on_device(draft, device))
+    copies: list[torch.Size] = []
+    to_host = engine._to_host
+    engine._to_host = lambda tensor, **kw: copies.append(tensor.shape) or to_host(tensor, **kw)  # type: ignore
+    for i, prompt in enumerate(PROMPTS):
+        engine.add_request(Request(id=str(i), prompt=prompt, sampling={"seed": i}))
+    nodes = engine.topology.size(depth)
+    steps = drafted = 0
+    while engine.has_unfinished():
+        before, copies[:] = dict(engine.host_bytes), []
+        output = engine.step()
+        batch = len(engine.running) + len(output.finished)  # every row this step ran
+        state = engine.host_bytes["state"] - before["state"]
+        stats = engine.host_bytes["stats"] - before["stats"]
+        assert state <= 64 * batch * (depth + 2), (state, batch)
+        assert stats <= 2 * 4 * batch * nodes
+        assert all(shape[-1] != target.config.vocab_size for shape in copies), copies
+        steps += 1
+        drafted += sum(len(r.token_stats) for r in output.finished)
+    assert steps > 3 and drafted > 0 and engine.host_bytes["state"] > 0 and engine.host_bytes["stats"] > 0

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import json
+import threading
 import time
 from types import SimpleNamespace
 from typing import Any
@@ -422,24 +423,31 @@ def test_engine_failure_makes_the_replica_unhealthy(engine, monkeypatch):
 
 
 def test_a_request_add_request_chokes_on_fails_alone(engine, monkeypatch):
-    add_request = engine.add_request
+    """Preparing (off the engine thread) or admitting (on it) may raise for one request: only it fails."""
+    prepare, add_prepared = engine.prepare, engine.add_prepared
 
-    def picky_add_request(request: Request) -> None:
+    def picky_prepare(request: Request, tokenizer=None):
         if request.id == "bad":
             raise OverflowError("seed out of range")
-        add_request(request)
+        return prepare(request, tokenizer)
 
-    monkeypatch.setattr(engine, "add_request", picky_add_request)
+    def picky_add_prepared(prepared) -> None:
+        if getattr(prepared, "request_id", None) == "worse":
+            raise OverflowError("seed out of range")
+        add_prepared(prepared)
+
+    monkeypatch.setattr(engine, "prepare", picky_prepare)
+    monkeypatch.setattr(engine, "add_prepared", picky_add_prepared)
     loop = EngineLoop(lambda: engine)
 
-    async def both() -> list[Any]:
+    async def three() -> list[Any]:
         return await asyncio.gather(
             _drain(loop, [Request(id="good", prompt="ab")]), _drain(loop, [Request(id="bad", prompt="ab")]),
-            return_exceptions=True,
+            _drain(loop, [Request(id="worse", prompt="ab")]), return_exceptions=True,
         )
 
-    good, bad = asyncio.run(both())
-    assert isinstance(bad, RequestRejected)
+    good, bad, worse = asyncio.run(three())
+    assert isinstance(bad, RequestRejected) and isinstance(worse, RequestRejected)
     assert isinstance(good[-1][1], GenerationResult) and good[-1][1].finish_reason in ("stop", "length")
     loop.check_health()
 
@@ -456,6 +464,43 @@ def test_leaving_a_stream_aborts_its_sequence(engine):
 
     asyncio.run(leave_early())
     assert not engine.has_unfinished() and not engine.running
+
+
+def test_a_short_request_is_not_stalled_by_megabyte_prompts(engine, monkeypatch):
+    """Eight 1 MB prompts arrive just before a short request: they are tokenized (and refused as too long) off
+    the engine's stepping thread, which never runs the tokenizer, so the short request answers about as fast as
+    it does alone. The bound is generous (busy shared cores); tokenizing on the stepping thread took ~3 s per
+    prompt here, all before the short request's first step."""
+    import decoding.engine as engine_module
+
+    tokenizing_threads: list[str] = []
+    encode = engine_module.encode_request
+
+    def recording(tokenizer, request):
+        tokenizing_threads.append(threading.current_thread().name)
+        return encode(tokenizer, request)
+
+    monkeypatch.setattr(engine_module, "encode_request", recording)
+    loop = EngineLoop(lambda: engine)
+
+    async def timed(request: Request) -> tuple[float, list[Any]]:
+        start = time.perf_counter()
+        events = await _drain(loop, [request])
+        return time.perf_counter() - start, events
+
+    async def scenario():
+        alone, alone_events = await timed(Request(id="alone", prompt="ab", sampling={"max_tokens": 8}))
+        big = [asyncio.create_task(_drain(loop, [Request(id=f"big{i}", prompt="ab " * 350_000)])) for i in range(8)]
+        await asyncio.sleep(0.1)  # the megabyte prompts are submitted first
+        crowded, events = await timed(Request(id="short", prompt="ab", sampling={"max_tokens": 8}))
+        return alone, alone_events, crowded, events, await asyncio.gather(*big)
+
+    alone, alone_events, crowded, events, big = asyncio.run(scenario())
+    assert events[-1][1].token_ids == alone_events[-1][1].token_ids and len(events[-1][1].token_ids) == 8
+    assert all(b[-1][1].finish_reason == "error" and "context" in b[-1][1].error for b in big)
+    assert len(tokenizing_threads) == 10 and "engine" not in tokenizing_threads
+    assert threading.current_thread().name not in tokenizing_threads  # nor the event loop's
+    assert crowded < alone + 3.0, (crowded, alone)
 
 
 class _ByteTokenizer:

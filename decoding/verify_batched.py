@@ -1,0 +1,206 @@
+"""The acceptance rule of ``acceptance.py`` for a whole batch at once, as tensor operations on the logits' device.
+
+``acceptance.py`` stays the readable reference (one row, Python control flow); this module is what the engine
+runs. Tests compare the two exactly (``tests/test_verify_batched.py``). Nothing here synchronizes with the host:
+no ``.item()``, no data-dependent Python branch, no ``nonzero``. Randomness comes in as ``uniforms`` that the
+caller draws from each row's own generator, so a seeded row is reproducible whatever else shares its batch.
+
+How the walk is batched. Nodes are laid out level by level (``tree.py``). Node 0, the pending token, is always
+accepted: it was drawn from the root law that is also its proposal, so its ratio p/q is exactly 1 (greedy: it is
+the root argmax by construction). From there every row walks down one level per iteration. At a level, a row's
+candidate children are visited in sibling order (rank 0, 1, ...), each rank one vectorized step over the batch:
+accept child x with probability min(1, p(x)/q(x)); after a rejection p becomes the residual norm(max(0, p - q))
+and, without replacement, x leaves q. A row that accepts nothing at a level stops there; its next token comes
+from p as it then is (the residual, or the target law at an accepted leaf), exactly as in ``verify_sampled``.
+Greedy rows ride along with p/q replaced by "x equals the target's argmax", which is ``verify_greedy``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import cache
+
+import torch
+
+from decoding.sampling import WarpParams, warp_probs
+from decoding.tree import TreeTopology
+
+
+@dataclass(frozen=True)
+class BatchVerdict:
+    path: torch.Tensor  # [B, D + 1] accepted nodes top-down (node 0 first), -1 past each row's end
+    path_length: torch.Tensor  # [B]
+    next_token: torch.Tensor  # [B] the token the target adds after the path
+    next_law: torch.Tensor  # [B, V] law next_token came from; greedy rows: the target's logits at the last node
+    token_probs: torch.Tensor  # [B, N] target probability of each node's token at its parent (greedy rows: T = 1)
+
+
+@cache
+def children_table(topology: TreeTopology) -> torch.Tensor:
+    """[N, w] long: the r-th child of each node of the largest tree (-1: none), in sibling order."""
+    kids: list[list[int]] = [[] for _ in topology.parents]
+    for node, parent in enumerate(topology.parents):
+        if parent >= 0:
+            kids[parent].append(node)
+    width = max([len(k) for k in kids] + [1])
+    return torch.tensor([k + [-1] * (width - len(k)) for k in kids], dtype=torch.long)
+
+
+def sample_from(law: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor:
+    """One token per row of ``law`` [B, V] (weights, not necessarily normalized) by inverting its CDF at
+    ``uniform`` [B] in [0, 1). A token of weight 0 is never chosen: the first index whose cumulative weight
+    exceeds u·total. float64 keeps the sum over a 49k vocabulary from biasing the tail."""
+    cdf = law.double().cumsum(-1)
+    threshold = uniform.double() * cdf[:, -1]
+    return torch.searchsorted(cdf, threshold[:, None], right=True).squeeze(-1).clamp(max=law.shape[-1] - 1)
+
+
+def sample_siblings(
+    root_scores: torch.Tensor,
+    pending: torch.Tensor,
+    greedy: torch.Tensor,
+    count: int,
+    replacement: bool,
+    uniforms: torch.Tensor,
+) -> torch.Tensor:
+    """``count`` target-initialized siblings of the pending token per row [B, count]; -1 where a row has none.
+
+    Greedy rows: the best-scored tokens other than the pending one. Sampled rows: draws from the root law (with
+    replacement), or distinct draws from it with the pending token removed (without); past the support the
+    first draw repeats, as ``sampling.draw`` does (a repeat of a rejected token has proposal mass 0).
+    """
+    batch = root_scores.shape[0]
+    ranked = root_scores.topk(min(count + 1, root_scores.shape[-1]), dim=-1).indices
+    others = ranked != pending[:, None]
+    order = torch.argsort((~others).to(torch.int8), dim=1, stable=True)  # keeps the rank order of the others
+    best = ranked.gather(1, order)[:, :count]
+    rows = torch.arange(batch, device=root_scores.device)
+    if replacement:
+        drawn = torch.stack([sample_from(root_scores, uniforms[:, k]) for k in range(count)], 1)
+        has = torch.ones(batch, dtype=torch.bool, device=root_scores.device)
+    else:
+        rest = root_scores.float().clone()
+        rest[rows, pending] = 0
+        has = rest.sum(-1) > 0
+        picks = []
+        for k in range(count):
+            left = rest.sum(-1) > 0
+            token = sample_from(rest, uniforms[:, k])
+            token = torch.where(left, token, picks[0] if picks else token)
+            rest[rows, token] = 0
+            picks.append(token)
+        drawn = torch.stack(picks, 1)
+    sampled = torch.where(has[:, None], drawn, torch.full_like(drawn, -1))
+    return torch.where(greedy[:, None], best, sampled)
+
+
+def verify_batch(
+    logits: torch.Tensor,
+    tokens: torch.Tensor,
+    valid: torch.Tensor,
+    topology: TreeTopology,
+    warp: WarpParams,
+    root_scores: torch.Tensor,
+    draft_probs: torch.Tensor | None,
+    replacement: bool,
+    uniforms: torch.Tensor | None,
+    point_mass: torch.Tensor | None = None,
+) -> BatchVerdict:
+    """Verify every row's tree; all tensors on the logits' device.
+
+    logits [B, N, V]: the target's raw logits at each node. tokens, valid [B, N]. warp: per-row warping
+    (temperature 0 = greedy). root_scores [B, V]: the law the pending token came from (greedy rows: logits).
+    draft_probs [B, N, V]: the drafter's warped law at each node (proposal of its children); None = deterministic
+    proposals (n-gram), q = one-hot. uniforms [B, N + 1] in [0, 1): node n's acceptance draw at column n, the
+    next token's at the last column; None when every row is greedy (nothing random then). point_mass [B, N]: nodes
+    proposed deterministically beside a model's candidates (n-gram siblings): their q is one-hot whatever
+    ``draft_probs`` says at their parent.
+    """
+    batch, size, vocab = logits.shape
+    device = logits.device
+    rows = torch.arange(batch, device=device)
+    parents = torch.tensor([max(p, 0) for p in topology.parents[:size]]).to(device, non_blocking=True)
+    levels = int(topology.depths[size - 1])
+    kids = children_table(topology).to(device, non_blocking=True)
+    greedy = warp.temperature == 0
+    sampling = uniforms is not None
+
+    argmax = logits.argmax(-1)  # [B, N]
+    if sampling:
+        # Greedy rows get the plain softmax (their statistics are at temperature 1, unwarped).
+        neutral = WarpParams(
+            warp.temperature, torch.where(greedy, 0, warp.top_k), torch.where(greedy, 1.0, warp.top_p)
+        )
+        probs = warp_probs(logits, neutral)  # [B, N, V] float32
+        token_probs = probs[rows[:, None], parents[None], tokens]
+    else:
+        probs = None
+        token_probs = (logits[rows[:, None], parents[None], tokens].float()
+                       - logits.float().logsumexp(-1)[:, parents]).exp()
+
+    cur = torch.zeros(batch, dtype=torch.long, device=device)
+    alive = torch.ones(batch, dtype=torch.bool, device=device)
+    path = torch.full((batch, levels + 1), -1, dtype=torch.long, device=device)
+    path[:, 0] = 0
+    law = probs[:, 0] if probs is not None else None  # [B, V]: p at each row's current node, then its residual
+    for level in range(1, levels + 1):
+        best = argmax[rows, cur]
+        if probs is not None:
+            law = torch.where(alive[:, None], probs[rows, cur], law)
+            q_base = draft_probs[rows, cur].float() if draft_probs is not None else None
+            removed = torch.zeros(batch, vocab, dtype=torch.bool, device=device)
+        chosen = torch.full_like(cur, -1)
+        for rank in range(kids.shape[1]):
+            kid = kids[cur, rank]
+            kid = torch.where(kid < size, kid, -1)  # children beyond this step's tree
+            safe = kid.clamp(min=0)
+            tried = alive & (chosen < 0) & (kid >= 0) & valid[rows, safe]
+            x = tokens[rows, safe]
+            accept = (x == best).float()
+            if probs is not None:
+                one_hot = None if q_base is not None and point_mass is None else (
+                    law.new_zeros(batch, vocab).scatter_(1, x[:, None], 1.0))
+                if q_base is None:
+                    q = one_hot
+                elif point_mass is None:
+                    q = q_base
+                else:
+                    q = torch.where(point_mass[rows, safe][:, None], one_hot, q_base)
+                if not replacement:
+                    q = q.masked_fill(removed, 0.0)
+                    total = q.sum(-1, keepdim=True)
+                    q = torch.where(total > 0, q / total, torch.zeros_like(q))
+                q_x = q[rows, x]
+                ratio = (law[rows, x] / q_x).clamp(max=1.0)
+                ratio = torch.where(q_x > 0, ratio, torch.zeros_like(ratio))
+                accept = torch.where(greedy, accept, ratio)
+                u = uniforms[rows, safe]
+            else:
+                u = torch.zeros(batch, device=device)
+            take = tried & (u < accept)
+            chosen = torch.where(take, kid, chosen)
+            if probs is not None:
+                # The residual after a rejection (a skipped repeat, q(x) = 0, leaves p as it is). Where p - q has
+                # no positive mass left, the reference drops x from p instead.
+                update = tried & ~take & ~greedy & (q_x > 0)
+                shrunk = (law - q).clamp_(min=0.0)
+                mass = shrunk.sum(-1, keepdim=True)
+                spent = update & (mass[:, 0] <= 0)
+                law = torch.where((update & ~spent)[:, None], shrunk.div_(mass), law)
+                law[rows, x] = torch.where(spent, 0.0, law[rows, x])
+                if not replacement:
+                    removed[rows, x] |= update
+        accepted = chosen >= 0
+        cur = torch.where(accepted, chosen, cur)
+        path[:, level] = torch.where(accepted, chosen, path[:, level])
+        alive = alive & accepted
+    length = (path >= 0).sum(-1)
+    best = argmax[rows, cur]
+    greedy_law = logits[rows, cur].float()
+    if probs is None:
+        return BatchVerdict(path, length, best, greedy_law, token_probs)
+    law = torch.where(alive[:, None], probs[rows, cur], law)
+    drawn = sample_from(law, uniforms[:, -1])
+    return BatchVerdict(
+        path, length, torch.where(greedy, best, drawn), torch.where(greedy[:, None], greedy_law, law), token_probs
+    )
