@@ -15,18 +15,18 @@ class _Strict(BaseModel):
 
 class SpeculativeConfig(_Strict):
     method: Literal["none", "ngram", "draft_model"] = "draft_model"
-    # The default draft is the one `specbatch train-draft` makes for the default target; where it is missing
-    # or the target is another model, the engine falls back to ngram with a warning (models.resolve_draft).
-    model: str | None = Field(
-        "smollm2-135m-instruct-draft", description="draft model path or alias, for method draft_model"
-    )
+    # The default needs no training and serves any target: the target drafts for itself through an int4 copy of
+    # its weights, with one n-gram lookup sibling beside it (README "Performance"). A trained draft is a path or
+    # the alias `specbatch train-draft` makes (smollm2-135m-instruct-draft; without it the engine falls back to
+    # ngram with a warning, models.resolve_draft).
+    model: str | None = Field("target", description="draft model path or alias, or 'target' (self-draft)")
     # vLLM's speculative_config.quantization: the draft's weights only, weight-only (int4 groupwise, int8 per
     # channel); null keeps them as loaded. With model 'target' it makes the target its own draft.
-    quantization: Literal["int4", "int8"] | None = None
+    quantization: Literal["int4", "int8"] | None = "int4"
     # n-gram lookup continuations added as extra siblings of a draft_model tree, verified in the same forward.
-    ngram_candidates: int = Field(0, ge=0, le=8)
+    ngram_candidates: int = Field(1, ge=0, le=8)
     num_speculative_tokens: int = Field(5, ge=0, le=32, description="maximum draft depth")
-    num_candidates: int = Field(2, ge=1, le=16, description="width: candidates verified per step")
+    num_candidates: int = Field(1, ge=1, le=16, description="width: candidates verified per step")
     candidate_init: Literal["target", "draft"] = "draft"
     replacement: bool = False
     length_policy: Literal["static", "heuristic", "online", "threshold", "decision"] = "online"
@@ -42,7 +42,14 @@ class SpeculativeConfig(_Strict):
     def _check_method(self) -> SpeculativeConfig:
         if self.method == "draft_model" and not self.model:
             raise ValueError("speculative.model is required when speculative.method is 'draft_model'")
-        if self.ngram_candidates and self.method != "draft_model":
+        # The defaults of quantization and ngram_candidates belong to the default self-draft: a config that names
+        # another draft or method without setting them gets vLLM's neutral values; set explicitly, they must fit.
+        explicit = self.model_fields_set
+        self_draft = self.method == "draft_model" and self.model == "target"
+        for name in ("quantization", "ngram_candidates"):
+            if not self_draft and name not in explicit:
+                object.__setattr__(self, name, None if name == "quantization" else 0)
+        if self.method != "draft_model" and self.ngram_candidates:
             raise ValueError("speculative.ngram_candidates adds siblings to a draft_model tree: use method "
                              "'draft_model' (method 'ngram' drafts with lookup alone)")
         if self.length_policy == "threshold" and not self.acceptance_head:

@@ -266,7 +266,7 @@ def resolve_draft(spec: SpeculativeConfig, target: str | None = None) -> Specula
                     "(set speculative.model to a draft for it)", DEFAULT_DRAFT, DEFAULT_MODEL, target)
     except FileNotFoundError as missing:
         log.warning("%s; speculating with method 'ngram' instead", missing)
-    fallback = {**spec.model_dump(), "method": "ngram", "model": None}
+    fallback = {**spec.model_dump(), "method": "ngram", "model": None, "quantization": None, "ngram_candidates": 0}
     if spec.length_policy in ("threshold", "decision"):  # trained policies belong to the missing draft
         fallback.update(length_policy="online", acceptance_head=None, decision_model=None)
     return SpeculativeConfig.model_validate(fallback)

@@ -107,7 +107,13 @@ def quantize_linear(module: torch.nn.Linear, scheme: Scheme, groupsize: int = 32
 def quantized(
     model: torch.nn.Module, scheme: Scheme, groupsize: int = 32, head: Scheme | None = "int8"
 ) -> torch.nn.Module:
-    """A twin of ``model`` whose linear layers run weight-only quantized (``head``: the LM head's scheme).
+    """A twin of ``model`` whose linear layers run weight-only quantized (``head``: the LM head's scheme, None
+    keeps it float).
+
+    On SmolLM2-135M-Instruct (``python -m jobs.eval_self_draft``, 4 + 4 + 4 chat/HumanEval/XSum prompts, one
+    thread, 256 cached tokens), greedy agreement with the float target / decode forward cost vs the target's:
+    int4 g32 + int8 head 0.98 / 0.98 / 0.97 at 0.39; int4 g32 + int4 head 0.90 / 0.95 / 0.85 at 0.35; int4 g64 +
+    int8 head 0.74 / 0.88 / 0.73 (off the GGUF's 32-weight blocks); int8 + int8 head 0.97 / 0.97 / 0.95 at 0.53.
 
     Modules and config are copied, parameters and buffers shared: the twin costs only its quantized weights.
     """
@@ -117,9 +123,11 @@ def quantized(
         return twins[key]
     shared = {id(t): t for t in itertools.chain(model.parameters(), model.buffers())}
     twin = copy.deepcopy(model, shared)
-    output = twin.get_output_embeddings()
+    output = twin.get_output_embeddings() if hasattr(twin, "get_output_embeddings") else None
     for module in twin.modules():
-        if isinstance(module, torch.nn.Linear):
-            quantize_linear(module, head if module is output and head else scheme, groupsize)
+        if isinstance(module, torch.nn.Linear) and module is not output:
+            quantize_linear(module, scheme, groupsize)
+    if output is not None and head is not None:
+        quantize_linear(output, head, groupsize)
     twins[key] = twin
     return twin

@@ -63,7 +63,7 @@ def _generate(config: Config, real, draft, requests: list[Request]) -> list[list
 def _config(**speculative) -> Config:
     batch_size = speculative.pop("batch_size", 16)
     if speculative.get("method") == "draft_model":
-        speculative["model"] = "truncated-target"
+        speculative.setdefault("model", "truncated-target")
     return Config.model_validate({
         "model": DEFAULT_MODEL, "batch_size": batch_size, "speculative": speculative,
         "sampling": {"max_tokens": MAX_TOKENS},
@@ -93,12 +93,19 @@ SPECULATIVE = [
     {"method": "draft_model", "num_candidates": 2, "candidate_init": "target", "length_policy": "heuristic"},
     {"method": "draft_model", "num_candidates": 3, "candidate_init": "draft", "length_policy": "online",
      "batch_size": 5},
+    # The zero-training default: the target drafting for itself in int4, with a lookup sibling; and variants.
+    {"method": "draft_model", "model": "target", "quantization": "int4", "ngram_candidates": 1,
+     "length_policy": "online", "batch_size": 1},
+    {"method": "draft_model", "model": "target", "quantization": "int4", "ngram_candidates": 1,
+     "num_candidates": 2, "length_policy": "static", "batch_size": 8},
+    {"method": "draft_model", "model": "target", "quantization": "int8", "num_candidates": 1,
+     "length_policy": "static", "batch_size": 3},
 ]
 
 
 @pytest.mark.parametrize("speculative", SPECULATIVE, ids=lambda s: "-".join(str(v) for v in s.values()))
 def test_speculative_greedy_equals_plain_decoding(speculative, real, truncated_draft, prompts, plain) -> None:
     config = _config(**dict(speculative))
-    draft = truncated_draft if speculative["method"] == "draft_model" else None
+    draft = truncated_draft if speculative["method"] == "draft_model" and "model" not in speculative else None
     for name, requests in prompts.items():
         assert _generate(config, real, draft, requests) == plain[name], name
