@@ -44,14 +44,14 @@ class SpeculativeConfig(_Strict):
             raise ValueError("speculative.model is required when speculative.method is 'draft_model'")
         # The defaults of quantization and ngram_candidates belong to the default self-draft: a config that names
         # another draft or method without setting them gets vLLM's neutral values; set explicitly, they must fit.
+        # Lookup siblings join a model's tree: other methods have none (method ngram drafts with lookup alone), so
+        # a config switched to another method, as bench and the draft fallback do, keeps validating.
         explicit = self.model_fields_set
         self_draft = self.method == "draft_model" and self.model == "target"
         for name in ("quantization", "ngram_candidates"):
-            if not self_draft and name not in explicit:
+            if (not self_draft and name not in explicit) or (name == "ngram_candidates" and
+                                                            self.method != "draft_model"):
                 object.__setattr__(self, name, None if name == "quantization" else 0)
-        if self.method != "draft_model" and self.ngram_candidates:
-            raise ValueError("speculative.ngram_candidates adds siblings to a draft_model tree: use method "
-                             "'draft_model' (method 'ngram' drafts with lookup alone)")
         if self.length_policy == "threshold" and not self.acceptance_head:
             raise ValueError("speculative.acceptance_head is required for length_policy 'threshold'")
         if self.length_policy == "decision" and not self.decision_model:

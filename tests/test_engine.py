@@ -605,9 +605,13 @@ def test_int4_and_int8_kernels_compute_the_quantized_weights() -> None:
     assert torch.allclose(odd(x), expected, atol=0.02 * float(expected.abs().max()))
 
 
-def test_lookup_siblings_need_a_model_draft() -> None:
-    with pytest.raises(ValueError, match="ngram_candidates"):
-        make_config(method="ngram", ngram_candidates=1)
+def test_lookup_siblings_belong_to_a_model_tree() -> None:
+    assert make_config(method="ngram", ngram_candidates=1).speculative.ngram_candidates == 0
+    assert make_config(method="none", ngram_candidates=2).speculative.ngram_candidates == 0
+    assert make_config(method="draft_model", ngram_candidates=2).speculative.ngram_candidates == 2
+    default = Config().speculative  # the zero-training default: self-draft in int4 with one lookup sibling
+    assert (default.model, default.quantization, default.ngram_candidates) == ("target", "int4", 1)
+    assert make_config(method="draft_model", model="some/draft").speculative.quantization is None
 
 
 @pytest.mark.parametrize("policy", ["heuristic", "online"])
