@@ -24,7 +24,7 @@ PROMPTS = ["the cat sat on the mat. the cat sat", "abc abc abc abc", "hello worl
 def _config(draft_path: str, **sampling) -> Config:
     return Config(
         model="tiny", batch_size=2,
-        speculative={"method": "draft_model", "model": draft_path, "num_speculative_tokens": 3},
+        speculative={"method": "draft_model", "model": draft_path, "num_speculative_tokens": 3, "num_candidates": 2},
         sampling={"max_tokens": 8, **sampling},
     )
 
@@ -149,6 +149,7 @@ def test_bench_cli_writes_table_csv_json_and_png(tmp_path, tiny_dirs, capsys):
         "--input", str(code), "--input", str(news), "--max-prompts", "2", "--output", str(out), "--grid", str(grid),
         "--methods", "ngram", "--length-policies", "static", "--no-transformers",
         "--model", tiny_dirs["target"], "--sampling.max_tokens", "5", "--batch_size", "2",
+        "--speculative.num_candidates", "2",
     ]
     assert bench.main(argv) == 0
     printed = capsys.readouterr().out
