@@ -609,8 +609,8 @@ def test_lookup_siblings_belong_to_a_model_tree() -> None:
     assert make_config(method="ngram", ngram_candidates=1).speculative.ngram_candidates == 0
     assert make_config(method="none", ngram_candidates=2).speculative.ngram_candidates == 0
     assert make_config(method="draft_model", ngram_candidates=2).speculative.ngram_candidates == 2
-    default = Config().speculative  # the zero-training default: self-draft in int4 with one lookup sibling
-    assert (default.model, default.quantization, default.ngram_candidates) == ("target", "int4", 1)
+    default = Config().speculative  # the zero-training default: the target drafting for itself in int4
+    assert (default.model, default.quantization, default.method) == ("target", "int4", "draft_model")
     assert make_config(method="draft_model", model="some/draft").speculative.quantization is None
 
 
