@@ -28,12 +28,15 @@ def split_overrides(unknown: list[str]) -> dict[str, str]:
     return overrides
 
 
-def parse_with_config(parser: argparse.ArgumentParser, argv: list[str]) -> tuple[argparse.Namespace, Config]:
-    """Parse known options; every other ``--a.b VALUE`` overrides a config field. Exits 2 on a bad config."""
+def parse_with_config(
+    parser: argparse.ArgumentParser, argv: list[str], defaults: dict[str, str] | None = None
+) -> tuple[argparse.Namespace, Config]:
+    """Parse known options; every other ``--a.b VALUE`` overrides a config field (over ``defaults``, a job's own
+    dotted defaults). Exits 2 on a bad config."""
     parser.add_argument("--config", help="YAML config file (fields of SPEC's configuration)")
     args, unknown = parser.parse_known_args(argv)
     try:
-        config = load_config(args.config, split_overrides(unknown))
+        config = load_config(args.config, {**(defaults or {}), **split_overrides(unknown)})
     except ConfigError as exc:
         parser.exit(2, f"{parser.prog}: error: {exc}\n")
     return args, config

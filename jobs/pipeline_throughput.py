@@ -19,10 +19,9 @@ from pathlib import Path
 
 import ray
 
-from decoding.config import ConfigError, load_config
 from decoding.engine import Engine, Request
 from decoding.stats import SpecDecodeStats
-from jobs.common import setup_logging, split_overrides
+from jobs.common import parse_with_config, setup_logging
 from pipeline.job import run
 
 XSUM = Path(__file__).resolve().parents[2] / "shared" / "datasets" / "xsum_200.jsonl"
@@ -40,12 +39,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m jobs.pipeline_throughput", description=__doc__.split("\n")[0])
     parser.add_argument("--rows", type=int, default=64)
     parser.add_argument("--data", type=Path, default=XSUM, help="JSONL with id and document (XSum)")
-    parser.add_argument("--config", help="YAML config file")
-    args, unknown = parser.parse_known_args(sys.argv[1:] if argv is None else argv)
-    try:
-        config = load_config(args.config, {**DEFAULTS, **split_overrides(unknown)})
-    except ConfigError as exc:
-        parser.exit(2, f"{parser.prog}: error: {exc}\n")
+    args, config = parse_with_config(parser, sys.argv[1:] if argv is None else argv, DEFAULTS)
     setup_logging()
     rows = load_rows(args.data, args.rows)
     print(f"{config.model}, method {config.speculative.method}, batch_size {config.batch_size}, "

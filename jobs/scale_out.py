@@ -21,8 +21,8 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from decoding.config import Config, ConfigError, load_config
-from jobs.common import setup_logging, split_overrides
+from decoding.config import Config
+from jobs.common import parse_with_config, setup_logging
 from jobs.pipeline_throughput import XSUM, load_rows
 from pipeline.job import run
 from pipeline.store import OutputStore
@@ -57,13 +57,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--nodes", default="1,2", help="cluster sizes to run, comma-separated")
     parser.add_argument("--input", help="prompt file (SPEC Input); default: --rows XSum chat prompts")
     parser.add_argument("--data", type=Path, default=XSUM, help="JSONL with id and document (XSum)")
-    parser.add_argument("--config", help="YAML config file")
     parser.add_argument("--json", action="store_true", help="also print each run's result as a JSON line")
-    args, unknown = parser.parse_known_args(sys.argv[1:] if argv is None else argv)
-    try:
-        config = load_config(args.config, {**DEFAULTS, **split_overrides(unknown)})
-    except ConfigError as exc:
-        parser.exit(2, f"{parser.prog}: error: {exc}\n")
+    args, config = parse_with_config(parser, sys.argv[1:] if argv is None else argv, DEFAULTS)
     setup_logging()
     with tempfile.TemporaryDirectory() as tmp:
         source = args.input
