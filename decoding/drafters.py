@@ -184,9 +184,13 @@ class DraftModelDrafter(Drafter):
 
     def __init__(
         self, model: torch.nn.Module, capacity: int, device: torch.device, vocab_subset: list[int] | None = None,
-        lookup: NgramDrafter | None = None, lookup_candidates: int = 0,
+        lookup: NgramDrafter | None = None, lookup_candidates: int = 0, prompt_cache: SlotKVCache | None = None,
     ) -> None:
         self.device = device
+        # A self-draft takes its prompt entries from the target's cache instead of prefilling: they are what its
+        # own forward would compute with unquantized weights, and a 700-token prompt through the int4 kernel cost
+        # about as much as the target's float32 prefill (the int4 kernel is slow at many rows).
+        self.prompt_cache = prompt_cache
         self.vocab_size = model.config.vocab_size
         self.reads_target_states = bool(getattr(model, "reads_features", False))
         # Heterogeneous tree: the last ``lookup_candidates`` candidates of every level are n-gram continuations.
@@ -222,6 +226,11 @@ class DraftModelDrafter(Drafter):
             last = torch.tensor([len(p) - 1 for p in prompts], device=self.device)
             self.root_states[rows] = target_states[torch.arange(len(prompts), device=self.device), last]
             states, prompts = target_states, [p[1:] for p in prompts]
+        self.uncached.extend([] for _ in prompts)
+        self.uncached_states.extend([] for _ in prompts)
+        if self.prompt_cache is not None:
+            self.cache.copy_rows(self.prompt_cache, rows)
+            return
         ids, lengths = pad_rows(prompts)
         width = ids.shape[1]
         if width:
@@ -230,8 +239,6 @@ class DraftModelDrafter(Drafter):
                          valid.to(self.device), logits_at=torch.tensor([width - 1]),
                          features=states[:, :width] if states is not None else None)
             self.cache.commit(rows, torch.arange(width)[None].expand(len(prompts), -1).to(self.device), lengths)
-        self.uncached.extend([] for _ in prompts)
-        self.uncached_states.extend([] for _ in prompts)
 
     def _full_vocab(self, logits: torch.Tensor) -> torch.Tensor:
         if self.vocab_subset is None:

@@ -273,7 +273,10 @@ class Engine:
         if spec.quantization:
             draft = quantized(draft, spec.quantization)
         lookup = NgramDrafter(spec.prompt_lookup_max, spec.prompt_lookup_min) if spec.ngram_candidates else None
-        return DraftModelDrafter(draft, self.capacity, self.device, subset, lookup, spec.ngram_candidates)
+        return DraftModelDrafter(
+            draft, self.capacity, self.device, subset, lookup, spec.ngram_candidates,
+            prompt_cache=self.cache if spec.model == SELF_DRAFT else None,
+        )
 
     def _calibrate(self, target_from_path: bool, draft_from_path: bool) -> tuple[BatchCosts, BatchCosts | None]:
         """Measured forward costs (cached on disk for models loaded by path) for the online policy."""

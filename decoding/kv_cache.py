@@ -116,6 +116,21 @@ class SlotKVCache(Cache):
                 view.scatter_(2, target[:, None, :, None].expand_as(moved), moved)
         self.lengths[rows] += counts
 
+    def copy_rows(self, source: SlotKVCache, rows: slice) -> None:
+        """Take ``rows``' committed entries from ``source``, a cache of a model with the same layer shapes."""
+        used = source.longest(rows)
+        if used > self.max_slots:
+            self.max_slots = max(used, 2 * self.max_slots)
+            for layer in self.layers:
+                layer.grow(self.max_slots)
+        for mine, theirs in zip(self.layers, source.layers, strict=True):
+            if not mine.is_initialized:
+                mine.lazy_initialization(theirs.keys[:1, :, :1], theirs.values[:1, :, :1])
+            mine.keys[rows, :, :used] = theirs.keys[rows, :, :used]
+            mine.values[rows, :, :used] = theirs.values[rows, :, :used]
+        self.lengths[rows] = source.lengths[rows]
+        self.host_lengths[rows] = source.host_lengths[rows]
+
     def add_rows(self, count: int) -> slice:
         """Reserve ``count`` fresh rows after the live ones; returns their slice."""
         if self.active + count > self.capacity:

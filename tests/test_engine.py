@@ -578,6 +578,25 @@ def test_quantized_self_draft_leaves_the_target_as_loaded(tokenizer, target) -> 
     assert agree >= 0.5
 
 
+def test_a_self_draft_takes_its_prompt_entries_from_the_target_cache(tokenizer, target) -> None:
+    config = make_config(method="draft_model", model="target", quantization="int4", num_speculative_tokens=3,
+                         batch_size=3)
+    engine = Engine(config, target=target, tokenizer=tokenizer)
+    draft_forwards = []
+    engine.drafter.model.register_forward_hook(lambda *args: draft_forwards.append(1))
+    for i, prompt in enumerate(PROMPTS[:3]):
+        engine.add_request(Request(id=str(i), prompt=prompt))
+    engine._admit({})
+    assert not draft_forwards  # no prefill forward through the quantized twin
+    rows = slice(0, 3)
+    assert engine.drafter.cache.host_lengths[rows] == engine.cache.host_lengths[rows]
+    assert torch.equal(engine.drafter.cache.lengths[rows], engine.cache.lengths[rows])
+    for mine, theirs in zip(engine.drafter.cache.layers, engine.cache.layers):
+        for row, used in enumerate(engine.cache.host_lengths[rows]):
+            assert torch.equal(mine.keys[row, :, :used], theirs.keys[row, :, :used])
+            assert torch.equal(mine.values[row, :, :used], theirs.values[row, :, :used])
+
+
 def test_int4_and_int8_kernels_compute_the_quantized_weights() -> None:
     from decoding.quantize import int4_groupwise, int8_per_channel, quantize_linear
 
