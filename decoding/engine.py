@@ -176,19 +176,26 @@ def eos_token_ids(tokenizer: PreTrainedTokenizerBase, model: PreTrainedModel) ->
     return {i for i in ids if i is not None}
 
 
-def prefill_groups(lengths: list[int], max_tokens: int) -> list[slice]:
-    """Consecutive groups of prompts whose padded size (rows x longest prompt) stays within ``max_tokens``.
+def prefill_groups(
+    lengths: list[int], max_tokens: int, padding_slack: float = 0.1, padding_floor: int = 256
+) -> list[slice]:
+    """Consecutive groups of prompts whose padded size (rows x longest prompt) stays within ``max_tokens`` and
+    within ``padding_slack`` of their real tokens (or ``padding_floor`` tokens, for short prompts).
 
     Prefilling 64 long prompts in one forward padded them all to the longest and built attention inputs of
     rows x length^2: 64 XSum documents ran a 24 GB machine out of memory. A prompt longer than the budget gets a
-    forward of its own.
+    forward of its own. Padding is paid in full: a prefill costs the same per token for one row of 700 tokens
+    as for eight (1.9 vs 1.8 ms on 2 CPU cores, SmolLM2-135M), so eight XSum prompts of 300 to 1,300 tokens
+    padded together cost up to twice their tokens, while one forward per prompt costs nothing more.
     """
-    groups, start, longest = [], 0, 0
+    groups, start, longest, real = [], 0, 0, 0
     for end, length in enumerate(lengths):
-        longest = max(longest, length)
-        if end > start and (end - start + 1) * longest > max_tokens:
+        padded = (end - start + 1) * max(longest, length)
+        allowed = min(max_tokens, max(real + length + padding_floor, (1 + padding_slack) * (real + length)))
+        if end > start and padded > allowed:
             groups.append(slice(start, end))
-            start, longest = end, length
+            start, longest, real = end, 0, 0
+        longest, real = max(longest, length), real + length
     if lengths:
         groups.append(slice(start, len(lengths)))
     return groups

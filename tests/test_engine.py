@@ -417,6 +417,9 @@ def test_prefill_groups_bound_the_padded_size() -> None:
     assert prefill_groups([10, 20, 30, 40], 160) == [slice(0, 4)]
     assert prefill_groups([100, 5], 10) == [slice(0, 1), slice(1, 2)]  # an over-long prompt goes alone
     assert prefill_groups([], 10) == []
+    # Padding is bounded too: long prompts of different lengths go alone, short ones of any length together.
+    assert prefill_groups([300, 700, 720, 1300], 8192) == [slice(0, 1), slice(1, 3), slice(3, 4)]
+    assert prefill_groups([5, 40, 60, 90], 8192) == [slice(0, 4)]
 
 
 def test_prefill_in_small_groups_and_idle_caches_released(tokenizer, target, draft, reference) -> None:
