@@ -184,13 +184,14 @@ class DraftModelDrafter(Drafter):
 
     def __init__(
         self, model: torch.nn.Module, capacity: int, device: torch.device, vocab_subset: list[int] | None = None,
-        lookup: NgramDrafter | None = None, lookup_candidates: int = 0, prompt_cache: SlotKVCache | None = None,
+        lookup: NgramDrafter | None = None, lookup_candidates: int = 0, target_cache: SlotKVCache | None = None,
     ) -> None:
         self.device = device
-        # A self-draft takes its prompt entries from the target's cache instead of prefilling: they are what its
-        # own forward would compute with unquantized weights, and a 700-token prompt through the int4 kernel cost
-        # about as much as the target's float32 prefill (the int4 kernel is slow at many rows).
-        self.prompt_cache = prompt_cache
+        # A self-draft (``target_cache``) mirrors the target's committed cache entries instead of computing its
+        # own: they are what its forward would compute with unquantized weights. No prefill (a 700-token prompt
+        # through the int4 kernel cost about as much as the target's float32 prefill) and no catch-up of tokens
+        # committed while it did not draft (after steps at depth 0, every row's backlog was fed again).
+        self.target_cache = target_cache
         self.vocab_size = model.config.vocab_size
         self.reads_target_states = bool(getattr(model, "reads_features", False))
         # Heterogeneous tree: the last ``lookup_candidates`` candidates of every level are n-gram continuations.
@@ -228,8 +229,8 @@ class DraftModelDrafter(Drafter):
             states, prompts = target_states, [p[1:] for p in prompts]
         self.uncached.extend([] for _ in prompts)
         self.uncached_states.extend([] for _ in prompts)
-        if self.prompt_cache is not None:
-            self.cache.copy_rows(self.prompt_cache, rows)
+        if self.target_cache is not None:
+            self.cache.copy_tail(self.target_cache, rows)
             return
         ids, lengths = pad_rows(prompts)
         width = ids.shape[1]
@@ -396,6 +397,9 @@ class DraftModelDrafter(Drafter):
         Final: what the draft ran on with the inputs it will always have; for a token draft every level it ran,
         for a feature draft only the root level (deeper levels read its own states, not the target's).
         """
+        if self.target_cache is not None:  # the target has committed this step: take its new entries
+            self.cache.copy_tail(self.target_cache, slice(0, len(paths)))
+            return
         ran = self.forwarded_levels > 0
         final_nodes = 0
         if ran:

@@ -237,6 +237,7 @@ class Engine:
         self.sources = Sources(
             root_width, model_width if model_drafts else 0,
             (spec.ngram_candidates if model_drafts else model_width) if depth and spec.method != "none" else 0,
+            prefix_tokens=0 if spec.model == SELF_DRAFT else 1,  # a self-draft never catches up (see drafters)
         )
         self.policy = make_policy(
             spec, self.sources, lambda: self._calibrate(target_by_path, draft is None), capacity=self.capacity,
@@ -282,7 +283,7 @@ class Engine:
         lookup = NgramDrafter(spec.prompt_lookup_max, spec.prompt_lookup_min) if spec.ngram_candidates else None
         return DraftModelDrafter(
             draft, self.capacity, self.device, subset, lookup, spec.ngram_candidates,
-            prompt_cache=self.cache if spec.model == SELF_DRAFT else None,
+            target_cache=self.cache if spec.model == SELF_DRAFT else None,
         )
 
     def _calibrate(self, target_from_path: bool, draft_from_path: bool) -> tuple[BatchCosts, BatchCosts | None]:

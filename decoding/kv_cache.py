@@ -116,20 +116,29 @@ class SlotKVCache(Cache):
                 view.scatter_(2, target[:, None, :, None].expand_as(moved), moved)
         self.lengths[rows] += counts
 
-    def copy_rows(self, source: SlotKVCache, rows: slice) -> None:
-        """Take ``rows``' committed entries from ``source``, a cache of a model with the same layer shapes."""
-        used = source.longest(rows)
-        if used > self.max_slots:
-            self.max_slots = max(used, 2 * self.max_slots)
+    def copy_tail(self, source: SlotKVCache, rows: slice) -> None:
+        """Take the entries ``source`` (a cache of a model with the same layer shapes, rows mirroring these)
+        committed beyond this cache's lengths; afterwards both hold as many entries per row."""
+        mine, theirs = self.host_lengths[rows], source.host_lengths[rows]
+        new = max((t - m for m, t in zip(mine, theirs)), default=0)
+        if new <= 0:
+            return
+        if max(theirs) > self.max_slots:
+            self.max_slots = max(max(theirs), 2 * self.max_slots)
             for layer in self.layers:
                 layer.grow(self.max_slots)
-        for mine, theirs in zip(self.layers, source.layers, strict=True):
-            if not mine.is_initialized:
-                mine.lazy_initialization(theirs.keys[:1, :, :1], theirs.values[:1, :, :1])
-            mine.keys[rows, :, :used] = theirs.keys[rows, :, :used]
-            mine.values[rows, :, :used] = theirs.values[rows, :, :used]
+        # Positions past a row's new length repeat its last entry onto itself: harmless, and one rectangle.
+        last = source.lengths[rows][:, None] - 1
+        index = (self.lengths[rows][:, None] + torch.arange(new, device=self.device)[None]).minimum(last)
+        for layer, theirs_layer in zip(self.layers, source.layers, strict=True):
+            if not layer.is_initialized:
+                layer.lazy_initialization(theirs_layer.keys[:1, :, :1], theirs_layer.values[:1, :, :1])
+            for buffer, other in ((layer.keys, theirs_layer.keys), (layer.values, theirs_layer.values)):
+                view = buffer[rows]
+                at = index[:, None, :, None].expand(-1, view.shape[1], -1, view.shape[3])
+                view.scatter_(2, at, other[rows].gather(2, at))
         self.lengths[rows] = source.lengths[rows]
-        self.host_lengths[rows] = source.host_lengths[rows]
+        self.host_lengths[rows] = theirs
 
     def add_rows(self, count: int) -> slice:
         """Reserve ``count`` fresh rows after the live ones; returns their slice."""

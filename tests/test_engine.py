@@ -581,23 +581,38 @@ def test_quantized_self_draft_leaves_the_target_as_loaded(tokenizer, target) -> 
     assert agree >= 0.5
 
 
-def test_a_self_draft_takes_its_prompt_entries_from_the_target_cache(tokenizer, target) -> None:
+def test_a_self_draft_mirrors_the_target_cache(tokenizer, target) -> None:
+    """The self-draft's cache takes the target's committed entries: no prefill through the quantized twin, no
+    catch-up forward of tokens committed while it did not draft."""
     config = make_config(method="draft_model", model="target", quantization="int4", num_speculative_tokens=3,
-                         batch_size=3)
+                         batch_size=3, length_policy="static")
     engine = Engine(config, target=target, tokenizer=tokenizer)
-    draft_forwards = []
-    engine.drafter.model.register_forward_hook(lambda *args: draft_forwards.append(1))
+    draft_tokens = []
+    engine.drafter.model.register_forward_hook(lambda module, args, kwargs, out: draft_tokens.append(
+        kwargs["input_ids"].shape[1]), with_kwargs=True)
+
+    def same_caches() -> None:
+        rows = slice(0, len(engine.running))
+        assert engine.drafter.cache.host_lengths[rows] == engine.cache.host_lengths[rows]
+        assert torch.equal(engine.drafter.cache.lengths[rows], engine.cache.lengths[rows])
+        for mine, theirs in zip(engine.drafter.cache.layers, engine.cache.layers):
+            for row, used in enumerate(engine.cache.host_lengths[rows]):
+                assert torch.equal(mine.keys[row, :, :used], theirs.keys[row, :, :used])
+                assert torch.equal(mine.values[row, :, :used], theirs.values[row, :, :used])
+
     for i, prompt in enumerate(PROMPTS[:3]):
         engine.add_request(Request(id=str(i), prompt=prompt))
     engine._admit({})
-    assert not draft_forwards  # no prefill forward through the quantized twin
-    rows = slice(0, 3)
-    assert engine.drafter.cache.host_lengths[rows] == engine.cache.host_lengths[rows]
-    assert torch.equal(engine.drafter.cache.lengths[rows], engine.cache.lengths[rows])
-    for mine, theirs in zip(engine.drafter.cache.layers, engine.cache.layers):
-        for row, used in enumerate(engine.cache.host_lengths[rows]):
-            assert torch.equal(mine.keys[row, :, :used], theirs.keys[row, :, :used])
-            assert torch.equal(mine.values[row, :, :used], theirs.values[row, :, :used])
+    assert not draft_tokens  # no prefill forward through the quantized twin
+    same_caches()
+    engine.policy.plan = lambda ids: torch.zeros(len(ids), dtype=torch.long)  # plain steps: nothing drafted
+    engine.step(), engine.step()
+    assert not draft_tokens
+    same_caches()
+    engine.policy.plan = lambda ids: torch.full((len(ids),), 3)
+    engine.step()
+    assert draft_tokens == [1, 1, 1]  # the root alone, then one token per level: no backlog fed again
+    same_caches()
 
 
 def test_int4_and_int8_kernels_compute_the_quantized_weights() -> None:
@@ -625,6 +640,36 @@ def test_int4_and_int8_kernels_compute_the_quantized_weights() -> None:
     q, scale = int8_per_channel(odd.weight.detach())
     expected = x.bfloat16().float() @ (q.float() * scale.bfloat16().float()[:, None]).T + odd.bias
     assert torch.allclose(odd(x), expected, atol=0.02 * float(expected.abs().max()))
+
+
+def test_fused_siblings_compute_what_separate_layers_compute(target) -> None:
+    from decoding.quantize import FusedSiblings, quantize_linear, quantized
+
+    torch.manual_seed(0)
+    layers = [torch.nn.Linear(64, n, bias=bias) for n, bias in ((48, True), (16, False), (32, True))]
+    separate = copy.deepcopy(layers)
+    for layer in separate:
+        quantize_linear(layer, "int4", groupsize=32)
+    FusedSiblings(layers, "int4", 32)
+    x, y = torch.randn(3, 64), torch.randn(3, 64)
+    expected = [layer(x) for layer in separate]
+    # In order, out of order, and a sibling called with another input (computes again, never mixes inputs).
+    assert all(torch.allclose(layer(x), want, atol=1e-5) for layer, want in zip(layers, expected))
+    assert torch.allclose(layers[2](x), expected[2], atol=1e-5)
+    assert torch.allclose(layers[0](x), expected[0], atol=1e-5)
+    assert torch.allclose(layers[1](y), separate[1](y), atol=1e-5)
+    assert torch.allclose(layers[1](x), expected[1], atol=1e-5)
+    # The twin fuses q/k/v and gate/up, and computes what a twin of separate layers computes.
+    twin = quantized(target, "int4")
+    attention = twin.model.layers[0].self_attn
+    assert attention.q_proj.forward.func.__self__ is attention.v_proj.forward.func.__self__
+    ids = torch.tensor([[1, 2, 3, 4, 5]])
+    unfused = copy.deepcopy(target)
+    for module in unfused.modules():
+        if isinstance(module, torch.nn.Linear):
+            quantize_linear(module, "int8" if module is unfused.get_output_embeddings() else "int4", 32)
+    with torch.no_grad():
+        torch.testing.assert_close(twin(ids).logits, unfused(ids).logits, rtol=1e-4, atol=1e-4)
 
 
 def test_lookup_siblings_belong_to_a_model_tree() -> None:
