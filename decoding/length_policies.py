@@ -21,6 +21,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -127,19 +128,21 @@ class Sources:
 
 
 class _Rates:
-    """Per-level acceptance pseudo-counts ("reached level j", "accepted at level j"), exponentially decayed."""
+    """Per-level acceptance pseudo-counts ("reached level j", "accepted at level j"), exponentially decayed.
+
+    numpy, not torch: a few numbers per row, read and updated for every row at every step."""
 
     def __init__(self, depth: int, prior: float = 0.5, weight: float = 1.0, decay: float = 0.9) -> None:
-        self.reached = torch.full((depth + 1,), weight, dtype=torch.float64)
-        self.accepted = torch.full((depth + 1,), prior * weight, dtype=torch.float64)
+        self.reached = np.full(depth + 1, weight)
+        self.accepted = np.full(depth + 1, prior * weight)
         self.decay = decay
 
     def observe(self, planned: list[int], matched: list[int]) -> None:
         """One step of rows with these planned depths and matches. A level planned but not matched counts as a
         rejection, also where nothing was drafted there (a lookup with no or a short match): the step's verify
         forward was as wide as its deepest row, so that row paid for it and gained nothing."""
-        reached = torch.zeros_like(self.reached)
-        accepted = torch.zeros_like(self.accepted)
+        reached = np.zeros_like(self.reached)
+        accepted = np.zeros_like(self.accepted)
         for depth, taken in zip(planned, matched):
             reached[1 : min(taken + 1, depth) + 1] += 1
             accepted[1 : min(taken, depth) + 1] += 1
@@ -147,13 +150,13 @@ class _Rates:
         self.reached[seen] = self.reached[seen] * self.decay + reached[seen]
         self.accepted[seen] = self.accepted[seen] * self.decay + accepted[seen]
 
-    def blended(self, base: torch.Tensor, strength: float) -> torch.Tensor:
+    def blended(self, base: np.ndarray, strength: float) -> np.ndarray:
         """Acceptance per level, this row's counts pulled towards ``base`` with ``strength`` pseudo-steps."""
-        return ((self.accepted + strength * base) / (self.reached + strength)).clamp(0, 1)
+        return np.clip((self.accepted + strength * base) / (self.reached + strength), 0, 1)
 
     @property
-    def rate(self) -> torch.Tensor:
-        return (self.accepted / self.reached).clamp(0, 1)
+    def rate(self) -> np.ndarray:
+        return np.clip(self.accepted / self.reached, 0, 1)
 
 
 class OnlinePolicy(LengthPolicy):
@@ -199,6 +202,7 @@ class OnlinePolicy(LengthPolicy):
         self.batch_rates = {name: _Rates(max_depth, decay=decay) for name in sources.names}
         self.row_rates: dict[str, dict[str, _Rates]] = {}
         self.row_steps: dict[str, int] = {}
+        self.steps = 0
         self.lookup_plan: torch.Tensor | None = None
 
     # ------------------------------------------------------------------------------------------- costs
@@ -219,13 +223,13 @@ class OnlinePolicy(LengthPolicy):
         return seconds
 
     # ------------------------------------------------------------------------------------------ choices
-    def _rates(self, seq_id: str, fixed: bool) -> dict[str, torch.Tensor]:
+    def _rates(self, seq_id: str, fixed: bool) -> dict[str, np.ndarray]:
         rows = self.row_rates.setdefault(
             seq_id, {name: _Rates(self.max_depth, weight=0.0, decay=self.decay) for name in self.sources.names}
         )
         out = {}
         for name, rates in rows.items():
-            base = torch.full_like(rates.reached, 0.5) if fixed else self.batch_rates[name].rate
+            base = np.full_like(rates.reached, 0.5) if fixed else self.batch_rates[name].rate
             out[name] = rates.blended(base, self.row_strength)
         return out
 
@@ -242,15 +246,17 @@ class OnlinePolicy(LengthPolicy):
         return options
 
     @staticmethod
-    def _expected_tokens(rates: dict[str, torch.Tensor], model_depth: int, lookup_depth: int) -> float:
-        """1 + expected accepted drafted tokens: level j is reached if some drafter's chain still agrees there."""
-        depth = max(model_depth, lookup_depth)
-        missing = torch.ones(depth, dtype=torch.float64)
-        for name, used in (("model", model_depth), ("lookup", lookup_depth)):
-            if used and name in rates:
-                agree = torch.cumprod(rates[name][1 : used + 1], 0)
-                missing[:used] *= 1 - agree
-        return 1.0 + float((1 - missing).sum())
+    def _expected_tokens(rates: dict[str, np.ndarray]) -> list[float]:
+        """Per option of ``_options()``: 1 + expected accepted drafted tokens, where level j is reached if some
+        drafter's chain still agrees there (every depth in one pass: this runs for every row at every step)."""
+        agree = {name: np.cumprod(rates[name][1:]) for name in ("model", "lookup") if name in rates}
+        expected = [np.ones(1)]
+        for name in ("model", "lookup"):
+            if name in agree:
+                expected.append(1 + np.cumsum(agree[name]))
+        if len(agree) == 2:
+            expected.append(1 + np.cumsum(1 - (1 - agree["model"]) * (1 - agree["lookup"])))
+        return np.concatenate(expected).tolist()
 
     def plan_rows(
         self, ids: list[str], contexts: list[int] | None = None, fixed: list[bool] | None = None
@@ -262,15 +268,20 @@ class OnlinePolicy(LengthPolicy):
         model_depths = torch.zeros(rows, dtype=torch.long)
         lookup_depths = torch.zeros(rows, dtype=torch.long)
         options = self._options()
-        costs: dict[tuple, list[float]] = {}
+        costs: dict[tuple, list[float]] = {}  # per cost key, every option's seconds; per (key, probe) its own
+        self.steps += 1
         for row, (seq_id, context, is_fixed) in enumerate(zip(ids, contexts, fixed)):
-            steps = self.row_steps[seq_id] = self.row_steps.get(seq_id, 0) + 1
+            self.row_steps[seq_id] = self.row_steps.get(seq_id, 0) + 1
+            # Rows probe on the same steps: one row drafting makes the whole batch's draft and verify forwards
+            # deeper, so probes on different steps cost every step (batch 16, HumanEval: 0.59x of plain
+            # decoding). A seeded row counts its own steps (its choices must not depend on other rows).
+            steps = self.row_steps[seq_id] if is_fixed else self.steps
             batch = self.capacity if is_fixed else rows
             key = (batch, 0 if is_fixed else context // 64, is_fixed)
             if key not in costs:
                 costs[key] = [self.step_seconds(m, lk, batch, context, is_fixed) for m, lk in options]
-            rates = self._rates(seq_id, is_fixed)
-            speed = [self._expected_tokens(rates, m, lk) / max(c, 1e-9) for (m, lk), c in zip(options, costs[key])]
+            speed = [tokens / max(c, 1e-9) for tokens, c in zip(self._expected_tokens(self._rates(seq_id, is_fixed)),
+                                                                 costs[key])]
             best = max(range(len(options)), key=speed.__getitem__)
             if speed[best] < (1 + self.margin) * speed[0]:
                 best = 0
@@ -280,9 +291,12 @@ class OnlinePolicy(LengthPolicy):
             deeper = (min(model_depth + 1, self.max_depth) if self.sources.model_width else 0,
                       min(lookup_depth + 1, self.max_depth) if self.sources.lookup_width else 0)
             if deeper != (model_depth, lookup_depth):
-                probe = self.step_seconds(*deeper, batch, context, is_fixed)
-                extra = probe / max(costs[key][best], 1e-9) - 1
-                if steps % max(self.probe_every, math.ceil(extra / self.probe_budget)) == 0:
+                if (key, deeper) not in costs:
+                    costs[key, deeper] = [self.step_seconds(*deeper, batch, context, is_fixed)]
+                extra = costs[key, deeper][0] / max(costs[key][best], 1e-9) - 1
+                # Powers of two: rows probing at different rates still probe on the same steps.
+                period = 1 << math.ceil(math.log2(max(self.probe_every, extra / self.probe_budget, 1)))
+                if steps % period == 0:
                     model_depth, lookup_depth = deeper
             model_depths[row], lookup_depths[row] = model_depth, lookup_depth
         if not self.sources.model_width:  # a lookup-only tree: its depth is the tree's depth
