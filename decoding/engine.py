@@ -401,6 +401,11 @@ class Engine:
         """Prefill waiting sequences into free rows: shortest first, in ragged forwards of bounded padded size."""
         joining = [self.waiting.popleft() for _ in range(min(self.capacity - len(self.running), len(self.waiting)))]
         joining.sort(key=lambda seq: len(seq.prompt_ids))
+        if joining:
+            longest = len(joining[-1].prompt_ids)
+            tree = self.topology.size(self.topology.max_depth) + 1
+            # Room for the prompts and up to as many new tokens in one allocation (a longer run grows as it goes).
+            self.cache.reserve(longest + min(max(s.params.max_tokens for s in joining), longest) + tree)
         for group in prefill_groups([len(seq.prompt_ids) for seq in joining], self.prefill_tokens):
             self._prefill(joining[group], emitted)
 
