@@ -108,3 +108,29 @@ def test_a_seeded_sampled_row_decides_from_its_own_past_alone() -> None:
         return out
 
     assert plans(0.0) == plans(1.0)
+
+
+def test_drafting_that_does_not_pay_in_measured_time_is_held_back_but_probed() -> None:
+    """The cost model says depth 4 pays (every token accepted, 1.5x a plain step), but drafting costs time that
+    no cost model sees (a lookup drafter is priced free): the realized goodput holds rows back to plain
+    decoding, with rare probes; when drafting gets cheap again, it drafts again."""
+    policy = OnlinePolicy(4, Sources(root_width=1, lookup_width=1), verify_cost=COSTS, draft_cost=None)
+    ids = [str(i) for i in range(ROWS)]
+
+    def run(steps: int, slowdown: float) -> list[int]:
+        plans = []
+        for _ in range(steps):
+            depth = int(policy.plan(ids)[0])
+            plans.append(depth)
+            verify = COSTS(ROWS, 1 + depth)
+            timing = StepTiming((ROWS, 1 + depth, 0.0), verify, [], verify * slowdown if depth else 0.0)
+            policy.observe(StepRecord(ids, [depth] * ROWS, [depth] * ROWS, [depth] * ROWS, timing=timing))
+        return plans
+
+    assert run(8, 0.0)[-1] == 4  # drafting pays as predicted
+    slow = run(256, 3.0)
+    assert policy.held_back
+    settled = slow[64:]
+    assert 0 < sum(1 for d in settled if d) <= 0.05 * len(settled), slow  # plain, but still probed
+    recovered = run(1024, 0.0)
+    assert not policy.held_back and recovered[-64:].count(4) >= 0.8 * 64, recovered[-64:]
