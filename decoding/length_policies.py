@@ -306,6 +306,8 @@ class OnlinePolicy(LengthPolicy):
                 if (key, deeper) not in costs:
                     costs[key, deeper] = [self.step_seconds(*deeper, batch, context, is_fixed)]
                 extra = costs[key, deeper][0] / max(costs[key][best], 1e-9) - 1
+                if self.held_back and not is_fixed:  # drafting steps cost more than modelled: as much rarer
+                    extra /= max(self.drafting_gain, 0.1)
                 # Powers of two: rows probing at different rates still probe on the same steps.
                 period = 1 << math.ceil(math.log2(max(self.probe_every, extra / self.probe_budget, 1)))
                 if steps % period == 0:
@@ -321,7 +323,7 @@ class OnlinePolicy(LengthPolicy):
     @property
     def held_back(self) -> bool:
         """Drafting steps have realized less goodput than plain decoding (by more than the margin)."""
-        return self.gain_steps >= 3 and self.drafting_gain < 1 - self.margin
+        return self.gain_steps >= 2 and self.drafting_gain < 1 - self.margin
 
     # ---------------------------------------------------------------------------------------- learning
     def _observe_gain(self, record: StepRecord) -> None:
@@ -335,7 +337,7 @@ class OnlinePolicy(LengthPolicy):
             self.plain_correction = 0.8 * self.plain_correction + 0.2 * seconds / max(plain, 1e-9)
             return
         gain = (rows + sum(record.accepted)) / max(seconds, 1e-9) * plain * self.plain_correction / rows
-        decay = 0.8 if self.gain_steps else 0.0
+        decay = 0.5 if self.gain_steps else 0.0  # two steps decide: a batch-64 drafting step costs seconds
         self.drafting_gain = decay * self.drafting_gain + (1 - decay) * gain
         self.gain_steps += 1
 
