@@ -93,7 +93,8 @@ SPECULATIVE = [
     {"method": "draft_model", "num_candidates": 2, "candidate_init": "target", "length_policy": "heuristic"},
     {"method": "draft_model", "num_candidates": 3, "candidate_init": "draft", "length_policy": "online",
      "batch_size": 5},
-    # The zero-training default: the target drafting for itself in int4, with a lookup sibling; and variants.
+    # The zero-training default (the target drafting for itself in int4, online), with a lookup sibling, variants.
+    {"method": "draft_model", "model": "target", "quantization": "int4", "length_policy": "online"},
     {"method": "draft_model", "model": "target", "quantization": "int4", "ngram_candidates": 1,
      "length_policy": "online", "batch_size": 1},
     {"method": "draft_model", "model": "target", "quantization": "int4", "ngram_candidates": 1,
