@@ -181,16 +181,19 @@ class LearnedCosts:
         self.drift = drift
         self.observations = 0
 
+    def _prior_and_cache(self, rows: float, tokens: float, context: float) -> tuple[float, float]:
+        """The prior's seconds, and the cache-reading unit relative to them."""
+        prior = self.prior(rows, tokens)
+        return prior, self.prior(1, 1) * rows * context / 1024 / max(prior, 1e-12)
+
     def _features(self, rows: float, tokens: float, context: float) -> np.ndarray:
         """Seconds per unit of each parameter, relative to the prior's prediction."""
-        prior = max(self.prior(rows, tokens), 1e-12)
-        cache = self.prior(1, 1) * rows * context / 1024 / prior
+        _, cache = self._prior_and_cache(rows, tokens, context)
         return np.array([1.0, cache, cache * tokens])
 
     def __call__(self, rows: int, tokens: float, context: float = 0.0) -> float:
-        prior = self.prior(rows, tokens)
-        cache = self.prior(1, 1) * rows * context / 1024 / max(prior, 1e-12)
-        a, b, c = self.theta.tolist()
+        prior, cache = self._prior_and_cache(rows, tokens, context)
+        a, b, c = self.theta.tolist()  # theta @ features without building an array: called per row and option
         return prior * max(a + cache * (b + c * tokens), 0.05)
 
     def observe(self, forwards: list[tuple[int, float, float]], seconds: float) -> None:

@@ -77,6 +77,7 @@ class Drafter:
 
     uses_hidden_states = False
     reads_target_states = False
+    target_cache: SlotKVCache | None = None  # a self-draft's: its cache mirrors the target's (no catch-up tokens)
     forward_tokens: list[int] = []  # tokens per row of each draft forward of the last step (none here)
 
     def add_rows(self, rows: slice, prompts: list[list[int]], target_states: torch.Tensor | None = None) -> None:
