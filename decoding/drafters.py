@@ -18,12 +18,17 @@ import torch
 from decoding.kv_cache import SlotKVCache, forward_tree
 from decoding.models import for_inference
 from decoding.padding import pad_rows
-from decoding.sampling import WarpParams, draw, warp_probs
+from decoding.sampling import WarpParams, warp_probs
 from decoding.tree import TreeTopology, chain_ancestors, with_prefix_chain
+from decoding.verify_batched import sample_from, sample_tokens
 
 # (level, planned depths [B], draft prob of each new token [B, w], draft hidden state at its parent [B, w, H])
 # -> (each candidate keeps its new token [B, w], and drafts below it [B, w]): LengthPolicy.keep
 KeepFn = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor | None], tuple[torch.Tensor, torch.Tensor]]
+
+
+def _read_back(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.to("cpu")
 
 
 @dataclass
@@ -33,16 +38,15 @@ class DraftInputs:
     root_valid: torch.Tensor  # [B, root_width]
     depths: torch.Tensor  # [B] planned depth (0 = no speculation)
     topology: TreeTopology
-    warp: WarpParams
+    warp: WarpParams  # on the drafter's device, with the penalties of each row's history
+    greedy: torch.Tensor  # [B] bool on the host: rows that draw no random numbers
     generators: list[torch.Generator]
     replacement: bool
     keep: KeepFn
     # [B] depth of the n-gram siblings of a model's tree (None: ``depths``): a row may draft with either alone.
     lookup_depths: torch.Tensor | None = None
-
-    @property
-    def greedy(self) -> torch.Tensor:
-        return self.warp.temperature == 0
+    # The engine's one device -> host copy (counted there); the drafter reads back ids and flags, never laws.
+    to_host: Callable[[torch.Tensor], torch.Tensor] = _read_back
 
 
 @dataclass
@@ -261,19 +265,26 @@ class DraftModelDrafter(Drafter):
     def _sample_level(
         inputs: DraftInputs, probs: torch.Tensor, width: int, active: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """One child per candidate below nodes with laws ``probs`` [B, w, V]; w == 1 means ``width`` children
-        branch here. Only ``active`` rows draw: a row's random stream must not depend on how deep others draft."""
+        """One child per candidate below nodes with laws ``probs`` [B, w, V] on the device; w == 1 means ``width``
+        children branch here. Greedy rows take the best tokens; sampled ``active`` rows (host mask) draw
+        ``width`` uniforms from their own generator, whatever the others do: a row's random stream must not depend
+        on how deep others draft. Only the uniforms cross to the device; the laws never leave it."""
         branching = probs.shape[1] == 1
         laws = probs.expand(-1, width, -1) if branching else probs
-        tokens = torch.zeros(laws.shape[:2], dtype=torch.long)
-        for row in active.nonzero().flatten().tolist():
-            generator = inputs.generators[row]
-            if inputs.greedy[row]:
-                tokens[row] = laws[row, 0].topk(width).indices if branching else laws[row].argmax(-1)
-            elif branching:
-                tokens[row] = draw(laws[row, 0], width, inputs.replacement, generator)
+        tokens = laws[:, 0].topk(width).indices if branching else laws.argmax(-1)
+        drawing = (active & ~inputs.greedy).nonzero().flatten().tolist()
+        if drawing:
+            uniforms = torch.zeros(laws.shape[:2])
+            for row in drawing:
+                uniforms[row] = torch.rand(width, generator=inputs.generators[row])
+            uniforms = uniforms.to(probs.device, non_blocking=True)
+            if branching:
+                drawn = sample_tokens(laws[:, 0], uniforms, inputs.replacement)
             else:
-                tokens[row] = torch.multinomial(laws[row], 1, generator=generator).squeeze(-1)
+                drawn = sample_from(laws.reshape(-1, laws.shape[-1]), uniforms.reshape(-1)).view(laws.shape[:2])
+            sampled = torch.zeros(len(active), dtype=torch.bool)
+            sampled[drawing] = True
+            tokens = torch.where(sampled.to(probs.device, non_blocking=True)[:, None], drawn, tokens)
         return tokens, laws.gather(-1, tokens[..., None]).squeeze(-1)
 
     def _lookup_siblings(
@@ -325,6 +336,7 @@ class DraftModelDrafter(Drafter):
             # draft cache then holds every node a path can take, whichever candidate wins.
             point_mass = torch.zeros(batch, total, dtype=torch.bool)
             depth = self._lookup_siblings(inputs, prefix, tokens, valid, point_mass)
+        device = self.device
         states = None  # feature draft: the state each node reads
         if self.root_states is not None:
             states = self.root_states.new_zeros(batch, total, self.root_states.shape[1])
@@ -332,26 +344,32 @@ class DraftModelDrafter(Drafter):
                 if waiting:
                     states[row, : len(waiting)] = torch.stack(waiting)
             states[:, prefix : prefix + width] = self.root_states[:batch, None]
-        token_probs = torch.ones(batch, total)
+        # The tree's ids and flags are built on the host (lookup, catch-up prefix) and mirrored on the device;
+        # the laws, the draft probabilities and the sampling stay on the device. Per level the host reads back
+        # the new ids (-1 where a candidate stopped) and which candidates draft on: 8 bytes per candidate.
+        tokens_on, valid_on, ancestors_on = tokens.to(device), valid.to(device), ancestors.to(device)
+        tree_ancestors = topology.ancestors.to(device) if inputs.warp.penalties is not None else None
+        depths_on = inputs.depths.to(device)
+        token_probs = torch.ones(batch, total, device=device)
         sampling = not bool(inputs.greedy.all())
-        laws = torch.zeros(batch, total, self.vocab_size) if sampling else None
+        laws = torch.zeros(batch, total, self.vocab_size, device=device) if sampling else None
 
         model_width = topology.num_candidates - self.lookup_candidates
         start, end = 0, prefix + width
-        extend = valid[:, prefix:end]  # the nodes drafted below
+        extend, extend_on = valid[:, prefix:end], valid_on[:, prefix:end]  # the nodes drafted below
         self.forward_tokens = []
         for level in range(1, model_depth + 1):
             self.forward_tokens.append(end - start)
             logits, hidden = forward_tree(
-                self.model, self.cache, rows, tokens[:, start:end].to(self.device), ancestors.to(self.device),
-                valid.to(self.device), start, logits_at=torch.arange(max(start, prefix), end) - start,
+                self.model, self.cache, rows, tokens_on[:, start:end], ancestors_on, valid_on, start,
+                logits_at=torch.arange(max(start, prefix), end) - start,
                 want_hidden=self.uses_hidden_states or states is not None,
                 features=states[:, start:end] if states is not None else None,
             )
             self.forwarded_levels = level
             parents = slice(max(start, prefix), end)
             scores = inputs.warp.penalize(  # each node with its own history, as the target's verification does
-                self._full_vocab(logits.float().cpu()), tokens[:, prefix:], topology.ancestors,
+                self._full_vocab(logits.float()), tokens_on[:, prefix:], tree_ancestors,
                 slice(parents.start - prefix, parents.stop - prefix),
             )
             probs = warp_probs(scores, inputs.warp)  # [B, w_parent, V]
@@ -363,23 +381,27 @@ class DraftModelDrafter(Drafter):
             active = extend.any(1) & (level <= inputs.depths)
             children, child_probs = self._sample_level(inputs, probs, model_width, active)
             if extend.shape[1] == 1:
-                extend = extend.expand(-1, model_width)
+                extend, extend_on = extend.expand(-1, model_width), extend_on.expand(-1, model_width)
                 hidden = hidden.expand(-1, model_width, -1) if hidden is not None else None
-            keep, deeper = inputs.keep(level, inputs.depths, child_probs,
-                                       hidden.float().cpu() if self.uses_hidden_states else None)
-            keep = extend[:, :model_width] & keep
-            if not bool(keep.any()):
+            keep, deeper = inputs.keep(level, depths_on, child_probs,
+                                       hidden.float() if self.uses_hidden_states else None)
+            keep = extend_on[:, :model_width] & keep
+            extend_on = keep & deeper
+            back = inputs.to_host(torch.stack([torch.where(keep, children, -1), extend_on.long()]).int())
+            kept, extend = back[0] >= 0, back[1].bool()
+            if not bool(kept.any()):
                 break
             level_nodes = topology.level_slice(level)
             start, end = prefix + level_nodes.start, prefix + level_nodes.stop
             model_nodes = slice(start, start + model_width)
-            tokens[:, model_nodes] = children
-            valid[:, model_nodes] = keep
+            tokens[:, model_nodes] = back[0].clamp(min=0)
+            valid[:, model_nodes] = kept
+            tokens_on[:, model_nodes] = children
+            valid_on[:, model_nodes] = keep
             token_probs[:, model_nodes] = child_probs
             if states is not None:
                 states[:, model_nodes] = hidden
             depth = max(depth, level)
-            extend = keep & deeper
             if level == model_depth or not bool(extend.any()):
                 break
         size = prefix + topology.size(depth)

@@ -142,11 +142,6 @@ class _Contexts(Sequence[list[int]]):
 ROW_FIELDS = ("temperature", "top_k", "top_p")
 
 
-def _warp_on(warp: WarpParams, device: torch.device) -> WarpParams:
-    """Per-row sampling tensors moved field by field."""
-    return WarpParams(**{name: getattr(warp, name).to(device) for name in ROW_FIELDS})
-
-
 class EngineError(ValueError):
     """A request the engine cannot run; it becomes that sequence's error result."""
 
@@ -243,6 +238,7 @@ class Engine:
             spec, self.sources, lambda: self._calibrate(target_by_path, draft is None), capacity=self.capacity,
         )
         self.drafter.uses_hidden_states = self.policy.needs_hidden_states
+        self.policy.to(self.device)  # a trained stop head reads the draft's states where they are
         self.eos_ids = eos_token_ids(self.tokenizer, self.target)
         self.waiting: deque[_Sequence] = deque()
         self.running: list[_Sequence] = []
@@ -250,10 +246,11 @@ class Engine:
         self.steps = 0
         self.run_seed = run_seed(config.sampling.seed)
         # Row-indexed batch state, filled at admission and moved with swap-remove: sampling parameters on the
-        # host (the drafter warps there) and on the device (verification), max_tokens, and the law each pending
-        # token came from (allocated at the first prefill, when the logits' width is known).
+        # device (drafter and verification warp there) and on the host (which rows draw random numbers),
+        # max_tokens, and the law each pending token came from (allocated at the first prefill, when the logits'
+        # width is known).
         self._warp_host = WarpParams.from_params([config.sampling] * self.capacity)
-        self._warp_device = _warp_on(self._warp_host, self.device)
+        self._warp_device = self._warp_host.to(self.device)
         self._max_tokens = torch.zeros(self.capacity, dtype=torch.long)
         self._root_scores: torch.Tensor | None = None
         self.host_bytes = {"state": 0, "stats": 0}  # bytes read back from the device (see _to_host)
@@ -458,7 +455,7 @@ class Engine:
         raw = logits[torch.arange(len(joining), device=self.device), at].float()  # [B, V]
         last = raw
         if any(s.params.penalized for s in joining):
-            last = self._warp(joining, prefill=True).penalize(raw.cpu()).to(self.device)
+            last = self._warp(joining, prefill=True).to(self.device).penalize(raw)
         if self._root_scores is None:
             self._root_scores = last.new_zeros(self.capacity, last.shape[-1])
         tokens, scores = last.argmax(-1), last
@@ -528,14 +525,15 @@ class Engine:
         depths, lookup_depths = self._plan(seqs)
         # Penalties need each row's history: then the drafter warps with it (the target's logits get the same below).
         penalized = any(s.params.penalized for s in seqs)
-        warp = self._warp(seqs) if penalized else self._warp_host[rows]
+        warp = self._warp(seqs).to(self.device) if penalized else self._warp_device[rows]
         roots, root_valid = self._roots(seqs, depths)
         started = time.perf_counter()
         draft = self.drafter.propose(
             DraftInputs(
                 contexts=_Contexts(seqs), roots=roots, root_valid=root_valid, depths=depths,  # type: ignore[arg-type]
-                topology=self.topology, warp=warp, generators=[s.generator for s in seqs],
-                replacement=self.config.speculative.replacement, keep=self.policy.keep, lookup_depths=lookup_depths,
+                topology=self.topology, warp=warp, greedy=self._warp_host.temperature[rows] == 0,
+                generators=[s.generator for s in seqs], replacement=self.config.speculative.replacement,
+                keep=self.policy.keep, lookup_depths=lookup_depths, to_host=self._to_host,
             )
         )
         drafted = time.perf_counter()
@@ -545,7 +543,7 @@ class Engine:
         raw, states, slot_of = self._verify_forward(rows, draft, tokens, valid, ancestors)
         logits = raw
         if penalized:  # each node with its own history, as the draft did
-            logits = warp.penalize(raw.cpu(), draft.tokens, ancestors).to(self.device)
+            logits = warp.penalize(raw, tokens, self._to_device(ancestors))
         uniforms = self._uniforms(seqs, self.topology.size(self.topology.max_depth) + 1)
         verdict = verify_batch(
             logits, tokens, valid, self.topology, self._warp_device[rows], self._root_scores[rows],

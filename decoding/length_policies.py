@@ -69,6 +69,7 @@ class LengthPolicy:
         self, level: int, depths: torch.Tensor, token_probs: torch.Tensor, hidden: torch.Tensor | None
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Whether each candidate [B, w] keeps its new token at ``level`` (1-based), and whether it drafts on.
+        Every tensor is on the drafter's device (``depths`` too), and so are the answers.
 
         A stop decision only ever ends drafting *after* a token: the token that triggered it is already drafted
         and costs almost nothing to verify, while deciding on it before keeping it would mean a draft forward per
@@ -83,6 +84,11 @@ class LengthPolicy:
 
     def forget(self, seq_id: str) -> None:
         del seq_id
+
+    def to(self, device: torch.device) -> LengthPolicy:
+        """Models the policy runs inside the draft loop move to the drafter's device (``keep`` runs there)."""
+        del device
+        return self
 
 
 class HeuristicPolicy(LengthPolicy):
@@ -416,6 +422,10 @@ class _HeadPolicy(LengthPolicy):
     def __init__(self, max_depth: int, head: DraftSignalMLP) -> None:
         super().__init__(max_depth)
         self.head = head
+
+    def to(self, device: torch.device) -> LengthPolicy:
+        self.head.to(device)
+        return self
 
     @torch.no_grad()
     def predict(self, level: int, token_probs: torch.Tensor, hidden: torch.Tensor | None) -> torch.Tensor:

@@ -7,6 +7,7 @@ penalized with its own history (the committed tokens plus its ancestors in the t
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import secrets
 from collections.abc import Collection, Sequence
@@ -81,6 +82,9 @@ class Penalties:
             output_counts=counts, prompt_seen=seen, stop_ids=stops,
         )
 
+    def to(self, device: torch.device) -> Penalties:
+        return Penalties(**{f.name: getattr(self, f.name).to(device) for f in dataclasses.fields(self)})
+
     def apply(
         self, logits: torch.Tensor, tokens: torch.Tensor | None = None, ancestors: torch.Tensor | None = None,
         nodes: slice = slice(None),
@@ -126,6 +130,11 @@ class WarpParams:
             top_p=torch.tensor([p.top_p for p in params], dtype=torch.float32),
             penalties=penalties,
         )
+
+    def to(self, device: torch.device) -> WarpParams:
+        """The same parameters on ``device`` (penalties included): logits are warped where the model ran."""
+        return WarpParams(self.temperature.to(device), self.top_k.to(device), self.top_p.to(device),
+                          self.penalties.to(device) if self.penalties is not None else None)
 
     def __getitem__(self, rows: torch.Tensor | slice) -> WarpParams:
         """The warp of some rows; penalties are applied to logits before, on all rows at once."""

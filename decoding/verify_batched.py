@@ -55,6 +55,27 @@ def sample_from(law: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor:
     return torch.searchsorted(cdf, threshold[:, None], right=True).squeeze(-1).clamp(max=law.shape[-1] - 1)
 
 
+def sample_tokens(law: torch.Tensor, uniforms: torch.Tensor, replacement: bool) -> torch.Tensor:
+    """``k`` tokens per row of ``law`` [B, V] (weights) from ``uniforms`` [B, k]: independent draws, or (without
+    replacement) successive draws each from what the previous ones left, which is ``torch.multinomial``'s law
+    without replacement. Past a row's support its first draw repeats, as ``sampling.draw`` does: verification
+    skips a repeat of a rejected token (its proposal mass is 0), so the padding only wastes width."""
+    count = uniforms.shape[1]
+    if replacement:
+        flat = law[:, None].expand(-1, count, -1).reshape(-1, law.shape[-1])
+        return sample_from(flat, uniforms.reshape(-1)).view(-1, count)
+    rows = torch.arange(law.shape[0], device=law.device)
+    rest = law.float().clone()
+    picks: list[torch.Tensor] = []
+    for k in range(count):
+        left = rest.sum(-1) > 0
+        token = sample_from(rest, uniforms[:, k])
+        token = torch.where(left, token, picks[0] if picks else token)
+        rest[rows, token] = 0
+        picks.append(token)
+    return torch.stack(picks, 1)
+
+
 def sample_siblings(
     root_scores: torch.Tensor,
     pending: torch.Tensor,
@@ -66,8 +87,7 @@ def sample_siblings(
     """``count`` target-initialized siblings of the pending token per row [B, count]; -1 where a row has none.
 
     Greedy rows: the best-scored tokens other than the pending one. Sampled rows: draws from the root law (with
-    replacement), or distinct draws from it with the pending token removed (without); past the support the
-    first draw repeats, as ``sampling.draw`` does (a repeat of a rejected token has proposal mass 0).
+    replacement), or distinct draws from it with the pending token removed (without); see ``sample_tokens``.
     """
     batch = root_scores.shape[0]
     ranked = root_scores.topk(min(count + 1, root_scores.shape[-1]), dim=-1).indices
@@ -76,20 +96,13 @@ def sample_siblings(
     best = ranked.gather(1, order)[:, :count]
     rows = torch.arange(batch, device=root_scores.device)
     if replacement:
-        drawn = torch.stack([sample_from(root_scores, uniforms[:, k]) for k in range(count)], 1)
+        law = root_scores
         has = torch.ones(batch, dtype=torch.bool, device=root_scores.device)
     else:
-        rest = root_scores.float().clone()
-        rest[rows, pending] = 0
-        has = rest.sum(-1) > 0
-        picks = []
-        for k in range(count):
-            left = rest.sum(-1) > 0
-            token = sample_from(rest, uniforms[:, k])
-            token = torch.where(left, token, picks[0] if picks else token)
-            rest[rows, token] = 0
-            picks.append(token)
-        drawn = torch.stack(picks, 1)
+        law = root_scores.float().clone()
+        law[rows, pending] = 0
+        has = law.sum(-1) > 0
+    drawn = sample_tokens(law, uniforms[:, :count], replacement)
     sampled = torch.where(has[:, None], drawn, torch.full_like(drawn, -1))
     return torch.where(greedy[:, None], best, sampled)
 

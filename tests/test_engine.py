@@ -696,19 +696,58 @@ def test_a_seeded_sampled_row_is_the_same_whatever_rows_run_beside_it(policy, to
     assert beside.token_ids == alone.token_ids
 
 
-@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def _reads_back(name: str, args: tuple, kwargs: dict) -> bool:
+    if name != "to":
+        return True
+    destination = kwargs.get("device", args[0] if args else None)
+    return isinstance(destination, (str, torch.device)) and torch.device(destination).type == "cpu"
+
+
+class _ReadBacks:
+    """Records device -> host reads that bypass ``Engine._to_host`` while it is installed: every ``.cpu()`` call
+    (on a CPU device that is all a bypass can be told by: the drafter used to copy each level's logits with it),
+    and on an accelerator every ``.to(cpu)``, ``.tolist()``, ``.item()``, ``.numpy()`` or truth test of a device
+    tensor."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.bypasses: list[tuple[str, torch.Size]] = []
+        self.inside = False
+        for name in ("cpu", "to", "tolist", "item", "numpy", "__bool__"):
+            monkeypatch.setattr(torch.Tensor, name, self._watch(name, getattr(torch.Tensor, name)))
+
+    def _watch(self, name: str, method):
+        def watched(tensor, *args, **kwargs):
+            if not self.inside and (name == "cpu" or tensor.device.type != "cpu" and _reads_back(name, args, kwargs)):
+                self.bypasses.append((name, tensor.shape))
+            return method(tensor, *args, **kwargs)
+        return watched
+
+    def count(self, to_host):
+        def counted(tensor, **kwargs):
+            self.inside = True
+            try:
+                return to_host(tensor, **kwargs)
+            finally:
+                self.inside = False
+        return counted
+
+
+@pytest.mark.parametrize(("temperature", "penalty"), [(0.0, 0.0), (1.0, 0.0), (1.0, 0.5)])
 @pytest.mark.parametrize(("width", "init"), [(2, "draft"), (3, "target")])
-def test_a_step_reads_back_only_paths_tokens_and_statistics(temperature, width, init, tokenizer, target, draft,
-                                                            device) -> None:
+def test_a_step_reads_back_only_paths_tokens_and_statistics(temperature, width, init, penalty, tokenizer, target,
+                                                            draft, device, monkeypatch) -> None:
     """Every device -> host copy goes through Engine._to_host: per step at most 64·B·(D+2) bytes besides the
-    token statistics (which are O(B·N) floats), and never a tensor as wide as the vocabulary."""
+    token statistics (which are O(B·N) floats), and never a tensor as wide as the vocabulary. The drafter's
+    laws and sampling, the penalties and the warping stay on the device too."""
     depth = 4
+    sampling = {"max_tokens": 40, "temperature": temperature, "presence_penalty": penalty}
     config = make_config(method="draft_model", num_candidates=width, candidate_init=init, num_speculative_tokens=depth,
-                         length_policy="static", batch_size=8, sampling={"max_tokens": 40, "temperature": temperature})
+                         length_policy="static", batch_size=8, sampling=sampling)
     engine = Engine(config, target=on_device(target, device), tokenizer=tokenizer, draft=on_device(draft, device))
     copies: list[torch.Size] = []
     to_host = engine._to_host
-    engine._to_host = lambda tensor, **kw: copies.append(tensor.shape) or to_host(tensor, **kw)  # type: ignore
+    reads = _ReadBacks(monkeypatch)
+    engine._to_host = reads.count(lambda tensor, **kw: copies.append(tensor.shape) or to_host(tensor, **kw))
     for i, prompt in enumerate(PROMPTS):
         engine.add_request(Request(id=str(i), prompt=prompt, sampling={"seed": i}))
     nodes = engine.topology.size(depth)
@@ -722,6 +761,6 @@ def test_a_step_reads_back_only_paths_tokens_and_statistics(temperature, width, 
         assert state <= 64 * batch * (depth + 2), (state, batch)
         assert stats <= 2 * 4 * batch * nodes
         assert all(shape[-1] != target.config.vocab_size for shape in copies), copies
+        assert not reads.bypasses, reads.bypasses
         steps += 1
         drafted += sum(len(r.token_stats) for r in output.finished)
-    assert steps > 3 and drafted > 0 and engine.host_bytes["state"] > 0 and engine.host_bytes["stats"] > 0

@@ -16,7 +16,7 @@ import torch
 import decoding.acceptance as acceptance
 from decoding.sampling import WarpParams, warp_probs
 from decoding.tree import TreeTopology
-from decoding.verify_batched import sample_from, sample_siblings, verify_batch
+from decoding.verify_batched import sample_from, sample_siblings, sample_tokens, verify_batch
 
 VOCAB = 5
 
@@ -155,6 +155,27 @@ def test_inverse_cdf_sampling_is_exact_on_a_grid() -> None:
     assert counts[1] == 0  # probability 0 is never drawn
     assert torch.allclose(counts, law[0].double(), atol=2 / grid)
     assert int(sample_from(torch.tensor([[0.0, 2.0, 0.0]]), torch.tensor([0.0]))) == 1  # unnormalized weights
+
+
+def test_successive_draws_have_the_law_of_sampling_without_replacement() -> None:
+    """The drafter's distinct children: P(x, y) = p(x) p(y) / (1 - p(x)), which is ``torch.multinomial``'s law
+    without replacement (``sampling.draw``), exactly on a grid of uniform pairs; past the support the first
+    draw repeats."""
+    law = torch.tensor([0.5, 0.0, 0.3, 0.2])
+    grid = 400
+    u = (torch.arange(grid) + 0.5) / grid
+    pairs = torch.cartesian_prod(u, u)
+    drawn = sample_tokens(law[None].expand(len(pairs), -1), pairs, replacement=False)
+    frequency = torch.zeros(4, 4, dtype=torch.float64)
+    frequency.index_put_((drawn[:, 0], drawn[:, 1]), torch.ones(len(pairs), dtype=torch.float64), accumulate=True)
+    frequency /= len(pairs)
+    exact = (law[:, None] * law[None] / (1 - law[:, None])).double().fill_diagonal_(0)
+    assert torch.allclose(frequency, exact, atol=3 / grid)
+    one_token = sample_tokens(torch.tensor([[0.0, 1.0, 0.0]]), torch.tensor([[0.3, 0.7, 0.9]]), False)
+    assert one_token.tolist() == [[1, 1, 1]]
+    with_replacement = sample_tokens(law[None].expand(len(pairs), -1), pairs, replacement=True)
+    assert torch.equal(with_replacement, sample_from(law[None].expand(2 * len(pairs), -1), pairs.reshape(-1))
+                       .view(-1, 2))
 
 
 def test_siblings_follow_sampling_draw_semantics() -> None:
