@@ -232,7 +232,7 @@ class Engine:
         self.sources = Sources(
             root_width, model_width if model_drafts else 0,
             (spec.ngram_candidates if model_drafts else model_width) if depth and spec.method != "none" else 0,
-            prefix_tokens=0 if self.drafter.target_cache is not None else 1,  # a mirror never catches up
+            prefix_tokens=0 if self.drafter.target_cache is not None else 1,  # a self-draft never catches up
         )
         self.policy = make_policy(
             spec, self.sources, lambda: self._calibrate(target_by_path, draft is None), capacity=self.capacity,

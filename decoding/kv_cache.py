@@ -123,27 +123,6 @@ class SlotKVCache(Cache):
                 view.scatter_(2, target[:, None, :, None].expand_as(moved), moved)
         self.lengths[rows] += counts
 
-    def copy_tail(self, source: SlotKVCache, rows: slice) -> None:
-        """Take the entries ``source`` (a cache of a model with the same layer shapes, rows mirroring these)
-        committed beyond this cache's lengths; afterwards both hold as many entries per row."""
-        mine, theirs = self.host_lengths[rows], source.host_lengths[rows]
-        new = max((t - m for m, t in zip(mine, theirs)), default=0)
-        if new <= 0:
-            return
-        self.reserve(source.max_slots)  # as much room as the source: one allocation, not a growth per step
-        # Positions past a row's new length repeat its last entry onto itself: harmless, and one rectangle.
-        last = source.lengths[rows][:, None] - 1
-        index = (self.lengths[rows][:, None] + torch.arange(new, device=self.device)[None]).minimum(last)
-        for layer, theirs_layer in zip(self.layers, source.layers, strict=True):
-            if not layer.is_initialized:
-                layer.lazy_initialization(theirs_layer.keys[:1, :, :1], theirs_layer.values[:1, :, :1])
-            for buffer, other in ((layer.keys, theirs_layer.keys), (layer.values, theirs_layer.values)):
-                view = buffer[rows]
-                at = index[:, None, :, None].expand(-1, view.shape[1], -1, view.shape[3])
-                view.scatter_(2, at, other[rows].gather(2, at))
-        self.lengths[rows] = source.lengths[rows]
-        self.host_lengths[rows] = theirs
-
     def add_rows(self, count: int) -> slice:
         """Reserve ``count`` fresh rows after the live ones; returns their slice."""
         if self.active + count > self.capacity:

@@ -139,6 +139,7 @@ class _Rates:
     numpy, not torch: a few numbers per row, read and updated for every row at every step."""
 
     def __init__(self, depth: int, prior: float = 0.5, weight: float = 1.0, decay: float = 0.9) -> None:
+        # ``prior`` with ``weight`` pseudo-steps: what an untried level is believed to accept.
         self.reached = np.full(depth + 1, weight)
         self.accepted = np.full(depth + 1, prior * weight)
         self.decay = decay
@@ -152,9 +153,12 @@ class _Rates:
         for depth, taken in zip(planned, matched):
             reached[1 : min(taken + 1, depth) + 1] += 1
             accepted[1 : min(taken, depth) + 1] += 1
-        seen = reached > 0
-        self.reached[seen] = self.reached[seen] * self.decay + reached[seen]
-        self.accepted[seen] = self.accepted[seen] * self.decay + accepted[seen]
+        if not reached.any():  # a plain step says nothing: the evidence stays as it was
+            return
+        # Every level ages with each drafting step, also levels not reached: a level's lone old rejection fades
+        # towards the rate pooled over all levels instead of pinning it (see ``rate``).
+        self.reached = self.reached * self.decay + reached
+        self.accepted = self.accepted * self.decay + accepted
 
     def blended(self, base: np.ndarray, strength: float) -> np.ndarray:
         """Acceptance per level, this row's counts pulled towards ``base`` with ``strength`` pseudo-steps."""
@@ -162,7 +166,23 @@ class _Rates:
 
     @property
     def rate(self) -> np.ndarray:
-        return np.clip(self.accepted / self.reached, 0, 1)
+        """Per level, its own counts pulled towards the rate pooled over all levels with ``POOLED_STRENGTH``
+        pseudo-steps. A draft's per-token agreement changes little with depth, so a level seldom drafted borrows
+        the others' evidence: with its own counts alone, one rejection at depth 3 held a self-draft that accepted
+        everything at depth 2 for 40 steps (only probes, every 8 to 16 steps, could lift it)."""
+        pooled = (self.accepted[1:].sum() + 1e-3 * PRIOR_ACCEPTANCE) / (self.reached[1:].sum() + 1e-3)
+        return np.clip((self.accepted + POOLED_STRENGTH * pooled) / (self.reached + POOLED_STRENGTH), 0, 1)
+
+
+# What an untried level is believed to accept, before the first step's evidence (one pseudo-step). Optimistic:
+# trying a depth that does not pay costs a step or two, never trying one that does costs the run. At 0.5 the
+# self-draft started plain and climbed one level per probe: depth 5 after about 100 of a request's 128 steps.
+PRIOR_ACCEPTANCE = 0.8
+POOLED_STRENGTH = 2.0
+# The hold-back's memory, per row-step (about 30 steps of one row; one batch-64 step outweighs all before it),
+# and the evidence it needs: two drafting steps at batch 16 or more, about 25 at batch 1.
+GAIN_DECAY = 0.97
+GAIN_EVIDENCE = 16.0
 
 
 class OnlinePolicy(LengthPolicy):
@@ -205,14 +225,20 @@ class OnlinePolicy(LengthPolicy):
         self.probe_budget = probe_budget
         self.margin = margin
         self.row_strength = row_strength
-        self.batch_rates = {name: _Rates(max_depth, decay=decay) for name in sources.names}
+        self.batch_rates = {name: _Rates(max_depth, PRIOR_ACCEPTANCE, decay=decay) for name in sources.names}
         self.row_rates: dict[str, dict[str, _Rates]] = {}
         self.row_steps: dict[str, int] = {}
         self.steps = 0
         # Realized goodput of the steps that drafted, relative to plain decoding's predicted for the same rows and
-        # context (an exponential average): when drafting has not paid, rows decode plainly and draft only on probe
-        # steps. The floor the cost model alone missed: at batch 16 on 2 CPU cores it drafted at 0.78x of plain.
-        self.drafting_gain = 1.0
+        # context: when drafting has not paid, rows decode plainly and draft only on probe steps. The floor the
+        # cost model alone missed: at batch 16 on 2 CPU cores it drafted at 0.78x of plain. Tokens made and
+        # tokens plain decoding would have made in the same time are summed with a decay per row-step, so the
+        # verdict weighs evidence as rows x steps: one batch-64 step is as telling as 64 steps of one row, whose
+        # gain swings with every rejection (at batch 1 an average over two steps held back a row that gained
+        # 1.5x, for hundreds of steps).
+        self.gain_tokens = 0.0
+        self.gain_plain_tokens = 0.0
+        self.gain_evidence = 0.0  # decayed row-steps behind the two sums
         self.gain_steps = 0
         # Plain steps' measured seconds over the cost model's prediction: the plain reference is anchored on plain
         # steps themselves (the model's one scale also absorbs the drafting steps' errors).
@@ -243,7 +269,7 @@ class OnlinePolicy(LengthPolicy):
         )
         out = {}
         for name, rates in rows.items():
-            base = np.full_like(rates.reached, 0.5) if fixed else self.batch_rates[name].rate
+            base = np.full_like(rates.reached, PRIOR_ACCEPTANCE) if fixed else self.batch_rates[name].rate
             out[name] = rates.blended(base, self.row_strength)
         return out
 
@@ -327,9 +353,16 @@ class OnlinePolicy(LengthPolicy):
         return self.plan_rows(ids)[0]
 
     @property
+    def drafting_gain(self) -> float:
+        """Tokens per second of the drafting steps over plain decoding's (1 before any drafting step)."""
+        return self.gain_tokens / self.gain_plain_tokens if self.gain_plain_tokens > 0 else 1.0
+
+    @property
     def held_back(self) -> bool:
-        """Drafting steps have realized less goodput than plain decoding (by more than the margin)."""
-        return self.gain_steps >= 2 and self.drafting_gain < 1 - self.margin
+        """Drafting steps have realized less goodput than plain decoding (by more than the margin), over at least
+        two steps and ``GAIN_EVIDENCE`` row-steps."""
+        return (self.gain_steps >= 2 and self.gain_evidence >= GAIN_EVIDENCE
+                and self.drafting_gain < 1 - self.margin)
 
     # ---------------------------------------------------------------------------------------- learning
     def _observe_gain(self, record: StepRecord) -> None:
@@ -342,9 +375,11 @@ class OnlinePolicy(LengthPolicy):
         if not any(record.drafted_depth):
             self.plain_correction = 0.8 * self.plain_correction + 0.2 * seconds / max(plain, 1e-9)
             return
-        gain = (rows + sum(record.accepted)) / max(seconds, 1e-9) * plain * self.plain_correction / rows
-        decay = 0.5 if self.gain_steps else 0.0  # two steps decide: a batch-64 drafting step costs seconds
-        self.drafting_gain = decay * self.drafting_gain + (1 - decay) * gain
+        decay = GAIN_DECAY**rows
+        self.gain_tokens = decay * self.gain_tokens + rows + sum(record.accepted)
+        self.gain_plain_tokens = decay * self.gain_plain_tokens + seconds / max(plain * self.plain_correction,
+                                                                                1e-9) * rows
+        self.gain_evidence = decay * self.gain_evidence + rows
         self.gain_steps += 1
 
     def observe(self, record: StepRecord) -> None:

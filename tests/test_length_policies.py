@@ -134,3 +134,23 @@ def test_drafting_that_does_not_pay_in_measured_time_is_held_back_but_probed() -
     assert 0 < sum(1 for d in settled if d) <= 0.05 * len(settled), slow  # plain, but still probed
     recovered = run(1024, 0.0)
     assert not policy.held_back and recovered[-64:].count(4) >= 0.8 * 64, recovered[-64:]
+
+
+def test_a_single_rows_unlucky_steps_do_not_hold_back_drafting_that_pays() -> None:
+    """One row: drafting at depth 4 pays (all accepted, a step costs 1.2x a plain one), then two steps reject
+    everything (each realizes 0.83x of plain's goodput). Those steps are too little evidence to hold the row
+    back; a sustained loss that only the clock sees (a drafting step 7x its modelled time, 0.6x of plain) is not."""
+    policy = OnlinePolicy(4, Sources(root_width=1, lookup_width=1), verify_cost=COSTS, draft_cost=None)
+
+    def step(accepted: int, slowdown: float = 0.0) -> int:
+        depth = int(policy.plan(["row"])[0])
+        verify = COSTS(1, 1 + depth)
+        timing = StepTiming((1, 1 + depth, 0.0), verify, [], verify * slowdown if depth else 0.0)
+        policy.observe(StepRecord(["row"], [depth], [depth], [min(accepted, depth)], timing=timing))
+        return depth
+
+    assert [step(4) for _ in range(30)][-1] == 4
+    step(0), step(0)
+    assert not policy.held_back and step(4) == 4
+    slow = [step(4, slowdown=6.0) for _ in range(60)]
+    assert policy.held_back and slow[:8] == [4] * 8 and slow[-8:] == [0] * 8, slow
