@@ -121,11 +121,13 @@ class EngineRunner:
     # ---------------------------------------------------------------------------------- engine thread
     def _run(self, ready: Future, torch_threads: int | None) -> None:
         use_torch_threads(torch_threads)
+        started = time.perf_counter()
         try:
             self.engine = self._make_engine()
         except BaseException as exc:
             ready.set_exception(exc)
             return
+        log.info("engine built in %.1f s (%s threads)", time.perf_counter() - started, torch_threads or "all")
         ready.set_result(self.engine)
         while self._take_inbox():
             try:

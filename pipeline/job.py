@@ -18,7 +18,7 @@ import ray.data
 
 from decoding.config import Config
 from pipeline.io import list_input_files, read_prompts
-from pipeline.processor import Processor
+from pipeline.processor import Processor, rows_per_block
 from pipeline.store import Lease, OutputSink, OutputStore, new_run_id
 from pipeline.summary import RunStats, summarize
 
@@ -39,7 +39,7 @@ def ray_session() -> Iterator[None]:
 
 
 def generate(ds: ray.data.Dataset, config: Config) -> ray.data.Dataset:
-    """Rows with ``id`` and ``prompt`` or ``messages``, in batch-sized blocks (``read_prompts``) -> output blocks
+    """Rows with ``id`` and ``prompt`` or ``messages``, in blocks (``read_prompts``) -> output blocks
     with nested token statistics (``pipeline.schema.output_block``), one per input block."""
     # Blocks are not re-batched: two files' blocks may differ in column types, and concatenating them would fail.
     return Processor(config, token_stats=True)(ds, rebatch=False)
@@ -62,7 +62,7 @@ def run(config: Config, input_path: str, output_dir: str) -> dict[str, Any]:
                                                   "input": input_path, "config": config.model_dump(mode="json")})
         sink = OutputSink(store, run_id)
         with ray_session():
-            ds = read_prompts(files, base, skip=done, rows_per_block=config.batch_size, filesystem=fs)
+            ds = read_prompts(files, base, skip=done, rows_per_block=rows_per_block(config), filesystem=fs)
             # Write tasks are I/O: they ask for no CPU, which the actors hold (see read_prompts).
             generate(ds, config).write_datasink(sink, ray_remote_args={"num_cpus": 0})
         run_stats = RunStats(run_id, time.perf_counter() - started)

@@ -26,6 +26,12 @@ Row = dict[str, Any]
 CALLS_PER_ACTOR = 4
 
 
+def rows_per_block(config: Config) -> int:
+    """Half an engine batch: an actor works on several blocks at once (``CALLS_PER_ACTOR``), so its engine stays
+    full, and the blocks spread evenly over actors that start at different times."""
+    return max(1, -(-config.batch_size // 2))
+
+
 class Processor:
     """A callable ``Dataset -> Dataset``; see ``build_processor``."""
 
@@ -34,7 +40,7 @@ class Processor:
         self.config, self.preprocess, self.postprocess, self.token_stats = config, preprocess, postprocess, token_stats
 
     def __call__(self, ds: ray.data.Dataset, *, rebatch: bool = True) -> ray.data.Dataset:
-        """Actor calls of the config's ``batch_size`` rows; with ``rebatch=False`` the blocks as they come (the
+        """Actor calls of ``rows_per_block`` rows; with ``rebatch=False`` the blocks as they come (the
         job's reader makes them batch-sized and never mixes two files, whose column types may differ, in one)."""
         if self.preprocess is not None:
             ds = ds.map(self.preprocess)
@@ -43,7 +49,7 @@ class Processor:
             GenerationActor,
             fn_constructor_kwargs={"config": self.config.model_dump(mode="json"), "actors_per_node": high,
                                    "token_stats": self.token_stats},
-            batch_size=self.config.batch_size if rebatch else None,
+            batch_size=rows_per_block(self.config) if rebatch else None,
             batch_format="pyarrow",
             zero_copy_batch=True,  # the actor only reads its batch
             compute=ray.data.ActorPoolStrategy(
