@@ -18,7 +18,7 @@ import torch
 from decoding.kv_cache import SlotKVCache, forward_tree
 from decoding.models import for_inference
 from decoding.padding import pad_rows
-from decoding.sampling import WarpParams, warp_probs
+from decoding.sampling import WarpParams, row_uniforms, warp_probs
 from decoding.tree import TreeTopology, chain_ancestors, with_prefix_chain
 from decoding.verify_batched import sample_from, sample_tokens
 
@@ -213,7 +213,8 @@ class DraftModelDrafter(Drafter):
             if not self.reads_target_states:  # a feature draft's head is stored cut
                 model = _with_reduced_head(model, tuple(vocab_subset))
         self.model = for_inference(model)
-        self.cache = target_cache or SlotKVCache(model.config.num_hidden_layers, capacity, device=device)
+        self.cache = (target_cache if target_cache is not None
+                      else SlotKVCache(model.config.num_hidden_layers, capacity, device=device))
         self.uncached: list[list[int]] = []
         self.uncached_states: list[list[torch.Tensor]] = []  # feature draft: the target's state before each
         self.root_states = (  # feature draft: the target's state at each row's last committed position
@@ -276,18 +277,14 @@ class DraftModelDrafter(Drafter):
         branching = probs.shape[1] == 1
         laws = probs.expand(-1, width, -1) if branching else probs
         tokens = laws[:, 0].topk(width).indices if branching else laws.argmax(-1)
-        drawing = (active & ~inputs.greedy).nonzero().flatten().tolist()
-        if drawing:
-            uniforms = torch.zeros(laws.shape[:2])
-            for row in drawing:
-                uniforms[row] = torch.rand(width, generator=inputs.generators[row])
+        sampled = active & ~inputs.greedy
+        if bool(sampled.any()):
+            uniforms = row_uniforms(inputs.generators, sampled.nonzero().flatten().tolist(), width)
             uniforms = uniforms.to(probs.device, non_blocking=True)
             if branching:
                 drawn = sample_tokens(laws[:, 0], uniforms, inputs.replacement)
             else:
                 drawn = sample_from(laws.reshape(-1, laws.shape[-1]), uniforms.reshape(-1)).view(laws.shape[:2])
-            sampled = torch.zeros(len(active), dtype=torch.bool)
-            sampled[drawing] = True
             tokens = torch.where(sampled.to(probs.device, non_blocking=True)[:, None], drawn, tokens)
         return tokens, laws.gather(-1, tokens[..., None]).squeeze(-1)
 

@@ -41,7 +41,7 @@ from decoding.models import (
 )
 from decoding.padding import pad_rows
 from decoding.quantize import quantized
-from decoding.sampling import WarpParams, row_generator, run_seed, token_logprobs, warp_probs
+from decoding.sampling import WarpParams, row_generator, row_uniforms, run_seed, token_logprobs, warp_probs
 from decoding.stats import SpecDecodeStats, acceptance_histogram
 from decoding.text import IncrementalDecoder
 from decoding.tree import TreeTopology, chain_ancestors
@@ -422,10 +422,7 @@ class Engine:
         sampled = [row for row, seq in enumerate(seqs) if not seq.params.greedy]
         if not sampled:
             return None
-        uniforms = torch.zeros(len(seqs), count)
-        for row in sampled:
-            uniforms[row] = torch.rand(count, generator=seqs[row].generator)
-        return self._to_device(uniforms)
+        return self._to_device(row_uniforms([s.generator for s in seqs], sampled, count))
 
     def _set_rows(self, rows: slice, joining: list[_Sequence]) -> None:
         """Admission: the joining sequences' sampling parameters become rows of the batch tensors."""

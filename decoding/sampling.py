@@ -178,17 +178,13 @@ def warp_probs(logits: torch.Tensor, params: WarpParams) -> torch.Tensor:
     return flat.softmax(-1).reshape(shape)
 
 
-def draw(law: torch.Tensor, num: int, replacement: bool, generator: torch.Generator | None) -> torch.Tensor:
-    """``num`` tokens from one law [V]; without replacement they are distinct while the support allows.
-
-    Past the support, the first token repeats: verification skips a repeat of a rejected token (its
-    proposal mass is 0), so the padding changes nothing but wasted width.
-    """
-    if replacement:
-        return torch.multinomial(law, num, replacement=True, generator=generator)
-    support = int((law > 0).sum())
-    drawn = torch.multinomial(law, min(num, support), replacement=False, generator=generator)
-    return torch.cat([drawn, drawn[:1].expand(num - len(drawn))])
+def row_uniforms(generators: Sequence[torch.Generator], rows: Sequence[int], count: int) -> torch.Tensor:
+    """[B, count] uniforms on the host, B = len(generators): each row of ``rows`` draws ``count`` from its own
+    generator, the others are 0. A row draws the same count whatever the others do (seeded rows reproduce)."""
+    uniforms = torch.zeros(len(generators), count)
+    for row in rows:
+        uniforms[row] = torch.rand(count, generator=generators[row])
+    return uniforms
 
 
 def token_logprobs(logits: torch.Tensor, tokens: Sequence[int], top: int) -> list[dict]:

@@ -58,8 +58,8 @@ def sample_from(law: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor:
 def sample_tokens(law: torch.Tensor, uniforms: torch.Tensor, replacement: bool) -> torch.Tensor:
     """``k`` tokens per row of ``law`` [B, V] (weights) from ``uniforms`` [B, k]: independent draws, or (without
     replacement) successive draws each from what the previous ones left, which is ``torch.multinomial``'s law
-    without replacement. Past a row's support its first draw repeats, as ``sampling.draw`` does: verification
-    skips a repeat of a rejected token (its proposal mass is 0), so the padding only wastes width."""
+    without replacement. Past a row's support its first draw repeats: verification skips a repeat of a rejected
+    token (its proposal mass is 0), so the padding only wastes width."""
     count = uniforms.shape[1]
     if replacement:
         flat = law[:, None].expand(-1, count, -1).reshape(-1, law.shape[-1])

@@ -159,8 +159,7 @@ def test_inverse_cdf_sampling_is_exact_on_a_grid() -> None:
 
 def test_successive_draws_have_the_law_of_sampling_without_replacement() -> None:
     """The drafter's distinct children: P(x, y) = p(x) p(y) / (1 - p(x)), which is ``torch.multinomial``'s law
-    without replacement (``sampling.draw``), exactly on a grid of uniform pairs; past the support the first
-    draw repeats."""
+    without replacement, exactly on a grid of uniform pairs; past the support the first draw repeats."""
     law = torch.tensor([0.5, 0.0, 0.3, 0.2])
     grid = 400
     u = (torch.arange(grid) + 0.5) / grid
@@ -178,7 +177,7 @@ def test_successive_draws_have_the_law_of_sampling_without_replacement() -> None
                        .view(-1, 2))
 
 
-def test_siblings_follow_sampling_draw_semantics() -> None:
+def test_siblings_follow_the_draw_semantics_of_sample_tokens() -> None:
     root = torch.tensor([[0.1, 0.6, 0.3, 0.0], [0.0, 1.0, 0.0, 0.0], [0.2, 0.2, 0.3, 0.3], [5.0, 1.0, 3.0, 2.0]])
     pending = torch.tensor([1, 1, 3, 0])
     greedy = torch.tensor([False, False, False, True])
