@@ -69,6 +69,40 @@ class _Job:
 _STOP = object()
 
 
+class _Progress:
+    """Logs what the engine did since the last line, every ``EVERY_SECONDS`` while busy and when it goes idle:
+    steps, tokens per second, and how full its batch was (rows in use per step; a pipeline that feeds its engine
+    too slowly shows here)."""
+
+    EVERY_SECONDS = 30.0
+
+    def __init__(self) -> None:
+        self._reset(time.perf_counter())
+
+    def _reset(self, now: float) -> None:
+        self.since, self.steps, self.tokens, self.row_steps = now, 0, 0, 0
+
+    def before_step(self) -> None:
+        if not self.steps:  # the first step after idle starts the period (idle time is not engine time)
+            self.since = time.perf_counter()
+
+    def step(self, output: StepOutput) -> None:
+        self.steps += 1
+        self.row_steps += len(output.new_tokens)
+        self.tokens += sum(len(tokens) for tokens in output.new_tokens.values())
+        if time.perf_counter() - self.since >= self.EVERY_SECONDS:
+            self.log(idle=False)
+
+    def log(self, idle: bool) -> None:
+        now = time.perf_counter()
+        if self.steps:
+            seconds = now - self.since
+            log.info("engine: %d steps in %.1f s, %d tokens (%.1f tokens/s), %.1f rows per step%s", self.steps,
+                     seconds, self.tokens, self.tokens / seconds, self.row_steps / self.steps,
+                     "; idle" if idle else "")
+        self._reset(now)
+
+
 class EngineRunner:
     """``recover``: after a failed step, rebuild the engine and rerun the requests in flight one at a time, so
     only a request that fails on its own gets an error result (a batch job must lose no rows); otherwise the
@@ -85,6 +119,7 @@ class EngineRunner:
         self._large_inputs = threading.BoundedSemaphore(max(1, (os.cpu_count() or 2) // 2))
         self.failure: BaseException | None = None
         self.steps = 0
+        self._progress = _Progress()
         ready: Future[Engine] = Future()
         self._thread = threading.Thread(target=self._run, args=(ready, torch_threads), name="engine", daemon=True)
         self._thread.start()
@@ -130,6 +165,7 @@ class EngineRunner:
         log.info("engine built in %.1f s (%s threads)", time.perf_counter() - started, torch_threads or "all")
         ready.set_result(self.engine)
         while self._take_inbox():
+            self._progress.before_step()
             try:
                 output = self.engine.step()
             except Exception as exc:
@@ -139,11 +175,14 @@ class EngineRunner:
                 self._rerun_one_by_one()
                 continue
             self.steps += 1
+            self._progress.step(output)
             self._deliver(output)
 
     def _take_inbox(self) -> bool:
         """Admit what arrived (waiting for work when the engine is idle); False when asked to stop."""
         block = not self.engine.has_unfinished()
+        if block:
+            self._progress.log(idle=True)
         while True:
             try:
                 item = self._inbox.get(block=block)

@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from decoding.engine import GenerationResult
+if TYPE_CHECKING:
+    from decoding.engine import GenerationResult
 
 SPEC_DECODE = pa.struct([
     pa.field("num_spec_steps", pa.int32()),

@@ -1,0 +1,36 @@
+"""The engine loop both adapters share (decoding.runner): results through sinks, and its progress log."""
+
+from __future__ import annotations
+
+import logging
+from concurrent.futures import Future
+
+from decoding import Config, Engine, GenerationResult, Request
+from decoding.runner import EngineRunner
+
+PROMPTS = ["abc abc abc abc", "hello world", "banana bandana banana", "zebra", "one two one two one"]
+
+
+def test_the_runner_delivers_every_result_and_logs_how_full_its_batch_was(tokenizer, target, caplog) -> None:
+    config = Config.model_validate({"model": "in-memory", "batch_size": 2, "sampling": {"max_tokens": 6}})
+    runner = EngineRunner(lambda: Engine(config, target=target, tokenizer=tokenizer))
+    expected = Engine(config, target=target, tokenizer=tokenizer).generate(
+        [Request(str(i), prompt=p) for i, p in enumerate(PROMPTS)])
+    with caplog.at_level(logging.INFO, logger="decoding.runner"):
+        futures: list[Future] = []
+        for i, prompt in enumerate(PROMPTS):
+            request, future = Request(str(i), prompt=prompt), Future()
+            futures.append(future)
+            runner.submit(request, runner.prepare(request),
+                          lambda event, future=future: future.set_result(event)
+                          if isinstance(event, GenerationResult) else None)
+        results = [future.result(timeout=60) for future in futures]
+        runner.close()
+    assert [r.token_ids for r in results] == [r.token_ids for r in expected]
+    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("engine: ")]
+    assert lines, "no progress line when the engine went idle"
+    # Five requests of up to 6 tokens through 2 rows: the batch is full but for the last request's steps.
+    tokens = sum(int(line.split(", ")[1].split()[0]) for line in lines)
+    assert tokens == sum(len(r.token_ids) for r in results)
+    rows = float(lines[-1].split(", ")[-1].split()[0])
+    assert 1.0 < rows <= 2.0
