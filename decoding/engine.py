@@ -557,7 +557,7 @@ class Engine:
         context = sum(self.cache.host_lengths[:batch]) / batch
         timing = StepTiming(  # the host copy above waited for the verify forward: its time is all in
             (batch, int(draft.valid.any(0).sum()), context), time.perf_counter() - drafted,
-            [(batch, width, context) for width in self.drafter.forward_tokens], drafted - started,
+            [(count, width, context) for count, width in self.drafter.forward_shapes], drafted - started,
         )
         self.cache.commit(rows, slot_of[verdict.path.clamp(min=0)], lengths)
         target_token_probs = self._to_host(verdict.token_probs, stats=True).tolist()

@@ -20,6 +20,10 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 
 from decoding.tree import attention_inputs
 
+# Which rows a forward runs: the live prefix or a part of it (a slice, a view), or some rows (a host index
+# tensor, e.g. the rows of a batch that draft this step: their entries are gathered for the attention).
+Rows = slice | torch.Tensor
+
 
 class _SlotLayer(CacheLayerMixin):
     def __init__(self, owner: SlotKVCache) -> None:
@@ -45,8 +49,12 @@ class _SlotLayer(CacheLayerMixin):
             self.lazy_initialization(key_states, value_states)
         rows, write, kv_length = self.owner.rows, self.owner.write_slots, self.owner.kv_length
         for buffer, new in ((self.keys, key_states), (self.values, value_states)):
-            index = write[:, None, :, None].expand(-1, new.shape[1], -1, new.shape[-1])
-            buffer[rows].scatter_(2, index, new.to(buffer.dtype))
+            if isinstance(rows, slice):
+                index = write[:, None, :, None].expand(-1, new.shape[1], -1, new.shape[-1])
+                buffer[rows].scatter_(2, index, new.to(buffer.dtype))
+            else:  # some rows: buffer[rows[i], :, write[i, t]] = new[i, :, t]
+                buffer[rows[:, None], :, write] = new.transpose(1, 2).to(buffer.dtype)
+        # Some rows: their entries gathered (a copy of what the attention reads anyway).
         return self.keys[rows, :, :kv_length], self.values[rows, :, :kv_length]
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
@@ -70,17 +78,21 @@ class SlotKVCache(Cache):
         self.lengths = torch.zeros(capacity, dtype=torch.long, device=self.device)
         self.host_lengths = [0] * capacity  # mirror of ``lengths``, kept from the commit counts
         self.active = 0
-        self.rows = slice(0, 0)
+        self.rows: slice | torch.Tensor = slice(0, 0)  # of the forward being run (``prepare``)
         self.write_slots = torch.zeros(0, 0, dtype=torch.long)
         self.kv_length = 0
         super().__init__(layers=[_SlotLayer(self) for _ in range(num_layers)])
 
-    def longest(self, rows: slice) -> int:
+    def longest(self, rows: Rows) -> int:
         """Longest committed length among ``rows``, from the host mirror (no device read)."""
-        return max(self.host_lengths[rows], default=0)
+        if isinstance(rows, slice):
+            return max(self.host_lengths[rows], default=0)
+        return max((self.host_lengths[row] for row in rows.tolist()), default=0)
 
-    def prepare(self, rows: slice, offset: int, num_new: int) -> None:
+    def prepare(self, rows: Rows, offset: int, num_new: int) -> None:
         """Aim the next forward: rows ``rows`` write ``num_new`` tokens after ``offset`` tentative slots."""
+        if not isinstance(rows, slice):
+            rows = rows.to(self.device, non_blocking=True)
         lengths = self.lengths[rows]
         self.rows = rows
         self.write_slots = lengths[:, None] + offset + torch.arange(num_new, device=self.device)[None]
@@ -161,7 +173,7 @@ class SlotKVCache(Cache):
 def forward_tree(
     model: torch.nn.Module,
     cache: SlotKVCache,
-    rows: slice,
+    rows: Rows,
     input_ids: torch.Tensor,
     ancestors: torch.Tensor,
     valid: torch.Tensor,
@@ -180,10 +192,10 @@ def forward_tree(
     """
     end = start + input_ids.shape[1]
     dtype = next(model.parameters()).dtype
-    mask, positions, _ = attention_inputs(
-        ancestors, valid, cache.lengths[rows], start, end, dtype, max_length=cache.longest(rows)
-    )
     cache.prepare(rows, start, input_ids.shape[1])
+    mask, positions, _ = attention_inputs(
+        ancestors, valid, cache.lengths[cache.rows], start, end, dtype, max_length=cache.longest(rows)
+    )
     out = model(
         input_ids=input_ids,
         attention_mask=mask,

@@ -85,6 +85,9 @@ class Penalties:
     def to(self, device: torch.device) -> Penalties:
         return Penalties(**{f.name: getattr(self, f.name).to(device) for f in dataclasses.fields(self)})
 
+    def __getitem__(self, rows: torch.Tensor | slice) -> Penalties:
+        return Penalties(**{f.name: getattr(self, f.name)[rows] for f in dataclasses.fields(self)})
+
     def apply(
         self, logits: torch.Tensor, tokens: torch.Tensor | None = None, ancestors: torch.Tensor | None = None,
         nodes: slice = slice(None),
@@ -137,8 +140,9 @@ class WarpParams:
                           self.penalties.to(device) if self.penalties is not None else None)
 
     def __getitem__(self, rows: torch.Tensor | slice) -> WarpParams:
-        """The warp of some rows; penalties are applied to logits before, on all rows at once."""
-        return WarpParams(self.temperature[rows], self.top_k[rows], self.top_p[rows])
+        """The warp of some rows (``rows`` on this warp's device), their penalties with them."""
+        return WarpParams(self.temperature[rows], self.top_k[rows], self.top_p[rows],
+                          self.penalties[rows] if self.penalties is not None else None)
 
     def penalize(
         self, logits: torch.Tensor, tokens: torch.Tensor | None = None, ancestors: torch.Tensor | None = None,

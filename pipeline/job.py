@@ -31,7 +31,9 @@ def ray_session() -> Iterator[None]:
     if ray.is_initialized():
         yield
         return
-    ray.init()
+    # INFO from the workers too: the engine actors' build time and progress lines (decoding.runner) reach the
+    # driver's output, as Ray Data's own progress does.
+    ray.init(logging_config=ray.LoggingConfig(encoding="TEXT", log_level="INFO"))
     try:
         yield
     finally:

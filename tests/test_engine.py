@@ -250,6 +250,7 @@ SAMPLING_GRID = [
     for method, width, replacement, init in [
         ("self_draft_int4", 2, False, "draft"), ("self_draft_int4", 2, True, "target"),
         ("self_draft_int8", 1, False, "draft"),
+        ("self_draft_some_rows", 2, False, "target"), ("lookup_some_rows", 2, True, "target"),
         ("lookup_siblings", 1, False, "draft"), ("lookup_siblings", 1, True, "draft"),
         ("lookup_siblings", 2, False, "target"), ("lookup_siblings", 2, True, "target"),
     ]
@@ -259,7 +260,27 @@ SAMPLING_METHODS = {
     "self_draft_int4": {"method": "draft_model", "model": "target", "quantization": "int4"},
     "self_draft_int8": {"method": "draft_model", "model": "target", "quantization": "int8"},
     "lookup_siblings": {"method": "draft_model", "ngram_candidates": 1},
+    # A self-draft (with lookup siblings) where each step only some rows draft, at different depths: the draft
+    # forwards run over those rows alone (see DraftModelDrafter.propose).
+    "self_draft_some_rows": {"method": "draft_model", "model": "target", "quantization": "int4"},
+    "lookup_some_rows": {"method": "draft_model", "model": "target", "quantization": "int4", "ngram_candidates": 1},
 }
+
+
+def plan_some_rows(engine: Engine) -> list[tuple[int, int]]:
+    """Make ``engine``'s policy draft with only some rows each step, at depths 0-3 by row and step; returns the
+    (rows drafted, rows in the batch) of every draft forward."""
+    steps = itertools.count()
+    shapes: list[tuple[int, int]] = []
+
+    def plan(ids: list[str]) -> torch.Tensor:
+        step = next(steps)
+        return torch.tensor([(int(i) + step) % 4 for i in ids])
+
+    engine.policy.plan = plan
+    engine.drafter.model.register_forward_hook(lambda module, args, kwargs, out: shapes.append(
+        (kwargs["input_ids"].shape[0], engine.cache.active)), with_kwargs=True)
+    return shapes
 
 
 @pytest.mark.parametrize(("method", "width", "replacement", "init", "warp"), SAMPLING_GRID)
@@ -281,12 +302,15 @@ def test_sampling_follows_target_law(
     uses_draft = config.speculative.method == "draft_model" and config.speculative.model != "target"
     engine = Engine(config, target=on_device(target, device), tokenizer=tokenizer,
                     draft=on_device(draft, device) if uses_draft else None)
+    forwards = plan_some_rows(engine) if method.endswith("some_rows") else None
     results = engine.generate(
         [Request(id=str(i), prompt_token_ids=prompt, sampling={"seed": i}) for i in range(samples)]
     )
     drafted = sum(sum(r.per_step_drafted) for r in results)
     accepted = sum(sum(r.per_step_accepted) for r in results)
     assert drafted > samples and 0 < accepted < drafted  # speculation really happened, with rejections
+    if forwards is not None:  # and draft forwards ran over some of the batch's rows
+        assert any(0 < rows < batch for rows, batch in forwards)
     if config.speculative.ngram_candidates:  # the lookup siblings were verified: some kept, some rejected
         lookup = [stat[-1] for r in results for stat in r.token_stats if stat[2] >= width]
         assert 0 < sum(lookup) < len(lookup)
@@ -587,9 +611,13 @@ def test_a_self_draft_drafts_in_the_target_cache(tokenizer, target) -> None:
                          batch_size=3, length_policy="static", sampling={"max_tokens": 12})
     engine = Engine(config, target=target, tokenizer=tokenizer)
     assert engine.drafter.cache is engine.cache
-    draft_tokens = []
-    engine.drafter.model.register_forward_hook(lambda module, args, kwargs, out: draft_tokens.append(
-        kwargs["input_ids"].shape[1]), with_kwargs=True)
+    draft_tokens, draft_rows = [], []
+
+    def record(module, args, kwargs, out) -> None:
+        draft_rows.append(kwargs["input_ids"].shape[0])
+        draft_tokens.append(kwargs["input_ids"].shape[1])
+
+    engine.drafter.model.register_forward_hook(record, with_kwargs=True)
 
     for i, prompt in enumerate(PROMPTS[:3]):
         engine.add_request(Request(id=str(i), prompt=prompt))
@@ -607,6 +635,17 @@ def test_a_self_draft_drafts_in_the_target_cache(tokenizer, target) -> None:
     engine.policy.plan = lambda ids: torch.full((len(ids),), 3)
     step()
     assert draft_tokens == [1, 1, 1]  # the root alone, then one token per level: no backlog fed again
+    assert draft_rows == [3, 3, 3]
+    # Rows that do not draft are not forwarded: the draft runs over the middle row's entries alone.
+    engine.policy.plan = lambda ids: torch.tensor([0, 2, 0][: len(ids)])
+    draft_rows.clear()
+    step()
+    assert draft_rows == [1, 1]
+    planned = []
+    engine.policy.plan = lambda ids: planned.append(torch.tensor([3, 0, 1][: len(ids)])) or planned[-1]
+    draft_rows.clear()
+    step()
+    assert draft_rows[0] == int((planned[0] > 0).sum()) and draft_rows[1:] == [1, 1]
     while engine.has_unfinished():
         step()
     assert engine.cache.active == 0
