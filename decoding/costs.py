@@ -30,7 +30,8 @@ log = logging.getLogger(__name__)
 
 _CONTEXT = 32  # tokens already cached when timing, so attention over a cache is part of the cost
 _ROUNDS = 5
-_VERSION = 6  # of the measurement method and kernels (6: fused int4 siblings): other tables are not reused
+# Of the measurement method and kernels (6: fused int4 siblings, 7: lean draft forward): other tables are not reused.
+_VERSION = 7
 _memo: dict[tuple, list[tuple[int, float]]] = {}
 
 

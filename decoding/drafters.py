@@ -17,6 +17,7 @@ import numpy as np
 import torch
 
 from decoding.kv_cache import Rows, SlotKVCache, forward_tree
+from decoding.lean_forward import lean_view
 from decoding.models import for_inference
 from decoding.padding import pad_rows
 from decoding.sampling import WarpParams, row_uniforms, warp_probs
@@ -249,7 +250,7 @@ class DraftModelDrafter(Drafter):
             self.vocab_subset = torch.tensor(vocab_subset, dtype=torch.long)
             if not self.reads_target_states:  # a feature draft's head is stored cut
                 model = _with_reduced_head(model, tuple(vocab_subset))
-        self.model = for_inference(model)
+        self.model = lean_view(for_inference(model))  # transformers' Python was a tenth of a self-draft forward
         self.cache = (target_cache if target_cache is not None
                       else SlotKVCache(model.config.num_hidden_layers, capacity, device=device))
         self.uncached: list[list[int]] = []

@@ -36,6 +36,7 @@ from transformers import (
 )
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from decoding.config import SpeculativeConfig
 from decoding.feature_draft import FeatureDraft
@@ -183,6 +184,11 @@ def _grouped_query_sdpa(
 
 AttentionInterface.register(_GQA_SDPA, _grouped_query_sdpa)
 AttentionMaskInterface.register(_GQA_SDPA, sdpa_mask)
+
+
+def attention_function(config: Any) -> Any:
+    """The attention kernel a model's config names, from transformers' registry (``_GQA_SDPA`` included)."""
+    return ALL_ATTENTION_FUNCTIONS.get_interface(config._attn_implementation, sdpa_attention_forward)
 
 
 def for_inference(model: torch.nn.Module) -> torch.nn.Module:

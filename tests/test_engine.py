@@ -592,15 +592,15 @@ def test_quantized_self_draft_leaves_the_target_as_loaded(tokenizer, target) -> 
     before = {name: p.detach().clone() for name, p in target.named_parameters()}
     config = make_config(method="draft_model", model="target", quantization="int4", num_speculative_tokens=3)
     engine = Engine(config, target=target, tokenizer=tokenizer)
-    twin = engine.drafter.model
-    assert twin is not target and twin is not engine.target
+    twin = engine.drafter.model  # the lean forward over the quantized twin (decoding.lean_forward)
+    assert twin is not target and twin is not engine.target and twin.inner is not target
     quantized_layers = [m for m in twin.modules() if isinstance(m, torch.nn.Linear) and "forward" in vars(m)]
     assert len(quantized_layers) == sum(isinstance(m, torch.nn.Linear) for m in target.modules())
     assert not any("forward" in vars(m) for m in target.modules() if isinstance(m, torch.nn.Linear))
     assert all(torch.equal(p, before[name]) for name, p in target.named_parameters())
     ids = torch.tensor([tokenizer("abc abc abc").input_ids])
     with torch.no_grad():  # a close twin (0.64 here, on random weights; chance is 1/31), not another model
-        agree = (twin(ids).logits.argmax(-1) == target(ids).logits.argmax(-1)).float().mean()
+        agree = (twin.inner(ids).logits.argmax(-1) == target(ids).logits.argmax(-1)).float().mean()
     assert agree >= 0.5
 
 
@@ -803,3 +803,36 @@ def test_a_step_reads_back_only_paths_tokens_and_statistics(temperature, width, 
         assert not reads.bypasses, reads.bypasses
         steps += 1
         drafted += sum(len(r.token_stats) for r in output.finished)
+
+
+def test_the_lean_draft_forward_computes_what_transformers_computes(target) -> None:
+    """A Llama draft runs decoding.lean_forward's loop: the same logits and last hidden states as transformers'
+    forward, on a tree after a cached prefix, for all rows and for some of them (a host index of rows)."""
+    from decoding.kv_cache import SlotKVCache, forward_tree
+    from decoding.lean_forward import LeanLlama, supports_lean_forward
+    from decoding.models import for_inference
+    from decoding.tree import chain_ancestors
+
+    model = for_inference(target)
+    assert supports_lean_forward(model) and not supports_lean_forward(FeatureDraft.from_target(target, [0], [1, 2]))
+    lean = LeanLlama(model)
+    torch.manual_seed(0)
+    prefix = torch.randint(0, target.config.vocab_size, (3, 5))
+    topology = TreeTopology(num_candidates=2, max_depth=2, root_width=1)
+    nodes = torch.randint(0, target.config.vocab_size, (3, topology.size(2)))
+    valid = torch.ones(3, topology.size(2), dtype=torch.bool)
+    valid[1, -1] = False
+    outputs = []
+    for forward in (model, lean):
+        cache = SlotKVCache(target.config.num_hidden_layers, 3, device=torch.device("cpu"))
+        rows = cache.add_rows(3)
+        forward_tree(forward, cache, rows, prefix, chain_ancestors(5), torch.ones(3, 5, dtype=torch.bool))
+        cache.commit(rows, torch.arange(5)[None].expand(3, -1), [5, 5, 5])
+        for some in (rows, torch.tensor([0, 2])):
+            picked = slice(None) if isinstance(some, slice) else some
+            outputs.append(forward_tree(forward, cache, some, nodes[picked], topology.ancestors, valid[picked],
+                                        want_hidden=True, logits_at=torch.arange(topology.size(2))))
+    for (logits, hidden), (lean_logits, lean_hidden) in zip(outputs[:2], outputs[2:]):
+        torch.testing.assert_close(lean_logits, logits)
+        torch.testing.assert_close(lean_hidden, hidden)
+    torch.testing.assert_close(outputs[1][0], outputs[0][0][[0, 2]])  # some rows: what those rows compute in all
