@@ -91,12 +91,12 @@ class SlotKVCache(Cache):
 
     def prepare(self, rows: Rows, offset: int, num_new: int) -> None:
         """Aim the next forward: rows ``rows`` write ``num_new`` tokens after ``offset`` tentative slots."""
+        self.kv_length = self.longest(rows) + offset + num_new  # from the host index, before it moves
         if not isinstance(rows, slice):
             rows = rows.to(self.device, non_blocking=True)
         lengths = self.lengths[rows]
         self.rows = rows
         self.write_slots = lengths[:, None] + offset + torch.arange(num_new, device=self.device)[None]
-        self.kv_length = self.longest(rows) + offset + num_new
         if self.kv_length > self.max_slots:
             self.reserve(max(self.kv_length, 2 * self.max_slots))
 
@@ -193,8 +193,8 @@ def forward_tree(
     end = start + input_ids.shape[1]
     dtype = next(model.parameters()).dtype
     cache.prepare(rows, start, input_ids.shape[1])
-    mask, positions, _ = attention_inputs(
-        ancestors, valid, cache.lengths[cache.rows], start, end, dtype, max_length=cache.longest(rows)
+    mask, positions, _ = attention_inputs(  # kv_length = the rows' longest committed length + end
+        ancestors, valid, cache.lengths[cache.rows], start, end, dtype, max_length=cache.kv_length - end
     )
     out = model(
         input_ids=input_ids,
