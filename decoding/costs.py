@@ -30,8 +30,9 @@ log = logging.getLogger(__name__)
 
 _CONTEXT = 32  # tokens already cached when timing, so attention over a cache is part of the cost
 _ROUNDS = 5
-# Of the measurement method and kernels (6: fused int4 siblings, 7: lean draft forward): other tables are not reused.
-_VERSION = 7
+# Of the measurement method and kernels (6: fused int4 siblings, 7: lean draft forward, 8: its fused projections and
+# rotary): other tables are not reused.
+_VERSION = 8
 _memo: dict[tuple, list[tuple[int, float]]] = {}
 
 

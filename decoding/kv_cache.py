@@ -47,13 +47,12 @@ class _SlotLayer(CacheLayerMixin):
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
-        rows, write, kv_length = self.owner.rows, self.owner.write_slots, self.owner.kv_length
+        rows, kv_length = self.owner.rows, self.owner.kv_length
         for buffer, new in ((self.keys, key_states), (self.values, value_states)):
             if isinstance(rows, slice):
-                index = write[:, None, :, None].expand(-1, new.shape[1], -1, new.shape[-1])
-                buffer[rows].scatter_(2, index, new.to(buffer.dtype))
+                buffer[rows].scatter_(2, self.owner.write_index(new.shape), new.to(buffer.dtype))
             else:  # some rows: buffer[rows[i], :, write[i, t]] = new[i, :, t]
-                buffer[rows[:, None], :, write] = new.transpose(1, 2).to(buffer.dtype)
+                buffer[rows[:, None], :, self.owner.write_slots] = new.transpose(1, 2).to(buffer.dtype)
         # Some rows: their entries gathered (a copy of what the attention reads anyway).
         return self.keys[rows, :, :kv_length], self.values[rows, :, :kv_length]
 
@@ -80,6 +79,7 @@ class SlotKVCache(Cache):
         self.active = 0
         self.rows: slice | torch.Tensor = slice(0, 0)  # of the forward being run (``prepare``)
         self.write_slots = torch.zeros(0, 0, dtype=torch.long)
+        self._write_indices = {}
         self.kv_length = 0
         super().__init__(layers=[_SlotLayer(self) for _ in range(num_layers)])
 
@@ -97,8 +97,16 @@ class SlotKVCache(Cache):
         lengths = self.lengths[rows]
         self.rows = rows
         self.write_slots = lengths[:, None] + offset + torch.arange(num_new, device=self.device)[None]
+        self._write_indices: dict[torch.Size, torch.Tensor] = {}
         if self.kv_length > self.max_slots:
             self.reserve(max(self.kv_length, 2 * self.max_slots))
+
+    def write_index(self, shape: torch.Size) -> torch.Tensor:
+        """``write_slots`` expanded to a [rows, heads, tokens, dim] scatter index; built once per forward, not
+        once per layer and tensor (a self-draft forward writes 60 of them)."""
+        if shape not in self._write_indices:
+            self._write_indices[shape] = self.write_slots[:, None, :, None].expand(-1, shape[1], -1, shape[-1])
+        return self._write_indices[shape]
 
     def reserve(self, slots: int) -> None:
         """Room for ``slots`` entries per row, in one allocation. Each growth allocates and copies the whole

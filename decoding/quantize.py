@@ -82,14 +82,17 @@ def _int8_linear(q: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | Non
     return out + bias if bias is not None else out
 
 
+# The kernels' activations: torch 2.13's CPU int4/int8 kernels are fast only for bf16 inputs (one 576 x 1536
+# layer, one row, one thread: int4 67 us with bf16, 1794 us with float32, 1857 us with float16; the float32 layer
+# prepacked for oneDNN: 87 us). A kernel returns its input's dtype: given bf16, it casts nothing.
+ACTIVATION_DTYPE = torch.bfloat16
+
+
 def _kernel(
     weight: torch.Tensor, bias: torch.Tensor | None, scheme: Scheme, groupsize: int
 ) -> Callable[[torch.Tensor], torch.Tensor]:
     """``x -> x @ weight.T + bias`` through a weight-only kernel (the float ``weight`` is only read)."""
-    # bf16 activations: torch 2.13's CPU int4/int8 kernels are fast only for bf16 inputs (one 576 x 1536 layer,
-    # one row, one thread: int4 67 us with bf16, 1794 us with float32, 1857 us with float16; the float32 layer
-    # prepacked for oneDNN: 87 us).
-    dtype = torch.bfloat16
+    dtype = ACTIVATION_DTYPE
     if scheme == "int8" or not int4_fits(weight, groupsize):  # a shape the int4 kernels cannot take: int8
         q, scales = int8_per_channel(weight)
         return functools.partial(_int8_linear, q, scales.to(dtype), bias)
@@ -141,6 +144,26 @@ class FusedSiblings:
         if not self.outputs:
             self.input = None  # release the input once every sibling has its output
         return out
+
+
+def fused_kernel(modules: list[torch.nn.Module]) -> Callable[[torch.Tensor], torch.Tensor] | None:
+    """The one kernel computing ``modules``' outputs side by side (``x -> cat([m(x) for m in modules], -1)``),
+    when they are exactly one FusedSiblings group in its order; else None."""
+    owners = [getattr(getattr(m.forward, "func", None), "__self__", None) for m in modules]
+    first = owners[0]
+    if not isinstance(first, FusedSiblings) or any(owner is not first for owner in owners):
+        return None
+    if [m.forward.args for m in modules] != [(index,) for index in range(len(first.sizes))]:
+        return None
+    return first.kernel
+
+
+def is_weight_only(module: torch.nn.Module) -> bool:
+    """Whether ``module`` computes through a weight-only kernel (alone or in a FusedSiblings group)."""
+    forward = vars(module).get("forward")
+    return isinstance(forward, functools.partial) and (
+        forward.func in (_int4_linear, _int8_linear) or isinstance(getattr(forward.func, "__self__", None),
+                                                                   FusedSiblings))
 
 
 def _sibling_groups(parent: torch.nn.Module) -> list[list[torch.nn.Linear]]:

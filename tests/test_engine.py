@@ -807,24 +807,35 @@ def test_a_step_reads_back_only_paths_tokens_and_statistics(temperature, width, 
 
 def test_the_lean_draft_forward_computes_what_transformers_computes(target) -> None:
     """A Llama draft runs decoding.lean_forward's loop: the same logits and last hidden states as transformers'
-    forward, on a tree after a cached prefix, for all rows and for some of them (a host index of rows)."""
-    from decoding.kv_cache import SlotKVCache, forward_tree
-    from decoding.lean_forward import LeanLlama, supports_lean_forward
+    forward, on a tree after a cached prefix, for all rows and for some of them (a host index of rows), for a
+    float model and for a quantized twin (whose fused kernels the loop calls directly, in bf16)."""
+    from decoding.lean_forward import supports_lean_forward
     from decoding.models import for_inference
+    from decoding.quantize import quantized
+
+    assert not supports_lean_forward(FeatureDraft.from_target(target, [0], [1, 2]))
+    for model, weight_only in ((for_inference(target), False), (for_inference(quantized(target, "int4")), True)):
+        assert supports_lean_forward(model)
+        lean = _lean_and_transformers_agree(model)
+        # The quantized twin's layers run through their fused kernels, fed bf16.
+        assert all((projections.dtype is not None) == weight_only for projections in lean.projections)
+
+
+def _lean_and_transformers_agree(model: torch.nn.Module) -> torch.nn.Module:
+    from decoding.kv_cache import SlotKVCache, forward_tree
+    from decoding.lean_forward import LeanLlama
     from decoding.tree import chain_ancestors
 
-    model = for_inference(target)
-    assert supports_lean_forward(model) and not supports_lean_forward(FeatureDraft.from_target(target, [0], [1, 2]))
     lean = LeanLlama(model)
     torch.manual_seed(0)
-    prefix = torch.randint(0, target.config.vocab_size, (3, 5))
+    prefix = torch.randint(0, model.config.vocab_size, (3, 5))
     topology = TreeTopology(num_candidates=2, max_depth=2, root_width=1)
-    nodes = torch.randint(0, target.config.vocab_size, (3, topology.size(2)))
+    nodes = torch.randint(0, model.config.vocab_size, (3, topology.size(2)))
     valid = torch.ones(3, topology.size(2), dtype=torch.bool)
     valid[1, -1] = False
     outputs = []
     for forward in (model, lean):
-        cache = SlotKVCache(target.config.num_hidden_layers, 3, device=torch.device("cpu"))
+        cache = SlotKVCache(model.config.num_hidden_layers, 3, device=torch.device("cpu"))
         rows = cache.add_rows(3)
         forward_tree(forward, cache, rows, prefix, chain_ancestors(5), torch.ones(3, 5, dtype=torch.bool))
         cache.commit(rows, torch.arange(5)[None].expand(3, -1), [5, 5, 5])
@@ -836,3 +847,4 @@ def test_the_lean_draft_forward_computes_what_transformers_computes(target) -> N
         torch.testing.assert_close(lean_logits, logits)
         torch.testing.assert_close(lean_hidden, hidden)
     torch.testing.assert_close(outputs[1][0], outputs[0][0][[0, 2]])  # some rows: what those rows compute in all
+    return lean
