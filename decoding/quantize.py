@@ -158,6 +158,14 @@ def fused_kernel(modules: list[torch.nn.Module]) -> Callable[[torch.Tensor], tor
     return first.kernel
 
 
+def int4_parts(kernel: Callable[[torch.Tensor], torch.Tensor] | None) -> tuple[torch.Tensor, torch.Tensor, int] | None:
+    """(packed weight, scales and zeros, groupsize) of a CPU int4 kernel without bias; None for any other."""
+    if not (isinstance(kernel, functools.partial) and kernel.func is _int4_linear):
+        return None
+    packed, scales_and_zeros, groupsize, bias = kernel.args
+    return None if bias is not None or packed.device.type != "cpu" else (packed, scales_and_zeros, groupsize)
+
+
 def is_weight_only(module: torch.nn.Module) -> bool:
     """Whether ``module`` computes through a weight-only kernel (alone or in a FusedSiblings group)."""
     forward = vars(module).get("forward")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import itertools
+from pathlib import Path
 
 import pytest
 import torch
@@ -594,6 +595,7 @@ def test_quantized_self_draft_leaves_the_target_as_loaded(tokenizer, target) -> 
     engine = Engine(config, target=target, tokenizer=tokenizer)
     twin = engine.drafter.model  # the lean forward over the quantized twin (decoding.lean_forward)
     assert twin is not target and twin is not engine.target and twin.inner is not target
+    assert twin.compiled is not None  # its layers compiled (decoding.compiled_layers): what the engine tests run
     quantized_layers = [m for m in twin.modules() if isinstance(m, torch.nn.Linear) and "forward" in vars(m)]
     assert len(quantized_layers) == sum(isinstance(m, torch.nn.Linear) for m in target.modules())
     assert not any("forward" in vars(m) for m in target.modules() if isinstance(m, torch.nn.Linear))
@@ -822,29 +824,81 @@ def test_the_lean_draft_forward_computes_what_transformers_computes(target) -> N
 
 
 def _lean_and_transformers_agree(model: torch.nn.Module) -> torch.nn.Module:
-    from decoding.kv_cache import SlotKVCache, forward_tree
     from decoding.lean_forward import LeanLlama
-    from decoding.tree import chain_ancestors
 
     lean = LeanLlama(model)
-    torch.manual_seed(0)
-    prefix = torch.randint(0, model.config.vocab_size, (3, 5))
-    topology = TreeTopology(num_candidates=2, max_depth=2, root_width=1)
-    nodes = torch.randint(0, model.config.vocab_size, (3, topology.size(2)))
-    valid = torch.ones(3, topology.size(2), dtype=torch.bool)
-    valid[1, -1] = False
-    outputs = []
-    for forward in (model, lean):
-        cache = SlotKVCache(model.config.num_hidden_layers, 3, device=torch.device("cpu"))
-        rows = cache.add_rows(3)
-        forward_tree(forward, cache, rows, prefix, chain_ancestors(5), torch.ones(3, 5, dtype=torch.bool))
-        cache.commit(rows, torch.arange(5)[None].expand(3, -1), [5, 5, 5])
-        for some in (rows, torch.tensor([0, 2])):
-            picked = slice(None) if isinstance(some, slice) else some
-            outputs.append(forward_tree(forward, cache, some, nodes[picked], topology.ancestors, valid[picked],
-                                        want_hidden=True, logits_at=torch.arange(topology.size(2))))
-    for (logits, hidden), (lean_logits, lean_hidden) in zip(outputs[:2], outputs[2:]):
+    for (logits, hidden), (lean_logits, lean_hidden) in zip(_tree_forwards(model), _tree_forwards(lean)):
         torch.testing.assert_close(lean_logits, logits)
         torch.testing.assert_close(lean_hidden, hidden)
-    torch.testing.assert_close(outputs[1][0], outputs[0][0][[0, 2]])  # some rows: what those rows compute in all
     return lean
+
+
+def _tree_forwards(forward: torch.nn.Module) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """(logits, last hidden) of a 2 x 2 tree after a cached 5-token prefix: all 3 rows, then rows 0 and 2 (a host
+    index of rows), which must compute what those rows compute in all."""
+    from decoding.kv_cache import SlotKVCache, forward_tree
+    from decoding.tree import chain_ancestors
+
+    config = forward.config
+    generator = torch.Generator().manual_seed(0)
+    prefix = torch.randint(0, config.vocab_size, (3, 5), generator=generator)
+    topology = TreeTopology(num_candidates=2, max_depth=2, root_width=1)
+    nodes = torch.randint(0, config.vocab_size, (3, topology.size(2)), generator=generator)
+    valid = torch.ones(3, topology.size(2), dtype=torch.bool)
+    valid[1, -1] = False
+    cache = SlotKVCache(config.num_hidden_layers, 3, device=torch.device("cpu"))
+    rows = cache.add_rows(3)
+    forward_tree(forward, cache, rows, prefix, chain_ancestors(5), torch.ones(3, 5, dtype=torch.bool))
+    cache.commit(rows, torch.arange(5)[None].expand(3, -1), [5, 5, 5])
+    outputs = []
+    for some in (rows, torch.tensor([0, 2])):
+        picked = slice(None) if isinstance(some, slice) else some
+        outputs.append(forward_tree(forward, cache, some, nodes[picked], topology.ancestors, valid[picked],
+                                    want_hidden=True, logits_at=torch.arange(topology.size(2))))
+    torch.testing.assert_close(outputs[1][0], outputs[0][0][[0, 2]])
+    return outputs
+
+
+def test_compiled_draft_layers_compute_what_the_eager_lean_forward_computes(target) -> None:
+    """An int4 twin's layers run as two ahead-of-time compiled graphs (decoding.compiled_layers) between the
+    eager cache writes and attention: the same logits as the eager lean loop up to bf16 rounding, for all rows
+    and some rows; a draft it cannot compile (float layers) keeps the eager loop."""
+    from decoding.lean_forward import LeanLlama
+    from decoding.models import for_inference
+    from decoding.quantize import quantized
+
+    twin = for_inference(quantized(target, "int4"))
+    compiled = LeanLlama(twin, compile_layers=True)
+    assert compiled.compiled is not None and len(compiled.layer_inputs) == target.config.num_hidden_layers
+    assert LeanLlama(for_inference(target), compile_layers=True).compiled is None
+    eager = _lean_and_transformers_agree(twin)
+    outputs = [_tree_forwards(forward) for forward in (eager, compiled)]
+    for (logits, hidden), (compiled_logits, compiled_hidden) in zip(*outputs):
+        # bf16 activations into the int4 kernels: a last-bit difference upstream can round one element to the
+        # next bf16 value (2^-8 relative); the tiny model's logits are O(10).
+        torch.testing.assert_close(compiled_logits, logits, atol=0.05, rtol=0.01)
+        torch.testing.assert_close(compiled_hidden, hidden, atol=0.05, rtol=0.01)
+
+
+def test_draft_layers_fall_back_to_the_eager_forward_when_they_cannot_compile(target, monkeypatch, caplog) -> None:
+    from decoding import compiled_layers
+    from decoding.lean_forward import LeanLlama
+    from decoding.models import for_inference
+    from decoding.quantize import quantized
+
+    twin = for_inference(quantized(target, "int4"))
+    monkeypatch.setenv("SPECBATCH_COMPILE", "0")
+    assert LeanLlama(twin, compile_layers=True).compiled is None
+    monkeypatch.delenv("SPECBATCH_COMPILE")
+
+    def no_compiler(*args, **kwargs):
+        raise RuntimeError("no C++ compiler found")
+
+    monkeypatch.setattr(compiled_layers, "_loaded", {})
+    monkeypatch.setattr(compiled_layers, "cache_dir", lambda: Path("/nonexistent-specbatch-test"))
+    monkeypatch.setattr(torch._inductor, "aoti_compile_and_package", no_compiler)
+    with caplog.at_level("WARNING"):
+        lean = LeanLlama(twin, compile_layers=True)
+    assert lean.compiled is None and "no C++ compiler found" in caplog.text
+    logits, _ = _tree_forwards(lean)[0]
+    assert torch.isfinite(logits).all()
