@@ -28,6 +28,7 @@ import os
 import tempfile
 import threading
 import time
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 
@@ -128,9 +129,10 @@ def _load_or_compile(shape: LayerShape, examples: tuple[tuple, tuple], folder: P
         dynamic = {"before_attention": ({0: rows}, None, None, None, {0: rows}, {0: rows}),
                    "after_attention": ({0: rows}, {0: rows}, *[None] * 7)}
         for (name, graph), example in zip(graphs.items(), examples):
-            exported = torch.export.export(graph, example, dynamic_shapes=dynamic[name])
-            with tempfile.TemporaryDirectory(dir=folder) as scratch:  # atomic: a racing process sees all or none
+            with warnings.catch_warnings(), tempfile.TemporaryDirectory(dir=folder) as scratch:
+                warnings.simplefilter("ignore", FutureWarning)  # torch 2.13's own pytree internals, on every export
+                exported = torch.export.export(graph, example, dynamic_shapes=dynamic[name])
                 staged = torch._inductor.aoti_compile_and_package(exported, package_path=f"{scratch}/{name}.pt2")
-                os.replace(staged, paths[name])
+                os.replace(staged, paths[name])  # atomic: a racing process sees the whole package or none
         log.info("compiled the draft's layers in %.1f s", time.perf_counter() - start)
     return CompiledLayers(**{name: torch._inductor.aoti_load_package(str(path)) for name, path in paths.items()})
