@@ -154,3 +154,13 @@ def test_a_single_rows_unlucky_steps_do_not_hold_back_drafting_that_pays() -> No
     assert not policy.held_back and step(4) == 4
     slow = [step(4, slowdown=6.0) for _ in range(60)]
     assert policy.held_back and slow[:8] == [4] * 8 and slow[-8:] == [0] * 8, slow
+
+
+def test_rows_never_probe_where_no_acceptance_could_make_drafting_pay() -> None:
+    """Where even a fully accepted depth-4 chain is slower than plain decoding (its step costs 6x a plain one,
+    for at most 5 tokens), rows decode plainly on every step, probe steps included; a cost table where it could
+    pay (1.5x for 5 tokens) still has them draft or probe even when nothing is accepted."""
+    hopeless = BatchCosts(one_row=CostTable([(1, 0.1), (5, 0.6)]), full=CostTable([(1, 1.0), (5, 6.0)]),
+                          full_rows=ROWS)
+    assert set(run_policy(4, 4, steps=256, costs=hopeless)) == {0}
+    assert set(run_policy(4, 0, steps=256)) != {0}  # probes of drafting that could pay keep coming
