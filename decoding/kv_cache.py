@@ -79,7 +79,7 @@ class SlotKVCache(Cache):
         self.active = 0
         self.rows: slice | torch.Tensor = slice(0, 0)  # of the forward being run (``prepare``)
         self.write_slots = torch.zeros(0, 0, dtype=torch.long)
-        self._write_indices = {}
+        self._write_indices: dict[torch.Size, torch.Tensor] = {}  # of the forward being run
         self.kv_length = 0
         super().__init__(layers=[_SlotLayer(self) for _ in range(num_layers)])
 
@@ -97,7 +97,7 @@ class SlotKVCache(Cache):
         lengths = self.lengths[rows]
         self.rows = rows
         self.write_slots = lengths[:, None] + offset + torch.arange(num_new, device=self.device)[None]
-        self._write_indices: dict[torch.Size, torch.Tensor] = {}
+        self._write_indices = {}
         if self.kv_length > self.max_slots:
             self.reserve(max(self.kv_length, 2 * self.max_slots))
 
