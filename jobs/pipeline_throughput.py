@@ -6,7 +6,8 @@ concurrency 1 and 2 on a local Ray cluster started beforehand (so the pipeline's
 start and model loading, not the cluster's). Prints a table with two references: ``Engine.generate`` alone, and
 ``Engine(config)`` + ``generate`` (model loading counted on both sides). Any config field can be overridden:
 
-    python -m jobs.pipeline_throughput [--rows 64] [--data PATH] [--config F] [--sampling.max_tokens 64]
+    python -m jobs.pipeline_throughput [--rows 64] [--concurrency 1,2] [--data PATH] [--config F]
+        [--sampling.max_tokens 64]
 """
 
 from __future__ import annotations
@@ -37,8 +38,10 @@ def load_rows(path: Path, count: int) -> list[dict]:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m jobs.pipeline_throughput", description=__doc__.split("\n")[0])
     parser.add_argument("--rows", type=int, default=64)
+    parser.add_argument("--concurrency", default="1,2", help="pipeline concurrencies to run, comma-separated")
     parser.add_argument("--data", type=Path, default=XSUM, help="JSONL with id and document (XSum)")
     args, config = parse_with_config(parser, sys.argv[1:] if argv is None else argv, DEFAULTS)
+    concurrencies = [int(value) for value in args.concurrency.split(",")]
     setup_logging()
     rows = load_rows(args.data, args.rows)
     print(f"{config.model}, method {config.speculative.method}, batch_size {config.batch_size}, "
@@ -67,7 +70,7 @@ def main(argv: list[str] | None = None) -> int:
     with ray_session(), tempfile.TemporaryDirectory() as tmp:
         source = Path(tmp) / "xsum.jsonl"
         source.write_text("".join(json.dumps(r) + "\n" for r in rows))
-        for concurrency in (1, 2):
+        for concurrency in concurrencies:
             setup = config.model_copy(update={"concurrency": concurrency})
             summary = run(setup, str(source), f"{tmp}/c{concurrency}")
             print_row(f"pipeline, concurrency {concurrency}", summary["rows"], summary["generated_tokens"],
