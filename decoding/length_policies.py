@@ -218,7 +218,8 @@ class OnlinePolicy(LengthPolicy):
         self.sources = sources
         self.prior_verify, self.prior_draft = verify_cost, draft_cost
         self.verify_cost = LearnedCosts(verify_cost)
-        self.draft_cost = LearnedCosts(draft_cost) if draft_cost is not None else None
+        self.draft_cost = (LearnedCosts(draft_cost, until_timed=self.verify_cost) if draft_cost is not None
+                           else None)
         self.capacity = capacity
         self.decay = decay
         self.probe_every = probe_every

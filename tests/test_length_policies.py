@@ -68,6 +68,44 @@ def test_learned_costs_price_long_contexts_and_another_device_from_timed_forward
     assert prior(1, 1) < 0.5 * truth(1, 1, 700)  # what the calibration alone would have said
 
 
+def test_draft_costs_follow_the_targets_learned_costs_until_a_draft_forward_is_timed() -> None:
+    # Long contexts made the target's plain steps 3x their calibration: the first drafting decision must price the
+    # draft's forwards as inflated too (at batch 64 on XSum the draft, priced at its 32-token calibration, looked
+    # cheap, and one drafting step cost 2.7 s), then the draft's own timings take over.
+    verify_prior = BatchCosts(one_row=CostTable([(1, 0.05), (6, 0.06)]), full=CostTable([(1, 0.16), (6, 0.68)]),
+                              full_rows=64)
+    draft_prior = BatchCosts(one_row=CostTable([(1, 0.012), (2, 0.015)]), full=CostTable([(1, 0.16), (2, 0.32)]),
+                             full_rows=64)
+    verify = LearnedCosts(verify_prior)
+    draft = LearnedCosts(draft_prior, until_timed=verify)
+    for _ in range(3):
+        verify.observe([(64, 1, 415)], 0.51)
+    inflation = verify(64, 1, 415) / verify_prior(64, 1)
+    assert inflation > 2.5
+    assert draft(64, 1, 415) == pytest.approx(draft_prior(64, 1) * inflation)
+    for _ in range(20):
+        draft.observe([(64, 1, 415)], 0.3)
+    assert draft(64, 1, 415) == pytest.approx(0.3, rel=0.1)  # its own timings, not the target's inflation
+
+
+def test_online_policy_does_not_draft_where_long_contexts_make_every_forward_slow() -> None:
+    # Batch 64 on two CPU cores, rows of 150 to 900 cached tokens (XSum): plain steps take 3x the calibration, and
+    # so do the draft's forwards. No option could pay even at full acceptance, so no row drafts or probes (priced
+    # at its calibration, the draft looked cheap and 28 long rows drafted at depth 3 on the second step).
+    verify_prior = BatchCosts(one_row=CostTable([(1, 0.048), (2, 0.05), (6, 0.05)]),
+                              full=CostTable([(1, 0.164), (2, 0.267), (4, 0.472), (6, 0.681)]), full_rows=64)
+    draft_prior = BatchCosts(one_row=CostTable([(1, 0.012), (2, 0.015)]), full=CostTable([(1, 0.165), (2, 0.319)]),
+                             full_rows=64)
+    policy = OnlinePolicy(5, Sources(root_width=1, model_width=1), verify_prior, draft_prior, capacity=64)
+    ids = [str(i) for i in range(64)]
+    contexts = [150 + 12 * i for i in range(64)]
+    for step in range(40):
+        depths = policy.plan_rows(ids, [context + step for context in contexts])[0].tolist()
+        assert not any(depths), (step, depths)
+        policy.observe(StepRecord(ids, depths, depths, [0] * 64,
+                                  timing=StepTiming((64, 1, 415 + step), 0.51, [], 0.0)))
+
+
 def test_online_policy_picks_the_drafter_that_pays_per_row() -> None:
     # One row is code that lookup continues (its model draft is useless), the other prose the model drafts well.
     verify = BatchCosts(one_row=CostTable([(1, 0.1), (11, 0.13)]), full=CostTable([(1, 0.1), (11, 0.13)]), full_rows=2)
