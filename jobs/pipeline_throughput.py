@@ -4,7 +4,9 @@
 default model and speculative configuration: ``Engine.generate`` in this process, then ``pipeline.run`` with
 concurrency 1 and 2 on a local Ray cluster started beforehand (so the pipeline's time includes its actors'
 start and model loading, not the cluster's). Prints a table with two references: ``Engine.generate`` alone, and
-``Engine(config)`` + ``generate`` (model loading counted on both sides). Any config field can be overridden:
+``Engine(config)`` + ``generate`` (model loading counted on both sides); and ``Engine.generate`` once more in this
+process while the cluster is up and idle, which tells what Ray's own processes cost the engine on this machine
+apart from what the pipeline adds. Any config field can be overridden:
 
     python -m jobs.pipeline_throughput [--rows 64] [--concurrency 1,2] [--data PATH] [--config F]
         [--sampling.max_tokens 64]
@@ -68,6 +70,15 @@ def main(argv: list[str] | None = None) -> int:
     # The cluster starts before the pipeline runs (their time includes their actors' start, not the cluster's),
     # as ``specbatch generate`` starts it: the actors' engine progress lines show in this output.
     with ray_session(), tempfile.TemporaryDirectory() as tmp:
+        # Ray's daemons (GCS, raylet, dashboard, log monitor) share the cores even when idle: the engine alone with
+        # them running, a fresh engine as above.
+        engine = Engine(config)
+        started = time.perf_counter()
+        results = engine.generate([Request(r["id"], messages=r["messages"]) for r in rows])
+        seconds = time.perf_counter() - started
+        del engine
+        print_row("Engine.generate, Ray idle", len(results), sum(len(r.token_ids) for r in results), seconds,
+                  (direct, with_build), SpecDecodeStats.total(r.stats for r in results).mean_acceptance_length)
         source = Path(tmp) / "xsum.jsonl"
         source.write_text("".join(json.dumps(r) + "\n" for r in rows))
         for concurrency in concurrencies:
