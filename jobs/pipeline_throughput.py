@@ -19,8 +19,10 @@ import json
 import sys
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
+from decoding.config import Config
 from decoding.engine import Engine, Request
 from decoding.stats import SpecDecodeStats
 from jobs.common import parse_with_config, setup_logging
@@ -35,6 +37,25 @@ DEFAULTS = {"batch_size": "8", "sampling.max_tokens": "64"}
 def load_rows(path: Path, count: int) -> list[dict]:
     articles = [json.loads(line) for line in path.read_text().splitlines()[:count]]
     return [{"id": a["id"], "messages": [{"role": "user", "content": INSTRUCTION + a["document"]}]} for a in articles]
+
+
+@dataclass(frozen=True)
+class DirectRun:
+    rows: int
+    tokens: int
+    seconds: float  # generation alone, the engine built
+    acceptance: float  # mean acceptance length
+
+
+def generate_directly(config: Config, rows: list[dict]) -> tuple[float, DirectRun]:
+    """(seconds to build the engine, its ``generate`` on every row) with a fresh engine in this process."""
+    start = time.perf_counter()
+    engine = Engine(config)
+    built = time.perf_counter()
+    results = engine.generate([Request(r["id"], messages=r["messages"]) for r in rows])
+    seconds = time.perf_counter() - built
+    return built - start, DirectRun(len(results), sum(len(r.token_ids) for r in results), seconds,
+                                    SpecDecodeStats.total(r.stats for r in results).mean_acceptance_length)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -53,39 +74,26 @@ def main(argv: list[str] | None = None) -> int:
     print(f"|{'-' * 28}|------|--------|---------|----------|-----------|-------------------|"
           "------------------------|", flush=True)
 
-    start = time.perf_counter()
-    engine = Engine(config)
-    built = time.perf_counter()
-    results = engine.generate([Request(r["id"], messages=r["messages"]) for r in rows])
-    seconds = time.perf_counter() - built
-    tokens = sum(len(r.token_ids) for r in results)
-    direct, with_build = tokens / seconds, tokens / (seconds + built - start)
-    stats = SpecDecodeStats.total(r.stats for r in results)
-    print_row("Engine.generate (direct)", len(results), tokens, seconds, (direct, with_build),
-              stats.mean_acceptance_length)
-    print_row("Engine(config) + generate", len(results), tokens, seconds + built - start, (direct, with_build),
-              stats.mean_acceptance_length)
-    del engine
+    build_seconds, alone = generate_directly(config, rows)
+    references = alone.tokens / alone.seconds, alone.tokens / (alone.seconds + build_seconds)
+    print_row("Engine.generate (direct)", alone.rows, alone.tokens, alone.seconds, references, alone.acceptance)
+    print_row("Engine(config) + generate", alone.rows, alone.tokens, alone.seconds + build_seconds, references,
+              alone.acceptance)
 
     # The cluster starts before the pipeline runs (their time includes their actors' start, not the cluster's),
     # as ``specbatch generate`` starts it: the actors' engine progress lines show in this output.
     with ray_session(), tempfile.TemporaryDirectory() as tmp:
         # Ray's daemons (GCS, raylet, dashboard, log monitor) share the cores even when idle: the engine alone with
         # them running, a fresh engine as above.
-        engine = Engine(config)
-        started = time.perf_counter()
-        results = engine.generate([Request(r["id"], messages=r["messages"]) for r in rows])
-        seconds = time.perf_counter() - started
-        del engine
-        print_row("Engine.generate, Ray idle", len(results), sum(len(r.token_ids) for r in results), seconds,
-                  (direct, with_build), SpecDecodeStats.total(r.stats for r in results).mean_acceptance_length)
+        _, idle = generate_directly(config, rows)
+        print_row("Engine.generate, Ray idle", idle.rows, idle.tokens, idle.seconds, references, idle.acceptance)
         source = Path(tmp) / "xsum.jsonl"
         source.write_text("".join(json.dumps(r) + "\n" for r in rows))
         for concurrency in concurrencies:
             setup = config.model_copy(update={"concurrency": concurrency})
             summary = run(setup, str(source), f"{tmp}/c{concurrency}")
             print_row(f"pipeline, concurrency {concurrency}", summary["rows"], summary["generated_tokens"],
-                      summary["wall_seconds"], (direct, with_build), summary["mean_acceptance_length"])
+                      summary["wall_seconds"], references, summary["mean_acceptance_length"])
     return 0
 
 
