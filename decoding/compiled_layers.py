@@ -34,6 +34,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.utils._pytree as pytree
 
 from decoding.models import cache_dir
 
@@ -148,6 +149,21 @@ def _load_package(path: Path) -> Callable[..., Any]:
 
     try:
         with torch._inductor.config.patch({"cpp.vec_isa_ok": True}):
-            return torch._inductor.aoti_load_package(str(path))
+            package = torch._inductor.aoti_load_package(str(path))
     finally:
         cpu_vec_isa.valid_vec_isa_list.cache_clear()
+    return _direct_call(package)
+
+
+def _direct_call(package: Any) -> Callable[..., Any]:
+    """The package's runner called with the flat tensor list it takes. The package's own ``__call__`` parses its
+    input and output specs from JSON and flattens both with pytree on every call: 38 -> 25 us for the graph before
+    the attention, 117 -> 102 us for the one after (one row, hot loop), ~0.9 ms of a 60-call draft forward."""
+    run = package.loader.run
+    single = pytree.treespec_loads(package.loader.get_call_spec()[1]).is_leaf()  # one tensor, not a tuple
+
+    def call(*tensors: torch.Tensor) -> Any:
+        outputs = run(list(tensors))
+        return outputs[0] if single else tuple(outputs)
+
+    return call

@@ -559,7 +559,7 @@ class Engine:
             (batch, int(draft.valid.any(0).sum()), context), time.perf_counter() - drafted,
             [(count, width, context) for count, width in self.drafter.forward_shapes], drafted - started,
         )
-        self.cache.commit(rows, slot_of[verdict.path.clamp(min=0)], lengths)
+        self.cache.commit(rows, slot_of[host[:, :-1].clamp(min=0)], lengths)  # on the host: see commit
         target_token_probs = self._to_host(verdict.token_probs, stats=True).tolist()
         draft_token_probs = self._to_host(draft.token_probs, stats=True).tolist()
         self.drafter.observe(paths, draft, states)
@@ -624,8 +624,9 @@ class Engine:
     def _verify_forward(
         self, rows: slice, draft: Draft, tokens: torch.Tensor, valid: torch.Tensor, ancestors: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
-        """The target forward over the tree's live nodes; (logits [B, N, V], states, cache slot of each node), on
-        the device. ``tokens``/``valid`` are the draft's on the device; the live nodes come from its host copy.
+        """The target forward over the tree's live nodes; (logits [B, N, V], states) on the device and the cache
+        slot of each node on the host. ``tokens``/``valid`` are the draft's on the device; the live nodes come from
+        its host copy.
 
         A node no row has (a candidate that stopped, an n-gram sibling without a match) is left out of the forward
         rather than padded: on a CPU each extra token of a small verify costs ~5% of a plain step. A node's
@@ -635,7 +636,6 @@ class Engine:
         nodes = draft.valid.any(0).nonzero().flatten()
         slot_of = torch.zeros(size, dtype=torch.long)
         slot_of[nodes] = torch.arange(len(nodes))
-        slot_of = self._to_device(slot_of)
         if len(nodes) == size:
             logits, states = forward_tree(self.target, self.cache, rows, tokens, ancestors, valid,
                                           want_hidden=self.drafter.reads_target_states)
@@ -646,7 +646,8 @@ class Engine:
             want_hidden=self.drafter.reads_target_states,
         )
         # Back to tree positions; dead nodes' rows are never read.
-        return logits[:, slot_of], states[:, slot_of] if states is not None else None, slot_of
+        on_device = self._to_device(slot_of)
+        return logits[:, on_device], states[:, on_device] if states is not None else None, slot_of
 
     def _warp(self, seqs: list[_Sequence], prefill: bool = False) -> WarpParams:
         """Sampling parameters of ``seqs`` as tensors, with the committed histories their penalties need."""

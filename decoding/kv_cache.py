@@ -121,6 +121,9 @@ class SlotKVCache(Cache):
         """Keep tentative slots ``lengths + keep[b, :counts[b]]`` as the next committed entries of each row.
 
         ``counts`` should come from the host (a list or a CPU tensor): counts on the device are read back.
+        ``keep`` may come from the host too: where every row keeps the slots right after its committed entries in
+        order (a chain's accepted prefix: every step at batch 1 without siblings), nothing moves. Gathering and
+        scattering 60 buffers for nothing took 1.6 ms of a ~100 ms batch-1 step.
         """
         if keep.shape[1] == 0:
             return
@@ -128,6 +131,12 @@ class SlotKVCache(Cache):
         for row, count in zip(range(rows.start, rows.stop), host_counts):
             self.host_lengths[row] += count
         counts = torch.as_tensor(counts).to(self.device, non_blocking=True)
+        if keep.device.type == "cpu":  # read without waiting for the device
+            in_place = torch.arange(keep.shape[1])[None]
+            if bool(((keep == in_place) | (in_place >= torch.as_tensor(host_counts)[:, None])).all()):
+                self.lengths[rows] += counts
+                return
+        keep = keep.to(self.device, non_blocking=True)
         lengths = self.lengths[rows]
         source = lengths[:, None] + keep
         target = lengths[:, None] + torch.arange(keep.shape[1], device=self.device)[None]

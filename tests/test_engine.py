@@ -683,6 +683,24 @@ def test_int4_and_int8_kernels_compute_the_quantized_weights() -> None:
     assert torch.allclose(odd(x), expected, atol=0.02 * float(expected.abs().max()))
 
 
+def test_a_head_with_exact_top_logits_recomputes_its_largest_outputs_in_float() -> None:
+    from decoding.quantize import quantize_linear
+
+    torch.manual_seed(0)
+    head = torch.nn.Linear(64, 96)
+    x = torch.randn(2, 3, 64)
+    plain, rescored = copy.deepcopy(head), copy.deepcopy(head)
+    quantize_linear(plain, "int4", groupsize=32)
+    quantize_linear(rescored, "int4", groupsize=32, exact_top=5)
+    approximate, mixed, exact = plain(x), rescored(x), head(x).detach()
+    chosen = approximate.topk(5, -1).indices
+    top = torch.zeros_like(mixed, dtype=torch.bool).scatter(-1, chosen, True)
+    assert int(top.sum()) == 2 * 3 * 5
+    torch.testing.assert_close(mixed[top], exact[top])  # the int4 head's top 5 of each row, in float
+    assert torch.equal(mixed[~top], approximate[~top])  # the rest as the int4 head computed them
+    assert not torch.equal(mixed, approximate)
+
+
 def test_fused_siblings_compute_what_separate_layers_compute(target) -> None:
     from decoding.quantize import FusedSiblings, quantize_linear, quantized
 
@@ -708,7 +726,8 @@ def test_fused_siblings_compute_what_separate_layers_compute(target) -> None:
     unfused = copy.deepcopy(target)
     for module in unfused.modules():
         if isinstance(module, torch.nn.Linear):
-            quantize_linear(module, "int8" if module is unfused.get_output_embeddings() else "int4", 32)
+            head = module is unfused.get_output_embeddings()  # int4 with its top 8 logits exact
+            quantize_linear(module, "int4", 32, exact_top=8 if head else 0)
     with torch.no_grad():
         torch.testing.assert_close(twin(ids).logits, unfused(ids).logits, rtol=1e-4, atol=1e-4)
 
@@ -902,3 +921,23 @@ def test_draft_layers_fall_back_to_the_eager_forward_when_they_cannot_compile(ta
     assert lean.compiled is None and "no C++ compiler found" in caplog.text
     logits, _ = _tree_forwards(lean)[0]
     assert torch.isfinite(logits).all()
+
+
+def test_commit_moves_accepted_entries_and_leaves_an_in_place_path_alone() -> None:
+    """``SlotKVCache.commit`` gathers each row's kept slots right after its committed entries; a host ``keep``
+    that already is that order (a chain's accepted prefix) moves nothing and only advances the lengths."""
+    from decoding.kv_cache import SlotKVCache
+
+    cache = SlotKVCache(1, 2, max_slots=8)
+    rows = cache.add_rows(2)
+    layer = cache.layers[0]
+    layer.lazy_initialization(torch.zeros(2, 1, 1, 1), torch.zeros(2, 1, 1, 1))
+    layer.keys[:, 0, :, 0] = torch.arange(8.0)[None] + torch.tensor([[0.0], [100.0]])
+    layer.values.copy_(layer.keys)
+    before = layer.keys.clone()
+    cache.commit(rows, torch.tensor([[0, 1, 2], [0, 1, 0]]), [3, 2])  # in place: nothing moves
+    assert torch.equal(layer.keys, before) and cache.lengths.tolist() == [3, 2] and cache.host_lengths == [3, 2]
+    cache.commit(rows, torch.tensor([[0, 2], [1, 0]]), [2, 1])  # row 0 keeps slots 3 and 5, row 1 slot 3
+    assert layer.keys[0, 0, :5, 0].tolist() == [0, 1, 2, 3, 5]
+    assert layer.keys[1, 0, :3, 0].tolist() == [100, 101, 103]
+    assert torch.equal(layer.values, layer.keys) and cache.lengths.tolist() == [5, 3]
