@@ -1,6 +1,7 @@
 """``python -m jobs.eval_self_draft``: how well a quantized copy of the target drafts for it, per scheme.
 
-For each scheme (``int4:32:int8`` = int4 groupsize 32 with an int8 LM head; a head left empty stays float), on
+For each scheme (``int4:32:int8`` = int4 groupsize 32 with an int8 LM head; a head left empty stays float;
+``int4:32:int4:8`` = an int4 head whose 8 largest logits are recomputed in float, the default self-draft), on
 prompt sets of your choice: the greedy top-1 agreement with the float target over the target's own greedy
 continuations (teacher-forced, the rate a depth-1 draft is accepted at temperature 0), and the cost of one decode
 forward relative to the target's (one row, one token, ``--context`` cached tokens; both through the engine's
@@ -27,12 +28,16 @@ from decoding.quantize import quantized
 from jobs.bench import read_prompt_set
 
 
-def parse_scheme(text: str) -> tuple[str, int, str | None]:
+def parse_scheme(text: str) -> tuple[str, int, str | None, int]:
+    """``scheme:groupsize:head:exact_top`` -> (scheme, groupsize, head scheme or None for float, exact top)."""
     scheme, _, rest = text.partition(":")
-    groupsize, _, head = rest.partition(":")
+    groupsize, _, rest = rest.partition(":")
+    head, _, exact_top = rest.partition(":")
     if scheme not in ("int4", "int8"):
         raise ValueError(f"unknown scheme {scheme!r} in {text!r}: int4 or int8")
-    return scheme, int(groupsize or 32), head or None
+    if head not in ("", "int4", "int8"):
+        raise ValueError(f"unknown head scheme {head!r} in {text!r}: int4, int8 or empty (float)")
+    return scheme, int(groupsize or 32), head or None, int(exact_top or 0)
 
 
 def agreement(target: torch.nn.Module, draft: torch.nn.Module, sequences: list[tuple[int, list[int]]]) -> float:
@@ -60,7 +65,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--output", default=None, help="write the table as JSON here")
     args = parser.parse_args(argv)
     use_torch_threads(args.threads)
-    schemes = [parse_scheme(s) for s in (args.scheme or ["int4:32:int8", "int4:64:int8", "int8::int8", "int4:32:"])]
+    schemes = [parse_scheme(s) for s in (args.scheme or ["int4:32:int4:8", "int4:32:int8", "int4:32:int4",
+                                                          "int8::int8"])]
 
     device = torch.device("cpu")
     tokenizer = load_tokenizer(args.model)
@@ -77,7 +83,8 @@ def main(argv: list[str] | None = None) -> int:
         results = engine.generate(requests)
         sets[path] = [(len(r.prompt_token_ids), r.prompt_token_ids + r.token_ids) for r in results]
 
-    drafts = {f"{s}:{g}:{h or 'float'}": for_inference(quantized(loaded, s, g, h)) for s, g, h in schemes}
+    drafts = {f"{s}:{g}:{h or 'float'}" + (f":top{top}" if top else ""): for_inference(quantized(loaded, s, g, h, top))
+              for s, g, h, top in schemes}
     timers = {"target": forward_timer(target, device, 1, 1, args.context)}
     timers.update({name: forward_timer(model, device, 1, 1, args.context) for name, model in drafts.items()})
     samples: dict[str, list[float]] = {name: [] for name in timers}
