@@ -176,8 +176,8 @@ def _grouped_query_sdpa(
     if groups == 1 or attention_mask is None or attention_mask.shape[1] != 1 or kwargs.get("dropout", 0.0):
         return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
     batch, heads, length, dim = query.shape
-    if batch == 1 and length <= _GQA_KERNEL_MAX_QUERIES:
-        # One row of a few queries (a batch-1 draft or verify forward): the kernel's own grouped-query path.
+    if batch == 1 and length <= _GQA_KERNEL_MAX_QUERIES and query.device.type == "cpu":
+        # One row of a few queries (a batch-1 draft or verify forward): the CPU kernel's own grouped-query path.
         # Stacked, the row has only its 3 KV heads as units of work for 2 threads; here its 9 query heads:
         # 33 against 44 us at 300 cached tokens, 53 against 77 at 500 (one query; 6 queries: 88 against 102 and
         # 146 against 172; 30 layers' caches in turn, this project's CPU). With 8 rows or more, or a prefill, the

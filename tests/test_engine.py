@@ -529,7 +529,8 @@ def test_prepacked_inference_model_matches_and_leaves_the_original(target) -> No
     assert all(a is b for a, b in zip(fast.parameters(), target.parameters()))  # weights shared, not copied
 
 
-def test_grouped_query_attention_of_the_inference_model_matches_on_trees(target) -> None:
+@pytest.mark.parametrize("rows_count", [2, 1])  # one row of up to 8 queries: SDPA's own grouped-query path
+def test_grouped_query_attention_of_the_inference_model_matches_on_trees(target, rows_count) -> None:
     from decoding.kv_cache import SlotKVCache, forward_tree
     from decoding.models import for_inference
     from decoding.tree import TreeTopology, chain_ancestors
@@ -544,12 +545,14 @@ def test_grouped_query_attention_of_the_inference_model_matches_on_trees(target)
     tree = torch.randint(3, target.config.vocab_size, (2, topology.size(3)), generator=generator)
     tree_valid = torch.ones_like(tree, dtype=torch.bool)
     tree_valid[1, -2:] = False  # a row with a shallower tree
+    prompts, prompt_valid, tree, tree_valid = (t[:rows_count] for t in (prompts, prompt_valid, tree, tree_valid))
+    assert tree.shape[1] == 8
     logits = []
     for model in (target, fast):
         cache = SlotKVCache(model.config.num_hidden_layers, 2)
-        rows = cache.add_rows(2)
+        rows = cache.add_rows(rows_count)
         prefill, _ = forward_tree(model, cache, rows, prompts, chain_ancestors(9), prompt_valid)
-        cache.commit(rows, torch.arange(9)[None].expand(2, -1), prompt_valid.sum(1))
+        cache.commit(rows, torch.arange(9)[None].expand(rows_count, -1), prompt_valid.sum(1))
         verify, _ = forward_tree(model, cache, rows, tree, topology.sliced_ancestors(3), tree_valid)
         logits.append((prefill[prompt_valid], verify[tree_valid]))
     for reference, grouped in zip(*logits):
