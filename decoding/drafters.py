@@ -286,7 +286,7 @@ class DraftModelDrafter(Drafter):
             forward_tree(self.model, self.cache, rows, ids.to(self.device), chain_ancestors(width),
                          valid.to(self.device), logits_at=torch.tensor([width - 1]),
                          features=states[:, :width] if states is not None else None)
-            self.cache.commit(rows, torch.arange(width)[None].expand(len(prompts), -1).to(self.device), lengths)
+            self.cache.commit(rows, torch.arange(width)[None].expand(len(prompts), -1), lengths)
 
     def _full_vocab(self, logits: torch.Tensor) -> torch.Tensor:
         if self.vocab_subset is None:
@@ -494,4 +494,4 @@ class DraftModelDrafter(Drafter):
         if not ran:
             return
         keep, counts = pad_rows(keeps)
-        self.cache.commit(slice(0, len(paths)), keep.to(self.device), counts)
+        self.cache.commit(slice(0, len(paths)), keep, counts)  # host keep: see SlotKVCache.commit

@@ -446,7 +446,7 @@ class Engine:
             hidden_at=torch.arange(width) if reads_states else None,
         )
         keep = torch.arange(width)[None].expand(len(joining), -1)
-        self.cache.commit(rows, self._to_device(keep), lengths)
+        self.cache.commit(rows, keep, lengths)  # on the host: commit moves it where needed
         self._set_rows(rows, joining)
         at = self._to_device(torch.tensor([last_positions.index(n - 1) for n in lengths.tolist()]))
         raw = logits[torch.arange(len(joining), device=self.device), at].float()  # [B, V]

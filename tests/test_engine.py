@@ -937,10 +937,12 @@ def test_commit_moves_accepted_entries_and_leaves_an_in_place_path_alone() -> No
     layer.lazy_initialization(torch.zeros(2, 1, 1, 1), torch.zeros(2, 1, 1, 1))
     layer.keys[:, 0, :, 0] = torch.arange(8.0)[None] + torch.tensor([[0.0], [100.0]])
     layer.values.copy_(layer.keys)
-    before = layer.keys.clone()
+    before, version = layer.keys.clone(), layer.keys._version
     cache.commit(rows, torch.tensor([[0, 1, 2], [0, 1, 0]]), [3, 2])  # in place: nothing moves
     assert torch.equal(layer.keys, before) and cache.lengths.tolist() == [3, 2] and cache.host_lengths == [3, 2]
+    assert layer.keys._version == version  # not even rewritten with the same values
     cache.commit(rows, torch.tensor([[0, 2], [1, 0]]), [2, 1])  # row 0 keeps slots 3 and 5, row 1 slot 3
+    assert layer.keys._version > version
     assert layer.keys[0, 0, :5, 0].tolist() == [0, 1, 2, 3, 5]
     assert layer.keys[1, 0, :3, 0].tolist() == [100, 101, 103]
     assert torch.equal(layer.values, layer.keys) and cache.lengths.tolist() == [5, 3]
