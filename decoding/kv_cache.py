@@ -53,8 +53,13 @@ class _SlotLayer(CacheLayerMixin):
                 buffer[rows].scatter_(2, self.owner.write_index(new.shape), new.to(buffer.dtype))
             else:  # some rows: buffer[rows[i], :, write[i, t]] = new[i, :, t]
                 buffer[rows[:, None], :, self.owner.write_slots] = new.transpose(1, 2).to(buffer.dtype)
-        # Some rows: their entries gathered (a copy of what the attention reads anyway).
-        return self.keys[rows, :, :kv_length], self.values[rows, :, :kv_length]
+        if isinstance(rows, slice):
+            return self.keys[rows, :, :kv_length], self.values[rows, :, :kv_length]
+        # Some rows: their entries gathered (a copy of what the attention reads anyway). ``index_select`` copies
+        # whole row blocks; advanced indexing (``keys[rows]``) went element by element: 53 of 64 rows at ~450
+        # cached tokens, 4.8 vs 1.1 ms a layer's keys, and up to 17 ms at longer padded contexts (2-core CPU).
+        return (self.keys[:, :, :kv_length].index_select(0, rows),
+                self.values[:, :, :kv_length].index_select(0, rows))
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
         return self.owner.kv_length, 0
