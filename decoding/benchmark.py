@@ -28,7 +28,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from decoding.config import Config, SamplingParams
-from decoding.engine import Engine, Request, encode_request, eos_token_ids
+from decoding.engine import Engine, GenerationResult, Request, encode_request, eos_token_ids
 from decoding.models import SELF_DRAFT, load_draft, load_model, load_tokenizer
 from decoding.stats import SpecDecodeStats
 
@@ -80,6 +80,9 @@ class BenchGrid(_Strict):
     sweeps: list[Sweep] = Field(default_factory=_default_sweeps)
     transformers: bool = Field(True, description="transformers generate at every batch size")
     assisted: bool = Field(True, description="transformers assisted generation at batch 1, for each method")
+    turns: Literal["step", "chunk"] = Field(
+        "step", description="how contenders of one batch size take turns on a chunk of prompts: one engine step "
+        "each ('step'; their KV caches are in memory together) or the whole chunk each ('chunk'; one at a time)")
 
     def override(self, **fields: list[Any] | None) -> BenchGrid:
         """Set the given sweep fields (those not None) in every sweep."""
@@ -338,7 +341,7 @@ def _transformers_runner(models: Models, contender: Contender) -> _Runner:
     def on_draft(seconds: float, _rows: int) -> None:
         total.profile.draft_s += seconds
 
-    def run(prompts: dict[str, list[int]]) -> None:
+    def turns(prompts: dict[str, list[int]]) -> Iterator[bool]:  # transformers' generate is one turn
         ids = list(prompts)
         torch.manual_seed(params.seed if params.seed is not None else 0)  # transformers' global stream
         draft_hooks = _timed_forwards(models.draft, on_draft) if "assistant_model" in kwargs else nullcontext()
@@ -359,8 +362,9 @@ def _transformers_runner(models: Models, contender: Contender) -> _Runner:
                 for row, i in enumerate(chunk):
                     total.outputs[i] = _until_eos(out[row, width:].tolist(), models.eos_ids)
             total.seconds += time.perf_counter() - start
+        yield True
 
-    return _Runner(total, run)
+    return _Runner(total, turns)
 
 
 def _engine_runner(models: Models, contender: Contender) -> _Runner:
@@ -374,12 +378,16 @@ def _engine_runner(models: Models, contender: Contender) -> _Runner:
         total.profile.target_s += seconds
         total.profile.target_rows += rows
 
-    def run(prompts: dict[str, list[int]]) -> None:
-        requests = [Request(i, prompt_token_ids=p) for i, p in prompts.items()]
-        with _timed_forwards(engine.target, on_target):  # the engine's own view of the target (for_inference)
-            start = time.perf_counter()
-            results = engine.generate(requests)
-            total.seconds += time.perf_counter() - start
+    def turns(prompts: dict[str, list[int]]) -> Iterator[bool]:  # one engine step a turn (``Engine.generate``)
+        for i, p in prompts.items():
+            engine.add_request(Request(i, prompt_token_ids=p))
+        results: list[GenerationResult] = []
+        while engine.has_unfinished():
+            with _timed_forwards(engine.target, on_target):  # the engine's own view of the target (for_inference)
+                start = time.perf_counter()
+                results += engine.step().finished
+                total.seconds += time.perf_counter() - start
+            yield True
         errors = [r for r in results if r.finish_reason == "error"]
         if errors:
             raise RuntimeError(f"{contender.name}: prompt {errors[0].id} failed: {errors[0].error}")
@@ -387,13 +395,19 @@ def _engine_runner(models: Models, contender: Contender) -> _Runner:
             total.outputs[result.id] = result.token_ids
             total.stats += result.stats
 
-    return _Runner(total, run)
+    return _Runner(total, turns)
 
 
 @dataclass
 class _Runner:
-    total: _Measurement  # what ``run`` has measured so far
-    run: Callable[[dict[str, list[int]]], None]  # decode one chunk of prompts, adding to ``total``
+    total: _Measurement  # what the turns have measured so far
+    # Decodes one chunk of prompts, adding to ``total``, in turns: the time between two yields is the runner's.
+    turns: Callable[[dict[str, list[int]]], Iterator[bool]]
+
+    def run(self, prompts: dict[str, list[int]]) -> None:
+        """The chunk in one go."""
+        for _ in self.turns(prompts):
+            pass
 
 
 def _runner(models: Models, contender: Contender) -> _Runner:
@@ -477,21 +491,31 @@ def _warm_up(models: Models, runs: list[Contender], prompt: list[int]) -> None:
 
 
 def _interleaved(
-    models: Models, group: list[Contender], prompts: dict[str, list[int]], rounds: Callable[[int, int], None]
+    models: Models, group: list[Contender], prompts: dict[str, list[int]], rounds: Callable[[int, int], None],
+    turns: Literal["step", "chunk"] = "step",
 ) -> list[_Measurement]:
-    """Contenders of one batch size, taking turns chunk by chunk (``batch_size`` prompts each).
+    """Contenders of one batch size, taking turns on each chunk (``batch_size`` prompts) before the next.
 
-    A shared machine drifts by tens of percent over minutes; turns a few seconds apart make every contender
-    see the same drift, where one-after-the-other runs would hand it to whoever ran during a slow spell. The
-    starting contender rotates so none always follows a change of prompt.
+    A shared machine drifts by tens of percent over minutes; turns close together make every contender see the
+    same drift, where one-after-the-other runs would hand it to whoever ran during a slow spell. With ``step``
+    turns every engine runs one step in turn (a second apart at batch 64): whole-chunk turns left a batch-64 pair
+    with two chunks running ABBA, and one engine's two turns, four minutes back to back, measured 0.88x of the
+    other for the same target forwards (XSum, 2-core VM). The contender going first rotates by chunk, so none
+    always follows a change of prompt.
     """
     runners = [_runner(models, contender) for contender in group]
     ids = list(prompts)
     size = group[0].batch_size
     chunks = [ids[first : first + size] for first in range(0, len(ids), size)]
     for turn, chunk in enumerate(chunks):
-        for k in range(len(runners)):
-            runners[(turn + k) % len(runners)].run({i: prompts[i] for i in chunk})
+        order = [runners[(turn + k) % len(runners)] for k in range(len(runners))]
+        if turns == "chunk":
+            for runner in order:
+                runner.run({i: prompts[i] for i in chunk})
+        else:
+            pending = [runner.turns({i: prompts[i] for i in chunk}) for runner in order]
+            while pending:
+                pending = [steps for steps in pending if next(steps, False)]  # False: chunk done
         rounds(turn + 1, len(chunks))
     return [runner.total for runner in runners]
 
@@ -524,7 +548,8 @@ def run_bench(
                 log.info("%s batch %d: %d/%d chunks of prompts decoded by every contender", set_name, batch, done,
                          chunks)
 
-            for contender, measurement in zip(group, _interleaved(models, group, prompts, chunk_done), strict=True):
+            measurements = _interleaved(models, group, prompts, chunk_done, grid.turns)
+            for contender, measurement in zip(group, measurements, strict=True):
                 set_rows.append(_row(name, contender, measurement))
                 set_outputs.append(measurement.outputs)
                 if progress:

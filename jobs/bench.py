@@ -96,6 +96,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--threads", type=int, help="torch CPU threads (default: torch's choice)")
     parser.add_argument("--no-transformers", action="store_true", help="skip transformers generate")
     parser.add_argument("--no-assisted", action="store_true", help="skip transformers assisted generation")
+    parser.add_argument("--turns", choices=["step", "chunk"],
+                        help="contenders alternate every engine step (default) or every chunk of prompts")
     return parser
 
 
@@ -108,6 +110,7 @@ def load_grid(args: argparse.Namespace) -> BenchGrid:
     return grid.model_copy(update={
         "transformers": grid.transformers and not args.no_transformers,
         "assisted": grid.assisted and not args.no_assisted,
+        "turns": args.turns or grid.turns,
     })
 
 

@@ -207,23 +207,32 @@ def test_contenders_take_turns_chunk_by_chunk(monkeypatch, tiny_dirs):
     def recording_runner(_models, contender):
         total = benchmark._Measurement()
 
-        def run(prompts):
-            calls.append((contender.name, list(prompts)))
+        def turns(prompts):
+            for step in range(2):  # two turns per chunk
+                calls.append((contender.name, list(prompts), step))
+                yield True
             total.outputs.update(prompts)
 
-        return benchmark._Runner(total, run)
+        return benchmark._Runner(total, turns)
 
     monkeypatch.setattr(benchmark, "_runner", recording_runner)
     group = [c for c in contenders(_config(tiny_dirs["draft"]), GRID) if c.batch_size == 2]
-    prompts = {f"p{i}": [i] for i in range(5)}
-    chunks = []
-    totals = benchmark._interleaved(None, group, prompts, lambda done, count: chunks.append((done, count)))
-    assert chunks == [(1, 3), (2, 3), (3, 3)]
     names = [c.name for c in group]
-    # Every contender decodes chunk k before anyone starts chunk k + 1, starting with a different contender each time.
-    assert [prompts for _, prompts in calls] == [["p0", "p1"]] * 3 + [["p2", "p3"]] * 3 + [["p4"]] * 3
-    assert [name for name, _ in calls] == names + names[1:] + names[:1] + names[2:] + names[:2]
-    assert all(total.outputs == prompts for total in totals)
+    prompts = {f"p{i}": [i] for i in range(5)}
+    # Every contender decodes chunk k before anyone starts chunk k + 1, starting with a different contender each
+    # time; by steps, each takes one step in turn.
+    rotations = [names, names[1:] + names[:1], names[2:] + names[:2]]
+    chunks = []
+    for turns, order in (("chunk", [n for r in rotations for n in r for _ in range(2)]),
+                         ("step", [n for r in rotations for _ in range(2) for n in r])):
+        calls.clear()
+        chunks.clear()
+        totals = benchmark._interleaved(None, group, prompts, lambda done, count: chunks.append((done, count)),
+                                        turns)
+        assert chunks == [(1, 3), (2, 3), (3, 3)]
+        assert [p for _, p, _ in calls] == [["p0", "p1"]] * 6 + [["p2", "p3"]] * 6 + [["p4"]] * 6
+        assert [name for name, _, _ in calls] == order, turns
+        assert all(total.outputs == prompts for total in totals)
 
 
 def test_draft_choices_make_self_draft_and_lookup_sibling_contenders(models, tiny_dirs):
