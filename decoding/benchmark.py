@@ -1,7 +1,7 @@
 """Side-by-side throughput benchmark (``specbatch bench``): transformers against the engine's configurations.
 
 Everything runs in one process, on the same prompts and the same loaded models. Contenders of one batch size take
-turns chunk by chunk of prompts (see ``_interleaved``), so the drift of a shared machine reaches all of them alike:
+turns, engine step by engine step (see ``_interleaved``), so the drift of a shared machine reaches all of them alike:
 transformers ``generate`` (a batch-1 loop, and left-padded batches for larger batch sizes), transformers assisted
 generation at batch 1 (``assistant_model`` for ``draft_model``, prompt lookup for ``ngram``), the engine with
 method ``none`` at every batch size, and a grid of the engine's speculative configurations.
