@@ -383,7 +383,9 @@ def _engine_runner(models: Models, contender: Contender) -> _Runner:
             engine.add_request(Request(i, prompt_token_ids=p))
         results: list[GenerationResult] = []
         while engine.has_unfinished():
-            with _timed_forwards(engine.target, on_target):  # the engine's own view of the target (for_inference)
+            # Hooked per step: the engine's view of the target (for_inference) is shared by the engines built on
+            # one model, and the others step between this engine's turns.
+            with _timed_forwards(engine.target, on_target):
                 start = time.perf_counter()
                 results += engine.step().finished
                 total.seconds += time.perf_counter() - start

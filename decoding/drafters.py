@@ -215,8 +215,8 @@ def _with_reduced_head(model: torch.nn.Module, subset: tuple[int, ...]) -> torch
 
 # A self-draft forwards only the rows that draft while they are at most this share of the batch; more, and it
 # forwards them all. Some rows' cache entries are gathered for the attention, a copy the whole batch does not
-# need (SlotKVCache reads a slice in place): 53 of 64 XSum rows padded to 1514 cached tokens, 1.9 s a draft
-# forward gathered vs 0.57 s over all 64 rows (2-core CPU).
+# need (SlotKVCache reads a slice in place): 53 of 62 live XSum rows padded to 1514 cached tokens, 1.8-2.4 s a
+# draft forward gathered vs 0.44 s over all 62 (2-core CPU).
 SOME_ROWS_MAX_SHARE = 0.5
 
 
@@ -358,7 +358,7 @@ class DraftModelDrafter(Drafter):
         count = int(drafting.sum())
         if self.target_cache is None or count == 0 or count > SOME_ROWS_MAX_SHARE * len(drafting):
             return self._propose(inputs, slice(0, len(drafting)))
-        # A self-draft forwards only the rows that draft: the others would pay a draft forward over their whole
+        # Few rows drafting: a self-draft forwards them alone, the others would pay a draft forward over their whole
         # context for nothing (the first steps of a batch of 64 XSum rows, a few rows at depth 1, cost 2.7x a
         # plain step when the forward ran over all 64). A draft with a cache of its own runs every row, to keep
         # its cache in step with the target's.
