@@ -130,10 +130,13 @@ def _suffix(path: str) -> str:
 def read_prompts(
     files: list[str], base: str, *, skip: frozenset[str], rows_per_block: int, filesystem: pafs.FileSystem | None = None
 ) -> ray.data.Dataset:
-    """Rows of the files whose id is not in ``skip``, in blocks of ``rows_per_block``.
+    """Rows of the files whose id is not in ``skip``, yielded in slices of ``rows_per_block``.
 
-    The read does all per-row preparation itself (ids, resume filter, block size) and asks for no CPU:
+    The read does all per-row preparation itself (ids, resume filter, slicing) and asks for no CPU:
     CPU actors hold the cluster's CPUs, and any other CPU-bound stage before them would wait forever.
+    Ray Data (2.60) joins the slices of one read task and splits the result into blocks of at least
+    ``DataContext.target_min_block_size`` (1 MiB), or two per CPU for less data: 64 XSum prompts arrive as 4
+    blocks of 16 rows, 5,000 as 10 blocks of 500 (measured). Those blocks are the actors' calls and the parts.
     """
     source = PromptFiles(files, base, skip, rows_per_block, filesystem or pafs.LocalFileSystem())
     return ray.data.read_datasource(source, num_cpus=0)

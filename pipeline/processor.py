@@ -28,7 +28,8 @@ CALLS_PER_ACTOR = 4
 
 def rows_per_block(config: Config) -> int:
     """Half an engine batch: an actor works on several blocks at once (``CALLS_PER_ACTOR``), so its engine stays
-    full, and the blocks spread evenly over actors that start at different times."""
+    full, and the blocks spread evenly over actors that start at different times. Exact for the processor's own
+    batches; the job's reader only slices by it (see ``pipeline.io.read_prompts``: Ray Data joins small slices)."""
     return max(1, -(-config.batch_size // 2))
 
 
