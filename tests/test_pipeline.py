@@ -3,14 +3,18 @@ killed drivers and actors, concurrency, and `ray job submit`."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import random
 import signal
 import socket
 import subprocess
 import sys
 import tempfile
 import time
+import urllib.error
+import urllib.request
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -335,10 +339,62 @@ def test_generate_cli_names_the_bad_field_and_value(capsys):
     assert "/nonexistent/prompts.jsonl does not exist" in capsys.readouterr().err
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+def unused_ports(count: int) -> list[int]:
+    """Distinct ports below the kernel's ephemeral range (32768-60999 here): a port from `bind(0)` is closed again
+    before Ray binds it, and the session's cluster binds ephemeral ports all the time. A taken port makes `ray start`
+    exit ("Failed to bind ... already occupied"); one CI run's head was gone before its dashboard ever answered (its
+    output was not kept then; it is now, in the failure message)."""
+    ports: list[int] = []
+    for port in random.sample(range(20000, 32000), 200):
+        with socket.socket() as sock:
+            try:
+                sock.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        ports.append(port)
+        if len(ports) == count:
+            return ports
+    raise RuntimeError("no free ports in 20000-32000")
+
+
+def start_head(temp_dir: str, log: Path) -> tuple[subprocess.Popen, int]:
+    """`ray start --head --block` on unused ports, returned once its job server answers. A head that exits because a
+    port was taken meanwhile is started again on other ports; any other exit fails with the head's output."""
+    ray_bin = str(Path(sys.executable).with_name("ray"))
+    for _attempt in range(3):
+        gcs, dashboard, *others = unused_ports(7)
+        # Every port named: the defaults (agent 52365, client 10001, ...) belong to the session's cluster.
+        names = ("dashboard-agent-listen", "dashboard-agent-grpc", "runtime-env-agent", "metrics-export",
+                 "ray-client-server")
+        with log.open("w") as out:
+            head = subprocess.Popen(
+                [ray_bin, "start", "--head", "--block", f"--port={gcs}", f"--temp-dir={temp_dir}", "--num-cpus=2",
+                 "--include-dashboard=true", f"--dashboard-port={dashboard}", "--disable-usage-stats",
+                 *(f"--{name}-port={port}" for name, port in zip(names, others, strict=True))],
+                stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
+            )
+        deadline = time.monotonic() + 120
+        while head.poll() is None and time.monotonic() < deadline:
+            try:  # an HTTP answer (401 without the token) from the live head, not a bare socket
+                urllib.request.urlopen(f"http://127.0.0.1:{dashboard}/api/version", timeout=2).close()
+                return head, dashboard
+            except urllib.error.HTTPError:
+                return head, dashboard
+            except OSError:
+                time.sleep(1)
+        stop_head(head)
+        if "already occupied" not in log.read_text():
+            break
+    pytest.fail(f"`ray start --head` did not serve its dashboard (exit {head.returncode}):\n{log.read_text()[-3000:]}")
+
+
+def stop_head(head: subprocess.Popen) -> None:
+    head.terminate()  # `ray start --block` stops the processes it started
+    try:
+        head.wait(timeout=90)
+    finally:
+        with contextlib.suppress(ProcessLookupError):  # anything left in the head's session (a job's worker)
+            os.killpg(head.pid, signal.SIGKILL)
 
 
 def test_ray_job_submit_on_a_started_head(config, tmp_path):
@@ -346,15 +402,7 @@ def test_ray_job_submit_on_a_started_head(config, tmp_path):
     `ray job submit --working-dir . -- python -m jobs.generate --config ...`."""
     ray_bin = str(Path(sys.executable).with_name("ray"))
     temp_dir = tempfile.mkdtemp(prefix="sbjob", dir="/tmp")  # short: Ray's socket paths live under it
-    dashboard = free_port()
-    # Every port on a free one: the defaults (agent 52365, client 10001, ...) belong to the session's cluster.
-    ports = [f"--{name}-port={free_port()}" for name in (
-        "dashboard-agent-listen", "dashboard-agent-grpc", "runtime-env-agent", "metrics-export", "ray-client-server")]
-    head = subprocess.Popen(
-        [ray_bin, "start", "--head", "--block", f"--port={free_port()}", f"--temp-dir={temp_dir}", "--num-cpus=2",
-         "--include-dashboard=true", f"--dashboard-port={dashboard}", *ports, "--disable-usage-stats"],
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
-    )
+    head, dashboard = start_head(temp_dir, tmp_path / "head.log")
     try:
         source = write_jsonl(tmp_path / "in.jsonl", good_rows(5))
         (tmp_path / "config.yaml").write_text(yaml.safe_dump(config.model_dump(mode="json")))
@@ -363,18 +411,15 @@ def test_ray_job_submit_on_a_started_head(config, tmp_path):
                   "--input", str(source), "--output", str(tmp_path / "out")]
         env = {**os.environ, "RAY_AUTH_MODE": "token"}  # the job CLI sends the head's token only when told to
         deadline = time.monotonic() + 120
-        while True:  # the job server and its agent answer some seconds after `ray start` returns
+        while True:  # the job agent answers some seconds after the dashboard
             job = subprocess.run(submit, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
             not_ready = any(m in job.stdout + job.stderr for m in ("onnect", "No available agent"))
-            if job.returncode == 0 or not not_ready or time.monotonic() > deadline:
+            if job.returncode == 0 or not not_ready or head.poll() is not None or time.monotonic() > deadline:
                 break
             time.sleep(2)
-        assert job.returncode == 0, job.stdout[-3000:] + job.stderr[-3000:]
+        head_log = (tmp_path / "head.log").read_text()[-2000:] if head.poll() is not None else ""
+        assert job.returncode == 0, job.stdout[-3000:] + job.stderr[-3000:] + head_log
         assert "specbatch generate: 5 rows (0 errors" in job.stdout
         assert_each_id_once(tmp_path / "out", [row["id"] for row in good_rows(5)])
     finally:
-        head.terminate()  # `ray start --block` stops the processes it started
-        try:
-            head.wait(timeout=90)
-        finally:
-            os.killpg(head.pid, signal.SIGKILL)
+        stop_head(head)
