@@ -46,7 +46,10 @@ class Processor:
         if self.preprocess is not None:
             ds = ds.map(self.preprocess)
         low, high = self.config.concurrency_range
-        ds = ds.map_batches(
+        # ``map_batches`` refuses whole blocks (batch_size None) to an actor that asks for GPUs, so the job's GPU
+        # actors failed before any row ran (seen on an H200); its DeveloperAPI twin, which Ray Data LLM's
+        # processors and ``map_groups`` call for the same reason, takes the same arguments without that check.
+        ds = ds.map_batches_internal(
             GenerationActor,
             fn_constructor_kwargs={"config": self.config.model_dump(mode="json"), "actors_per_node": high,
                                    "token_stats": self.token_stats},

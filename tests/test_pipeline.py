@@ -216,6 +216,39 @@ def assert_each_id_once(out: Path, ids: list[str]) -> None:
         assert stats[row["id"]] == row["spec_decode"]["num_draft_tokens"], row["id"]
 
 
+GPU_DRIVER = """
+import json, sys
+import ray
+from decoding.config import Config
+from pipeline.job import run
+ray.init(num_cpus=2, num_gpus=1, include_dashboard=False, log_to_driver=False)  # one GPU as far as Ray knows
+print(json.dumps(run(Config.model_validate_json(sys.argv[1]), sys.argv[2], sys.argv[3])))
+"""
+
+
+def test_gpu_actors_take_the_jobs_blocks_whole(config, tmp_path):
+    """Actors that ask for a GPU (`num_gpus: 1`): Ray Data's public `map_batches` refuses them the whole blocks
+    the job hands over (blocks of two files must not be joined: their columns may differ in type), and the job
+    failed before any row ran. Ray is told of one GPU that this machine lacks; the engine runs on what torch has."""
+    source = tmp_path / "in"
+    source.mkdir()
+    first, second = good_rows(10)[:5], good_rows(10)[5:]
+    write_jsonl(source / "a.jsonl", [{**row, "extra": i} for i, row in enumerate(first)])
+    write_jsonl(source / "b.jsonl", [{**row, "extra": f"x{i}"} for i, row in enumerate(second)])
+    env = {key: value for key, value in os.environ.items() if key != "RAY_ADDRESS"}
+    setup = config.model_copy(update={"num_gpus": 1.0})
+    done = subprocess.run(
+        [sys.executable, "-c", GPU_DRIVER, setup.model_dump_json(), str(source), str(tmp_path / "out")],
+        cwd=REPO, env=env, capture_output=True, text=True, timeout=300,
+    )
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
+    summary = json.loads(done.stdout.strip().splitlines()[-1])
+    assert summary["rows"] == 10 and summary["errors"] == 0
+    parts = [pq.read_table(part) for part in (tmp_path / "out" / "outputs").iterdir()]  # each its file's types
+    assert sorted(row["id"] for part in parts for row in part.to_pylist()) == [row["id"] for row in good_rows(10)]
+    assert {str(part.schema.field("extra").type) for part in parts} == {"int64", "string"}
+
+
 def wait_for(condition, timeout: float, what: str) -> None:
     deadline = time.monotonic() + timeout
     while not condition():
