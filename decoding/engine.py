@@ -15,7 +15,7 @@ from __future__ import annotations
 import time
 from collections import deque
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -248,7 +248,7 @@ class Engine:
         # Row-indexed batch state, filled at admission and moved with swap-remove: sampling parameters on the
         # device (drafter and verification warp there) and on the host (which rows draw random numbers),
         # max_tokens, and the law each pending token came from (allocated at the first prefill, when the logits'
-        # width is known).
+        # width is known). Their own max_top_k / nucleus go stale as rows change: ``_row_warp`` reads them anew.
         self._warp_host = WarpParams.from_params([config.sampling] * self.capacity)
         self._warp_device = self._warp_host.to(self.device)
         self._max_tokens = torch.zeros(self.capacity, dtype=torch.long)
@@ -458,7 +458,7 @@ class Engine:
         tokens, scores = last.argmax(-1), last
         uniforms = self._uniforms(joining, 1)
         if uniforms is not None:
-            warp = self._warp_device[rows]
+            warp = self._row_warp(rows)
             probs = warp_probs(last, warp)
             greedy = warp.temperature == 0
             tokens = torch.where(greedy, tokens, sample_from(probs, uniforms[:, 0]))
@@ -522,7 +522,8 @@ class Engine:
         depths, lookup_depths = self._plan(seqs)
         # Penalties need each row's history: then the drafter warps with it (the target's logits get the same below).
         penalized = any(s.params.penalized for s in seqs)
-        warp = self._warp(seqs).to(self.device) if penalized else self._warp_device[rows]
+        row_warp = self._row_warp(rows)
+        warp = self._warp(seqs).to(self.device) if penalized else row_warp
         roots, root_valid = self._roots(seqs, depths)
         started = time.perf_counter()
         draft = self.drafter.propose(
@@ -543,7 +544,7 @@ class Engine:
             logits = warp.penalize(raw, tokens, self._to_device(ancestors))
         uniforms = self._uniforms(seqs, self.topology.size(self.topology.max_depth) + 1)
         verdict = verify_batch(
-            logits, tokens, valid, self.topology, self._warp_device[rows], self._root_scores[rows],
+            logits, tokens, valid, self.topology, row_warp, self._root_scores[rows],
             self._to_device(draft.draft_probs) if draft.draft_probs is not None else None,
             self.config.speculative.replacement,
             uniforms[:, [*range(size), -1]] if uniforms is not None else None,
@@ -648,6 +649,12 @@ class Engine:
         # Back to tree positions; dead nodes' rows are never read.
         on_device = self._to_device(slot_of)
         return logits[:, on_device], states[:, on_device] if states is not None else None, slot_of
+
+    def _row_warp(self, rows: slice) -> WarpParams:
+        """The device's sampling parameters of ``rows``, with what warping branches on read from their host copy."""
+        host = self._warp_host[rows]
+        return replace(self._warp_device[rows], max_top_k=max(0, int(host.top_k.max())),
+                                   nucleus=bool((host.top_p < 1).any()))
 
     def _warp(self, seqs: list[_Sequence], prefill: bool = False) -> WarpParams:
         """Sampling parameters of ``seqs`` as tensors, with the committed histories their penalties need."""

@@ -119,6 +119,20 @@ class WarpParams:
     top_k: torch.Tensor  # [B] long; 0 = off
     top_p: torch.Tensor  # [B] float; 1 = off
     penalties: Penalties | None = None  # None: no row has a penalty or a ban
+    # What warping branches on, known on the host: read from device tensors, each would stall the step until the
+    # GPU caught up (the CUDA run of test_a_step_reads_back_only_paths_tokens_and_statistics caught three such
+    # reads a call). Computed here from host tensors; parameters on a device must be given them. Upper bounds:
+    # any subset of the rows keeps them valid.
+    max_top_k: int | None = None  # the largest top_k of any row (0: no row has top-k)
+    nucleus: bool | None = None  # whether any row has top_p < 1
+
+    def __post_init__(self) -> None:
+        if self.max_top_k is not None and self.nucleus is not None:
+            return
+        if self.top_k.device.type != "cpu":
+            raise ValueError("WarpParams on a device need max_top_k and nucleus from the host")
+        object.__setattr__(self, "max_top_k", max(0, int(self.top_k.max())) if len(self.top_k) else 0)
+        object.__setattr__(self, "nucleus", bool((self.top_p < 1).any()))
 
     @classmethod
     def from_params(
@@ -137,12 +151,14 @@ class WarpParams:
     def to(self, device: torch.device) -> WarpParams:
         """The same parameters on ``device`` (penalties included): logits are warped where the model ran."""
         return WarpParams(self.temperature.to(device), self.top_k.to(device), self.top_p.to(device),
-                          self.penalties.to(device) if self.penalties is not None else None)
+                          self.penalties.to(device) if self.penalties is not None else None,
+                          self.max_top_k, self.nucleus)
 
     def __getitem__(self, rows: torch.Tensor | slice) -> WarpParams:
         """The warp of some rows (``rows`` on this warp's device), their penalties with them."""
         return WarpParams(self.temperature[rows], self.top_k[rows], self.top_p[rows],
-                          self.penalties[rows] if self.penalties is not None else None)
+                          self.penalties[rows] if self.penalties is not None else None,
+                          self.max_top_k, self.nucleus)
 
     def penalize(
         self, logits: torch.Tensor, tokens: torch.Tensor | None = None, ancestors: torch.Tensor | None = None,
@@ -162,23 +178,25 @@ def warp_probs(logits: torch.Tensor, params: WarpParams) -> torch.Tensor:
     flat = logits.float().reshape(shape[0], -1, shape[-1])
     temperature = torch.where(params.temperature > 0, params.temperature, torch.ones_like(params.temperature))
     flat = flat / temperature[:, None, None]
-    top_k = params.top_k.clamp(max=shape[-1])
-    if bool((top_k > 0).any()):
-        kth = torch.topk(flat, int(top_k.max()), dim=-1).values  # [B, N, kmax], descending
-        index = (top_k.clamp(min=1) - 1)[:, None, None].expand(-1, flat.shape[1], 1)
+    # Both filters run over every row when any row needs them, each row masked by its own parameter (as vLLM's
+    # sampler does): choosing the rows on the device would wait for it.
+    if params.max_top_k:
+        top_k = params.top_k.clamp(max=shape[-1])
+        kth = torch.topk(flat, min(params.max_top_k, shape[-1]), dim=-1).values  # [B, N, kmax], descending
+        index = (top_k.clamp(min=1, max=kth.shape[-1]) - 1)[:, None, None].expand(-1, flat.shape[1], 1)
         threshold = kth.gather(-1, index)
         threshold = torch.where((top_k > 0)[:, None, None], threshold, torch.full_like(threshold, -torch.inf))
         flat = flat.masked_fill(flat < threshold, -torch.inf)
-    nucleus_rows = (params.top_p < 1).nonzero().flatten()
-    if len(nucleus_rows):
-        sub = flat[nucleus_rows]
-        sorted_logits, order = torch.sort(sub, dim=-1, descending=True)
+    if params.nucleus:
+        sorted_logits, order = torch.sort(flat, dim=-1, descending=True)
         sorted_probs = sorted_logits.softmax(-1)
-        # Keep the smallest prefix whose mass reaches top_p (the token crossing the threshold stays in).
+        # Keep the smallest prefix whose mass reaches top_p (the token crossing the threshold stays in); rows
+        # with top_p 1 keep everything, whatever the rounding of their cumulative sums.
         mass_before = sorted_probs.cumsum(-1) - sorted_probs
-        drop_sorted = mass_before >= params.top_p[nucleus_rows][:, None, None]
+        top_p = params.top_p[:, None, None]
+        drop_sorted = (mass_before >= top_p) & (top_p < 1)
         drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
-        flat[nucleus_rows] = sub.masked_fill(drop, -torch.inf)
+        flat = flat.masked_fill(drop, -torch.inf)
     return flat.softmax(-1).reshape(shape)
 
 

@@ -142,7 +142,8 @@ def verify_batch(
     if sampling:
         # Greedy rows get the plain softmax (their statistics are at temperature 1, unwarped).
         neutral = WarpParams(
-            warp.temperature, torch.where(greedy, 0, warp.top_k), torch.where(greedy, 1.0, warp.top_p)
+            warp.temperature, torch.where(greedy, 0, warp.top_k), torch.where(greedy, 1.0, warp.top_p),
+            max_top_k=warp.max_top_k, nucleus=warp.nucleus,  # still upper bounds
         )
         probs = warp_probs(logits, neutral)  # [B, N, V] float32
         token_probs = probs[rows[:, None], parents[None], tokens]
