@@ -262,10 +262,12 @@ SAMPLING_METHODS = {
     "self_draft_int4": {"method": "draft_model", "model": "target", "quantization": "int4"},
     "self_draft_int8": {"method": "draft_model", "model": "target", "quantization": "int8"},
     "lookup_siblings": {"method": "draft_model", "ngram_candidates": 1},
-    # A self-draft (with lookup siblings) where each step only some rows draft, at different depths: the draft
-    # forwards run over those rows alone (see DraftModelDrafter.propose).
+    # A self-draft, or a draft with lookup siblings, where each step only some rows draft, at different depths: the
+    # draft forwards run over those rows alone (see DraftModelDrafter.propose). The lookup case uses the noisy
+    # draft: beside the tiny self-draft, which the target almost always accepts, a lookup sibling was kept once in
+    # ~1,300 (CPU, seeds 0-2999; on CUDA's random stream none was, and the test failed there).
     "self_draft_some_rows": {"method": "draft_model", "model": "target", "quantization": "int4"},
-    "lookup_some_rows": {"method": "draft_model", "model": "target", "quantization": "int4", "ngram_candidates": 1},
+    "lookup_some_rows": {"method": "draft_model", "ngram_candidates": 1},
 }
 
 
@@ -773,13 +775,14 @@ def _reads_back(name: str, args: tuple, kwargs: dict) -> bool:
 class _ReadBacks:
     """Records device -> host reads that bypass ``Engine._to_host`` while it is installed: every ``.cpu()`` call
     (on a CPU device that is all a bypass can be told by: the drafter used to copy each level's logits with it),
-    and on an accelerator every ``.to(cpu)``, ``.tolist()``, ``.item()``, ``.numpy()`` or truth test of a device
-    tensor."""
+    and on an accelerator every ``.to(cpu)``, ``.tolist()``, ``.item()``, ``.numpy()``, truth test, ``int()`` or
+    ``float()`` of a device tensor, and every ``.nonzero()`` (its result's size waits for the device)."""
 
     def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
         self.bypasses: list[tuple[str, torch.Size]] = []
         self.inside = False
-        for name in ("cpu", "to", "tolist", "item", "numpy", "__bool__"):
+        for name in ("cpu", "to", "tolist", "item", "numpy", "__bool__", "__int__", "__float__", "__index__",
+                     "nonzero"):
             monkeypatch.setattr(torch.Tensor, name, self._watch(name, getattr(torch.Tensor, name)))
 
     def _watch(self, name: str, method):
@@ -799,15 +802,17 @@ class _ReadBacks:
         return counted
 
 
-@pytest.mark.parametrize(("temperature", "penalty"), [(0.0, 0.0), (1.0, 0.0), (1.0, 0.5)])
+@pytest.mark.parametrize(("temperature", "penalty", "top_k", "top_p"),
+                         [(0.0, 0.0, 0, 1.0), (1.0, 0.0, 0, 1.0), (1.0, 0.5, 0, 1.0), (0.8, 0.0, 5, 0.9)])
 @pytest.mark.parametrize(("width", "init"), [(2, "draft"), (3, "target")])
-def test_a_step_reads_back_only_paths_tokens_and_statistics(temperature, width, init, penalty, tokenizer, target,
-                                                            draft, device, monkeypatch) -> None:
+def test_a_step_reads_back_only_paths_tokens_and_statistics(temperature, width, init, penalty, top_k, top_p,
+                                                            tokenizer, target, draft, device, monkeypatch) -> None:
     """Every device -> host copy goes through Engine._to_host: per step at most 64·B·(D+2) bytes besides the
     token statistics (which are O(B·N) floats), and never a tensor as wide as the vocabulary. The drafter's
     laws and sampling, the penalties and the warping stay on the device too."""
     depth = 4
-    sampling = {"max_tokens": 40, "temperature": temperature, "presence_penalty": penalty}
+    sampling = {"max_tokens": 40, "temperature": temperature, "presence_penalty": penalty, "top_k": top_k,
+                "top_p": top_p}
     config = make_config(method="draft_model", num_candidates=width, candidate_init=init, num_speculative_tokens=depth,
                          length_policy="static", batch_size=8, sampling=sampling)
     engine = Engine(config, target=on_device(target, device), tokenizer=tokenizer, draft=on_device(draft, device))
