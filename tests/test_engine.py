@@ -802,20 +802,31 @@ class _ReadBacks:
         return counted
 
 
+# The default configuration: the int4 self-draft with a lookup sibling, drafting as the online policy decides.
+DEFAULT_SPECULATIVE = {"model": "target", "quantization": "int4", "ngram_candidates": 1, "length_policy": "online"}
+
+
 @pytest.mark.parametrize(("temperature", "penalty", "top_k", "top_p"),
                          [(0.0, 0.0, 0, 1.0), (1.0, 0.0, 0, 1.0), (1.0, 0.5, 0, 1.0), (0.8, 0.0, 5, 0.9)])
-@pytest.mark.parametrize(("width", "init"), [(2, "draft"), (3, "target")])
-def test_a_step_reads_back_only_paths_tokens_and_statistics(temperature, width, init, penalty, top_k, top_p,
-                                                            tokenizer, target, draft, device, monkeypatch) -> None:
+@pytest.mark.parametrize(("width", "init", "speculative"), [
+    (2, "draft", {"length_policy": "static"}), (3, "target", {"length_policy": "static"}),
+    (1, "draft", DEFAULT_SPECULATIVE),
+])
+def test_a_step_reads_back_only_paths_tokens_and_statistics(temperature, width, init, speculative, penalty, top_k,
+                                                            top_p, tokenizer, target, draft, device,
+                                                            monkeypatch) -> None:
     """Every device -> host copy goes through Engine._to_host: per step at most 64·B·(D+2) bytes besides the
     token statistics (which are O(B·N) floats), and never a tensor as wide as the vocabulary. The drafter's
-    laws and sampling, the penalties and the warping stay on the device too."""
+    laws and sampling, the penalties and the warping stay on the device too (and the online policy's planning
+    and the quantized self-draft in the default configuration)."""
     depth = 4
     sampling = {"max_tokens": 40, "temperature": temperature, "presence_penalty": penalty, "top_k": top_k,
                 "top_p": top_p}
     config = make_config(method="draft_model", num_candidates=width, candidate_init=init, num_speculative_tokens=depth,
-                         length_policy="static", batch_size=8, sampling=sampling)
-    engine = Engine(config, target=on_device(target, device), tokenizer=tokenizer, draft=on_device(draft, device))
+                         batch_size=8, sampling=sampling, **speculative)
+    self_draft = config.speculative.model == "target"
+    engine = Engine(config, target=on_device(target, device), tokenizer=tokenizer,
+                    draft=None if self_draft else on_device(draft, device))
     copies: list[torch.Size] = []
     to_host = engine._to_host
     reads = _ReadBacks(monkeypatch)
@@ -836,6 +847,8 @@ def test_a_step_reads_back_only_paths_tokens_and_statistics(temperature, width, 
         assert not reads.bypasses, reads.bypasses
         steps += 1
         drafted += sum(len(r.token_stats) for r in output.finished)
+    # The static policy drafts every step; the online one only where its measured costs say drafting pays.
+    assert steps and (drafted or speculative["length_policy"] == "online")
 
 
 def test_the_lean_draft_forward_computes_what_transformers_computes(target) -> None:
