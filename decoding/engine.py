@@ -654,7 +654,7 @@ class Engine:
         """The device's sampling parameters of ``rows``, with what warping branches on read from their host copy."""
         host = self._warp_host[rows]
         return replace(self._warp_device[rows], max_top_k=max(0, int(host.top_k.max())),
-                                   nucleus=bool((host.top_p < 1).any()))
+                       nucleus=bool((host.top_p < 1).any()))
 
     def _warp(self, seqs: list[_Sequence], prefill: bool = False) -> WarpParams:
         """Sampling parameters of ``seqs`` as tensors, with the committed histories their penalties need."""
