@@ -48,11 +48,11 @@ def config(config_file) -> Config:
 def server(ray_cluster, config_file) -> str:
     """Base URL of a Serve app built the way a Serve YAML does it: ``build_app`` with a config file + overrides."""
     from ray import serve
+    from test_pipeline import unused_ports
 
     from jobs.serve import start
-    from jobs.serve_load import free_port
 
-    port = free_port()
+    port = unused_ports(1)[0]  # below the ephemeral ports the session's cluster keeps binding
     start(build_app({"config": config_file, "batch_size": 8}), "127.0.0.1", port)
     yield f"http://127.0.0.1:{port}"
     serve.shutdown()
