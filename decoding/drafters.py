@@ -52,10 +52,10 @@ class DraftInputs:
 
     def select(self, rows: torch.Tensor) -> DraftInputs:
         """These inputs for some rows (a host index tensor)."""
-        warp_rows, row_ids = rows.to(self.warp.temperature.device, non_blocking=True), rows.tolist()
+        row_ids = rows.tolist()
         return dataclasses.replace(
             self, contexts=[self.contexts[row] for row in row_ids], roots=self.roots[rows],
-            root_valid=self.root_valid[rows], depths=self.depths[rows], warp=self.warp[warp_rows],
+            root_valid=self.root_valid[rows], depths=self.depths[rows], warp=self.warp[rows],
             greedy=self.greedy[rows], generators=[self.generators[row] for row in row_ids],
             lookup_depths=self.lookup_depths[rows] if self.lookup_depths is not None else None,
         )

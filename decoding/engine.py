@@ -248,7 +248,7 @@ class Engine:
         # Row-indexed batch state, filled at admission and moved with swap-remove: sampling parameters on the
         # device (drafter and verification warp there) and on the host (which rows draw random numbers),
         # max_tokens, and the law each pending token came from (allocated at the first prefill, when the logits'
-        # width is known). Their own max_top_k / nucleus go stale as rows change: ``_row_warp`` reads them anew.
+        # width is known). Their own max_top_k / nucleus_rows go stale as rows change: ``_row_warp`` reads them anew.
         self._warp_host = WarpParams.from_params([config.sampling] * self.capacity)
         self._warp_device = self._warp_host.to(self.device)
         self._max_tokens = torch.zeros(self.capacity, dtype=torch.long)
@@ -652,9 +652,8 @@ class Engine:
 
     def _row_warp(self, rows: slice) -> WarpParams:
         """The device's sampling parameters of ``rows``, with what warping branches on read from their host copy."""
-        host = self._warp_host[rows]
-        return replace(self._warp_device[rows], max_top_k=max(0, int(host.top_k.max())),
-                       nucleus=bool((host.top_p < 1).any()))
+        host = WarpParams(*(getattr(self._warp_host, name)[rows] for name in ROW_FIELDS))  # its facts computed
+        return replace(self._warp_device[rows], max_top_k=host.max_top_k, nucleus_rows=host.nucleus_rows)
 
     def _warp(self, seqs: list[_Sequence], prefill: bool = False) -> WarpParams:
         """Sampling parameters of ``seqs`` as tensors, with the committed histories their penalties need."""

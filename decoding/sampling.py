@@ -121,18 +121,19 @@ class WarpParams:
     penalties: Penalties | None = None  # None: no row has a penalty or a ban
     # What warping branches on, known on the host: read from device tensors, each would stall the step until the
     # GPU caught up (the CUDA run of test_a_step_reads_back_only_paths_tokens_and_statistics caught three such
-    # reads a call). Computed here from host tensors; parameters on a device must be given them. Upper bounds:
-    # any subset of the rows keeps them valid.
-    max_top_k: int | None = None  # the largest top_k of any row (0: no row has top-k)
-    nucleus: bool | None = None  # whether any row has top_p < 1
+    # reads a call). Computed here from host tensors; parameters on a device must be given them.
+    max_top_k: int | None = None  # at least every row's top_k (0: no row has top-k)
+    # The rows that may filter by top-p (at least those with top_p < 1): only they are sorted, a sort over the
+    # vocabulary costing ~0.8 s for 64 rows of a 6-node tree here (2-core CPU, float32).
+    nucleus_rows: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
-        if self.max_top_k is not None and self.nucleus is not None:
+        if self.max_top_k is not None and self.nucleus_rows is not None:
             return
         if self.top_k.device.type != "cpu":
-            raise ValueError("WarpParams on a device need max_top_k and nucleus from the host")
+            raise ValueError("WarpParams on a device need max_top_k and nucleus_rows from the host")
         object.__setattr__(self, "max_top_k", max(0, int(self.top_k.max())) if len(self.top_k) else 0)
-        object.__setattr__(self, "nucleus", bool((self.top_p < 1).any()))
+        object.__setattr__(self, "nucleus_rows", tuple((self.top_p < 1).nonzero().flatten().tolist()))
 
     @classmethod
     def from_params(
@@ -152,13 +153,27 @@ class WarpParams:
         """The same parameters on ``device`` (penalties included): logits are warped where the model ran."""
         return WarpParams(self.temperature.to(device), self.top_k.to(device), self.top_p.to(device),
                           self.penalties.to(device) if self.penalties is not None else None,
-                          self.max_top_k, self.nucleus)
+                          self.max_top_k, self.nucleus_rows)
 
     def __getitem__(self, rows: torch.Tensor | slice) -> WarpParams:
-        """The warp of some rows (``rows`` on this warp's device), their penalties with them."""
+        """The warp of some rows, their penalties with them. ``rows``: a slice, or an index tensor on the host
+        (moved to this warp's device without waiting). An index already on the device keeps the facts exact only
+        where no row filters by top-p; else every row it picks counts as one that may."""
+        nucleus = set(self.nucleus_rows or ())
+        if isinstance(rows, slice):
+            picked: list[int] | None = list(range(len(self.temperature))[rows])
+        elif rows.device.type == "cpu":
+            picked = rows.tolist()
+            rows = rows.to(self.temperature.device, non_blocking=True)
+        else:
+            picked = None
+        if picked is not None:
+            nucleus_rows = tuple(i for i, row in enumerate(picked) if row in nucleus)
+        else:
+            nucleus_rows = tuple(range(len(rows))) if nucleus else ()
         return WarpParams(self.temperature[rows], self.top_k[rows], self.top_p[rows],
                           self.penalties[rows] if self.penalties is not None else None,
-                          self.max_top_k, self.nucleus)
+                          self.max_top_k, nucleus_rows)
 
     def penalize(
         self, logits: torch.Tensor, tokens: torch.Tensor | None = None, ancestors: torch.Tensor | None = None,
@@ -178,8 +193,9 @@ def warp_probs(logits: torch.Tensor, params: WarpParams) -> torch.Tensor:
     flat = logits.float().reshape(shape[0], -1, shape[-1])
     temperature = torch.where(params.temperature > 0, params.temperature, torch.ones_like(params.temperature))
     flat = flat / temperature[:, None, None]
-    # Both filters run over every row when any row needs them, each row masked by its own parameter (as vLLM's
-    # sampler does): choosing the rows on the device would wait for it.
+    # Which rows need a filter is known on the host (choosing them on the device would wait for it). Top-k runs
+    # over every row when any needs it, each row masked by its own k, as vLLM's sampler does; top-p only over the
+    # rows that may need it, each masked by its own p.
     if params.max_top_k:
         top_k = params.top_k.clamp(max=shape[-1])
         kth = torch.topk(flat, min(params.max_top_k, shape[-1]), dim=-1).values  # [B, N, kmax], descending
@@ -187,16 +203,19 @@ def warp_probs(logits: torch.Tensor, params: WarpParams) -> torch.Tensor:
         threshold = kth.gather(-1, index)
         threshold = torch.where((top_k > 0)[:, None, None], threshold, torch.full_like(threshold, -torch.inf))
         flat = flat.masked_fill(flat < threshold, -torch.inf)
-    if params.nucleus:
-        sorted_logits, order = torch.sort(flat, dim=-1, descending=True)
+    if params.nucleus_rows:
+        every_row = len(params.nucleus_rows) == shape[0]
+        rows = None if every_row else torch.tensor(params.nucleus_rows).to(flat.device, non_blocking=True)
+        sub = flat if rows is None else flat.index_select(0, rows)
+        sorted_logits, order = torch.sort(sub, dim=-1, descending=True)
         sorted_probs = sorted_logits.softmax(-1)
-        # Keep the smallest prefix whose mass reaches top_p (the token crossing the threshold stays in); rows
-        # with top_p 1 keep everything, whatever the rounding of their cumulative sums.
+        # Keep the smallest prefix whose mass reaches top_p (the token crossing the threshold stays in); a row
+        # with top_p 1 keeps everything, whatever the rounding of its cumulative sums.
         mass_before = sorted_probs.cumsum(-1) - sorted_probs
-        top_p = params.top_p[:, None, None]
+        top_p = (params.top_p if rows is None else params.top_p.index_select(0, rows))[:, None, None]
         drop_sorted = (mass_before >= top_p) & (top_p < 1)
-        drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
-        flat = flat.masked_fill(drop, -torch.inf)
+        sub = sub.masked_fill(torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted), -torch.inf)
+        flat = sub if rows is None else flat.index_copy(0, rows, sub)
     return flat.softmax(-1).reshape(shape)
 
 

@@ -143,7 +143,7 @@ def verify_batch(
         # Greedy rows get the plain softmax (their statistics are at temperature 1, unwarped).
         neutral = WarpParams(
             warp.temperature, torch.where(greedy, 0, warp.top_k), torch.where(greedy, 1.0, warp.top_p),
-            max_top_k=warp.max_top_k, nucleus=warp.nucleus,  # still upper bounds
+            max_top_k=warp.max_top_k, nucleus_rows=warp.nucleus_rows,  # still upper bounds
         )
         probs = warp_probs(logits, neutral)  # [B, N, V] float32
         token_probs = probs[rows[:, None], parents[None], tokens]

@@ -193,3 +193,35 @@ def test_siblings_follow_the_draw_semantics_of_sample_tokens() -> None:
         drawn = sample_siblings(root, pending, greedy, 2, True, uniforms)
         assert drawn[0].tolist() == sample_from(root[:1].expand(2, -1), torch.tensor([a, b])).tolist()
         assert drawn[1].tolist() == [1, 1]
+
+
+def _warp_one(logits: torch.Tensor, temperature: float, top_k: int, top_p: float) -> torch.Tensor:
+    """A row's warped law the plain way: temperature, then its top-k, then the smallest prefix reaching top_p."""
+    x = logits.double() / (temperature if temperature > 0 else 1.0)
+    if top_k > 0:
+        x[x < x.sort(descending=True).values[min(top_k, len(x)) - 1]] = -torch.inf
+    probs, kept, mass = x.softmax(-1), torch.zeros(len(x), dtype=torch.bool), 0.0
+    for token in probs.argsort(descending=True).tolist():
+        if top_p < 1 and mass >= top_p:
+            break
+        kept[token], mass = True, mass + float(probs[token])
+    return x.masked_fill(~kept, -torch.inf).softmax(-1).float()
+
+
+def test_warp_filters_each_row_by_its_own_parameters() -> None:
+    """warp_probs over a batch, each row with its own temperature / top-k / top-p: every row equals the plain
+    computation, whether the host facts are exact, loose upper bounds, or carried through a row selection."""
+    generator = torch.Generator().manual_seed(5)
+    logits = torch.randn(6, 3, 40, generator=generator) * 3
+    params = [(1.0, 0, 1.0), (0.7, 5, 1.0), (1.3, 0, 0.8), (1.0, 0, 1.0), (0.9, 12, 0.6), (0.0, 0, 1.0)]
+    warp = WarpParams(*(torch.tensor(column) for column in zip(*params)))
+    assert warp.max_top_k == 12 and warp.nucleus_rows == (2, 4)
+    expected = torch.stack([torch.stack([_warp_one(logits[row, node], *params[row]) for node in range(3)])
+                            for row in range(6)])
+    assert torch.allclose(warp_probs(logits, warp), expected, atol=1e-5)
+    loose = WarpParams(warp.temperature, warp.top_k, warp.top_p, max_top_k=40, nucleus_rows=tuple(range(6)))
+    assert torch.allclose(warp_probs(logits, loose), expected, atol=1e-5)
+    picked = torch.tensor([4, 0, 2])
+    assert warp[picked].nucleus_rows == (0, 2) and warp[1:4].nucleus_rows == (1,)
+    assert torch.allclose(warp_probs(logits[picked], warp[picked]), expected[picked], atol=1e-5)
+    assert torch.allclose(warp_probs(logits[1:4], warp[1:4]), expected[1:4], atol=1e-5)
