@@ -15,7 +15,7 @@ from __future__ import annotations
 import time
 from collections import deque
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -653,7 +653,8 @@ class Engine:
     def _row_warp(self, rows: slice) -> WarpParams:
         """The device's sampling parameters of ``rows``, with what warping branches on read from their host copy."""
         host = WarpParams(*(getattr(self._warp_host, name)[rows] for name in ROW_FIELDS))  # its facts computed
-        return replace(self._warp_device[rows], max_top_k=host.max_top_k, nucleus_rows=host.nucleus_rows)
+        return WarpParams(*(getattr(self._warp_device, name)[rows] for name in ROW_FIELDS),
+                          max_top_k=host.max_top_k, nucleus_rows=host.nucleus_rows)
 
     def _warp(self, seqs: list[_Sequence], prefill: bool = False) -> WarpParams:
         """Sampling parameters of ``seqs`` as tensors, with the committed histories their penalties need."""
