@@ -75,8 +75,8 @@ def run(config: Config, input_path: str, output_dir: str) -> dict[str, Any]:
                 # up: otherwise the first actor ready takes every block its calls in flight hold
                 # (pipeline_throughput, concurrency 2: one actor got all 4 blocks of the 64 rows while the other
                 # finished loading, 0.57x of a single actor). The wait also holds back the read, so a pool that
-                # starts with one actor does without it: its first block then reaches it 0.02 s after its engine
-                # is built instead of 1.4 s (the read task's worker importing pyarrow and Ray Data, then parsing).
+                # starts with one actor does without it: its first block then reaches it 0.1-0.5 s after its engine
+                # is built instead of 1.4-2.3 s (the read task's worker importing pyarrow and Ray Data, then parsing).
                 # An actor that cannot start still fails the job: Ray Data's no-progress timeout. The dataset's
                 # own context.
                 ds.context.wait_for_min_actors_s = ACTOR_START_TIMEOUT_S
