@@ -1,6 +1,6 @@
 """specbatch's engine: lossless multi-candidate speculative decoding over HuggingFace causal LMs (no Ray).
 
-The engine's names load on first use: ``decoding.config``, ``decoding.requests`` and ``decoding.stats`` stay free of
+The engine's names load on first use: ``decoding.config`` and ``decoding.stats`` stay free of
 torch, so Ray Data's read and write workers, which need only them, do not import torch and transformers (5 s of
 CPU each, taken from the engine actor on a small node while it generates).
 """

@@ -13,7 +13,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
 # The one request validation, shared with the pipeline.
-from decoding.requests import ChatMessage, TextPart  # noqa: F401
+from frontend.requests import ChatMessage, TextPart  # noqa: F401
 
 # Context keys the server passes to ``model_validate_json`` (limits only a loaded model knows).
 MAX_CONTEXT = "max_context"

@@ -37,7 +37,7 @@ from decoding.engine import Engine, GenerationResult
 from decoding.engine import Request as EngineRequest
 from decoding.models import load_tokenizer, worker_threads
 from decoding.sampling import row_seed
-from decoding.stats import SpecDecodeCounters, SpecDecodeStats
+from decoding.stats import SpecDecodeStats
 from deploy.detokenize import IncrementalText
 from deploy.engine_loop import REPLICA_RUNTIME_ENV, EngineFailure, EngineLoop, Event, RequestRejected
 from deploy.protocol import (
@@ -65,6 +65,7 @@ from deploy.protocol import (
     TopLogprob,
     Usage,
 )
+from frontend.metrics import SpecDecodeCounters
 
 log = logging.getLogger(__name__)
 

@@ -23,7 +23,7 @@ import pyarrow.parquet as pq
 import torch
 import yaml
 
-from decoding.benchmark import BenchGrid, BenchRow, LengthPolicyName, format_table, plot, run_bench
+from bench.harness import BenchGrid, BenchRow, LengthPolicyName, format_table, plot, run_bench
 from decoding.engine import Request
 from jobs.common import parse_with_config, setup_logging
 

@@ -28,7 +28,7 @@ from decoding import Config, Engine, Request
 from decoding.costs import forward_timer
 from decoding.drafters import DraftModelDrafter
 from decoding.models import for_inference, load_model, load_tokenizer, resolve_model_path
-from decoding.training.data import PromptSource, read_rows, row_prompt_ids
+from training.data import PromptSource, read_rows, row_prompt_ids
 
 
 def held_out_prompts(sources: list[PromptSource], tokenizer, per_source: int) -> list[tuple[str, list[int]]]:

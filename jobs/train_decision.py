@@ -4,7 +4,7 @@
 
 Same collection as train-head; the model ``length_policy: decision`` loads from ``speculative.decision_model``
 (default output ``<draft>/decision_model``). ``--keep_cutoff P`` sets the acceptance probability below which
-drafting stops (see decoding/training/signals.py).
+drafting stops (see training/signals.py).
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 
     specbatch train-draft --target T --data PATH [--data PATH ...] --output DIR [--field VALUE ...]
 
-Any field of ``decoding.training.distill.DraftTrainingConfig`` can be set in ``--config FILE.yaml`` or overridden
+Any field of ``training.distill.DraftTrainingConfig`` can be set in ``--config FILE.yaml`` or overridden
 as ``--field VALUE`` (``--vocab_size 4096 --layers "[0, 1]" --train_seconds 900``). Training runs as one Ray task
 (a local cluster without RAY_ADDRESS, the job's cluster under ``ray job submit``), logging progress; an
 interrupted run (Ctrl-C, ``ray job stop``) checkpoints, and re-running the same command resumes it.
@@ -25,9 +25,9 @@ from pydantic import BaseModel, ValidationError
 
 from decoding.config import ConfigError, apply_overrides, format_validation_error
 from decoding.models import DEFAULT_DRAFT, DEFAULT_MODEL, resolve_model_path
-from decoding.training.data import PromptSource
-from decoding.training.runs import RunError
 from jobs.common import setup_logging, split_overrides
+from training.data import PromptSource
+from training.runs import RunError
 
 log = logging.getLogger("jobs.train")
 
@@ -123,7 +123,7 @@ def _fill(data: dict[str, Any], args: argparse.Namespace) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from decoding.training.distill import DraftTrainingConfig, train_draft
+    from training.distill import DraftTrainingConfig, train_draft
 
     parser = training_parser("specbatch train-draft", "Distil a small draft model sharing the target's tokenizer.")
     args, config = build_config(parser, sys.argv[1:] if argv is None else argv, DraftTrainingConfig, _fill)

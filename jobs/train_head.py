@@ -4,7 +4,7 @@
 
 Runs the engine (target + draft) over the prompts, then fits the head ``length_policy: threshold`` loads from
 ``speculative.acceptance_head``. The output defaults to ``<draft>/acceptance_head``. Fields of
-``decoding.training.signals.SignalTrainingConfig`` can be set with ``--config`` or ``--field VALUE``.
+``training.signals.SignalTrainingConfig`` can be set with ``--config`` or ``--field VALUE``.
 Collection is saved in shards, so an interrupted run resumes where it stopped.
 """
 
@@ -16,8 +16,8 @@ from pathlib import Path
 from typing import Any
 
 from decoding.models import DEFAULT_MODEL, resolve_model_path
-from decoding.training.signals import SignalTrainingConfig, train_signal_model
 from jobs.train_draft import build_config, run_training, training_parser
+from training.signals import SignalTrainingConfig, train_signal_model
 
 DESCRIPTIONS = {
     "acceptance_head": "Train the SpecDec++ acceptance-prediction head (length_policy: threshold).",

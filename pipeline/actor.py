@@ -20,10 +20,10 @@ from ray.util.metrics import Counter
 from decoding.config import Config
 from decoding.engine import Engine, GenerationResult, Request
 from decoding.models import worker_threads
-from decoding.remote import localize_models
-from decoding.requests import RequestError, parse_request
 from decoding.runner import EngineRunner, Event, RequestRejected
-from decoding.stats import SpecDecodeCounters
+from frontend.metrics import SpecDecodeCounters
+from frontend.remote import localize_models
+from frontend.requests import RequestError, parse_request
 from pipeline.schema import PRODUCER_NODE, READ_ERROR, output_block
 
 log = logging.getLogger(__name__)
@@ -37,7 +37,7 @@ ENGINE_RUNTIME_ENV = {"env_vars": {"RAY_worker_niceness": "0"}}
 
 def request_from_row(key: str, row: dict[str, Any]) -> Request:
     """An input row (SPEC "Input") as an engine request; ``RequestError`` when it cannot be one. Rows are
-    validated by the model the server uses too (decoding.requests); the engine itself rejects what only it can
+    validated by the model the server uses too (frontend.requests); the engine itself rejects what only it can
     judge: empty or over-long prompts, sampling values out of range."""
     if row.get(READ_ERROR):
         raise RequestError(row[READ_ERROR])

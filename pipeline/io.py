@@ -25,7 +25,7 @@ import pyarrow.parquet as pq
 import ray.data
 from ray.data.datasource import FileBasedDatasource
 
-from decoding.requests import MAX_DEPTH, too_deep
+from frontend.requests import MAX_DEPTH, too_deep
 from pipeline.schema import READ_ERROR
 
 FORMATS = {".parquet": "parquet", ".jsonl": "json", ".json": "json", ".csv": "csv"}

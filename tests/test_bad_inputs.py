@@ -172,8 +172,8 @@ def test_the_server_refuses_what_the_pipeline_refuses():
     """One validation: the server's chat message model is the pipeline's."""
     from pydantic import ValidationError
 
-    from decoding.requests import ChatMessage, RequestError, parse_request
     from deploy.protocol import ChatCompletionRequest
+    from frontend.requests import ChatMessage, RequestError, parse_request
 
     assert ChatCompletionRequest.model_fields["messages"].annotation == list[ChatMessage]
     for messages in ([{"role": "user"}], [{"role": "wizard", "content": "hi"}], [{"role": "user", "content": 5}]):

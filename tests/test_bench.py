@@ -10,8 +10,8 @@ import pyarrow.parquet as pq
 import pytest
 from matplotlib.image import imread
 
-from decoding import benchmark
-from decoding.benchmark import BenchGrid, Models, Sweep, contenders, format_table, run_bench
+from bench import harness as benchmark
+from bench.harness import BenchGrid, Models, Sweep, contenders, format_table, run_bench
 from decoding.config import Config
 from decoding.engine import Request
 from decoding.feature_draft import FeatureDraft

@@ -15,7 +15,7 @@ from decoding import Config, Engine, Request
 from decoding.drafters import SOME_ROWS_MAX_SHARE
 from decoding.engine import prefill_groups
 from decoding.feature_draft import FeatureDraft
-from decoding.length_policies import DraftSignalMLP
+from decoding.signal_head import DraftSignalMLP
 from decoding.tree import TreeTopology
 
 PROMPTS = [

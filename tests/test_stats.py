@@ -7,7 +7,8 @@ import pytest
 from test_engine import PROMPTS, make_config, run
 
 from decoding.config import Config
-from decoding.stats import PER_POSITION, SpecDecodeCounters, SpecDecodeStats
+from decoding.stats import SpecDecodeStats
+from frontend.metrics import PER_POSITION, SpecDecodeCounters
 from pipeline.actor import GenerationActor
 from pipeline.summary import run_totals
 

@@ -22,21 +22,21 @@ from transformers import PreTrainedTokenizerFast
 
 from decoding import Config, Engine, Request
 from decoding.feature_draft import FeatureDraft
-from decoding.length_policies import DraftSignalMLP
 from decoding.models import DEFAULT_DRAFT, DRAFT_METADATA, load_draft, resolve_draft
-from decoding.training.data import PromptSource
-from decoding.training.distill import (
+from decoding.signal_head import DraftSignalMLP
+from jobs import eval_draft, train_decision, train_head
+from jobs import train_draft as train_draft_job
+from training.data import PromptSource
+from training.distill import (
     DraftTrainingConfig,
     _FeatureStudent,
     acceptance_length,
     build_draft,
     train_draft,
 )
-from decoding.training.runs import METRICS_FILE, RunDir, RunError
-from decoding.training.signals import SignalTrainingConfig, fit
-from decoding.training.teacher import teacher_continuations
-from jobs import eval_draft, train_decision, train_head
-from jobs import train_draft as train_draft_job
+from training.runs import METRICS_FILE, RunDir, RunError
+from training.signals import SignalTrainingConfig, fit
+from training.teacher import teacher_continuations
 
 WORDS = "abc abd the cat sat on the mat. a bad cab, a dab. so it goes, so it goes. banana bandana. one two one"
 PROMPTS = [WORDS[i : i + 5 + (i * 7) % 23] for i in range(0, 80, 3)]
@@ -221,8 +221,8 @@ def test_interrupted_draft_training_resumes(tmp_path, tiny_dirs, prompts_file, m
 
     # Resuming regenerates no teacher data and continues from step 3.
     monkeypatch.setattr(torch.optim.AdamW, "step", real_step)
-    monkeypatch.setattr("decoding.training.teacher._generate_batch", lambda *a: pytest.fail("regenerated"))
-    with caplog.at_level(logging.INFO, logger="decoding.training"):
+    monkeypatch.setattr("training.teacher._generate_batch", lambda *a: pytest.fail("regenerated"))
+    with caplog.at_level(logging.INFO, logger="training"):
         train_draft(config)
     assert "resumed training at step 3" in caplog.text
     meta = json.loads((tmp_path / "draft" / DRAFT_METADATA).read_text())
@@ -281,7 +281,7 @@ def test_signal_models_train_and_drive_the_engine(job, kind, policy, field, trai
 
 
 def test_signal_collection_resumes_from_saved_shards(trained_draft, tiny_dirs, prompts_file, tmp_path, monkeypatch):
-    from decoding.training import signals
+    from training import signals
 
     config = signals.SignalTrainingConfig(
         kind="decision_model", target=tiny_dirs["target"], draft=str(trained_draft),

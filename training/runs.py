@@ -21,7 +21,7 @@ from transformers import PreTrainedTokenizerBase
 
 from decoding.models import check_same_tokenizer
 
-log = logging.getLogger("decoding.training")
+log = logging.getLogger("training")
 
 METRICS_FILE = "training_metrics.jsonl"
 

@@ -32,11 +32,11 @@ from transformers import AutoModelForCausalLM, DynamicCache, PreTrainedModel, Pr
 
 from decoding.feature_draft import FeatureDraft, layers_config
 from decoding.models import DEFAULT_MODEL, DRAFT_METADATA, load_model, load_tokenizer, resolve_model_path
-from decoding.training.data import PromptSource, load_prompts
-from decoding.training.runs import Progress, RunDir, require_same_tokenizer, set_threads
-from decoding.training.teacher import TeacherExample, eos_ids, teacher_continuations
+from training.data import PromptSource, load_prompts
+from training.runs import Progress, RunDir, require_same_tokenizer, set_threads
+from training.teacher import TeacherExample, eos_ids, teacher_continuations
 
-log = logging.getLogger("decoding.training")
+log = logging.getLogger("training")
 
 _FINISH_RESERVE_S = 60.0  # final validation and saving, kept out of a time-budgeted run's training time
 

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import torch
 from transformers import PreTrainedModel
 
-from decoding.training.runs import Progress, RunDir, log
+from training.runs import Progress, RunDir, log
 
 
 @dataclass

@@ -28,12 +28,13 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from decoding.config import Config
 from decoding.engine import Engine, Request
-from decoding.length_policies import DraftSignalMLP, LengthPolicy
+from decoding.length_policies import LengthPolicy
 from decoding.models import DEFAULT_MODEL, load_tokenizer
-from decoding.training.data import PromptSource, load_prompts
-from decoding.training.runs import Progress, RunDir, require_same_tokenizer, set_threads
+from decoding.signal_head import DraftSignalMLP
+from training.data import PromptSource, load_prompts
+from training.runs import Progress, RunDir, require_same_tokenizer, set_threads
 
-log = logging.getLogger("decoding.training")
+log = logging.getLogger("training")
 
 HEAD_MARKER = "head.json"  # written last by DraftSignalMLP.save: marks a finished artifact
 
