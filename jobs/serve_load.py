@@ -9,12 +9,14 @@ and aggregate generated tokens/s per mode.
 from __future__ import annotations
 
 import argparse
-import asyncio
+import json
 import socket
 import statistics
 import time
+import urllib.error
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
 
-import httpx
 from pydantic import BaseModel
 from ray import serve
 
@@ -58,27 +60,31 @@ def _percentile(values: list[float], q: float) -> float:
     return statistics.quantiles(values, n=100, method="inclusive")[q - 1] if len(values) > 1 else values[0]
 
 
-async def _one(client: httpx.AsyncClient, i: int, max_tokens: int) -> tuple[float, int] | None:
-    body = {"messages": _prompt(i), "max_tokens": max_tokens, "temperature": 0}
+def _one(url: str, i: int, max_tokens: int) -> tuple[float, int] | None:
+    body = json.dumps({"messages": _prompt(i), "max_tokens": max_tokens, "temperature": 0}).encode()
+    request = urllib.request.Request(f"{url}/v1/chat/completions", body, {"Content-Type": "application/json"})
     started = time.perf_counter()
-    response = await client.post("/v1/chat/completions", json=body)
-    if response.status_code != 200:
+    try:
+        with urllib.request.urlopen(request) as response:
+            usage = json.load(response)["usage"]
+    except urllib.error.URLError:
         return None
-    return time.perf_counter() - started, response.json()["usage"]["completion_tokens"]
+    return time.perf_counter() - started, usage["completion_tokens"]
 
 
-async def _load(url: str, requests: int, max_tokens: int) -> tuple[float, list[tuple[float, int] | None]]:
-    async with httpx.AsyncClient(base_url=url, timeout=None, limits=httpx.Limits(max_connections=requests)) as client:
-        await _one(client, 0, 4)  # warm-up: first-request costs (lazy initialisation) are not load
+def _load(url: str, requests: int, max_tokens: int) -> tuple[float, list[tuple[float, int] | None]]:
+    """All requests at once, one blocking client thread each (the standard library's HTTP client)."""
+    _one(url, 0, 4)  # warm-up: first-request costs (lazy initialisation) are not load
+    with ThreadPoolExecutor(max_workers=requests) as pool:
         started = time.perf_counter()
-        outcomes = await asyncio.gather(*(_one(client, i, max_tokens) for i in range(requests)))
+        outcomes = list(pool.map(lambda i: _one(url, i, max_tokens), range(requests)))
         return time.perf_counter() - started, outcomes
 
 
 def run_mode(mode: str, config: Config, port: int, requests: int, max_tokens: int) -> ModeResult:
     start(make_app(config), "127.0.0.1", port)
     try:
-        wall, outcomes = asyncio.run(_load(f"http://127.0.0.1:{port}", requests, max_tokens))
+        wall, outcomes = _load(f"http://127.0.0.1:{port}", requests, max_tokens)
     finally:
         serve.delete(APP_NAME)
     done = [o for o in outcomes if o is not None]
