@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
@@ -62,26 +62,41 @@ class SpeculativeConfig(_Strict):
         return self
 
 
+# vLLM's rule: a temperature below this samples greedily (dividing logits by less overflows float32).
+GREEDY_TEMPERATURE = 1e-5
+# Bounds on list fields a request sends: each stop string is matched against every new token's text.
+MAX_STOPS = 64
+MAX_STOP_CHARS = 1024
+MAX_STOP_TOKEN_IDS = 1024
+_TOKEN_ID = Annotated[int, Field(ge=0, lt=2**31)]
+_STOP = Annotated[str, Field(min_length=1, max_length=MAX_STOP_CHARS)]
+
+
 class SamplingParams(_Strict):
     """vLLM's ``SamplingParams`` names (config ``sampling`` and per-row ``sampling_params``).
 
-    Fields the engine cannot honour are refused by name (``extra="forbid"``), never ignored.
+    Fields the engine cannot honour are refused by name (``extra="forbid"``), never ignored. Every field is bounded
+    and strictly typed (``max_tokens: 4.0`` or ``true`` is refused, as JSON clients expect), so a valid value can
+    never fail inside an engine step.
     """
 
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, strict=True, allow_inf_nan=False)
+
     n: int = Field(1, ge=1, le=128, description="sequences per request (the server's choices)")
-    temperature: float = Field(0.0, ge=0.0, le=100.0)
-    top_p: float = Field(1.0, gt=0.0, le=1.0)
-    top_k: int = Field(0, ge=-1, description="0 or -1 (vLLM) disables top-k")
+    temperature: float = Field(0.0, ge=0.0, le=100.0, description=f"below {GREEDY_TEMPERATURE:g}: greedy")
+    top_p: float = Field(1.0, gt=0.0, le=1.0, description="the most likely token is always kept")
+    top_k: int = Field(0, ge=-1, lt=2**63, description="0 or -1 (vLLM) disables top-k")
     max_tokens: int = Field(256, ge=1, le=1_000_000)
-    min_tokens: int = Field(0, ge=0, description="EOS and stop_token_ids are banned until this many tokens")
+    min_tokens: int = Field(0, ge=0, le=1_000_000, description="EOS and stop_token_ids are banned until this many")
     # Config: the run seed (null = fresh randomness); per row: that row's own seed (SPEC "Decoding semantics").
     seed: int | None = Field(None, ge=0, lt=2**63)
-    stop: list[str] = Field(default_factory=list)
-    stop_token_ids: list[int] = Field(default_factory=list)
+    stop: list[_STOP] = Field(default_factory=list, max_length=MAX_STOPS)
+    stop_token_ids: list[_TOKEN_ID] = Field(default_factory=list, max_length=MAX_STOP_TOKEN_IDS)
     ignore_eos: bool = False
     presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
-    repetition_penalty: float = Field(1.0, gt=0.0, le=100.0)
+    # Logits are divided or multiplied by it in float32: a smaller value would overflow them.
+    repetition_penalty: float = Field(1.0, ge=0.01, le=100.0)
     logprobs: int | None = Field(None, ge=0, le=20, description="top alternatives returned with each token")
     skip_special_tokens: bool = True
     detokenize: bool = True
@@ -95,6 +110,11 @@ class SamplingParams(_Strict):
     @classmethod
     def _top_k_off(cls, value: int) -> int:
         return 0 if value == -1 else value
+
+    @field_validator("temperature")
+    @classmethod
+    def _tiny_is_greedy(cls, value: float) -> float:
+        return 0.0 if value < GREEDY_TEMPERATURE else value
 
     @model_validator(mode="after")
     def _check_consistent(self) -> SamplingParams:

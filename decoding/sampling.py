@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from decoding.config import SamplingParams
+from decoding.config import GREEDY_TEMPERATURE, SamplingParams
 
 
 def run_seed(configured: int | None) -> int:
@@ -191,7 +191,10 @@ def warp_probs(logits: torch.Tensor, params: WarpParams) -> torch.Tensor:
     """Warped float32 probabilities for logits [B, ..., V] with per-row params; greedy rows get temperature 1."""
     shape = logits.shape
     flat = logits.float().reshape(shape[0], -1, shape[-1])
-    temperature = torch.where(params.temperature > 0, params.temperature, torch.ones_like(params.temperature))
+    # Greedy rows (temperature 0, which SamplingParams makes of any temperature below GREEDY_TEMPERATURE) warp at 1;
+    # no row divides by less than GREEDY_TEMPERATURE, so float32 logits stay finite.
+    temperature = params.temperature.clamp(min=GREEDY_TEMPERATURE)
+    temperature = torch.where(params.temperature > 0, temperature, torch.ones_like(temperature))
     flat = flat / temperature[:, None, None]
     # Which rows need a filter is known on the host (choosing them on the device would wait for it). Top-k runs
     # over every row when any needs it, each row masked by its own k, as vLLM's sampler does; top-p only over the
@@ -214,9 +217,16 @@ def warp_probs(logits: torch.Tensor, params: WarpParams) -> torch.Tensor:
         mass_before = sorted_probs.cumsum(-1) - sorted_probs
         top_p = (params.top_p if rows is None else params.top_p.index_select(0, rows))[:, None, None]
         drop_sorted = (mass_before >= top_p) & (top_p < 1)
+        drop_sorted[..., 0] = False  # the most likely token stays, however small top_p (1e-46 is 0 in float32)
         sub = sub.masked_fill(torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted), -torch.inf)
         flat = sub if rows is None else flat.index_copy(0, rows, sub)
-    return flat.softmax(-1).reshape(shape)
+    probs = flat.softmax(-1)
+    # softmax makes a whole row NaN when no finite logit is left (every token banned) or one is not finite: such a
+    # row becomes uniform, the same on both sides, so sampling never reads NaN and speculation stays lossless.
+    empty = probs[..., :1].isnan()
+    if probs.device.type != "cpu" or bool(empty.any()):  # a device fills without reading the mask back
+        probs = probs.masked_fill(empty, 1.0 / shape[-1])
+    return probs.reshape(shape)
 
 
 def row_uniforms(generators: Sequence[torch.Generator], rows: Sequence[int], count: int) -> torch.Tensor:

@@ -5,12 +5,13 @@ from __future__ import annotations
 
 import pytest
 import torch
+from pydantic import ValidationError
 from test_engine import END, PROMPTS, SMALL_VOCAB, chi_square_pvalue, make_config, reference_warp, run
 from transformers import RepetitionPenaltyLogitsProcessor
 
 from decoding import Engine, Request
 from decoding.config import SamplingParams
-from decoding.sampling import Penalties
+from decoding.sampling import Penalties, WarpParams, warp_probs
 from decoding.tree import TreeTopology
 
 MAX_TOKENS = 20
@@ -211,3 +212,52 @@ def test_logprobs_are_the_targets_and_text_options(tokenizer, target, draft) -> 
     assert specials.text == tokenizer.decode(specials.token_ids, skip_special_tokens=False)
     assert "best_of" in results["unknown"].error
     assert results["n"].finish_reason == "error" and "n is 2" in results["n"].error
+
+
+# ------------------------------------------------------------------------------------------- numerical safety
+@pytest.mark.parametrize("sampling", [
+    {"temperature": 1e-38}, {"temperature": 1e-45}, {"temperature": 9e-6}, {"temperature": 1.0, "top_p": 1e-46},
+    {"temperature": 1.0, "top_p": 5e-324}, {"temperature": 2.0, "top_k": 1},
+], ids=["t1e-38", "t1e-45", "t9e-6", "top_p1e-46", "top_p-denormal", "top_k1"])
+def test_degenerate_sampling_is_the_greedy_row(sampling, tokenizer, target, draft) -> None:
+    """vLLM's rule (temperature below 1e-5 is greedy) and a top_p that keeps only the most likely token give the
+    greedy output exactly, speculating, on both sides of the draft; before, the last vocabulary id came out."""
+    config = make_config(method="draft_model", num_candidates=2, num_speculative_tokens=3, length_policy="static",
+                         sampling={"max_tokens": MAX_TOKENS, "ignore_eos": True})
+    greedy = run(config, tokenizer, target, draft)
+    engine = Engine(config, target=target, tokenizer=tokenizer, draft=draft)
+    results = engine.generate([Request(id=str(i), prompt=p, sampling=sampling) for i, p in enumerate(PROMPTS)])
+    assert [r.token_ids for r in results] == [r.token_ids for r in greedy]
+    assert sum(sum(r.per_step_accepted) for r in results) > 0  # the draft's tokens were accepted too
+
+
+def test_warping_never_gives_a_law_with_nan_or_no_mass() -> None:
+    torch.manual_seed(0)
+    logits = torch.randn(4, 3, 11) * 30
+    logits[1] = -torch.inf  # every token banned
+    logits[2, 0, 4] = torch.nan
+    params = [SamplingParams(temperature=1e-38), SamplingParams(temperature=1.0),
+              SamplingParams(temperature=0.7, top_p=1e-300), SamplingParams(temperature=100.0, top_k=2**62)]
+    warp = WarpParams.from_params(params)
+    # A row with top_p below float32's smallest number: its tensor holds 0 and still keeps the most likely token.
+    warp = WarpParams(warp.temperature, warp.top_k, torch.tensor([1.0, 1.0, 0.0, 1.0]))
+    probs = warp_probs(logits, warp)
+    assert not probs.isnan().any()
+    assert torch.allclose(probs.sum(-1), torch.ones(4, 3))
+    assert torch.equal(probs[1], torch.full((3, 11), 1 / 11))
+    for node in (1, 2):  # top_p ~ 0: all mass on the most likely token
+        assert probs[2, node].max() == 1.0 and probs[2, node].argmax() == logits[2, node].argmax()
+
+
+@pytest.mark.parametrize(("field", "value"), [
+    ("top_k", 2**63), ("top_k", -2), ("max_tokens", True), ("max_tokens", 4.0), ("max_tokens", "4"),
+    ("min_tokens", 10**7), ("temperature", float("nan")), ("temperature", float("inf")), ("top_p", float("nan")),
+    ("presence_penalty", float("-inf")), ("repetition_penalty", 1e-300), ("seed", 2**63), ("seed", 1.0),
+    ("stop", ["x"] * 65), ("stop", ["x" * 1025]), ("stop", [""]), ("stop", [3]), ("stop_token_ids", [2**31]),
+    ("stop_token_ids", [-1]), ("stop_token_ids", [0] * 1025), ("logprobs", 21), ("ignore_eos", "yes"),
+    ("ignore_eos", 1), ("n", 0),
+])
+def test_every_field_is_bounded_and_strictly_typed(field, value) -> None:
+    with pytest.raises(ValidationError) as error:
+        SamplingParams.model_validate({field: value})
+    assert error.value.errors()[0]["loc"][0] == field
