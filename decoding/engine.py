@@ -338,6 +338,11 @@ class Engine:
         vocab = self.target.config.vocab_size
         if any(t < 0 or t >= vocab for t in sampling.stop_token_ids):
             raise EngineError(f"invalid sampling_params: stop_token_ids must lie in [0, {vocab})")
+        if sampling.structured_outputs is not None:  # validated above; the step does not apply masks
+            raise EngineError(
+                "invalid sampling_params: structured_outputs (guided_decoding) is not applied by this engine's step, "
+                "so it is refused rather than ignored"
+            )
         if sampling.n != 1:
             raise EngineError(
                 f"invalid sampling_params: n is {sampling.n}; one request decodes one sequence (the server returns "
