@@ -2,11 +2,21 @@
 
 from __future__ import annotations
 
+import json
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
 
 
 class _Strict(BaseModel):
@@ -72,6 +82,119 @@ _TOKEN_ID = Annotated[int, Field(ge=0, lt=2**31)]
 _STOP = Annotated[str, Field(min_length=1, max_length=MAX_STOP_CHARS)]
 
 
+# Deepest nesting accepted in a value a request carries (a JSON schema included): deeper values are refused before
+# anything recurses into them (json, pydantic, Arrow, the grammar compiler).
+MAX_DEPTH = 32
+
+
+def too_deep(value: Any, limit: int = MAX_DEPTH) -> bool:
+    """Whether ``value`` (dicts and lists) nests deeper than ``limit``, found without recursion."""
+    stack = [(value, 1)]
+    while stack:
+        item, depth = stack.pop()
+        children = item.values() if isinstance(item, dict) else item if isinstance(item, list | tuple) else None
+        if children is None:
+            continue
+        if depth > limit:
+            return True
+        stack.extend((child, depth + 1) for child in children)
+    return False
+
+
+CONSTRAINT_KINDS = ("json", "regex", "choice", "grammar", "json_object")
+
+
+class StructuredOutputs(BaseModel):
+    """vLLM's ``StructuredOutputsParams``: one constraint on the generated text (decoding.grammar compiles it).
+
+    ``json`` is a JSON schema (an object or its JSON text), ``regex`` a regular expression, ``choice`` a list of
+    strings the output is exactly one of, ``grammar`` an EBNF (GBNF) or Lark grammar, ``json_object: true`` any
+    JSON object. A constraint that does not parse is refused here, naming the field.
+    """
+
+    # "json" would shadow BaseModel.json: the field is schema_ under the wire name "json".
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, validate_by_name=True,
+                              serialize_by_alias=True, frozen=True)
+
+    schema_: dict[str, Any] | str | None = Field(None, alias="json", description="JSON schema (object or JSON text)")
+    regex: str | None = None
+    choice: list[str] | None = Field(None, min_length=1)
+    grammar: str | None = None
+    json_object: bool | None = None
+    # JSON without whitespace between tokens (xgrammar's any_whitespace=False: separators ", " and ": ").
+    disable_any_whitespace: bool = False
+    # Properties a schema does not declare are never generated whatever this says (the grammar engine's strict
+    # mode); vLLM's flag aligns its other backends with that.
+    disable_additional_properties: bool = False
+    whitespace_pattern: str | None = None
+    structural_tag: str | None = None
+
+    @field_validator("whitespace_pattern", "structural_tag")
+    @classmethod
+    def _unsupported(cls, value: str | None, info: ValidationInfo) -> str | None:
+        if value is not None:
+            raise ValueError(f"{info.field_name} is not supported (json, regex, choice, grammar and json_object are)")
+        return value
+
+    @field_validator("schema_", mode="before")
+    @classmethod
+    def _schema_object(cls, value: Any) -> Any:
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except RecursionError:
+                raise ValueError(f"the schema nests deeper than {MAX_DEPTH} levels") from None
+            except ValueError as exc:
+                raise ValueError(f"the schema is not JSON ({exc})") from None
+        if isinstance(value, bool):  # JSON Schema's true (anything) / false (nothing): not a record format
+            raise ValueError("the schema must be a JSON object")
+        if isinstance(value, dict) and too_deep(value):
+            raise ValueError(f"the schema nests deeper than {MAX_DEPTH} levels")
+        return value
+
+    @model_validator(mode="after")
+    def _one_constraint(self) -> StructuredOutputs:
+        given = [kind for kind in CONSTRAINT_KINDS if self.spec(kind) is not None]
+        if len(given) != 1:
+            found = f"got {', '.join(given)}" if given else "got none"
+            raise ValueError(f"structured outputs take exactly one of {', '.join(CONSTRAINT_KINDS)} ({found})")
+        from decoding.grammar import GrammarError, check_constraint  # xgrammar loads when a constraint appears
+
+        try:
+            check_constraint(self.constraint)
+        except GrammarError as exc:
+            raise ValueError(str(exc)) from None
+        return self
+
+    def spec(self, kind: str) -> Any:
+        """The value of constraint ``kind``; None when unset (``json_object: false`` counts as unset)."""
+        if kind == "json":
+            return self.schema_
+        value = getattr(self, kind)
+        return value if value is not False else None
+
+    @property
+    def kind(self) -> str:
+        return next(kind for kind in CONSTRAINT_KINDS if self.spec(kind) is not None)
+
+    @property
+    def constraint(self) -> Constraint:
+        """The hashable key a compiled grammar is cached under."""
+        kind, spec = self.kind, self.spec(self.kind)
+        text = json.dumps(spec) if kind in ("json", "choice") else spec if kind != "json_object" else ""
+        return Constraint(kind, text, not self.disable_any_whitespace)
+
+
+@dataclass(frozen=True)
+class Constraint:
+    """A row's constraint in canonical form: ``kind`` (one of CONSTRAINT_KINDS), ``text`` (the schema as
+    JSON, the regex, the choices as a JSON list, the grammar; empty for json_object), ``any_whitespace``."""
+
+    kind: str
+    text: str
+    any_whitespace: bool = True
+
+
 class SamplingParams(_Strict):
     """vLLM's ``SamplingParams`` names (config ``sampling`` and per-row ``sampling_params``).
 
@@ -100,6 +223,21 @@ class SamplingParams(_Strict):
     logprobs: int | None = Field(None, ge=0, le=20, description="top alternatives returned with each token")
     skip_special_tokens: bool = True
     detokenize: bool = True
+    # A constraint on the output (decoding.grammar); vLLM's older name guided_decoding (Ray Data LLM's examples)
+    # is accepted for it.
+    structured_outputs: StructuredOutputs | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _older_name(cls, data: Any) -> Any:
+        if isinstance(data, dict) and "guided_decoding" in data:
+            data = dict(data)
+            older = data.pop("guided_decoding")
+            if older is not None and data.get("structured_outputs") is not None:
+                raise ValueError("give structured_outputs or its older name guided_decoding, not both")
+            if older is not None:
+                data["structured_outputs"] = older
+        return data
 
     @field_validator("stop", mode="before")
     @classmethod
@@ -220,11 +358,19 @@ def load_config(path: str | Path | None = None, overrides: dict[str, str] | None
         raise ConfigError(format_validation_error(exc)) from exc
 
 
-def format_validation_error(exc: ValidationError) -> str:
+def format_validation_error(exc: ValidationError, prefix: str = "") -> str:
+    """One line per error, each naming its field (under ``prefix``) and the value given."""
     lines = []
     for err in exc.errors():
-        field = ".".join(str(part) for part in err["loc"]) or "config"
+        parts = [str(part) for part in (prefix, *err["loc"]) if part != ""]
+        field = ".".join(parts) or "config"
         value = err.get("input")
+        # A validator's own sentence reads without pydantic's "Value error, "; one that names a field inside its
+        # own (a constraint's "invalid structured_outputs.regex: ...") names it under the same path.
+        message = str(err["ctx"]["error"]) if err["type"] == "value_error" else err["msg"]
+        if parts and message.startswith(f"invalid {parts[-1]}"):
+            lines.append(f"invalid {'.'.join(parts[:-1] + [message.removeprefix('invalid ')])}")
+            continue
         shown = "" if isinstance(value, dict) else f" (got {value!r})"
-        lines.append(f"invalid {field}{shown}: {err['msg']}")
+        lines.append(f"invalid {field}{shown}: {message}")
     return "; ".join(lines)

@@ -15,29 +15,13 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, ValidationError, field_validator, model_validator
 
-from decoding.config import format_validation_error
-
-# Deepest nesting accepted in a request value (messages with text parts need 4; sampling_params 2). Deeper
-# values are refused before pydantic, Arrow or the chat template recurse into them.
-MAX_DEPTH = 32
+# Deepest nesting accepted in a request value (messages with text parts need 4; sampling_params 2, plus a JSON
+# schema's own). Deeper values are refused before pydantic, Arrow or the chat template recurse into them.
+from decoding.config import MAX_DEPTH, StructuredOutputs, format_validation_error, too_deep
 
 
 class RequestError(ValueError):
     """Inputs that cannot become a request; the message names the field and the reason."""
-
-
-def too_deep(value: Any, limit: int = MAX_DEPTH) -> bool:
-    """Whether ``value`` (dicts and lists) nests deeper than ``limit``, found without recursion."""
-    stack = [(value, 1)]
-    while stack:
-        item, depth = stack.pop()
-        children = item.values() if isinstance(item, dict) else item if isinstance(item, list | tuple) else None
-        if children is None:
-            continue
-        if depth > limit:
-            return True
-        stack.extend((child, depth + 1) for child in children)
-    return False
 
 
 def parse_json(text: Any, field: str, limit: int = MAX_DEPTH) -> Any:
@@ -82,6 +66,24 @@ def check_stops(value: Any) -> Any:
     return value
 
 
+def with_structured_outputs(sampling: dict[str, Any]) -> dict[str, Any]:
+    """``sampling`` with its constraint under vLLM's current name (``guided_decoding`` is the older one), so that
+    it replaces a configured constraint, and checked: a schema, regex or grammar that does not parse is refused
+    here, naming the field."""
+    if "guided_decoding" in sampling:
+        sampling = dict(sampling)
+        if "structured_outputs" in sampling:
+            raise ValueError("give structured_outputs or its older name guided_decoding, not both")
+        sampling["structured_outputs"] = sampling.pop("guided_decoding")
+    constraint = sampling.get("structured_outputs")
+    if constraint is not None:
+        try:
+            StructuredOutputs.model_validate(constraint)
+        except ValidationError as exc:
+            raise ValueError(format_validation_error(exc, "structured_outputs")) from None
+    return sampling
+
+
 class _Inputs(_Strict):
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
@@ -99,6 +101,7 @@ class _Inputs(_Strict):
     def _sampling(cls, value: dict[str, Any] | None) -> dict[str, Any] | None:
         if value is not None:
             check_stops(value.get("stop"))
+            value = with_structured_outputs(value)
         return value
 
     @model_validator(mode="after")

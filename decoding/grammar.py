@@ -1,0 +1,351 @@
+"""Structured-output constraints (``sampling.structured_outputs``) on the engine's side, through xgrammar.
+
+Each stage runs where it belongs:
+
+- ``check_constraint`` parses a constraint without a tokenizer: config and request validation refuse a bad
+  schema, regex or grammar there, naming the field;
+- ``compiler_for(tokenizer, vocab_size).compile(constraint)`` builds the grammar against the vocabulary, cached
+  per constraint; it belongs on the prepare path, off the engine's stepping thread;
+- ``RowGrammar`` is a row's state after its committed tokens; ``TreeMasks`` gives the tokens allowed after every
+  node of a step's candidate tree, level by level (the draft samples level l under the masks of level l - 1, the
+  target verifies every node under the same masks); ``mask_logits`` applies masks to the constrained rows only.
+
+Masks are xgrammar's packed bitmasks: int32 [..., ceil(V / 32)], bit j of word w set when token 32 w + j is
+allowed. Node masks are filled on the host (xgrammar fills CPU tensors) and copied to the step's device once per
+level.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import math
+import re
+import threading
+import weakref
+from collections.abc import Callable, Collection, Sequence
+from dataclasses import dataclass
+
+import torch
+import xgrammar as xgr
+from transformers import PreTrainedTokenizerBase
+
+from decoding.config import Constraint
+
+BITS = 32
+_FIELDS = {kind: f"structured_outputs.{kind}" for kind in ("json", "regex", "choice", "grammar", "json_object")}
+# xgrammar's C++ errors start with "[hh:mm:ss] /path/file.cc:123: ": the reason follows.
+_LOCATION = re.compile(r"^\[[^\]]*\]\s+\S+:\d+:\s*")
+
+
+class GrammarError(ValueError):
+    """A constraint that does not parse or compile; the message names the field (``structured_outputs.regex``)."""
+
+
+def _reason(exc: BaseException) -> str:
+    return _LOCATION.sub("", str(exc)).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+
+
+@functools.lru_cache(maxsize=1024)
+def grammar_of(constraint: Constraint) -> xgr.Grammar:
+    """The constraint as an xgrammar ``Grammar`` (tokenizer-free); ``GrammarError`` naming the field otherwise."""
+    kind, text = constraint.kind, constraint.text
+    try:
+        if kind == "json":
+            return xgr.Grammar.from_json_schema(text, any_whitespace=constraint.any_whitespace)
+        if kind == "json_object":  # vLLM's json_object: any JSON object
+            return xgr.Grammar.from_json_schema('{"type": "object"}', any_whitespace=constraint.any_whitespace)
+        if kind == "regex":
+            return xgr.Grammar.from_regex(text)
+        if kind == "choice":
+            choices = json.loads(text)
+            return xgr.Grammar.from_ebnf("root ::= " + " | ".join(json.dumps(c, ensure_ascii=False) for c in choices))
+        if kind == "grammar":  # EBNF (GBNF) rules read `name ::= ...`; anything else is taken for Lark
+            return xgr.Grammar.from_ebnf(text) if "::=" in text else xgr.Grammar.from_lark(text)
+    except (RuntimeError, ValueError, TypeError) as exc:
+        raise GrammarError(f"invalid {_FIELDS[kind]}: {_reason(exc)}") from None
+    raise GrammarError(f"unknown constraint kind {kind!r}")
+
+
+def check_constraint(constraint: Constraint) -> None:
+    """Raise ``GrammarError`` (naming the field) when the constraint does not parse; cached, so cheap to repeat."""
+    grammar_of(constraint)
+
+
+class GrammarCompiler:
+    """xgrammar's compiler for one vocabulary, with compiled grammars cached by constraint (thread-safe: the
+    prepare path may compile from several threads at once)."""
+
+    def __init__(self, tokenizer: PreTrainedTokenizerBase, vocab_size: int, cache_size: int = 256,
+                 threads: int = 1) -> None:
+        """``vocab_size``: the model's (its logits' width), which may exceed the tokenizer's; tokens past the
+        tokenizer's are never allowed."""
+        self.vocab_size = vocab_size
+        self.info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size)
+        # Compiling a nested JSON schema for SmolLM2's 49k vocabulary takes ~5 ms on one thread.
+        self._compiler = xgr.GrammarCompiler(self.info, max_threads=threads, cache_enabled=False)
+        self.compile: Callable[[Constraint], xgr.CompiledGrammar] = functools.lru_cache(cache_size)(self._compile)
+
+    def _compile(self, constraint: Constraint) -> xgr.CompiledGrammar:
+        try:
+            return self._compiler.compile_grammar(grammar_of(constraint))
+        except RuntimeError as exc:
+            raise GrammarError(f"invalid {_FIELDS[constraint.kind]}: {_reason(exc)}") from None
+
+
+_compilers: weakref.WeakKeyDictionary[PreTrainedTokenizerBase, dict[int, GrammarCompiler]] = (
+    weakref.WeakKeyDictionary()
+)
+_compilers_lock = threading.Lock()
+
+
+def compiler_for(tokenizer: PreTrainedTokenizerBase, vocab_size: int) -> GrammarCompiler:
+    """The one compiler of ``tokenizer`` (the object: building one reads the whole vocabulary, ~0.1 s for 49k
+    tokens) and ``vocab_size``, kept while the tokenizer lives."""
+    with _compilers_lock:
+        by_size = _compilers.setdefault(tokenizer, {})
+        if vocab_size not in by_size:
+            by_size[vocab_size] = GrammarCompiler(tokenizer, vocab_size)
+        return by_size[vocab_size]
+
+
+def bitmask_words(vocab_size: int) -> int:
+    return math.ceil(vocab_size / BITS)
+
+
+class RowGrammar:
+    """A row's constraint at its committed position: the grammar state after the tokens the row has committed.
+
+    The step advances it with ``commit`` by the tokens it keeps. Between calls it is always at the committed
+    position: the tree walks and forced-token searches below roll back what they accept.
+    ``terminated``: the row's output has ended its grammar with a stop token; the row must stop.
+    """
+
+    def __init__(self, compiled: xgr.CompiledGrammar, stop_token_ids: Collection[int]) -> None:
+        """``stop_token_ids``: the tokens that end the output once the grammar is complete (the row's EOS and
+        stop_token_ids); at least one."""
+        if not stop_token_ids:
+            raise ValueError("a constrained row needs a stop token to end its grammar")
+        self.compiled = compiled
+        self.matcher = xgr.GrammarMatcher(compiled, override_stop_tokens=sorted(stop_token_ids))
+        self.vocab_size = compiled.tokenizer_info.vocab_size
+        self._scratch = torch.empty(1, bitmask_words(self.vocab_size), dtype=torch.int32)
+
+    @property
+    def terminated(self) -> bool:
+        return self.matcher.is_terminated()
+
+    @property
+    def completed(self) -> bool:
+        """The committed output is a complete match (a stop token may end it now)."""
+        return self.matcher.is_completed()
+
+    def commit(self, tokens: Sequence[int]) -> int:
+        """Advance by ``tokens``; returns how many were accepted: all of them, or fewer when one is refused (the
+        state stays before it) or the grammar terminated (the rest are not consumed)."""
+        for count, token in enumerate(tokens):
+            if self.matcher.is_terminated() or not self.matcher.accept_token(int(token)):
+                return count
+        return len(tokens)
+
+    def accepts(self, tokens: Sequence[int]) -> int:
+        """How many of ``tokens`` the grammar accepts from the committed state, in order; the state is unchanged."""
+        count = self.commit(tokens)
+        if count:
+            self.matcher.rollback(count)
+        return count
+
+    def fill(self, bitmask: torch.Tensor, index: int = 0) -> None:
+        """Write the committed state's mask into row ``index`` of ``bitmask`` (int32 [rows, words], on the CPU); all
+        tokens allowed once terminated (the row stops there: nothing reads it)."""
+        if self.matcher.is_terminated():
+            bitmask[index] = -1
+        else:
+            self.matcher.fill_next_token_bitmask(bitmask, index)
+
+    def forced(self, after: Sequence[int] = (), limit: int = 64) -> list[int]:
+        """The tokens the grammar forces after the committed tokens and ``after``: while exactly one token is
+        allowed, that token, up to ``limit`` tokens or a stop token. Under the mask the target gives each of them
+        probability 1, so as drafts they are always accepted. [] when ``after`` leaves the grammar."""
+        walked = self.commit(after)
+        run: list[int] = []
+        if walked == len(after):
+            while len(run) < limit and not self.matcher.is_terminated():
+                token = self._only_allowed()
+                if token is None or not self.matcher.accept_token(token):
+                    break
+                run.append(token)
+        if walked + len(run):
+            self.matcher.rollback(walked + len(run))
+        return run
+
+    def jump_forward(self, encode: Callable[[str], list[int]], after: Sequence[int] = (), limit: int = 64) -> list[int]:
+        """Draft tokens for the text the grammar forces next (xgrammar's jump-forward string after the committed
+        tokens and ``after``), tokenized by ``encode`` and cut where the grammar refuses them. With a byte-level
+        BPE vocabulary several tokenizations of that text stay allowed, so unlike ``forced`` these are likely
+        drafts, not certain ones. [] when there is no such text or ``after`` leaves the grammar."""
+        walked = self.commit(after)
+        text = self.matcher.find_jump_forward_string() if walked == len(after) else ""
+        if walked:
+            self.matcher.rollback(walked)
+        if not text:
+            return []
+        tokens = encode(text)[:limit]
+        return tokens[: self.accepts([*after, *tokens]) - len(after)] if tokens else []
+
+    def _only_allowed(self) -> int | None:
+        self.matcher.fill_next_token_bitmask(self._scratch, 0)
+        words = self._scratch[0]
+        nonzero = words.nonzero()
+        if len(nonzero) != 1:
+            return None
+        index = int(nonzero[0, 0])
+        word = int(words[index]) & 0xFFFFFFFF
+        if word & (word - 1):
+            return None
+        return index * BITS + word.bit_length() - 1
+
+
+@dataclass(frozen=True)
+class RowMasks:
+    """Masks of the constrained rows of a batch: ``rows`` [R] long (their batch rows, on the device), ``packed``
+    [R, n, words] int32 (on the device), n = nodes (or 1 for the committed state)."""
+
+    rows: torch.Tensor
+    packed: torch.Tensor
+
+
+def committed_masks(grammars: Sequence[RowGrammar | None], device: torch.device) -> RowMasks:
+    """Each constrained row's mask at its committed state, [R, 1, words]: the law of the token after its committed
+    tokens (the prefill's first token, plain decoding's next one)."""
+    rows = [row for row, grammar in enumerate(grammars) if grammar is not None]
+    words = bitmask_words(grammars[rows[0]].vocab_size) if rows else 0  # type: ignore[union-attr]
+    host = torch.empty(len(rows), words, dtype=torch.int32)
+    for index, row in enumerate(rows):
+        grammars[row].fill(host, index)  # type: ignore[union-attr]
+    return RowMasks(_rows_on(rows, device), host[:, None].to(device, non_blocking=True))
+
+
+def _rows_on(rows: list[int], device: torch.device) -> torch.Tensor:
+    return torch.tensor(rows, dtype=torch.long).to(device, non_blocking=True)
+
+
+class TreeMasks:
+    """The grammar masks of one step's candidate tree, for the constrained rows of the batch.
+
+    Nodes are numbered as the step lays them out (parents before children); ``parents`` [N] gives each node's
+    parent, -1 for the root level. The root level holds the token after the committed ones (the pending token and
+    its alternatives), so every node's path from the committed state is its ancestors and itself. ``level`` is
+    called for each level in order; each node is walked once (accept its path, fill, roll back), and every
+    matcher is back at its committed state after each call.
+
+    After the levels so far: ``packed`` [R, N, words] (device) holds each node's mask, the tokens allowed after
+    its path; ``refused`` [B, N] (host) marks the nodes whose token the grammar refuses at their parent, or that
+    descend from one: a drafter must cut them (a lookup continuation that leaves the grammar ends there);
+    ``terminal`` [B, N] (host) the nodes whose token ends the grammar (a stop token): the row ends there. Nodes
+    that are refused, terminal or not in the tree get an all-allowed mask, which nothing should read.
+    Unconstrained rows are all-False in ``refused`` and ``terminal`` and absent from ``packed``.
+    """
+
+    def __init__(self, grammars: Sequence[RowGrammar | None], parents: Sequence[int], device: torch.device) -> None:
+        self.grammars = list(grammars)
+        self.parents = list(parents)
+        self.constrained = [row for row, grammar in enumerate(grammars) if grammar is not None]
+        batch, size = len(self.grammars), len(self.parents)
+        words = bitmask_words(self.grammars[self.constrained[0]].vocab_size) if self.constrained else 0  # type: ignore[union-attr]
+        self.device = device
+        self.rows = _rows_on(self.constrained, device)
+        pin = device.type == "cuda"
+        self._host = torch.full((len(self.constrained), size, words), -1, dtype=torch.int32, pin_memory=pin)
+        self.packed = self._host if device.type == "cpu" else torch.empty_like(self._host, device=device)
+        self._refused = [[False] * size for _ in range(batch)]
+        self._terminal = [[False] * size for _ in range(batch)]
+        self._paths: list[list[list[int] | None]] = [[None] * size for _ in self.constrained]
+
+    @property
+    def refused(self) -> torch.Tensor:
+        return torch.tensor(self._refused, dtype=torch.bool)
+
+    @property
+    def terminal(self) -> torch.Tensor:
+        return torch.tensor(self._terminal, dtype=torch.bool)
+
+    def level(self, nodes: slice, tokens: torch.Tensor, valid: torch.Tensor) -> RowMasks:
+        """Walk the nodes of one level: ``tokens`` [B, n] and ``valid`` [B, n] on the host, n = the level's nodes.
+        Returns the level's masks ([R, n, words] on the device, a view of ``packed``)."""
+        start, stop = nodes.start or 0, nodes.stop
+        flat = self._host.view(-1, self._host.shape[-1])
+        size = len(self.parents)
+        token_rows, valid_rows = tokens.tolist(), valid.tolist()
+        for index, row in enumerate(self.constrained):
+            matcher = self.grammars[row].matcher  # type: ignore[union-attr]
+            paths, refused, terminal = self._paths[index], self._refused[row], self._terminal[row]
+            walked: list[int] = []
+            for offset, node in enumerate(range(start, stop)):
+                if not valid_rows[row][offset]:
+                    continue
+                parent = self.parents[node]
+                if parent >= 0 and (refused[parent] or terminal[parent] or paths[parent] is None):
+                    refused[node] = True
+                    continue
+                path = (paths[parent] if parent >= 0 else []) + [token_rows[row][offset]]  # type: ignore[operator]
+                walked = _walk(matcher, walked, path[:-1])
+                if not matcher.accept_token(path[-1]):
+                    refused[node] = True
+                    continue
+                paths[node] = path
+                if matcher.is_terminated():
+                    terminal[node] = True
+                else:
+                    matcher.fill_next_token_bitmask(flat, index * size + node)
+                matcher.rollback(1)
+            _walk(matcher, walked, [])
+        if self.packed is not self._host and self.constrained:
+            self.packed[:, start:stop].copy_(self._host[:, start:stop], non_blocking=True)
+        return RowMasks(self.rows, self.packed[:, start:stop])
+
+
+def _walk(matcher: xgr.GrammarMatcher, walked: list[int], path: list[int]) -> list[int]:
+    """Move ``matcher`` from having accepted ``walked`` (beyond its committed state) to having accepted ``path``,
+    keeping the shared prefix. ``path``'s tokens were accepted before, so they are accepted again."""
+    shared = 0
+    for a, b in zip(walked, path):
+        if a != b:
+            break
+        shared += 1
+    if len(walked) > shared:
+        matcher.rollback(len(walked) - shared)
+    for token in path[shared:]:
+        matcher.accept_token(token)
+    return path
+
+
+_BIT_TABLES: dict[torch.device, torch.Tensor] = {}
+
+
+def _bit_table(device: torch.device) -> torch.Tensor:
+    """[256, 8] bool: bit k of byte value v."""
+    if device not in _BIT_TABLES:
+        values = torch.arange(256, dtype=torch.int32)[:, None]
+        _BIT_TABLES[device] = ((values >> torch.arange(8, dtype=torch.int32)) & 1).bool().to(device)
+    return _BIT_TABLES[device]
+
+
+def unpack(packed: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """Packed bitmasks [..., words] int32 -> bool [..., vocab_size], True where allowed, on their device. Each
+    int32 word holds its tokens in its bytes in little-endian order (the memory order of every device torch runs
+    on), so a byte-level table lookup unpacks it."""
+    as_bytes = packed.contiguous().view(torch.uint8)  # [..., words * 4]
+    bits = _bit_table(packed.device)[as_bytes.long()]  # [..., words * 4, 8]
+    return bits.flatten(-2)[..., :vocab_size]
+
+
+def mask_logits(logits: torch.Tensor, masks: RowMasks) -> torch.Tensor:
+    """``logits`` [B, n, V] with -inf where the grammar forbids, on the constrained rows only (``masks.packed``
+    [R, n, words] for the batch rows ``masks.rows``); the other rows are not touched, and with no constrained row
+    ``logits`` is returned as it is. Out of place."""
+    if masks.rows.numel() == 0:
+        return logits
+    allowed = unpack(masks.packed, logits.shape[-1])
+    constrained = logits.index_select(0, masks.rows).masked_fill(~allowed, -torch.inf)
+    return logits.index_copy(0, masks.rows, constrained)
