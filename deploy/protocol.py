@@ -10,7 +10,9 @@ import json
 import time
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
+
+from decoding.config import StructuredOutputs, format_validation_error
 
 # The one request validation, shared with the pipeline.
 from frontend.requests import ChatMessage, TextPart  # noqa: F401
@@ -36,7 +38,7 @@ _NEUTRAL: dict[str, tuple[Any, ...]] = {
     "logit_bias": (None, {}),
     "store": (None, False),
     "service_tier": (None, "auto", "default"),
-    "response_format": (None, {"type": "text"}),
+    "guided_whitespace_pattern": (None,),
     "tools": (None, []),
     "tool_choice": (None, "none", "auto"),  # auto without tools chooses none
     "functions": (None, []),
@@ -57,6 +59,38 @@ def _neutral(value: Any, info: ValidationInfo) -> Any:
         shown = " or ".join(json.dumps(a) for a in allowed)
         raise ValueError(f"{info.field_name} is not supported here; only {shown} is accepted")
     return value
+
+
+class JsonSchemaFormat(_Request):
+    """OpenAI's ``response_format.json_schema``. The output always follows the schema (``strict`` or not)."""
+
+    model_config = ConfigDict(extra="forbid", strict=True, validate_by_name=True)
+
+    name: str = Field(min_length=1, max_length=64)
+    description: str | None = None
+    schema_: dict[str, Any] = Field(alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(_Request):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _schema_given(self) -> ResponseFormat:
+        if (self.type == "json_schema") != (self.json_schema is not None):
+            raise ValueError("json_schema is required with type json_schema, and only with it")
+        return self
+
+    def constraint(self) -> dict[str, Any]:
+        """The ``structured_outputs`` fields it stands for (none for text)."""
+        if self.type == "json_object":
+            return {"json_object": True}
+        return {"json": self.json_schema.schema_} if self.json_schema is not None else {}
+
+
+# vLLM's older extra fields, each one field of structured_outputs.
+_GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice", "guided_grammar": "grammar"}
 
 
 class GenerationRequest(_Request):
@@ -83,6 +117,16 @@ class GenerationRequest(_Request):
     logit_bias: Any = None
     store: Any = None
     service_tier: Any = None
+    # Structured outputs: OpenAI's response_format, vLLM's structured_outputs and its older guided_* fields, merged
+    # into one constraint (decoding.config.StructuredOutputs); more than one constraint is refused.
+    response_format: ResponseFormat | None = None
+    structured_outputs: dict[str, Any] | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    guided_decoding_backend: Literal["xgrammar", "auto"] | None = None
+    guided_whitespace_pattern: Any = None
 
     _check_neutral = field_validator(*_NEUTRAL, mode="before", check_fields=False)(_neutral)
 
@@ -116,6 +160,24 @@ class GenerationRequest(_Request):
         """Alternatives per token the response reports; None = no logprobs."""
         return None
 
+    def constraint(self) -> StructuredOutputs | None:
+        """The request's one output constraint, validated; None without one."""
+        fields = dict(self.structured_outputs or {})
+        for field, name in _GUIDED.items():
+            if getattr(self, field) is not None:
+                fields[name] = getattr(self, field)
+        if self.response_format is not None:
+            fields.update(self.response_format.constraint())
+        return StructuredOutputs.model_validate(fields) if fields else None
+
+    @model_validator(mode="after")
+    def _one_constraint(self) -> GenerationRequest:
+        try:
+            self.constraint()
+        except ValidationError as exc:
+            raise ValueError(format_validation_error(exc, "structured_outputs")) from None
+        return self
+
     def sampling(self) -> dict[str, Any]:
         """The request's sampling fields (decoding.config.SamplingParams names), to be merged onto the configured
         defaults by the engine. ``n`` is the server's: each choice is a sequence of its own."""
@@ -126,6 +188,8 @@ class GenerationRequest(_Request):
             fields["max_tokens"] = self.output_limit
         if self.top_logprobs is not None:
             fields["logprobs"] = self.top_logprobs
+        if (constraint := self.constraint()) is not None:
+            fields["structured_outputs"] = constraint.model_dump(exclude_defaults=True)
         return {**fields, "n": 1}
 
     @model_validator(mode="after")
@@ -169,7 +233,6 @@ class ChatCompletionRequest(GenerationRequest):
     max_completion_tokens: int | None = Field(None, ge=1, description="OpenAI's newer name for max_tokens")
     logprobs: bool | None = None
     top_logprobs_: int | None = Field(None, ge=0, le=20, alias="top_logprobs")
-    response_format: Any = None
     tools: Any = None
     tool_choice: Any = None
     parallel_tool_calls: bool | None = None

@@ -239,6 +239,41 @@ BAD_REQUESTS = [
 ]
 
 
+CHAT = {"messages": [{"role": "user", "content": "x"}]}
+SCHEMA = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+# Each names the field at fault in its message: (id, path, body, param, named).
+BAD_CONSTRAINTS = [
+    ("regex-invalid", "/v1/completions", {"prompt": "ab", "guided_regex": "(a"}, None, "structured_outputs.regex"),
+    ("schema-invalid", "/v1/chat/completions", {**CHAT, "response_format": {
+        "type": "json_schema", "json_schema": {"name": "r", "schema": {"type": "bogus"}}}}, None,
+     "structured_outputs.json"),
+    ("schema-missing", "/v1/chat/completions", {**CHAT, "response_format": {"type": "json_schema"}},
+     "response_format", "json_schema"),
+    ("two-constraints", "/v1/completions", {"prompt": "ab", "guided_regex": "a", "structured_outputs": {
+        "choice": ["b"]}}, None, "exactly one"),
+    ("whitespace-pattern", "/v1/completions", {"prompt": "ab", "guided_whitespace_pattern": " "},
+     "guided_whitespace_pattern", "guided_whitespace_pattern"),
+    ("other-backend", "/v1/completions", {"prompt": "ab", "guided_decoding_backend": "outlines"},
+     "guided_decoding_backend", "xgrammar"),
+    # A valid constraint the engine's step does not apply is refused, never ignored.
+    ("json-object", "/v1/chat/completions", {**CHAT, "response_format": {"type": "json_object"}}, "messages",
+     "structured_outputs"),
+    ("json-schema", "/v1/chat/completions", {**CHAT, "response_format": {
+        "type": "json_schema", "json_schema": {"name": "r", "schema": SCHEMA, "strict": True}}}, "messages",
+     "structured_outputs"),
+    ("structured-outputs", "/v1/completions", {"prompt": "ab", "structured_outputs": {"choice": ["a", "b"]}},
+     "prompt", "structured_outputs"),
+]
+BAD_REQUESTS += [case[:4] for case in BAD_CONSTRAINTS]
+
+
+@pytest.mark.parametrize(("path", "body", "named"), [(c[1], c[2], c[4]) for c in BAD_CONSTRAINTS],
+                         ids=[c[0] for c in BAD_CONSTRAINTS])
+def test_constraints_are_checked_and_named(client, path, body, named):
+    response = client.post(path, json=body)
+    assert response.status_code == 400 and named in response.json()["error"]["message"], response.text
+
+
 @pytest.mark.parametrize(("path", "body", "param"), [c[1:] for c in BAD_REQUESTS], ids=[c[0] for c in BAD_REQUESTS])
 def test_bad_request_is_a_400_with_an_openai_error(client, path, body, param):
     response = client.post(path, content=body) if isinstance(body, bytes) else client.post(path, json=body)
