@@ -12,6 +12,7 @@ from pydantic import (
     BaseModel,
     ConfigDict,
     Field,
+    SecretStr,
     ValidationError,
     ValidationInfo,
     field_validator,
@@ -282,6 +283,11 @@ class Config(_Strict):
     model: str = "smollm2-135m-instruct"
     # vLLM's: the model's name in the HTTP API (/v1/models, the ``model`` field of requests); default: ``model``.
     served_model_name: str | None = None
+    # vLLM's --api-key: every HTTP route but /health needs "Authorization: Bearer <key>" (else SPECBATCH_API_KEY or
+    # VLLM_API_KEY). Never written out with the configuration.
+    api_key: SecretStr | None = Field(None, exclude=True)
+    # Serve's name: on SIGTERM/SIGINT the server finishes the requests it holds for up to this long.
+    graceful_shutdown_timeout_s: float = Field(20.0, ge=0.0, le=3600.0)
     speculative: SpeculativeConfig = Field(default_factory=SpeculativeConfig)
     sampling: SamplingParams = Field(default_factory=SamplingParams)
     batch_size: int = Field(16, ge=1, le=1024, description="sequences decoded together inside one actor")

@@ -1,8 +1,7 @@
 """One engine, stepped continuously by its own thread, fed from any other thread: the loop both adapters share.
 
 The Ray Data actor (``pipeline.actor``) and the Serve replica (``deploy.engine_loop``) differ only in how events
-reach their callers (futures, asyncio queues) and in what an engine failure means (rebuild and isolate the
-failing request, or report the replica unhealthy). Everything else is here, free of Ray:
+reach their callers (futures, asyncio queues). Everything else is here, free of Ray:
 
 - one thread builds the engine and is the only one to touch it afterwards (torch's thread pool is per thread,
   see ``models.worker_threads``);
@@ -14,11 +13,16 @@ failing request, or report the replica unhealthy). Everything else is here, free
   between steps, blocks on the inbox when idle, and sends each request's events to its ``sink``: new token ids
   after a step, then the finished ``GenerationResult`` (a result supersedes its last tokens, which may pass a
   stop string), or an exception (``RequestRejected`` for that request alone, the engine's failure otherwise);
-- ``abort`` drops a request between steps.
+- ``abort`` drops a request between steps;
+- a step that raises fails only the requests that make it fail: the runner rebuilds the engine and reruns the
+  requests that were in flight, halving the group that fails until each failing request is alone (and a canary
+  request shows that the engine itself works); the others finish as if nothing had happened (a stream resumes where
+  it was). Only an engine that cannot be rebuilt, or fails even the canary, fails every request (``failure``).
 """
 
 from __future__ import annotations
 
+import collections
 import copy
 import logging
 import os
@@ -28,8 +32,9 @@ import time
 from collections.abc import Callable
 from concurrent.futures import Future
 from contextlib import nullcontext
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
+from decoding.config import SamplingParams
 from decoding.engine import Engine, GenerationResult, Prepared, Request, StepOutput
 from decoding.models import use_torch_threads
 
@@ -55,8 +60,8 @@ class RequestRejected(ValueError):
     """Preparing or admitting this request raised (their contract is to never raise): only this request fails."""
 
 
-class EngineFailed(RuntimeError):
-    """The engine failed and the runner does not recover (see ``EngineRunner(recover=...)``)."""
+class StreamLost(RuntimeError):
+    """After an engine failure, the rerun of a streamed request produced other tokens than those already sent."""
 
 
 @dataclass
@@ -64,6 +69,22 @@ class _Job:
     request: Request  # kept to rerun it after an engine failure
     prepared: Prepared
     sink: Sink
+    # Streamed: tokens already delivered are not delivered again when the request is rerun, and must be reproduced.
+    streamed: bool = False
+    sent: list[int] = field(default_factory=list)
+    position: int = 0  # tokens of the current run so far (below len(sent) while a rerun replays them)
+
+    def tokens(self, tokens: list[int]) -> list[int] | None:
+        """The part of a step's tokens to deliver; None when a rerun departs from what was sent."""
+        if not self.streamed:
+            return tokens
+        replayed = min(len(tokens), len(self.sent) - self.position)
+        if tokens[:replayed] != self.sent[self.position : self.position + replayed]:
+            return None
+        fresh = tokens[replayed:]
+        self.sent += fresh
+        self.position += len(tokens)
+        return fresh
 
 
 _STOP = object()
@@ -104,21 +125,16 @@ class _Progress:
 
 
 class EngineRunner:
-    """``recover``: after a failed step, rebuild the engine and rerun the requests in flight one at a time, so
-    only a request that fails on its own gets an error result (a batch job must lose no rows); otherwise the
-    failure goes to every request in flight and to later ones (a server replica is then replaced)."""
-
-    def __init__(
-        self, make_engine: Callable[[], Engine], torch_threads: int | None = None, *, recover: bool = False
-    ) -> None:
+    def __init__(self, make_engine: Callable[[], Engine], torch_threads: int | None = None) -> None:
         self._make_engine = make_engine
-        self._recover = recover
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._deferred: collections.deque = collections.deque()  # inbox items held back while recovering
         self._jobs: dict[str, _Job] = {}
         self._local = threading.local()  # each preparing thread's own tokenizer
         self._large_inputs = threading.BoundedSemaphore(max(1, (os.cpu_count() or 2) // 2))
         self.failure: BaseException | None = None
         self.steps = 0
+        self.rebuilds = 0
         self._progress = _Progress()
         ready: Future[Engine] = Future()
         self._thread = threading.Thread(target=self._run, args=(ready, torch_threads), name="engine", daemon=True)
@@ -138,12 +154,13 @@ class EngineRunner:
             log.exception("prepare raised for request %s", request.id)
             raise RequestRejected(f"invalid request: {exc}") from exc
 
-    def submit(self, request: Request, prepared: Prepared, sink: Sink) -> None:
-        """Queue a prepared request; its events go to ``sink``, called on the engine thread."""
+    def submit(self, request: Request, prepared: Prepared, sink: Sink, *, streamed: bool = False) -> None:
+        """Queue a prepared request; its events go to ``sink``, called on the engine thread. ``streamed``: its
+        token events reach a client as they come (a rerun after an engine failure must then reproduce them)."""
         if self.failure is not None:
             sink(self.failure)
             return
-        self._inbox.put(_Job(request, prepared, sink))
+        self._inbox.put(_Job(request, prepared, sink, streamed))
 
     def abort(self, request_id: str) -> None:
         self._inbox.put(request_id)
@@ -169,14 +186,17 @@ class EngineRunner:
             try:
                 output = self.engine.step()
             except Exception as exc:
-                if not self._recover:
-                    self._fail(exc)
+                if not self._recover(exc):
                     return
-                self._rerun_one_by_one()
                 continue
             self.steps += 1
             self._progress.step(output)
             self._deliver(output)
+
+    def _next_item(self, block: bool) -> object:
+        if self._deferred:
+            return self._deferred.popleft()
+        return self._inbox.get(block=block)
 
     def _take_inbox(self) -> bool:
         """Admit what arrived (waiting for work when the engine is idle); False when asked to stop."""
@@ -185,7 +205,7 @@ class EngineRunner:
             self._progress.log(idle=True)
         while True:
             try:
-                item = self._inbox.get(block=block)
+                item = self._next_item(block)
             except queue.Empty:
                 return True
             block = False
@@ -195,55 +215,132 @@ class EngineRunner:
                 self.engine.abort(item)
                 self._jobs.pop(item, None)
                 continue
-            self._jobs[item.request.id] = item
-            try:
-                self.engine.add_prepared(item.prepared)
-            except Exception as exc:  # one request's input must not take the whole batch down
-                log.exception("add_prepared raised for request %s", item.request.id)
-                self._jobs.pop(item.request.id)
-                item.sink(RequestRejected(f"invalid request: {exc}"))
+            self._admit(item, item.prepared)
             if not self.engine.has_unfinished():
                 block = True  # e.g. every item so far was an abort: wait for real work
+
+    def _admit(self, job: _Job, prepared: Prepared) -> None:
+        self._jobs[job.request.id] = job
+        try:
+            self.engine.add_prepared(prepared)
+        except Exception as exc:  # one request's input must not take the whole batch down
+            log.exception("add_prepared raised for request %s", job.request.id)
+            self._jobs.pop(job.request.id)
+            job.sink(RequestRejected(f"invalid request: {exc}"))
 
     def _deliver(self, output: StepOutput) -> None:
         finished = {result.id for result in output.finished}
         for request_id, tokens in output.new_tokens.items():
             job = self._jobs.get(request_id)
-            if job is not None and request_id not in finished:
-                job.sink(tokens)
+            if job is None:
+                continue
+            fresh = job.tokens(tokens)
+            if fresh is None:
+                self._drop(job, StreamLost("the engine failed and was rebuilt; the rerun of this request departed "
+                                           "from the tokens already streamed"))
+            elif request_id not in finished and fresh:
+                job.sink(fresh)
         for result in output.finished:
             job = self._jobs.pop(result.id, None)
             if job is not None:
                 job.sink(result)
 
-    def _fail(self, exc: BaseException) -> None:
-        log.exception("engine step failed")
+    def _drop(self, job: _Job, event: BaseException) -> None:
+        self._jobs.pop(job.request.id, None)
+        self.engine.abort(job.request.id)
+        job.sink(event)
+
+    def _fail(self, exc: BaseException, jobs: list[_Job]) -> None:
+        """The engine is broken: ``jobs``, those in flight and every later request get ``exc``."""
+        log.error("engine failed: %r", exc)
         self.failure = exc
-        jobs, self._jobs = list(self._jobs.values()), {}
+        jobs, self._jobs = jobs + list(self._jobs.values()), {}
         for job in jobs:
             job.sink(exc)
         while True:  # requests that raced the failure
             try:
-                item = self._inbox.get(block=False)
+                item = self._next_item(block=False)
             except queue.Empty:
                 return
             if isinstance(item, _Job):
                 item.sink(exc)
 
-    def _rerun_one_by_one(self) -> None:
-        """Rebuild the engine and rerun its requests one at a time: only a request that fails on its own becomes
-        an error result. (Rare path: these requests are prepared again here, on the engine thread.)"""
-        log.exception("engine step failed with %d requests in flight; rerunning them one by one", len(self._jobs))
-        jobs, self._jobs = list(self._jobs.values()), {}
-        self.engine = self._make_engine()
-        for job in jobs:
+    # ------------------------------------------------------------------------------- after a failed step
+    def _recover(self, exc: Exception) -> bool:
+        """Rerun the requests in flight on a rebuilt engine, halving each group that fails again, until every
+        request has finished or failed alone; False when the engine itself is broken (then everything failed)."""
+        log.exception("engine step failed with %d requests in flight; rerunning them on a rebuilt engine",
+                      len(self._jobs))
+        groups = [list(self._jobs.values())]
+        self._jobs = {}
+        while groups:
+            group = groups.pop()
             try:
-                result = self.engine.generate([job.request])[0]
-            except Exception as solo_exc:
-                log.exception("request failed on its own")
-                result = self.engine._error_result(
-                    job.request.id, job.request.prompt if isinstance(job.request.prompt, str) else "",
-                    f"engine failure: {solo_exc!r}", time.perf_counter(),
-                )
-                self.engine = self._make_engine()
-            job.sink(result)
+                failed = self._run_group(group)
+            except Exception as rebuild_exc:  # the engine cannot even be rebuilt
+                self._fail(rebuild_exc, group + [job for g in groups for job in g])
+                return False
+            if not failed:
+                continue
+            if len(failed) > 1:
+                half = len(failed) // 2
+                groups += [failed[half:], failed[:half]]
+                continue
+            [job] = failed
+            if not self._canary_runs():  # the engine fails on its own, not because of this request
+                self._fail(exc, [job] + [job for g in groups for job in g])
+                return False
+            log.error("request %s fails the engine step on its own; it alone gets the error", job.request.id)
+            job.sink(RequestRejected(f"the engine failed on this request: {exc!r}"))
+        return True
+
+    def _rebuild(self) -> None:
+        run_seed = self.engine.run_seed
+        self.engine = self._make_engine()
+        self.engine.run_seed = run_seed  # unseeded rows draw the same streams on a rerun
+        self.rebuilds += 1
+
+    def _run_group(self, group: list[_Job]) -> list[_Job]:
+        """Run ``group`` alone on a rebuilt engine until it finishes; the jobs unfinished when a step fails.
+        Meanwhile new requests wait (aborts are applied)."""
+        self._rebuild()
+        for job in group:
+            job.position = 0
+            try:
+                prepared = self.engine.prepare(job.request)
+            except Exception as exc:
+                job.sink(RequestRejected(f"invalid request: {exc}"))
+                continue
+            self._admit(job, prepared)
+        while self._jobs:
+            while True:
+                try:
+                    item = self._inbox.get(block=False)
+                except queue.Empty:
+                    break
+                if isinstance(item, str) and item in self._jobs:
+                    self.engine.abort(item)
+                    self._jobs.pop(item)
+                else:
+                    self._deferred.append(item)
+            try:
+                output = self.engine.step()
+            except Exception:
+                log.exception("engine step failed again with %d of a group of %d in flight", len(self._jobs),
+                              len(group))
+                unfinished, self._jobs = list(self._jobs.values()), {}
+                return unfinished
+            self.steps += 1
+            self._deliver(output)
+        return []
+
+    def _canary_runs(self) -> bool:
+        """Whether a rebuilt engine decodes a one-token request: if not, the engine is broken, not a request."""
+        try:
+            self._rebuild()
+            canary = Request("engine-canary", prompt_token_ids=[0], sampling=SamplingParams(max_tokens=1))
+            [result] = self.engine.generate([canary])
+            return result.finish_reason != "error"
+        except Exception:
+            log.exception("the rebuilt engine fails a one-token request too")
+            return False

@@ -25,11 +25,15 @@ REPLICA_RUNTIME_ENV = {"env_vars": {"RAY_worker_niceness": "0"}}
 # the finished result.
 Event = list[int] | GenerationResult
 
-__all__ = ["REPLICA_RUNTIME_ENV", "EngineFailure", "EngineLoop", "Event", "RequestRejected"]
+__all__ = ["REPLICA_RUNTIME_ENV", "Draining", "EngineFailure", "EngineLoop", "Event", "RequestRejected"]
 
 
 class EngineFailure(RuntimeError):
     """The engine loop died; the replica is unhealthy until Serve replaces it."""
+
+
+class Draining(RuntimeError):
+    """The server is shutting down and this request did not finish within the grace period."""
 
 
 async def _in_own_thread(work: Callable[[], Any]) -> Any:
@@ -55,8 +59,16 @@ async def _in_own_thread(work: Callable[[], Any]) -> Any:
 
 class EngineLoop:
     def __init__(self, make_engine: Callable[[], Engine], torch_threads: int | None = None) -> None:
-        self.runner = EngineRunner(make_engine, torch_threads)  # a failure is the replica's: Serve replaces it
-        self.engine = self.runner.engine
+        # A step that fails is rerun without the requests that make it fail (decoding.runner); only an engine that
+        # cannot recover fails the replica, which Serve then replaces.
+        self.runner = EngineRunner(make_engine, torch_threads)
+        # Each generate call's event queue, so that a shutdown can end the requests still running.
+        self._routes: dict[int, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        self._ended: BaseException | None = None
+
+    @property
+    def engine(self) -> Engine:
+        return self.runner.engine  # rebuilt after a failed step
 
     @property
     def steps(self) -> int:
@@ -70,25 +82,44 @@ class EngineLoop:
         if self.failure is not None:
             raise EngineFailure(f"engine loop failed: {self.failure!r}") from self.failure
 
-    async def generate(self, requests: list[Request]) -> AsyncGenerator[tuple[int, Event], None]:
+    def end_all(self, reason: BaseException) -> None:
+        """End every request still running, and every later one, with ``reason`` (any thread)."""
+        self._ended = reason
+        for loop, events in list(self._routes.values()):
+            with contextlib.suppress(RuntimeError):  # that request's event loop is gone
+                loop.call_soon_threadsafe(events.put_nowait, (-1, reason))
+
+    @property
+    def running_requests(self) -> int:
+        return len(self._routes)
+
+    async def generate(
+        self, requests: list[Request], *, stream: bool = False
+    ) -> AsyncGenerator[tuple[int, Event], None]:
         """Run ``requests`` in the shared batch; yields ``(index in requests, event)`` until all finish.
+        ``stream``: token events go to a client as they come (see ``EngineRunner.submit``).
 
         Closing the iterator early aborts the unfinished sequences, freeing their batch rows.
         """
         self.check_health()
         loop = asyncio.get_running_loop()
         events: asyncio.Queue[tuple[int, Event | BaseException]] = asyncio.Queue()
-        prepared = await _in_own_thread(lambda: [self.runner.prepare(request) for request in requests])
+        route = id(events)
+        self._routes[route] = (loop, events)
         pending = {request.id for request in requests}
         try:
+            if self._ended is not None:
+                raise self._ended
+            prepared = await _in_own_thread(lambda: [self.runner.prepare(request) for request in requests])
             for index, (request, ready) in enumerate(zip(requests, prepared)):
                 def sink(event: Event | BaseException, index: int = index) -> None:
-                    loop.call_soon_threadsafe(events.put_nowait, (index, event))
+                    with contextlib.suppress(RuntimeError):  # the request's event loop is gone
+                        loop.call_soon_threadsafe(events.put_nowait, (index, event))
 
-                self.runner.submit(request, ready, sink)
+                self.runner.submit(request, ready, sink, streamed=stream)
             while pending:
                 index, event = await events.get()
-                if isinstance(event, RequestRejected):
+                if isinstance(event, RequestRejected | Draining):
                     raise event
                 if isinstance(event, BaseException):
                     raise EngineFailure(f"engine loop failed: {event!r}") from event
@@ -96,5 +127,6 @@ class EngineLoop:
                     pending.discard(event.id)
                 yield index, event
         finally:
+            self._routes.pop(route, None)
             for request_id in pending:  # the engine thread drops them before its next step
                 self.runner.abort(request_id)

@@ -21,6 +21,8 @@ from frontend.requests import ChatMessage, TextPart  # noqa: F401
 MAX_CONTEXT = "max_context"
 
 _INT64 = 2**63
+# Sequences one request may ask for (prompts times n): each is a row of the engine's batch or its queue.
+MAX_SEQUENCES = 1024
 
 
 class _Request(BaseModel):
@@ -218,9 +220,12 @@ class CompletionRequest(GenerationRequest):
 
     @field_validator("prompt")
     @classmethod
-    def _some_prompt(cls, value: str | list[str]) -> str | list[str]:
+    def _some_prompt(cls, value: str | list[str], info: ValidationInfo) -> str | list[str]:
         if isinstance(value, list) and not value:
             raise ValueError("prompt must be a string or a non-empty list of strings")
+        sequences = (len(value) if isinstance(value, list) else 1) * info.data.get("n", 1)
+        if sequences > MAX_SEQUENCES:
+            raise ValueError(f"a request decodes at most {MAX_SEQUENCES} sequences (prompts times n), not {sequences}")
         return value
 
     @property

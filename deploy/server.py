@@ -15,6 +15,7 @@ deployment's methods use is defined above it: the decorator snapshots the class 
 
 import json
 import logging
+import os
 import time
 import uuid
 from abc import ABC, abstractmethod
@@ -26,20 +27,22 @@ from typing import Any
 import prometheus_client
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from pydantic import BaseModel, ValidationError
+from pydantic import BaseModel, SecretStr, ValidationError
 from ray import serve
+from ray.runtime_context import get_runtime_context
 from ray.serve import Application
 from ray.util.metrics import Counter
 from starlette.exceptions import HTTPException
 
-from decoding.config import Config, load_config
+from decoding.config import Config, SamplingParams, load_config
 from decoding.engine import Engine, GenerationResult
 from decoding.engine import Request as EngineRequest
 from decoding.models import load_tokenizer, worker_threads
 from decoding.sampling import row_seed
 from decoding.stats import SpecDecodeStats
+from deploy import drain, gate
 from deploy.detokenize import IncrementalText
-from deploy.engine_loop import REPLICA_RUNTIME_ENV, EngineFailure, EngineLoop, Event, RequestRejected
+from deploy.engine_loop import REPLICA_RUNTIME_ENV, Draining, EngineFailure, EngineLoop, Event, RequestRejected
 from deploy.protocol import (
     MAX_CONTEXT,
     AssistantMessage,
@@ -66,10 +69,16 @@ from deploy.protocol import (
     Usage,
 )
 from frontend.metrics import SpecDecodeCounters
+from frontend.requests import RequestError, sampling_params
 
 log = logging.getLogger(__name__)
 
 api = FastAPI(title="specbatch", description="OpenAI-compatible generation with speculative decoding")
+
+# Environment variables that set the API key when the configuration does not (vLLM's name too).
+API_KEY_ENV = ("SPECBATCH_API_KEY", "VLLM_API_KEY")
+# A body larger than this is refused before it is read whole (a prompt longer than the context is refused anyway).
+MAX_BODY_BYTES = 64 << 20
 
 
 # ---------------------------------------------------------------------------------------------------- errors
@@ -82,8 +91,7 @@ class ApiError(Exception):
         self.status, self.detail = status, ErrorDetail(message=message, type=kind, param=param, code=code)
 
 
-def _error(status: int, detail: ErrorDetail) -> JSONResponse:
-    return JSONResponse(ErrorResponse(error=detail).model_dump(), status_code=status)
+_error = gate.error
 
 
 @api.exception_handler(ApiError)
@@ -101,6 +109,16 @@ async def _engine_failure(_: Request, exc: EngineFailure) -> JSONResponse:
     return _error(503, ErrorDetail(message=str(exc), type="server_error"))
 
 
+@api.exception_handler(Draining)
+async def _draining(_: Request, exc: Draining) -> JSONResponse:
+    return gate.unavailable(str(exc))
+
+
+# The gate lives in its own module: the deployment class is shipped to replicas by value, globals included, so a
+# module-level object here would be a different copy in its methods than in the middleware.
+api.add_middleware(gate.GateMiddleware)
+
+
 @api.exception_handler(HTTPException)
 async def _http_error(_: Request, exc: HTTPException) -> JSONResponse:
     kind = "invalid_request_error" if exc.status_code < 500 else "server_error"
@@ -111,6 +129,25 @@ async def _http_error(_: Request, exc: HTTPException) -> JSONResponse:
 async def _unexpected(_: Request, exc: Exception) -> JSONResponse:
     log.exception("unexpected error")
     return _error(500, ErrorDetail(message=f"internal error: {exc!r}", type="server_error"))
+
+
+async def _json_body(request: Request) -> bytes:
+    """The body, refused (before it is read whole) when larger than ``MAX_BODY_BYTES`` or not sent as JSON.
+    A missing Content-Type is read as JSON, as FastAPI does."""
+    media_type = request.headers.get("content-type", "application/json").split(";")[0].strip().lower()
+    if media_type != "application/json" and not media_type.endswith("+json"):
+        raise ApiError(400, f"the body must be JSON sent as Content-Type: application/json, not {media_type}")
+    declared = request.headers.get("content-length", "")
+    too_large = ApiError(413, f"the body is larger than {MAX_BODY_BYTES} bytes")
+    if declared.isdigit() and int(declared) > MAX_BODY_BYTES:
+        raise too_large
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > MAX_BODY_BYTES:
+            raise too_large
+        chunks.append(chunk)
+    return b"".join(chunks)
 
 
 def _parse(raw: bytes, model: type[GenerationRequest], max_context: int) -> Any:
@@ -283,14 +320,26 @@ class OpenAIServer:
         self.metrics = SpecDecodeCounters(
             lambda name, description, keys: _TeeCounter(self.registry, name, description, keys), self.model_id
         )
+        gate.GATE.api_key = config.api_key.get_secret_value().encode() if config.api_key else None
+        drain.watch(serve.get_replica_context().app_name, get_runtime_context().get_actor_id(),
+                    start=self._start_draining, busy=lambda: gate.GATE.in_flight, end=self._end_requests)
+
+    def _start_draining(self) -> None:
+        gate.GATE.draining = True
+
+    def _end_requests(self, grace: float) -> None:
+        self.loop.end_all(Draining(f"the server is shutting down and this request did not finish within its "
+                                   f"{grace:g} s grace period"))
 
     def check_health(self) -> None:
         """Serve's periodic probe: raising marks the replica unhealthy, so Serve replaces it."""
         self.loop.check_health()
 
     @api.get("/health")
-    async def health(self) -> dict[str, Any]:
+    async def health(self) -> Any:
         self.loop.check_health()
+        if gate.GATE.draining:
+            return gate.unavailable("the server is shutting down")
         engine = self.loop.engine
         # Counters let a client see batching at work: concurrent requests share steps.
         return {
@@ -317,17 +366,20 @@ class OpenAIServer:
 
     @api.post("/v1/completions")
     async def completions(self, raw: Request) -> Response:
-        body: CompletionRequest = self._parse(await raw.body(), CompletionRequest)
+        body: CompletionRequest = self._parse(await _json_body(raw), CompletionRequest)
+        sampling = self._sampling(body)
         # OpenAI's order: the n choices of the first prompt, then those of the next.
-        requests = [self._request(body, choice, prompt=prompt) for prompt in body.prompts for choice in range(body.n)]
-        return await self._generate(body, requests, _CompletionFormat(self.model_id, self.tokenizer))
+        requests = [self._request(body, sampling, choice, prompt=prompt)
+                    for prompt in body.prompts for choice in range(body.n)]
+        return await self._generate(body, sampling, requests, _CompletionFormat(self.model_id, self.tokenizer))
 
     @api.post("/v1/chat/completions")
     async def chat_completions(self, raw: Request) -> Response:
-        body: ChatCompletionRequest = self._parse(await raw.body(), ChatCompletionRequest)
+        body: ChatCompletionRequest = self._parse(await _json_body(raw), ChatCompletionRequest)
+        sampling = self._sampling(body)
         messages = [message.rendered() for message in body.messages]
-        requests = [self._request(body, choice, messages=messages) for choice in range(body.n)]
-        return await self._generate(body, requests, _ChatFormat(self.model_id, self.tokenizer))
+        requests = [self._request(body, sampling, choice, messages=messages) for choice in range(body.n)]
+        return await self._generate(body, sampling, requests, _ChatFormat(self.model_id, self.tokenizer))
 
     # ------------------------------------------------------------------------------------------- internals
     def _parse(self, raw: bytes, model: type[GenerationRequest]) -> Any:
@@ -335,6 +387,16 @@ class OpenAIServer:
         if body.model is not None:
             self._check_model(body.model)
         return body
+
+    def _sampling(self, body: GenerationRequest) -> SamplingParams:
+        """The body's sampling fields over the configured ones, with every bound (frontend.requests): nothing
+        that passes can fail in an engine step. A 400 naming the field otherwise."""
+        engine = self.loop.engine
+        try:
+            return sampling_params(body.sampling(), self.config.sampling, engine.target.config.vocab_size,
+                                   engine.eos_ids)
+        except RequestError as exc:
+            raise ApiError(400, str(exc), param=exc.param) from None
 
     def _check_model(self, name: str) -> None:
         if name not in self.model_names:  # OpenAI's answer to an unknown model: 404, code model_not_found
@@ -344,18 +406,18 @@ class OpenAIServer:
             )
 
     @staticmethod
-    def _request(body: GenerationRequest, choice: int, **inputs: Any) -> EngineRequest:
-        sampling = body.sampling()
+    def _request(body: GenerationRequest, sampling: SamplingParams, choice: int, **inputs: Any) -> EngineRequest:
         if body.seed is not None and body.n > 1:  # n seeded choices: n reproducible, different samples
-            sampling["seed"] = row_seed(body.seed, str(choice))
+            sampling = sampling.model_copy(update={"seed": row_seed(body.seed, str(choice))})
         return EngineRequest(id=uuid.uuid4().hex, sampling=sampling, **inputs)
 
-    async def _generate(self, body: GenerationRequest, requests: list[EngineRequest], fmt: _Format) -> Response:
-        events = self.loop.generate(requests)
+    async def _generate(
+        self, body: GenerationRequest, sampling: SamplingParams, requests: list[EngineRequest], fmt: _Format
+    ) -> Response:
+        events = self.loop.generate(requests, stream=body.stream)
         head = await self._until_admitted(events, len(requests), fmt.input_field)
         if body.stream:
-            stops = body.sampling().get("stop", self.config.sampling.stop)
-            chunks = self._stream(_replay(head, events), len(requests), fmt, stops, body.include_usage)
+            chunks = self._stream(_replay(head, events), len(requests), fmt, sampling.stop, body.include_usage)
             return StreamingResponse(chunks, media_type="text/event-stream")
         results: list[GenerationResult] = [None] * len(requests)  # type: ignore[list-item]
         async with aclosing(_replay(head, events)) as stream:
@@ -404,8 +466,9 @@ class OpenAIServer:
                         yield _sse(fmt.chunk(index, delta, None))
             if usage:
                 yield _sse(fmt.usage_chunk(results))
-        except EngineFailure as exc:  # the status line is already sent: report in-band, as OpenAI does
-            yield _sse(ErrorResponse(error=ErrorDetail(message=str(exc), type="server_error")))
+        except (EngineFailure, Draining, RequestRejected) as exc:  # the status line is sent: report in-band
+            kind = "invalid_request_error" if isinstance(exc, RequestRejected) else "server_error"
+            yield _sse(ErrorResponse(error=ErrorDetail(message=str(exc), type=kind)))
         yield _sse("[DONE]")
 
 
@@ -414,8 +477,12 @@ def deployment_options(config: Config) -> dict[str, Any]:
     """Replicas (fixed, or autoscaled within ``concurrency: [min, max]``) and GPUs per replica from the config."""
     options: dict[str, Any] = {
         "ray_actor_options": {"num_gpus": config.num_gpus, "runtime_env": REPLICA_RUNTIME_ENV},
-        # Admit enough requests to keep the batch full between steps; the rest queue in Serve for other replicas.
-        "max_ongoing_requests": 4 * config.batch_size,
+        # Requests wait in the engine's queue rather than in Serve's: a request Serve holds back waits for a slot
+        # behind every stream, /health included (over 10 s under 200 concurrent streams with 64 slots).
+        "max_ongoing_requests": max(1024, 4 * config.batch_size),
+        # Serve's own drain (serve run, Serve config files); specbatch serve drains first (deploy.drain).
+        "graceful_shutdown_timeout_s": config.graceful_shutdown_timeout_s,
+        "graceful_shutdown_wait_loop_s": 0.5,
     }
     if isinstance(config.concurrency, int):
         options["num_replicas"] = config.concurrency
@@ -429,6 +496,12 @@ def deployment_options(config: Config) -> dict[str, Any]:
 
 
 def make_app(config: Config) -> Application:
+    """The application; ``api_key`` unset in ``config`` comes from ``SPECBATCH_API_KEY`` or ``VLLM_API_KEY`` here,
+    where the command runs (replicas may run on other nodes)."""
+    if config.api_key is None:
+        key = next((os.environ[name] for name in API_KEY_ENV if os.environ.get(name)), None)
+        if key is not None:
+            config = config.model_copy(update={"api_key": SecretStr(key)})
     return OpenAIServer.options(**deployment_options(config)).bind(config)
 
 

@@ -10,6 +10,8 @@ into them: a row of ten thousand nested lists is an error row, not a RecursionEr
 from __future__ import annotations
 
 import json
+import re
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -17,11 +19,16 @@ from pydantic import BaseModel, ConfigDict, ValidationError, field_validator, mo
 
 # Deepest nesting accepted in a request value (messages with text parts need 4; sampling_params 2, plus a JSON
 # schema's own). Deeper values are refused before pydantic, Arrow or the chat template recurse into them.
-from decoding.config import MAX_DEPTH, StructuredOutputs, format_validation_error, too_deep
+from decoding.config import MAX_DEPTH, SamplingParams, StructuredOutputs, format_validation_error, too_deep
 
 
 class RequestError(ValueError):
-    """Inputs that cannot become a request; the message names the field and the reason."""
+    """Inputs that cannot become a request; the message names the field and the reason, ``param`` the field
+    (OpenAI's error ``param``) where one is to blame."""
+
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
 
 
 def parse_json(text: Any, field: str, limit: int = MAX_DEPTH) -> Any:
@@ -155,3 +162,36 @@ def _message(exc: ValidationError) -> str:
     if len(errors) == 1 and errors[0]["type"] == "value_error" and errors[0]["loc"] in ((), ("prompt",)):
         return str(errors[0]["ctx"]["error"])
     return format_validation_error(exc)
+
+
+def sampling_params(
+    overrides: Mapping[str, Any] | None, defaults: SamplingParams, vocab_size: int, eos_ids: Collection[int]
+) -> SamplingParams:
+    """A request's sampling parameters: the configured ``defaults`` (less the run's seed, see
+    ``decoding.sampling.row_generator``) overridden field by field, validated with every bound, and checked against
+    the model (token ids within its vocabulary). ``RequestError`` naming the field otherwise. Whatever passes here
+    runs in an engine step without raising."""
+    overrides = dict(overrides or {})
+    try:
+        params = SamplingParams.model_validate({**defaults.model_dump(exclude={"seed"}), **overrides})
+    except ValidationError as exc:
+        raise RequestError(f"invalid sampling_params: {format_validation_error(exc)}", _param(exc, overrides)) from None
+    if any(token >= vocab_size for token in params.stop_token_ids):
+        raise RequestError(f"invalid sampling_params: stop_token_ids must lie in [0, {vocab_size})", "stop_token_ids")
+    if params.logprobs is not None and params.logprobs > vocab_size:
+        raise RequestError(f"invalid sampling_params: logprobs is more than the {vocab_size} tokens", "logprobs")
+    if params.min_tokens and len(params.stop_ids(eos_ids)) >= vocab_size:
+        raise RequestError("invalid sampling_params: min_tokens would ban every token (stop_token_ids and EOS "
+                           "cover the vocabulary)", "stop_token_ids")
+    return params
+
+
+def _param(exc: ValidationError, overrides: Mapping[str, Any]) -> str | None:
+    """The field to blame: a field's own error names it; a check across fields (min_tokens above max_tokens, stop
+    without detokenize) names the one the request set, as its message says first."""
+    loc = exc.errors()[0]["loc"]
+    if loc:
+        return str(loc[0])
+    message = str(exc)
+    named = {name: found.start() for name in overrides if (found := re.search(rf"\b{name}\b", message))}
+    return min(named, key=named.__getitem__) if named else None

@@ -1,4 +1,9 @@
-"""``specbatch serve``: the OpenAI-compatible endpoint (SPEC "HTTP") on Ray Serve, until interrupted."""
+"""``specbatch serve``: the OpenAI-compatible endpoint (SPEC "HTTP") on Ray Serve, until SIGTERM or SIGINT.
+
+On the first signal the server drains (``deploy.drain``): new requests get 503, the requests in flight finish
+within ``graceful_shutdown_timeout_s``, the rest are ended cleanly; then Serve shuts down, and so does the Ray
+cluster the command started, with every process it started. A second signal stops at once.
+"""
 
 from __future__ import annotations
 
@@ -6,16 +11,24 @@ import argparse
 import logging
 import signal
 import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 
+import psutil
+import ray
 from ray import serve
 from ray.serve import Application
 
+from deploy.drain import NAMESPACE, DrainSignal, signal_name
 from deploy.server import make_app
 from jobs.common import parse_with_config, setup_logging
 
 log = logging.getLogger(__name__)
 
 APP_NAME = "specbatch"
+# How long the processes of a cluster this command started get to exit after ray.shutdown before they are killed
+# (Ray's dashboard and runtime-env agents outlived the command by minutes).
+REAP_TIMEOUT_S = 10.0
 
 
 def start(app: Application, host: str, port: int) -> str:
@@ -25,6 +38,39 @@ def start(app: Application, host: str, port: int) -> str:
     return f"http://{host}:{port}/v1"
 
 
+@contextmanager
+def ray_session() -> Iterator[None]:
+    """Join the cluster Ray would join (RAY_ADDRESS, a `ray start` cluster), else start a local one; at the end,
+    disconnect, and make sure every process this command started (a local cluster's daemons and agents) is gone."""
+    ray.init(namespace="serve")
+    try:
+        yield
+    finally:
+        started = psutil.Process().children(recursive=True)
+        ray.shutdown()
+        _, alive = psutil.wait_procs(started, timeout=REAP_TIMEOUT_S)
+        for process in alive:
+            log.warning("stopping %s (pid %d), left behind by the Ray cluster", process.name(), process.pid)
+            process.terminate()
+        _, alive = psutil.wait_procs(alive, timeout=3)
+        for process in alive:
+            process.kill()
+
+
+def serve_until_signalled(app: Application, host: str, port: int, grace: float, stop: threading.Event) -> None:
+    drain = DrainSignal.options(name=signal_name(APP_NAME), namespace=NAMESPACE).remote()
+    try:
+        url = start(app, host, port)
+        log.info("serving at %s (Ctrl-C or SIGTERM to stop)", url)
+        stop.wait()
+        log.info("draining: new requests get 503, requests in flight have %.0f s to finish", grace)
+        left = ray.get(drain.drain.remote(grace, grace + 15.0))
+        if left:
+            log.warning("replicas that did not report back from draining: %s", ", ".join(left))
+    finally:
+        serve.shutdown()
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="specbatch serve", description=__doc__)
     parser.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0 for all interfaces)")
@@ -32,15 +78,21 @@ def main(argv: list[str] | None = None) -> int:
     args, config = parse_with_config(parser, argv)
     setup_logging()
     stop = threading.Event()
-    signal.signal(signal.SIGTERM, lambda *_: stop.set())  # ray job stop / docker stop: shut down cleanly
+
+    def on_signal(signum: int, _: object) -> None:
+        if stop.is_set():
+            raise KeyboardInterrupt  # a second signal: stop now
+        log.info("received %s", signal.Signals(signum).name)
+        stop.set()
+
     try:
-        url = start(make_app(config), args.host, args.port)
-        log.info("serving %s at %s (Ctrl-C to stop)", config.served_model_name or config.model, url)
-        stop.wait()
+        with ray_session():
+            # After ray.init, whose own SIGTERM handler (a stack dump, then death) would replace these.
+            signal.signal(signal.SIGTERM, on_signal)  # ray job stop, docker stop, kubernetes
+            signal.signal(signal.SIGINT, on_signal)
+            serve_until_signalled(make_app(config), args.host, args.port, config.graceful_shutdown_timeout_s, stop)
     except KeyboardInterrupt:
         pass
-    finally:
-        serve.shutdown()
     return 0
 
 

@@ -23,7 +23,7 @@ from decoding.models import worker_threads
 from decoding.runner import EngineRunner, Event, RequestRejected
 from frontend.metrics import SpecDecodeCounters
 from frontend.remote import localize_models
-from frontend.requests import RequestError, parse_request
+from frontend.requests import RequestError, parse_request, sampling_params
 from pipeline.schema import PRODUCER_NODE, READ_ERROR, output_block
 
 log = logging.getLogger(__name__)
@@ -35,14 +35,16 @@ log = logging.getLogger(__name__)
 ENGINE_RUNTIME_ENV = {"env_vars": {"RAY_worker_niceness": "0"}}
 
 
-def request_from_row(key: str, row: dict[str, Any]) -> Request:
+def request_from_row(key: str, row: dict[str, Any], engine: Engine) -> Request:
     """An input row (SPEC "Input") as an engine request; ``RequestError`` when it cannot be one. Rows are
-    validated by the model the server uses too (frontend.requests); the engine itself rejects what only it can
-    judge: empty or over-long prompts, sampling values out of range."""
+    validated as the server validates its requests (frontend.requests), sampling parameters with every bound and
+    against the model; the engine itself rejects what only tokenizing shows: empty or over-long prompts."""
     if row.get(READ_ERROR):
         raise RequestError(row[READ_ERROR])
     parsed = parse_request(row.get("prompt"), row.get("messages"), row.get("sampling_params"))
-    return Request(key, prompt=parsed.prompt, messages=parsed.messages, sampling=parsed.sampling)
+    sampling = sampling_params(parsed.sampling, engine.config.sampling, engine.target.config.vocab_size,
+                               engine.eos_ids)
+    return Request(key, prompt=parsed.prompt, messages=parsed.messages, sampling=sampling)
 
 
 def error_result(request_id: str, prompt: Any, message: str) -> GenerationResult:
@@ -67,10 +69,10 @@ class GenerationActor:
         self.metrics = SpecDecodeCounters(
             lambda name, description, keys: Counter(name, description=description, tag_keys=keys), self.config.model
         )
-        # An engine failure must not lose rows or stop the job: the runner reruns the requests in flight one by
-        # one and only a request that fails on its own becomes an error row. A failure to build the engine (bad
-        # model path, ...) fails the actor here.
-        self.runner = EngineRunner(lambda: Engine(self.config), self.torch_threads, recover=True)
+        # An engine failure must not lose rows or stop the job: the runner reruns the requests in flight and only
+        # a request that fails on its own becomes an error row. A failure to build the engine (bad model path, ...)
+        # fails the actor here.
+        self.runner = EngineRunner(lambda: Engine(self.config), self.torch_threads)
         spec = self.runner.engine.config.speculative  # as resolved: the default draft may have fallen back to ngram
         self.provenance = {
             "target_model": given.model,
@@ -88,7 +90,7 @@ class GenerationActor:
         future: Future = Future()
         key = str(next(self._keys))
         try:
-            request = request_from_row(key, row)
+            request = request_from_row(key, row, self.runner.engine)
             request.seed_key = str(row.get("id", key))  # a row's random stream follows its id, not its actor
             prepared = self.runner.prepare(request)  # on this call's thread, not the engine's
         except (RequestError, RequestRejected) as exc:

@@ -103,6 +103,22 @@ case("stops.jsonl", jsonl(
     "stop-empty-str": "stop strings must be non-empty", "stop-one-empty": "stop strings must be non-empty"})
 
 
+case("sampling.jsonl", jsonl(
+    {"id": "sp-top-k", "prompt": "the cat", "sampling_params": {"top_k": 2**63, "temperature": 1}},
+    {"id": "sp-max-bool", "prompt": "the cat", "sampling_params": {"max_tokens": True}},
+    {"id": "sp-max-float", "prompt": "the cat", "sampling_params": json.dumps({"max_tokens": 4.0})},
+    {"id": "sp-nan", "prompt": "the cat", "sampling_params": '{"temperature": NaN}'},
+    {"id": "sp-stop-id", "prompt": "the cat", "sampling_params": {"stop_token_ids": [-1]}},
+    {"id": "sp-stop-id-vocab", "prompt": "the cat", "sampling_params": {"stop_token_ids": [35]}},
+    {"id": "sp-min-tokens", "prompt": "the cat", "sampling_params": {"min_tokens": 10**9}},
+    {"id": "sp-tiny-temperature", "prompt": "the cat sat", "sampling_params": {"temperature": 1e-38, "top_k": 5}},
+    {"id": "sp-tiny-top-p", "prompt": "the cat sat", "sampling_params": {"temperature": 1.0, "top_p": 1e-46}},
+    {"id": "sp-greedy", "prompt": "the cat sat", "sampling_params": {"temperature": 0}},
+), {"sp-top-k": "top_k", "sp-max-bool": "max_tokens", "sp-max-float": "max_tokens", "sp-nan": "temperature",
+    "sp-stop-id": "stop_token_ids", "sp-stop-id-vocab": "stop_token_ids", "sp-min-tokens": "min_tokens",
+    "sp-tiny-temperature": None, "sp-tiny-top-p": None, "sp-greedy": None})
+
+
 @pytest.fixture(scope="module")
 def bad_run(ray_cluster, tiny_dirs, tmp_path_factory) -> tuple[int, dict[str, dict]]:
     from jobs.generate import main
@@ -166,6 +182,16 @@ def test_malformed_messages(bad_run):
 
 def test_empty_stop_strings(bad_run):
     check(bad_run, "stops.jsonl")
+
+
+def test_sampling_params_are_bounded_and_strict_as_the_servers(bad_run):
+    """Every field is bounded before the engine sees it (top_k 2**63 used to fail inside the engine step, which
+    rebuilt the engine, and the error did not name top_k); ints are strict, as the server's."""
+    check(bad_run, "sampling.jsonl")
+    _, rows = bad_run
+    greedy = rows["sp-greedy"]["generated_tokens"]
+    assert greedy and rows["sp-tiny-temperature"]["generated_tokens"] == greedy
+    assert rows["sp-tiny-top-p"]["generated_tokens"] == greedy
 
 
 def test_the_server_refuses_what_the_pipeline_refuses():

@@ -236,6 +236,31 @@ BAD_REQUESTS = [
     ("prompt-list-one-too-long", "/v1/completions", {"prompt": ["ab", "a" * 300]}, "prompt"),
     ("messages-too-long-stream", "/v1/chat/completions",
      {"messages": [{"role": "user", "content": "a" * 300}], "stream": True}, "messages"),
+    # Every sampling field is bounded before the engine sees it, and errors name the field.
+    ("top-k-overflow", "/v1/completions", {"prompt": "ab", "top_k": 2**63, "temperature": 1}, "top_k"),
+    ("top-k-huge-stream", "/v1/completions", {"prompt": "ab", "top_k": 10**30, "stream": True}, "top_k"),
+    ("stop-token-negative", "/v1/completions", {"prompt": "ab", "stop_token_ids": [-1]}, "stop_token_ids"),
+    ("stop-token-beyond-vocab", "/v1/completions", {"prompt": "ab", "stop_token_ids": [35]}, "stop_token_ids"),
+    ("stop-token-huge", "/v1/completions", {"prompt": "ab", "stop_token_ids": [2**70]}, "stop_token_ids"),
+    ("stop-tokens-too-many", "/v1/completions", {"prompt": "ab", "stop_token_ids": [3] * 2000}, "stop_token_ids"),
+    ("stop-tokens-ban-everything", "/v1/completions",
+     {"prompt": "ab", "stop_token_ids": list(range(35)), "min_tokens": 2}, "stop_token_ids"),
+    ("min-tokens-huge", "/v1/completions", {"prompt": "ab", "min_tokens": 10**9}, "min_tokens"),
+    ("min-tokens-above-max", "/v1/completions", {"prompt": "ab", "min_tokens": 9, "max_tokens": 4}, "min_tokens"),
+    ("min-tokens-above-configured-max", "/v1/completions", {"prompt": "ab", "min_tokens": 100}, "min_tokens"),
+    ("max-tokens-bool", "/v1/completions", {"prompt": "ab", "max_tokens": True}, "max_tokens"),
+    ("max-tokens-4.0", "/v1/completions", {"prompt": "ab", "max_tokens": 4.0}, "max_tokens"),
+    ("temperature-overflow", "/v1/completions", b'{"prompt": "ab", "temperature": 1e400}', "temperature"),
+    ("top-p-nan", "/v1/completions", b'{"prompt": "ab", "top_p": NaN}', "top_p"),
+    ("repetition-penalty-tiny", "/v1/completions", {"prompt": "ab", "repetition_penalty": 1e-300},
+     "repetition_penalty"),
+    ("stop-too-many", "/v1/completions", {"prompt": "ab", "stop": ["zz"] * 65}, "stop"),
+    ("stop-too-long", "/v1/completions", {"prompt": "ab", "stop": "z" * 5000}, "stop"),
+    ("ignore-eos-int", "/v1/completions", {"prompt": "ab", "ignore_eos": 1}, "ignore_eos"),
+    ("too-many-sequences", "/v1/completions", {"prompt": ["ab"] * 20, "n": 128}, "prompt"),
+    ("prompt-list-huge", "/v1/completions", {"prompt": ["ab"] * 5000}, "prompt"),
+    ("seed-float", "/v1/completions", {"prompt": "ab", "seed": 1.5}, "seed"),
+    ("user-not-string", "/v1/completions", {"prompt": "ab", "user": {"x": 1}}, "user"),
 ]
 
 
@@ -283,6 +308,124 @@ def test_bad_request_is_a_400_with_an_openai_error(client, path, body, param):
     assert isinstance(error["message"], str) and error["message"]
     assert error["param"] == param
     assert client.get("/health").status_code == 200  # the replica survives
+
+
+def test_a_body_sent_as_text_or_form_is_refused_and_an_untyped_one_read_as_json(client):
+    body = json.dumps({"prompt": "ab", "max_tokens": 2}).encode()
+    for content_type in ("text/plain", "application/x-www-form-urlencoded", "multipart/form-data; boundary=x"):
+        response = client.post("/v1/completions", content=body, headers={"Content-Type": content_type})
+        assert response.status_code == 400, (content_type, response.text)
+        assert "application/json" in response.json()["error"]["message"]
+    for headers in ({}, {"Content-Type": "application/json; charset=utf-8"}):
+        assert client.post("/v1/completions", content=body, headers=headers).status_code == 200
+
+
+def test_an_oversized_body_is_refused_before_it_is_read(client):
+    from deploy.server import MAX_BODY_BYTES
+
+    response = client.post("/v1/completions", content=b'{"prompt": "' + b"a" * MAX_BODY_BYTES + b'"}',
+                           headers={"Content-Type": "application/json"})
+    assert response.status_code == 413 and response.json()["error"]["type"] == "invalid_request_error"
+    assert client.get("/health").status_code == 200
+
+
+def test_tiny_temperatures_and_top_p_are_the_greedy_output(client):
+    """vLLM's rule: a temperature below 1e-5 is greedy; top_p keeps the most likely token however small. Before,
+    1e-38 and top_p 1e-46 emitted the vocabulary's last token every step."""
+    body = {"prompt": "the cat sat", "max_tokens": MAX_TOKENS, "ignore_eos": True}
+    greedy = _post(client, "/v1/completions", {**body, "temperature": 0})["choices"][0]["text"]
+    assert greedy
+    for extreme in ({"temperature": 1e-38}, {"temperature": 1e-45}, {"temperature": 1.0, "top_p": 1e-46}):
+        assert _post(client, "/v1/completions", {**body, **extreme})["choices"][0]["text"] == greedy, extreme
+
+
+def test_an_overflowing_top_k_is_a_400_while_six_requests_in_flight_complete(client, server, reference):
+    """top_k >= 2**63 used to raise inside the engine step: the replica answered 503 to everyone in flight and
+    /health failed until Serve replaced it."""
+    prompts = [" ".join(WORDS[i : i + 3]) for i in range(6)]
+
+    async def scenario() -> tuple[list[httpx.Response], httpx.Response]:
+        async with httpx.AsyncClient(base_url=server, timeout=120) as aclient:
+            others = [asyncio.create_task(aclient.post("/v1/completions", json={"prompt": p, "temperature": 0}))
+                      for p in prompts]
+            await asyncio.sleep(0.2)
+            bad = await aclient.post("/v1/completions",
+                                     json={"prompt": "hi", "top_k": 9223372036854775808, "temperature": 1})
+            return list(await asyncio.gather(*others)), bad
+
+    others, bad = asyncio.run(scenario())
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "top_k", bad.text
+    assert [r.status_code for r in others] == [200] * 6
+    assert [r.json()["choices"][0]["text"] for r in others] == [reference(prompt=p).text for p in prompts]
+    assert client.get("/health").status_code == 200
+
+
+def test_health_answers_while_200_streams_are_in_flight(client, server):
+    """Requests wait in the engine's queue, not in Serve's: the replica answers /health while it holds 200
+    streams. With 4 x batch_size (32) slots, Serve held the rest back and /health queued behind them."""
+
+    async def scenario() -> tuple[int, list[str]]:
+        async with httpx.AsyncClient(base_url=server, timeout=300,
+                                     limits=httpx.Limits(max_connections=400)) as aclient:
+
+            async def stream(i: int) -> str:
+                body = {"prompt": WORDS[i % len(WORDS)], "max_tokens": 60, "ignore_eos": True, "stream": True}
+                async with aclient.stream("POST", "/v1/completions", json=body) as response:
+                    return [line async for line in response.aiter_lines() if line][-1]
+
+            tasks = [asyncio.create_task(stream(i)) for i in range(200)]
+            held = 0
+            while held < 150 and not all(task.done() for task in tasks):
+                health = (await aclient.get("/health")).json()
+                assert health["status"] == "ok"
+                held = max(held, health["running"] + health["waiting"])
+                await asyncio.sleep(0.05)
+            return held, list(await asyncio.gather(*tasks))
+
+    held, last_lines = asyncio.run(scenario())
+    assert held >= 150, held
+    assert last_lines == ["data: [DONE]"] * 200
+
+
+@pytest.fixture(scope="module")
+def keyed_server(server, config_file, ray_cluster, monkeypatch_module) -> str:
+    """A second application, behind an API key from the environment, under its own route prefix."""
+    from ray import serve
+
+    monkeypatch_module.setenv("SPECBATCH_API_KEY", "sk-test-key")
+    serve.run(build_app({"config": config_file, "batch_size": 2}), name="keyed", route_prefix="/keyed")
+    yield f"{server}/keyed"
+    serve.delete("keyed")
+
+
+@pytest.fixture(scope="module")
+def monkeypatch_module():
+    with pytest.MonkeyPatch.context() as patch:
+        yield patch
+
+
+def test_an_api_key_guards_every_route_but_health(keyed_server):
+    routes = [("GET", "/v1/models", None), ("GET", f"/v1/models/{MODEL}", None), ("GET", "/metrics", None),
+              ("POST", "/v1/completions", {"prompt": "ab", "max_tokens": 2}),
+              ("POST", "/v1/chat/completions", {"messages": [{"role": "user", "content": "ab"}], "max_tokens": 2}),
+              ("GET", "/v1/nothing", None)]
+    with httpx.Client(base_url=keyed_server, timeout=60) as client:
+        assert client.get("/health").status_code == 200
+        for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "sk-test-key"},
+                        {"Authorization": "Basic sk-test-key"}):
+            for method, path, body in routes:
+                response = client.request(method, path, json=body, headers=headers)
+                assert response.status_code == 401, (path, headers, response.text)
+                error = response.json()["error"]
+                assert error["type"] == "invalid_request_error" and error["code"] == "invalid_api_key"
+                assert "sk-test-key" not in response.text
+        good = {"Authorization": "Bearer sk-test-key"}
+        assert [client.request(m, p, json=b, headers=good).status_code for m, p, b in routes] == [
+            200, 200, 200, 200, 200, 404]
+    client = openai.OpenAI(base_url=f"{keyed_server}/v1", api_key="sk-test-key", max_retries=0)
+    assert client.completions.create(model=MODEL, prompt="ab", max_tokens=2).choices[0].text is not None
+    with pytest.raises(openai.AuthenticationError):
+        openai.OpenAI(base_url=f"{keyed_server}/v1", api_key="nope", max_retries=0).models.list()
 
 
 def test_models_by_id_and_unknown_models_are_404s(client, config):
@@ -455,6 +598,83 @@ def test_engine_failure_makes_the_replica_unhealthy(engine, monkeypatch):
         OpenAIServer.func_or_class.check_health(SimpleNamespace(loop=loop))  # Serve's probe restarts the replica
     with pytest.raises(EngineFailure):  # and new requests are refused until then
         asyncio.run(_drain(loop, [Request(id="b", prompt="ab")]))
+
+
+def test_a_step_that_fails_on_one_request_fails_it_alone_and_the_others_finish_unchanged(
+    config, target, tokenizer, draft, monkeypatch
+):
+    """If something a request carries still makes a step raise, the engine is rebuilt and the requests in flight
+    are rerun, halving the group that fails until the culprit is alone: only it fails; the others finish with the
+    outputs they would have had, and a stream continues where it was, without repeating a token."""
+    def make() -> Engine:
+        return Engine(config, target=target, tokenizer=tokenizer, draft=draft)
+
+    prompts = ["the cat sat", "a dog ran", "far away home", "and the mat"]
+    samplings = [{"max_tokens": 12, "ignore_eos": True}, {"max_tokens": 12, "ignore_eos": True, "temperature": 1.0,
+                                                          "seed": 3}]
+    requests = [Request(id=f"ok{i}", prompt=p, sampling=samplings[i % 2]) for i, p in enumerate(prompts)]
+    expected = {r.id: r.token_ids for r in make().generate(requests)}
+    original = Engine.step
+
+    def step(self):
+        if any("boom" in seq.prompt for seq in self.running):
+            raise RuntimeError("kaboom")
+        return original(self)
+
+    monkeypatch.setattr(Engine, "step", step)
+    loop = EngineLoop(make)
+
+    async def consume(request: Request, stream: bool, started: asyncio.Event) -> tuple[list[int], Any]:
+        streamed: list[int] = []
+        async for _, event in loop.generate([request], stream=stream):
+            if isinstance(event, GenerationResult):
+                return streamed, event
+            streamed += event
+            started.set()
+        raise AssertionError("no result")
+
+    async def scenario():
+        started = [asyncio.Event() for _ in requests]
+        good = [asyncio.create_task(consume(r, i < 2, started[i])) for i, r in enumerate(requests)]
+        await asyncio.wait_for(asyncio.gather(*(e.wait() for e in started)), 60)  # all mid-way
+        bad = asyncio.create_task(consume(Request(id="bad", prompt="boom boom"), True, asyncio.Event()))
+        return await asyncio.gather(*good), await asyncio.gather(bad, return_exceptions=True)
+
+    good, (bad,) = asyncio.run(scenario())
+    assert isinstance(bad, RequestRejected) and "kaboom" in str(bad)
+    for i, (request, (streamed, result)) in enumerate(zip(requests, good)):
+        assert result.finish_reason == "length" and result.token_ids == expected[request.id]
+        if i < 2:  # the streamed ones: resumed where they were, nothing sent twice
+            assert streamed == result.token_ids[: len(streamed)] and streamed
+    assert loop.runner.rebuilds >= 2  # the reruns, and the canary that cleared the engine
+    loop.check_health()
+    monkeypatch.setattr(Engine, "step", original)
+    [(_, after)] = [e for e in asyncio.run(_drain(loop, [requests[0]])) if isinstance(e[1], GenerationResult)]
+    assert after.token_ids == expected["ok0"]
+
+
+def test_draining_ends_the_requests_left_and_refuses_new_ones(engine):
+    from deploy.engine_loop import Draining
+
+    loop = EngineLoop(lambda: engine)
+
+    async def scenario():
+        stream = loop.generate([Request(id="long", prompt="abc", sampling={"max_tokens": 200, "ignore_eos": True})])
+        first = await anext(stream)
+        loop.end_all(Draining("shutting down"))
+        with pytest.raises(Draining):
+            async for _ in stream:
+                pass
+        with pytest.raises(Draining):
+            await _drain(loop, [Request(id="late", prompt="ab")])
+        return first
+
+    assert isinstance(asyncio.run(scenario())[1], list)
+    for _ in range(100):  # the engine dropped the ended request
+        if not engine.has_unfinished():
+            break
+        time.sleep(0.05)
+    assert not engine.has_unfinished()
 
 
 def test_a_request_add_request_chokes_on_fails_alone(engine, monkeypatch):

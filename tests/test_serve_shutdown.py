@@ -1,0 +1,130 @@
+"""`specbatch serve` as a process: SIGTERM with requests in flight drains them, and nothing is left running."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+import psutil
+import pytest
+import yaml
+from test_pipeline import REPO, unused_ports
+
+KEY = "sk-drain-test"
+AUTH = {"Authorization": f"Bearer {KEY}"}
+
+
+@pytest.fixture
+def serve_process(tiny_dirs, tmp_path):
+    """`python -m jobs.serve` on its own local Ray cluster, one engine row (requests queue behind each other),
+    a one-second grace period, the API key from the environment."""
+    config = tmp_path / "serve.yaml"
+    config.write_text(yaml.safe_dump({
+        "model": tiny_dirs["target"], "speculative": {"method": "none"}, "batch_size": 1,
+        "sampling": {"max_tokens": 8}, "graceful_shutdown_timeout_s": 1.0,
+    }))
+    port = unused_ports(1)[0]
+    log = tmp_path / "serve.log"
+    env = {**os.environ, "RAY_ADDRESS": "local", "SPECBATCH_API_KEY": KEY}
+    with log.open("wb") as out:
+        process = subprocess.Popen([sys.executable, "-m", "jobs.serve", "--config", str(config), "--port", str(port)],
+                                   cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        for _ in range(600):
+            if process.poll() is not None:
+                pytest.fail(f"specbatch serve exited with {process.returncode}:\n{log.read_text()[-5000:]}")
+            try:
+                if httpx.get(f"{url}/health", timeout=5).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            time.sleep(0.5)
+        else:
+            pytest.fail(f"specbatch serve did not come up:\n{log.read_text()[-5000:]}")
+        yield process, url, log
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+
+
+def _outcome(response_status: int, headers: dict[str, str], lines: list[str], stream: bool) -> str:
+    """'done' (completed), 'ended' (an error event closed the stream) or 'refused' (a clean 503); asserts the
+    response is one of these."""
+    if response_status == 503:
+        body = json.loads("".join(lines))
+        assert body["error"]["type"] == "server_error" and headers.get("retry-after"), (headers, body)
+        return "refused"
+    assert response_status == 200, (response_status, lines)
+    if not stream:
+        body = json.loads("".join(lines))
+        assert body["choices"][0]["finish_reason"] in ("stop", "length")
+        return "done"
+    assert lines[-1] == "data: [DONE]", lines[-3:]
+    last = json.loads(lines[-2][len("data: "):])
+    if "error" in last:
+        assert "shutting down" in last["error"]["message"]
+        return "ended"
+    assert last["choices"][0]["finish_reason"] in ("stop", "length")
+    return "done"
+
+
+def test_sigterm_drains_requests_in_flight_and_leaves_no_process_behind(serve_process):
+    """20 requests in flight (10 streamed; half of each kind long): after SIGTERM, new requests get 503 with
+    Retry-After; each request in flight completes or gets a clean 503, each stream ends with [DONE] (after its
+    last chunk or an error event); the command exits 0 and every process it started (Ray's daemons and agents)
+    is gone."""
+    process, url, log = serve_process
+
+    async def scenario() -> tuple[list[str], httpx.Response, httpx.Response]:
+        async with httpx.AsyncClient(base_url=url, timeout=120, headers=AUTH) as client:
+            assert (await client.get("/v1/models", headers={"Authorization": "Bearer wrong"})).status_code == 401
+
+            async def request(i: int) -> str:
+                stream = i % 2 == 0
+                body: dict[str, Any] = {"prompt": "the cat", "stream": stream}
+                if i % 4 >= 2:
+                    body.update(max_tokens=240, ignore_eos=True)
+                async with client.stream("POST", "/v1/completions", json=body) as response:
+                    lines = [line async for line in response.aiter_lines() if line]
+                    return _outcome(response.status_code, dict(response.headers), lines, stream)
+
+            tasks = [asyncio.create_task(request(i)) for i in range(20)]
+            for _ in range(600):  # all 20 held by the replica (one running, the rest in its queue)
+                health = (await client.get("/health")).json()
+                if health["running"] + health["waiting"] >= 18 or all(t.done() for t in tasks):
+                    break
+                await asyncio.sleep(0.02)
+            process.send_signal(signal.SIGTERM)
+            for _ in range(500):
+                health = await client.get("/health")
+                if health.status_code == 503:
+                    break
+                await asyncio.sleep(0.01)
+            late = await client.post("/v1/completions", json={"prompt": "the cat"})
+            return list(await asyncio.gather(*tasks)), health, late
+
+    descendants = psutil.Process(process.pid).children(recursive=True)
+    assert any("raylet" in p.name() for p in descendants)
+    outcomes, health, late = asyncio.run(scenario())
+    assert health.status_code == 503 and health.headers["retry-after"]
+    assert late.status_code == 503 and late.headers["retry-after"], late.text
+    assert late.json()["error"]["code"] == "service_unavailable"
+    assert process.wait(timeout=120) == 0, log.read_text()[-5000:]
+    summary = {kind: outcomes.count(kind) for kind in ("done", "ended", "refused")}
+    print("outcomes after SIGTERM:", summary)
+    assert sum(summary.values()) == 20
+    # One engine row and 240-token requests: the queue cannot empty within the one-second grace period.
+    assert summary["ended"] + summary["refused"] >= 1, summary
+    left = [p for p in descendants if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+    assert not left, [(p.pid, p.name()) for p in left]
+    assert "draining" in Path(log).read_text()
