@@ -320,32 +320,30 @@ def _walk(matcher: xgr.GrammarMatcher, walked: list[int], path: list[int]) -> li
     return path
 
 
-_BIT_TABLES: dict[torch.device, torch.Tensor] = {}
-
-
-def _bit_table(device: torch.device) -> torch.Tensor:
-    """[256, 8] bool: bit k of byte value v."""
-    if device not in _BIT_TABLES:
-        values = torch.arange(256, dtype=torch.int32)[:, None]
-        _BIT_TABLES[device] = ((values >> torch.arange(8, dtype=torch.int32)) & 1).bool().to(device)
-    return _BIT_TABLES[device]
+_BYTE_BITS: dict[torch.device, torch.Tensor] = {}
 
 
 def unpack(packed: torch.Tensor, vocab_size: int) -> torch.Tensor:
     """Packed bitmasks [..., words] int32 -> bool [..., vocab_size], True where allowed, on their device. Each
     int32 word holds its tokens in its bytes in little-endian order (the memory order of every device torch runs
-    on), so a byte-level table lookup unpacks it."""
+    on), so the bytes unpack bit by bit."""
+    if packed.device not in _BYTE_BITS:
+        _BYTE_BITS[packed.device] = torch.tensor([1 << k for k in range(8)], dtype=torch.uint8, device=packed.device)
     as_bytes = packed.contiguous().view(torch.uint8)  # [..., words * 4]
-    bits = _bit_table(packed.device)[as_bytes.long()]  # [..., words * 4, 8]
-    return bits.flatten(-2)[..., :vocab_size]
+    return (as_bytes[..., None] & _BYTE_BITS[packed.device]).ne(0).flatten(-2)[..., :vocab_size]
 
 
-def mask_logits(logits: torch.Tensor, masks: RowMasks) -> torch.Tensor:
-    """``logits`` [B, n, V] with -inf where the grammar forbids, on the constrained rows only (``masks.packed``
-    [R, n, words] for the batch rows ``masks.rows``); the other rows are not touched, and with no constrained row
-    ``logits`` is returned as it is. Out of place."""
+def mask_logits(logits: torch.Tensor, masks: RowMasks) -> None:
+    """Set ``logits`` [B, n, V] to -inf where the grammar forbids, in place, on the constrained rows only
+    (``masks.packed`` [R, n, words] for the batch rows ``masks.rows``); the other rows are not touched and cost
+    nothing. On a CPU xgrammar's kernel masks row by row (16 rows x 16 nodes x 49k: 24 ms against 60 ms for
+    torch's masked_fill_); elsewhere the masks unpack on the device."""
     if masks.rows.numel() == 0:
-        return logits
-    allowed = unpack(masks.packed, logits.shape[-1])
-    constrained = logits.index_select(0, masks.rows).masked_fill(~allowed, -torch.inf)
-    return logits.index_copy(0, masks.rows, constrained)
+        return
+    if logits.device.type == "cpu" and logits.is_contiguous():
+        for index, row in enumerate(masks.rows.tolist()):
+            xgr.apply_token_bitmask_inplace(logits[row], masks.packed[index], vocab_size=logits.shape[-1])
+        return
+    constrained = logits.index_select(0, masks.rows)
+    constrained.masked_fill_(~unpack(masks.packed, logits.shape[-1]), -torch.inf)
+    logits.index_copy_(0, masks.rows, constrained)

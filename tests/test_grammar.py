@@ -318,7 +318,14 @@ def test_mask_logits_masks_constrained_rows_only(tokenizer) -> None:
         nodes = topology.level_slice(level)
         tree.level(nodes, tokens[:, nodes], torch.ones(4, nodes.stop - nodes.start, dtype=torch.bool))
     logits = torch.randn(4, 3, vocab)
-    masked = mask_logits(logits, RowMasks(tree.rows, tree.packed))
+    masked = logits.clone()
+    mask_logits(masked, RowMasks(tree.rows, tree.packed))
+    # The device path (unpacked masks) agrees with the CPU kernel's: a non-contiguous view takes it on a CPU.
+    wide = torch.zeros(4, 3, 2 * vocab)
+    wide[..., :vocab] = logits
+    by_unpacking = wide[..., :vocab]
+    mask_logits(by_unpacking, RowMasks(tree.rows, tree.packed))
+    assert not by_unpacking.is_contiguous() and torch.equal(by_unpacking, masked)
     assert torch.equal(masked[[1, 3]], logits[[1, 3]])
     for index, row in enumerate(tree.constrained):
         reference = logits[row].clone()
@@ -329,15 +336,16 @@ def test_mask_logits_masks_constrained_rows_only(tokenizer) -> None:
     bits = ((words[..., None] >> torch.arange(32, dtype=torch.int32)) & 1).bool().flatten(-2)[..., :vocab]
     assert torch.equal(unpack(words, vocab), bits)
     unconstrained = logits[[1, 3]]
-    assert mask_logits(unconstrained, committed_masks([None, None], torch.device("cpu"))) is unconstrained
+    mask_logits(unconstrained, committed_masks([None, None], torch.device("cpu")))
+    assert torch.equal(unconstrained, logits[[1, 3]])
 
 
 def _sample_constrained(grammar: RowGrammar, rng: torch.Generator, max_tokens: int, vocab: int) -> list[int]:
     """Sample under the masks from random logits until the grammar ends; the tokens, the stop token last."""
     out: list[int] = []
     while not grammar.terminated and len(out) < max_tokens:
-        masks = committed_masks([grammar], torch.device("cpu"))
-        logits = mask_logits(torch.randn(1, 1, vocab, generator=rng), masks)
+        logits = torch.randn(1, 1, vocab, generator=rng)
+        mask_logits(logits, committed_masks([grammar], torch.device("cpu")))
         token = int(torch.multinomial(logits[0, 0].softmax(-1), 1, generator=rng))
         assert grammar.commit([token]) == 1
         out.append(token)
