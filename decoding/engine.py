@@ -91,6 +91,12 @@ class GenerationResult:
 class StepOutput:
     finished: list[GenerationResult]
     new_tokens: dict[str, list[int]]  # tokens each running sequence emitted this step (for streaming)
+    # For per-step metrics: this step's speculation over its rows (each row that drafted is one spec step; tokens
+    # and target forwards count prefills too), and the batch after the step.
+    spec_decode: SpecDecodeStats = field(default_factory=SpecDecodeStats)
+    num_running: int = 0
+    num_waiting: int = 0
+    kv_cache_usage: float = 0.0  # Engine.kv_cache_usage
 
 
 @dataclass
@@ -392,12 +398,24 @@ class Engine:
     def step(self) -> StepOutput:
         emitted: dict[str, list[int]] = {}
         finished, self.rejected = self.rejected, []
+        prefilled = len(self.waiting)
         self._admit(emitted)
+        prefilled -= len(self.waiting)
         finished += self._retire()  # sequences done at prefill (EOS, max_tokens 1) never speculate
-        if self.running:
+        verified = list(self.running)
+        if verified:
             self._speculate(emitted)
             finished += self._retire()
-        return StepOutput(finished, emitted)
+        spec = SpecDecodeStats.from_steps(
+            [seq.per_step_drafted[-1] for seq in verified], [seq.per_step_accepted[-1] for seq in verified],
+            sum(len(tokens) for tokens in emitted.values()), prefilled + len(verified), self.topology.max_depth,
+        )
+        return StepOutput(finished, emitted, spec, len(self.running), len(self.waiting), self.kv_cache_usage())
+
+    def kv_cache_usage(self) -> float:
+        """Share of the KV cache's allocated entries that hold committed tokens (vLLM's ``kv_cache_usage_perc``)."""
+        cache = self.cache
+        return sum(cache.host_lengths[: cache.active]) / (cache.capacity * cache.max_slots)
 
     def _admit(self, emitted: dict[str, list[int]]) -> None:
         """Prefill waiting sequences into free rows: shortest first, in ragged forwards of bounded padded size."""

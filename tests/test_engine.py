@@ -968,3 +968,28 @@ def test_commit_moves_accepted_entries_and_leaves_an_in_place_path_alone() -> No
     assert layer.keys[0, 0, :5, 0].tolist() == [0, 1, 2, 3, 5]
     assert layer.keys[1, 0, :3, 0].tolist() == [100, 101, 103]
     assert torch.equal(layer.values, layer.keys) and cache.lengths.tolist() == [5, 3]
+
+
+def test_step_outputs_add_up_to_the_results_and_report_the_batch(tokenizer, target, draft):
+    """Per-step metrics (vLLM's counters move as the engine steps): the steps' speculation statistics and tokens
+    add up to the finished results', and each step reports the batch it leaves behind."""
+    from decoding.stats import SpecDecodeStats
+
+    config = make_config(method="draft_model", num_speculative_tokens=3, num_candidates=2, length_policy="static",
+                         batch_size=3)
+    engine = Engine(config, target=target, tokenizer=tokenizer, draft=draft)
+    for i, prompt in enumerate(PROMPTS):
+        engine.add_request(Request(str(i), prompt=prompt))
+    steps, tokens, results, batches = SpecDecodeStats(), 0, [], []
+    while engine.has_unfinished():
+        output = engine.step()
+        steps += output.spec_decode
+        tokens += sum(len(new) for new in output.new_tokens.values())
+        results += output.finished
+        batches.append((output.num_running, output.num_waiting, output.kv_cache_usage))
+        assert output.num_running == len(engine.running) and output.num_waiting == len(engine.waiting)
+    total = SpecDecodeStats.total(result.stats for result in results)
+    assert total.num_spec_steps > 0 and steps == total
+    assert tokens == total.num_generated_tokens
+    assert batches[0][:2] == (3, len(PROMPTS) - 3) and 0 < batches[0][2] < 1
+    assert batches[-1] == (0, 0, 0.0)
