@@ -56,6 +56,12 @@ class Request:
     prompt_token_ids: list[int] | None = None
     sampling: SamplingParams | dict[str, Any] | None = None
     seed_key: str | None = None  # what the row's random stream derives from with the run seed; default: id
+    # How ``messages`` render (vLLM's chat request fields): a template instead of the tokenizer's, extra variables
+    # for the template (e.g. ``enable_thinking``), and whether to open the assistant's turn or continue the last one.
+    chat_template: str | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
 
 
 @dataclass
@@ -154,13 +160,20 @@ class EngineError(ValueError):
 
 def encode_request(tokenizer: PreTrainedTokenizerBase, request: Request) -> tuple[str, list[int]]:
     """Prompt text and token ids (SPEC "Input"): ``prompt`` exactly as ``tokenizer(prompt)`` does, ``messages``
-    through the chat template with the generation prompt, or ``prompt_token_ids`` as given."""
+    through the chat template (the request's or the tokenizer's) with the generation prompt unless the request
+    continues its final message, or ``prompt_token_ids`` as given."""
     if request.prompt_token_ids is not None:
         ids = [int(t) for t in request.prompt_token_ids]
         return (request.prompt if isinstance(request.prompt, str) else tokenizer.decode(ids)), ids
     if request.messages is not None:
+        if request.add_generation_prompt and request.continue_final_message:
+            raise EngineError("add_generation_prompt and continue_final_message cannot both be true")
+        options = {"chat_template": request.chat_template, "add_generation_prompt": request.add_generation_prompt,
+                   "continue_final_message": request.continue_final_message}
         try:
-            prompt = tokenizer.apply_chat_template(request.messages, tokenize=False, add_generation_prompt=True)
+            prompt = tokenizer.apply_chat_template(
+                request.messages, **{**(request.chat_template_kwargs or {}), **options, "tokenize": False}
+            )
         except Exception as exc:  # templates raise many types on malformed messages
             raise EngineError(f"cannot render messages with the chat template: {exc}") from exc
         return prompt, tokenizer(prompt, add_special_tokens=False)["input_ids"]

@@ -993,3 +993,23 @@ def test_step_outputs_add_up_to_the_results_and_report_the_batch(tokenizer, targ
     assert tokens == total.num_generated_tokens
     assert batches[0][:2] == (3, len(PROMPTS) - 3) and 0 < batches[0][2] < 1
     assert batches[-1] == (0, 0, 0.0)
+
+
+def test_chat_rendering_options_reach_the_template(tokenizer):
+    """vLLM's chat request fields: a template of the request's own, variables it reads, and continuing the final
+    message instead of opening the assistant's turn."""
+    from decoding.engine import EngineError, encode_request
+
+    template = ("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+                "{% if enable_thinking %}think: {% endif %}{% if add_generation_prompt %}assistant: {% endif %}")
+    messages = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "a"}]
+    thinking, _ = encode_request(tokenizer, Request("t", messages=messages, chat_template=template,
+                                                    chat_template_kwargs={"enable_thinking": True}))
+    plain, ids = encode_request(tokenizer, Request("p", messages=messages, chat_template=template))
+    assert thinking.endswith("think: assistant: ") and plain.endswith("a\nassistant: ") and "think" not in plain
+    assert ids == tokenizer(plain, add_special_tokens=False)["input_ids"]
+    continued, _ = encode_request(tokenizer, Request("c", messages=messages, add_generation_prompt=False,
+                                                     continue_final_message=True))
+    assert continued.endswith("assistant: a")  # the tokenizer's own template, the last message left open
+    with pytest.raises(EngineError, match="cannot both be true"):
+        encode_request(tokenizer, Request("b", messages=messages, continue_final_message=True))
