@@ -103,6 +103,8 @@ class StepOutput:
     num_running: int = 0
     num_waiting: int = 0
     kv_cache_usage: float = 0.0  # Engine.kv_cache_usage
+    # With sampling_params.logprobs: the entries of ``new_tokens`` (for streaming them).
+    new_logprobs: dict[str, list[dict[str, Any]]] = field(default_factory=dict)
 
 
 @dataclass
@@ -414,6 +416,7 @@ class Engine:
         prefilled = len(self.waiting)
         self._admit(emitted)
         prefilled -= len(self.waiting)
+        live = list(self.running)  # every sequence that may emit tokens this step
         finished += self._retire()  # sequences done at prefill (EOS, max_tokens 1) never speculate
         verified = list(self.running)
         if verified:
@@ -423,7 +426,12 @@ class Engine:
             [seq.per_step_drafted[-1] for seq in verified], [seq.per_step_accepted[-1] for seq in verified],
             sum(len(tokens) for tokens in emitted.values()), prefilled + len(verified), self.topology.max_depth,
         )
-        return StepOutput(finished, emitted, spec, len(self.running), len(self.waiting), self.kv_cache_usage())
+        new_logprobs = {
+            seq.request_id: seq.logprobs[len(seq.generated) - len(emitted[seq.request_id]) : len(seq.generated)]
+            for seq in live if seq.params.logprobs is not None and seq.request_id in emitted
+        }
+        return StepOutput(finished, emitted, spec, len(self.running), len(self.waiting), self.kv_cache_usage(),
+                          new_logprobs)
 
     def kv_cache_usage(self) -> float:
         """Share of the KV cache's allocated entries that hold committed tokens (vLLM's ``kv_cache_usage_perc``)."""
