@@ -296,6 +296,18 @@ class Config(_Strict):
     # CPU cores per actor / replica (and torch threads on CPU); None = the machine's cores split over actors.
     num_cpus: float | None = Field(None, gt=0)
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    # vLLM's --chat-template (a file or the template itself; default: the tokenizer's) and
+    # --default-chat-template-kwargs (variables the template reads, e.g. enable_thinking); requests and rows may
+    # override both.
+    chat_template: str | None = None
+    chat_template_kwargs: dict[str, Any] = Field(default_factory=dict)
+
+    @field_validator("chat_template")
+    @classmethod
+    def _template_file(cls, value: str | None) -> str | None:
+        if value and "{" not in value and "\n" not in value and Path(value).is_file():
+            return Path(value).read_text()
+        return value
 
     @field_validator("num_gpus")
     @classmethod

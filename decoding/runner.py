@@ -11,8 +11,9 @@ reach their callers (futures, asyncio queues). Everything else is here, free of 
   of cores), small ones never wait for them;
 - ``submit`` hands a prepared request to the engine thread through an inbox; the thread admits inbox items
   between steps, blocks on the inbox when idle, and sends each request's events to its ``sink``: new token ids
-  after a step, then the finished ``GenerationResult`` (a result supersedes its last tokens, which may pass a
-  stop string), or an exception (``RequestRejected`` for that request alone, the engine's failure otherwise);
+  (``NewTokens``, with their logprobs when asked for) after a step, then the finished ``GenerationResult`` (a
+  result supersedes its last tokens, which may pass a stop string), or an exception (``RequestRejected`` for
+  that request alone, the engine's failure otherwise);
 - ``abort`` drops a request between steps;
 - a step that raises fails only the requests that make it fail: the runner rebuilds the engine and reruns the
   requests that were in flight, halving the group that fails until each failing request is alone (and a canary
@@ -33,6 +34,9 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from contextlib import nullcontext
 from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from transformers import PreTrainedTokenizerBase
 
 from decoding.config import SamplingParams
 from decoding.engine import Engine, GenerationResult, Prepared, Request, StepOutput
@@ -40,7 +44,13 @@ from decoding.models import use_torch_threads
 
 log = logging.getLogger(__name__)
 
-Event = list[int] | GenerationResult | BaseException
+class NewTokens(list[int]):
+    """A step's new token ids of one sequence; ``logprobs``: their entries, when its request asked for them."""
+
+    logprobs: list[dict[str, Any]] | None = None
+
+
+Event = NewTokens | GenerationResult | BaseException
 Sink = Callable[[Event], None]
 
 
@@ -54,6 +64,17 @@ def _input_chars(request: Request) -> int:
     if isinstance(request.messages, list):
         return sum(len(str(m.get("content", ""))) for m in request.messages if isinstance(m, dict))
     return 0
+
+
+class StepObserver(Protocol):
+    """Told of each request's arrival, every step and each abort (metrics): ``submitted`` on the caller's thread,
+    the others on the engine thread."""
+
+    def submitted(self, request_id: str, prompt_tokens: int) -> None: ...
+
+    def stepped(self, output: StepOutput) -> None: ...
+
+    def aborted(self, request_id: str) -> None: ...
 
 
 class RequestRejected(ValueError):
@@ -125,8 +146,10 @@ class _Progress:
 
 
 class EngineRunner:
-    def __init__(self, make_engine: Callable[[], Engine], torch_threads: int | None = None) -> None:
+    def __init__(self, make_engine: Callable[[], Engine], torch_threads: int | None = None,
+                 observer: StepObserver | None = None) -> None:
         self._make_engine = make_engine
+        self._observer = observer
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._deferred: collections.deque = collections.deque()  # inbox items held back while recovering
         self._jobs: dict[str, _Job] = {}
@@ -142,11 +165,16 @@ class EngineRunner:
         self.engine: Engine = ready.result()  # a failure to build (bad model path, ...) raises here
 
     # ------------------------------------------------------------------------------------- any thread
-    def prepare(self, request: Request) -> Prepared:
-        """Validate and tokenize ``request`` on the calling thread (never call it on the engine thread)."""
+    def thread_tokenizer(self) -> PreTrainedTokenizerBase:
+        """The calling thread's own copy of the engine's tokenizer (never call it on the engine thread)."""
         tokenizer = getattr(self._local, "tokenizer", None)
         if tokenizer is None:
             tokenizer = self._local.tokenizer = copy.deepcopy(self.engine.tokenizer)
+        return tokenizer
+
+    def prepare(self, request: Request) -> Prepared:
+        """Validate and tokenize ``request`` on the calling thread (never call it on the engine thread)."""
+        tokenizer = self.thread_tokenizer()
         try:
             with self._large_inputs if _input_chars(request) > LARGE_INPUT_CHARS else nullcontext():
                 return self.engine.prepare(request, tokenizer)
@@ -160,6 +188,8 @@ class EngineRunner:
         if self.failure is not None:
             sink(self.failure)
             return
+        if self._observer is not None and not isinstance(prepared, GenerationResult):
+            self._observer.submitted(request.id, len(prepared.prompt_ids))
         self._inbox.put(_Job(request, prepared, sink, streamed))
 
     def abort(self, request_id: str) -> None:
@@ -191,6 +221,8 @@ class EngineRunner:
                 continue
             self.steps += 1
             self._progress.step(output)
+            if self._observer is not None:
+                self._observer.stepped(output)
             self._deliver(output)
 
     def _next_item(self, block: bool) -> object:
@@ -214,6 +246,8 @@ class EngineRunner:
             if isinstance(item, str):
                 self.engine.abort(item)
                 self._jobs.pop(item, None)
+                if self._observer is not None:
+                    self._observer.aborted(item)
                 continue
             self._admit(item, item.prepared)
             if not self.engine.has_unfinished():
@@ -239,7 +273,10 @@ class EngineRunner:
                 self._drop(job, StreamLost("the engine failed and was rebuilt; the rerun of this request departed "
                                            "from the tokens already streamed"))
             elif request_id not in finished and fresh:
-                job.sink(fresh)
+                event = NewTokens(fresh)
+                if (logprobs := output.new_logprobs.get(request_id)) is not None:
+                    event.logprobs = logprobs[len(logprobs) - len(fresh):]
+                job.sink(event)
         for result in output.finished:
             job = self._jobs.pop(result.id, None)
             if job is not None:

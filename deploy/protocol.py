@@ -15,7 +15,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationIn
 from decoding.config import StructuredOutputs, format_validation_error
 
 # The one request validation, shared with the pipeline.
-from frontend.requests import ChatMessage, TextPart  # noqa: F401
+from frontend.requests import MAX_DEPTH, ChatMessage, ChatOptions, TextPart, too_deep  # noqa: F401
 
 # Context keys the server passes to ``model_validate_json`` (limits only a loaded model knows).
 MAX_CONTEXT = "max_context"
@@ -194,12 +194,6 @@ class GenerationRequest(_Request):
             fields["structured_outputs"] = constraint.model_dump(exclude_defaults=True)
         return {**fields, "n": 1}
 
-    @model_validator(mode="after")
-    def _logprobs_not_streamed(self) -> GenerationRequest:
-        if self.stream and self.top_logprobs is not None:
-            raise ValueError("logprobs are returned with whole responses only, not with stream: true")
-        return self
-
 
 _SAMPLING_FIELDS = {
     "temperature", "top_p", "top_k", "seed", "frequency_penalty", "presence_penalty", "repetition_penalty",
@@ -235,6 +229,11 @@ class CompletionRequest(GenerationRequest):
 
 class ChatCompletionRequest(GenerationRequest):
     messages: list[ChatMessage] = Field(min_length=1)
+    # vLLM's: how messages render (over the config's chat_template / chat_template_kwargs).
+    chat_template: str | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
     max_completion_tokens: int | None = Field(None, ge=1, description="OpenAI's newer name for max_tokens")
     logprobs: bool | None = None
     top_logprobs_: int | None = Field(None, ge=0, le=20, alias="top_logprobs")
@@ -258,7 +257,21 @@ class ChatCompletionRequest(GenerationRequest):
     def _top_logprobs_need_logprobs(self) -> ChatCompletionRequest:
         if self.top_logprobs_ and not self.logprobs:
             raise ValueError("top_logprobs needs logprobs: true")
+        if self.add_generation_prompt and self.continue_final_message:
+            raise ValueError("add_generation_prompt and continue_final_message cannot both be true")
         return self
+
+    @field_validator("chat_template_kwargs")
+    @classmethod
+    def _bounded(cls, value: dict[str, Any] | None) -> dict[str, Any] | None:
+        if value is not None and too_deep(value):
+            raise ValueError(f"nested deeper than {MAX_DEPTH} levels")
+        return value
+
+    def chat_options(self) -> ChatOptions:
+        return ChatOptions(chat_template=self.chat_template, chat_template_kwargs=self.chat_template_kwargs,
+                           add_generation_prompt=self.add_generation_prompt,
+                           continue_final_message=self.continue_final_message)
 
     @property
     def output_limit(self) -> int | None:
@@ -362,7 +375,7 @@ class ChatDelta(BaseModel):
 class ChatChunkChoice(BaseModel):
     index: int
     delta: ChatDelta
-    logprobs: None = None
+    logprobs: ChatLogprobs | None = None
     finish_reason: str | None = None
 
 

@@ -31,7 +31,6 @@ from pydantic import BaseModel, SecretStr, ValidationError
 from ray import serve
 from ray.runtime_context import get_runtime_context
 from ray.serve import Application
-from ray.util.metrics import Counter
 from starlette.exceptions import HTTPException
 
 from decoding.config import Config, SamplingParams, load_config
@@ -68,7 +67,7 @@ from deploy.protocol import (
     TopLogprob,
     Usage,
 )
-from frontend.metrics import SpecDecodeCounters
+from frontend.metrics import EngineMetrics, prometheus_backend, ray_backend
 from frontend.requests import RequestError, sampling_params
 
 log = logging.getLogger(__name__)
@@ -178,8 +177,11 @@ def _token_text(tokenizer: Any, token_id: int) -> str:
     return tokenizer.decode([token_id])
 
 
-def _chat_logprobs(tokenizer: Any, result: GenerationResult) -> ChatLogprobs | None:
-    if result.logprobs is None:
+Entries = list[dict[str, Any]]  # GenerationResult.logprobs: per token, its logprob and top alternatives
+
+
+def _chat_logprobs(tokenizer: Any, entries: Entries | None) -> ChatLogprobs | None:
+    if entries is None:
         return None
 
     def top(token_id: int, logprob: float) -> TopLogprob:
@@ -189,21 +191,26 @@ def _chat_logprobs(tokenizer: Any, result: GenerationResult) -> ChatLogprobs | N
     return ChatLogprobs(content=[
         TokenLogprob(**top(e["token_id"], e["logprob"]).model_dump(),
                      top_logprobs=[top(a["token_id"], a["logprob"]) for a in e["top_logprobs"]])
-        for e in result.logprobs
+        for e in entries
     ])
 
 
-def _completion_logprobs(tokenizer: Any, result: GenerationResult) -> CompletionLogprobs | None:
-    if result.logprobs is None:
+def _completion_logprobs(tokenizer: Any, entries: Entries | None, offset: int = 0) -> CompletionLogprobs | None:
+    """``offset``: characters of the tokens before these (a stream's earlier chunks)."""
+    if entries is None:
         return None
-    tokens = [_token_text(tokenizer, e["token_id"]) for e in result.logprobs]
-    offsets = [sum(len(t) for t in tokens[:i]) for i in range(len(tokens))]
+    tokens = [_token_text(tokenizer, e["token_id"]) for e in entries]
+    offsets = [offset + sum(len(t) for t in tokens[:i]) for i in range(len(tokens))]
     return CompletionLogprobs(
-        tokens=tokens, token_logprobs=[e["logprob"] for e in result.logprobs],
+        tokens=tokens, token_logprobs=[e["logprob"] for e in entries],
         top_logprobs=[{_token_text(tokenizer, a["token_id"]): a["logprob"] for a in e["top_logprobs"]}
-                      for e in result.logprobs],
+                      for e in entries],
         text_offset=offsets,
     )
+
+
+def _token_chars(tokenizer: Any, entries: Entries) -> int:
+    return sum(len(_token_text(tokenizer, e["token_id"])) for e in entries)
 
 
 class _Format(ABC):
@@ -221,7 +228,10 @@ class _Format(ABC):
     def response(self, results: list[GenerationResult]) -> BaseModel: ...
 
     @abstractmethod
-    def chunk(self, index: int, text: str | None, finish_reason: str | None, role: bool = False) -> BaseModel: ...
+    def chunk(self, index: int, text: str | None, finish_reason: str | None, role: bool = False,
+              logprobs: Entries | None = None, offset: int = 0) -> BaseModel:
+        """One stream chunk; ``logprobs``: the entries of the tokens it carries, ``offset`` their first
+        character in the choice's token text."""
 
     def opening_chunks(self, count: int) -> list[BaseModel]:
         return []
@@ -237,13 +247,15 @@ class _CompletionFormat(_Format):
     def response(self, results: list[GenerationResult]) -> CompletionResponse:
         choices = [
             CompletionChoice(index=i, text=r.text, finish_reason=r.finish_reason,
-                             logprobs=_completion_logprobs(self.tokenizer, r))
+                             logprobs=_completion_logprobs(self.tokenizer, r.logprobs))
             for i, r in enumerate(results)
         ]
         return CompletionResponse(**self._fields(), choices=choices, **_totals(results))
 
-    def chunk(self, index: int, text: str | None, finish_reason: str | None, role: bool = False) -> CompletionResponse:
-        choice = CompletionChoice(index=index, text=text or "", finish_reason=finish_reason)
+    def chunk(self, index: int, text: str | None, finish_reason: str | None, role: bool = False,
+              logprobs: Entries | None = None, offset: int = 0) -> CompletionResponse:
+        choice = CompletionChoice(index=index, text=text or "", finish_reason=finish_reason,
+                                  logprobs=_completion_logprobs(self.tokenizer, logprobs, offset))
         return CompletionResponse(**self._fields(), choices=[choice])
 
     def usage_chunk(self, results: list[GenerationResult]) -> CompletionResponse:
@@ -257,14 +269,16 @@ class _ChatFormat(_Format):
     def response(self, results: list[GenerationResult]) -> ChatCompletionResponse:
         choices = [
             ChatChoice(index=i, message=AssistantMessage(content=r.text), finish_reason=r.finish_reason,
-                       logprobs=_chat_logprobs(self.tokenizer, r))
+                       logprobs=_chat_logprobs(self.tokenizer, r.logprobs))
             for i, r in enumerate(results)
         ]
         return ChatCompletionResponse(**self._fields(), choices=choices, **_totals(results))
 
-    def chunk(self, index: int, text: str | None, finish_reason: str | None, role: bool = False) -> ChatCompletionChunk:
+    def chunk(self, index: int, text: str | None, finish_reason: str | None, role: bool = False,
+              logprobs: Entries | None = None, offset: int = 0) -> ChatCompletionChunk:
         delta = ChatDelta(role="assistant" if role else None, content=text)
-        choice = ChatChunkChoice(index=index, delta=delta, finish_reason=finish_reason)
+        choice = ChatChunkChoice(index=index, delta=delta, finish_reason=finish_reason,
+                                 logprobs=_chat_logprobs(self.tokenizer, logprobs))
         return ChatCompletionChunk(**self._fields(), choices=[choice])
 
     def opening_chunks(self, count: int) -> list[ChatCompletionChunk]:
@@ -289,19 +303,6 @@ async def _replay(
             yield item
 
 
-class _TeeCounter:
-    """A Ray counter (Ray's metrics export, scraped per node) and the replica's own one (its GET /metrics)."""
-
-    def __init__(self, registry: prometheus_client.CollectorRegistry, name: str, description: str,
-                 keys: tuple[str, ...]) -> None:
-        self.ray = Counter(name, description=description, tag_keys=keys)
-        self.local = prometheus_client.Counter(name, description, keys, registry=registry)
-
-    def inc(self, value: float = 1.0, tags: dict[str, str] | None = None) -> None:
-        self.ray.inc(value, tags)
-        self.local.labels(**(tags or {})).inc(value)
-
-
 # -------------------------------------------------------------------------------------------------- deployment
 @serve.deployment
 @serve.ingress(api)
@@ -310,16 +311,17 @@ class OpenAIServer:
         self.config = config
         # Ray starts replicas with OMP_NUM_THREADS=1: a CPU replica takes its num_cpus, else its share of the node.
         threads = worker_threads(config.num_cpus, config.concurrency_range[1])
-        self.loop = EngineLoop(lambda: Engine(config), threads)
-        # The engine thread tokenizes with its own tokenizer; streaming decodes on the event loop with this one.
-        self.tokenizer = load_tokenizer(config.model)
         # vLLM: served_model_name names the model in /v1/models and requests; else its path (or the path's name).
         self.model_id = config.served_model_name or config.model
         self.model_names = {self.model_id} if config.served_model_name else {config.model, Path(config.model).name}
+        # vLLM's metrics, recorded as the engine steps: Ray's metrics export (all replicas) and this replica's own
+        # GET /metrics.
         self.registry = prometheus_client.CollectorRegistry()
-        self.metrics = SpecDecodeCounters(
-            lambda name, description, keys: _TeeCounter(self.registry, name, description, keys), self.model_id
-        )
+        replica_id = serve.get_replica_context().replica_id.unique_id
+        self.metrics = EngineMetrics([ray_backend(replica_id), prometheus_backend(self.registry)], self.model_id)
+        self.loop = EngineLoop(lambda: Engine(config), threads, self.metrics)
+        # The engine thread tokenizes with its own tokenizer; streaming decodes on the event loop with this one.
+        self.tokenizer = load_tokenizer(config.model)
         gate.GATE.api_key = config.api_key.get_secret_value().encode() if config.api_key else None
         drain.watch(serve.get_replica_context().app_name, get_runtime_context().get_actor_id(),
                     start=self._start_draining, busy=lambda: gate.GATE.in_flight, end=self._end_requests)
@@ -348,7 +350,7 @@ class OpenAIServer:
 
     @api.get("/metrics")
     async def prometheus(self) -> Response:
-        """This replica's spec-decode counters in Prometheus' text format (all replicas: Ray's metrics export)."""
+        """This replica's vLLM metrics in Prometheus' text format (all replicas: Ray's metrics export)."""
         text = prometheus_client.generate_latest(self.registry)
         return Response(text, media_type=prometheus_client.CONTENT_TYPE_LATEST)
 
@@ -378,7 +380,8 @@ class OpenAIServer:
         body: ChatCompletionRequest = self._parse(await _json_body(raw), ChatCompletionRequest)
         sampling = self._sampling(body)
         messages = [message.rendered() for message in body.messages]
-        requests = [self._request(body, sampling, choice, messages=messages) for choice in range(body.n)]
+        rendering = body.chat_options().request_fields(self.config)
+        requests = [self._request(body, sampling, choice, messages=messages, **rendering) for choice in range(body.n)]
         return await self._generate(body, sampling, requests, _ChatFormat(self.model_id, self.tokenizer))
 
     # ------------------------------------------------------------------------------------------- internals
@@ -424,7 +427,6 @@ class OpenAIServer:
             async for index, event in stream:
                 if isinstance(event, GenerationResult):
                     results[index] = event
-                    self.metrics.record(event.stats)
         return JSONResponse(fmt.response(results).model_dump())
 
     @staticmethod
@@ -452,6 +454,10 @@ class OpenAIServer:
         self, events: AsyncGenerator[tuple[int, Event], None], count: int, fmt: _Format, stops: list[str], usage: bool
     ) -> AsyncIterator[str]:
         texts = [IncrementalText(self.tokenizer, stops) for _ in range(count)]
+        # Logprob entries go out with the chunk that carries their text (a token's text may be held back), the
+        # last ones with the final chunk, from the result (which a stop string may have cut short).
+        pending: list[Entries] = [[] for _ in range(count)]
+        sent, offsets = [0] * count, [0] * count
         results: list[GenerationResult] = []
         for chunk in fmt.opening_chunks(count):
             yield _sse(chunk)
@@ -460,10 +466,17 @@ class OpenAIServer:
                 async for index, event in events:
                     if isinstance(event, GenerationResult):
                         results.append(event)
-                        self.metrics.record(event.stats)
-                        yield _sse(fmt.chunk(index, texts[index].finish(event.text), event.finish_reason))
-                    elif delta := texts[index].push(event):
-                        yield _sse(fmt.chunk(index, delta, None))
+                        rest = None if event.logprobs is None else event.logprobs[sent[index]:]
+                        yield _sse(fmt.chunk(index, texts[index].finish(event.text), event.finish_reason,
+                                             logprobs=rest, offset=offsets[index]))
+                        continue
+                    pending[index] += event.logprobs or []
+                    if delta := texts[index].push(event):
+                        entries = pending[index] if event.logprobs is not None else None
+                        yield _sse(fmt.chunk(index, delta, None, logprobs=entries, offset=offsets[index]))
+                        sent[index] += len(pending[index])
+                        offsets[index] += _token_chars(self.tokenizer, pending[index])
+                        pending[index] = []
             if usage:
                 yield _sse(fmt.usage_chunk(results))
         except (EngineFailure, Draining, RequestRejected) as exc:  # the status line is sent: report in-band

@@ -19,7 +19,14 @@ from pydantic import BaseModel, ConfigDict, ValidationError, field_validator, mo
 
 # Deepest nesting accepted in a request value (messages with text parts need 4; sampling_params 2, plus a JSON
 # schema's own). Deeper values are refused before pydantic, Arrow or the chat template recurse into them.
-from decoding.config import MAX_DEPTH, SamplingParams, StructuredOutputs, format_validation_error, too_deep
+from decoding.config import (
+    MAX_DEPTH,
+    Config,
+    SamplingParams,
+    StructuredOutputs,
+    format_validation_error,
+    too_deep,
+)
 
 
 class RequestError(ValueError):
@@ -91,7 +98,32 @@ def with_structured_outputs(sampling: dict[str, Any]) -> dict[str, Any]:
     return sampling
 
 
-class _Inputs(_Strict):
+class ChatOptions(_Strict):
+    """How messages render, as vLLM's chat requests take it: each field overrides the config's (``None``: unset)."""
+
+    chat_template: str | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    add_generation_prompt: bool | None = None
+    continue_final_message: bool | None = None
+
+    def request_fields(self, config: Config, *, continue_assistant: bool = False,
+                       messages: list[dict[str, str]] | None = None) -> dict[str, Any]:
+        """``decoding.engine.Request``'s rendering fields: these options over ``config``'s, with vLLM's defaults
+        (generation prompt added, final message not continued). With ``continue_assistant`` (Ray Data LLM's rule),
+        messages ending with the assistant's are continued instead, unless the options say otherwise."""
+        add, continue_final = self.add_generation_prompt, self.continue_final_message
+        if add is None and continue_final is None and continue_assistant and messages and (
+                messages[-1]["role"] == "assistant"):
+            add, continue_final = False, True
+        return {
+            "chat_template": self.chat_template or config.chat_template,
+            "chat_template_kwargs": {**config.chat_template_kwargs, **(self.chat_template_kwargs or {})} or None,
+            "add_generation_prompt": True if add is None else add,
+            "continue_final_message": bool(continue_final),
+        }
+
+
+class _Inputs(ChatOptions):
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
     sampling_params: dict[str, Any] | None = None
@@ -127,6 +159,7 @@ class ParsedRequest:
     prompt: str | None
     messages: list[dict[str, str]] | None
     sampling: dict[str, Any] | None
+    chat: ChatOptions
 
 
 def _without_nulls(value: Any) -> Any:
@@ -134,10 +167,13 @@ def _without_nulls(value: Any) -> Any:
     return {k: v for k, v in value.items() if v is not None} if isinstance(value, dict) else value
 
 
-def parse_request(prompt: Any = None, messages: Any = None, sampling_params: Any = None) -> ParsedRequest:
+def parse_request(prompt: Any = None, messages: Any = None, sampling_params: Any = None, **chat: Any) -> ParsedRequest:
     """A row's or body's inputs, validated; ``RequestError`` with a message naming the field otherwise.
-    ``messages`` and ``sampling_params`` may be JSON text; null struct fields count as absent."""
+    ``messages``, ``sampling_params`` and ``chat_template_kwargs`` may be JSON text; null struct fields count as
+    absent. ``chat``: the ``ChatOptions`` fields."""
     messages = parse_json(messages, "messages")
+    if chat.get("chat_template_kwargs") is not None:
+        chat["chat_template_kwargs"] = _without_nulls(parse_json(chat["chat_template_kwargs"], "chat_template_kwargs"))
     sampling_params = _without_nulls(parse_json(sampling_params, "sampling_params"))
     if isinstance(sampling_params, dict):
         sampling_params = {k: _without_nulls(v) for k, v in sampling_params.items()}
@@ -149,11 +185,13 @@ def parse_request(prompt: Any = None, messages: Any = None, sampling_params: Any
     if sampling_params is not None and not isinstance(sampling_params, dict):
         raise RequestError(f"invalid sampling_params: expected an object, got {type(sampling_params).__name__}")
     try:
-        inputs = _Inputs.model_validate({"prompt": prompt, "messages": messages, "sampling_params": sampling_params})
+        inputs = _Inputs.model_validate(
+            {**chat, "prompt": prompt, "messages": messages, "sampling_params": sampling_params})
     except ValidationError as exc:
         raise RequestError(_message(exc)) from None
     rendered = None if inputs.messages is None else [m.rendered() for m in inputs.messages]
-    return ParsedRequest(inputs.prompt, rendered, inputs.sampling_params)
+    options = ChatOptions.model_validate(inputs.model_dump(include=set(ChatOptions.model_fields)))
+    return ParsedRequest(inputs.prompt, rendered, inputs.sampling_params, options)
 
 
 def _message(exc: ValidationError) -> str:

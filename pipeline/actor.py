@@ -11,19 +11,19 @@ from __future__ import annotations
 import itertools
 import logging
 from concurrent.futures import Future
+from dataclasses import dataclass
 from typing import Any
 
 import pyarrow as pa
 import ray
-from ray.util.metrics import Counter
 
 from decoding.config import Config
 from decoding.engine import Engine, GenerationResult, Request
 from decoding.models import worker_threads
 from decoding.runner import EngineRunner, Event, RequestRejected
-from frontend.metrics import SpecDecodeCounters
+from frontend.metrics import EngineMetrics, ray_backend
 from frontend.remote import localize_models
-from frontend.requests import RequestError, parse_request, sampling_params
+from frontend.requests import ChatOptions, RequestError, parse_request, sampling_params
 from pipeline.schema import PRODUCER_NODE, READ_ERROR, output_block
 
 log = logging.getLogger(__name__)
@@ -34,17 +34,47 @@ log = logging.getLogger(__name__)
 # Ray runs job drivers; env_vars merge with the job's runtime_env (working_dir etc. stay).
 ENGINE_RUNTIME_ENV = {"env_vars": {"RAY_worker_niceness": "0"}}
 
+# Ray Data LLM's error column (``should_continue_on_error``): the reason on error rows, empty on the others.
+INFERENCE_ERROR = "__inference_error__"
+# Row columns that set how a row's messages render (frontend.requests.ChatOptions).
+CHAT_COLUMNS = tuple(ChatOptions.model_fields)
 
-def request_from_row(key: str, row: dict[str, Any], engine: Engine) -> Request:
+
+@dataclass(frozen=True)
+class RowOptions:
+    """What rows mean to the actor. ``continue_on_error``: a row that cannot be generated becomes an error row
+    (false: it fails the batch, so the dataset). ``detokenize``: ``generated_text`` decoded from the tokens for rows
+    whose sampling asked for none. ``apply_chat_template``: false refuses ``messages``. ``continue_assistant``:
+    messages ending with the assistant's are continued (Ray Data LLM's rule). ``metrics``: vLLM's metrics export.
+    ``error_column``: rows get ``INFERENCE_ERROR``."""
+
+    continue_on_error: bool = True
+    error_column: bool = False
+    detokenize: bool = False
+    apply_chat_template: bool = True
+    continue_assistant: bool = False
+    metrics: bool = True
+
+
+class RowFailed(RuntimeError):
+    """A row could not be generated and the processor does not continue on errors."""
+
+
+def request_from_row(key: str, row: dict[str, Any], engine: Engine, options: RowOptions = RowOptions()) -> Request:
     """An input row (SPEC "Input") as an engine request; ``RequestError`` when it cannot be one. Rows are
     validated as the server validates its requests (frontend.requests), sampling parameters with every bound and
     against the model; the engine itself rejects what only tokenizing shows: empty or over-long prompts."""
     if row.get(READ_ERROR):
         raise RequestError(row[READ_ERROR])
-    parsed = parse_request(row.get("prompt"), row.get("messages"), row.get("sampling_params"))
+    chat = {name: row[name] for name in CHAT_COLUMNS if row.get(name) is not None}
+    parsed = parse_request(row.get("prompt"), row.get("messages"), row.get("sampling_params"), **chat)
+    if parsed.messages is not None and not options.apply_chat_template:
+        raise RequestError("a row with messages needs the chat template (apply_chat_template is false)")
+    rendering = parsed.chat.request_fields(engine.config, continue_assistant=options.continue_assistant,
+                                           messages=parsed.messages)
     sampling = sampling_params(parsed.sampling, engine.config.sampling, engine.target.config.vocab_size,
                                engine.eos_ids)
-    return Request(key, prompt=parsed.prompt, messages=parsed.messages, sampling=sampling)
+    return Request(key, prompt=parsed.prompt, messages=parsed.messages, sampling=sampling, **rendering)
 
 
 def error_result(request_id: str, prompt: Any, message: str) -> GenerationResult:
@@ -58,21 +88,21 @@ def error_result(request_id: str, prompt: Any, message: str) -> GenerationResult
 class GenerationActor:
     """``map_batches`` callable class: Arrow batch of input rows -> output block (see pipeline.schema)."""
 
-    def __init__(self, config: dict[str, Any], actors_per_node: int = 1, token_stats: bool = True) -> None:
+    def __init__(self, config: dict[str, Any], actors_per_node: int = 1, token_stats: bool = True,
+                 options: RowOptions = RowOptions()) -> None:
         given = Config.model_validate(config)
+        self.options = options
         self.config = localize_models(given)  # model URIs (s3://...) as local copies; provenance keeps the URIs
         self.token_stats = token_stats
         # Ray sets OMP_NUM_THREADS=1 in workers: a CPU actor uses its num_cpus, else its share of the node.
         self.torch_threads = worker_threads(self.config.num_cpus, actors_per_node)
         self._keys = itertools.count()  # engine ids (input ids need not be unique); next() is atomic across calls
-        # Prometheus (vLLM's spec-decode names) through Ray's metrics export; fed on the engine thread only.
-        self.metrics = SpecDecodeCounters(
-            lambda name, description, keys: Counter(name, description=description, tag_keys=keys), self.config.model
-        )
+        # vLLM's metrics through Ray's metrics export, recorded by the runner as the engine steps.
+        metrics = EngineMetrics([ray_backend()], given.served_model_name or given.model) if options.metrics else None
         # An engine failure must not lose rows or stop the job: the runner reruns the requests in flight and only
         # a request that fails on its own becomes an error row. A failure to build the engine (bad model path, ...)
         # fails the actor here.
-        self.runner = EngineRunner(lambda: Engine(self.config), self.torch_threads)
+        self.runner = EngineRunner(lambda: Engine(self.config), self.torch_threads, metrics)
         spec = self.runner.engine.config.speculative  # as resolved: the default draft may have fallen back to ngram
         self.provenance = {
             "target_model": given.model,
@@ -83,14 +113,23 @@ class GenerationActor:
 
     def __call__(self, batch: pa.Table) -> pa.Table:
         futures = [self._submit(row) for row in batch.to_pylist()]
-        block = output_block(batch, [future.result() for future in futures], self.provenance, self.token_stats)
+        results = [future.result() for future in futures]
+        if not self.options.continue_on_error and (failed := [r for r in results if r.finish_reason == "error"]):
+            raise RowFailed(f"{len(failed)} of {len(results)} rows failed, the first: {failed[0].error} "
+                            "(should_continue_on_error: true makes them error rows)")
+        if self.options.detokenize:
+            tokenizer = self.runner.thread_tokenizer()
+            for result in results:
+                if not result.text and result.token_ids:  # its sampling_params had detokenize: false
+                    result.text = tokenizer.decode(result.token_ids, skip_special_tokens=True)
+        block = output_block(batch, results, self.provenance, self.token_stats)
         return block.replace_schema_metadata(self.metadata)
 
     def _submit(self, row: dict[str, Any]) -> Future:
         future: Future = Future()
         key = str(next(self._keys))
         try:
-            request = request_from_row(key, row, self.runner.engine)
+            request = request_from_row(key, row, self.runner.engine, self.options)
             request.seed_key = str(row.get("id", key))  # a row's random stream follows its id, not its actor
             prepared = self.runner.prepare(request)  # on this call's thread, not the engine's
         except (RequestError, RequestRejected) as exc:
@@ -99,7 +138,6 @@ class GenerationActor:
 
         def sink(event: Event) -> None:  # called on the engine thread
             if isinstance(event, GenerationResult):
-                self.metrics.record(event.stats)
                 future.set_result(event)
             elif isinstance(event, BaseException):
                 future.set_result(error_result(key, row.get("prompt"), f"engine failure: {event!r}"))

@@ -18,7 +18,7 @@ import ray.data
 
 from decoding.config import Config
 from pipeline.io import list_input_files, read_prompts
-from pipeline.processor import Processor, rows_per_block
+from pipeline.processor import Processor, StageOptions, rows_per_block
 from pipeline.store import Lease, OutputSink, OutputStore, new_run_id
 from pipeline.summary import RunStats, summarize
 
@@ -49,7 +49,7 @@ def generate(ds: ray.data.Dataset, config: Config) -> ray.data.Dataset:
     """Rows with ``id`` and ``prompt`` or ``messages``, in blocks (``read_prompts``) -> output blocks
     with nested token statistics (``pipeline.schema.output_block``), one per input block."""
     # Blocks are not re-batched: two files' blocks may differ in column types, and concatenating them would fail.
-    return Processor(config, token_stats=True)(ds, rebatch=False)
+    return Processor(config, token_stats=True, options=StageOptions(rows_per_batch=None))(ds)
 
 
 def run(config: Config, input_path: str, output_dir: str) -> dict[str, Any]:

@@ -95,13 +95,11 @@ def output_block(
 ) -> pa.Table:
     """SPEC's output columns for ``results`` (one per input row, same order), carried-through input
     columns after them, and with ``token_stats`` the nested token statistics. ``id`` only where the input has
-    one (build_processor needs none)."""
-    schema = OUTPUT_SCHEMA if "id" in inputs.column_names else OUTPUT_SCHEMA.remove(0)
+    one (build_processor needs none), first and of the input's type (the job's reader makes it a string)."""
     rows = [{**_output_row(result), **provenance} for result in results]
+    table = pa.Table.from_pylist(rows, schema=OUTPUT_SCHEMA.remove(0))
     if "id" in inputs.column_names:
-        for row, row_id in zip(rows, inputs["id"].to_pylist(), strict=True):
-            row["id"] = row_id
-    table = pa.Table.from_pylist(rows, schema=schema)
+        table = table.add_column(0, inputs.schema.field("id"), inputs["id"])
     for field in inputs.schema:
         if field.name not in OUTPUT_SCHEMA.names and field.name not in _PRIVATE:
             table = table.append_column(field, inputs[field.name])

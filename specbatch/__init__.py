@@ -5,7 +5,8 @@ The public Python API (SPEC "Python API"), re-exported from the four rooms where
     import ray
     import specbatch
 
-    processor = specbatch.build_processor(specbatch.Config(), preprocess=lambda row: {"prompt": row["text"]})
+    config = specbatch.ProcessorConfig(model_source="smollm2-135m-instruct")  # Ray Data LLM's fields
+    processor = specbatch.build_processor(config, preprocess=lambda row: {"prompt": row["text"]})
     ds = processor(ray.data.from_items([{"text": "The capital of France is"}]))
 """
 
@@ -13,8 +14,10 @@ from decoding.config import Config, SamplingParams, SpeculativeConfig, load_conf
 from decoding.engine import Engine, GenerationResult, Request
 from pipeline.job import run as generate
 from pipeline.processor import Processor, build_processor
+from pipeline.processor_config import ProcessorConfig
 
 __all__ = [
-    "Config", "Engine", "GenerationResult", "Processor", "Request", "SamplingParams", "SpeculativeConfig",
+    "Config", "Engine", "GenerationResult", "Processor", "ProcessorConfig", "Request", "SamplingParams",
+    "SpeculativeConfig",
     "build_processor", "generate", "load_config",
 ]

@@ -59,7 +59,9 @@ def ray_cluster():
     import ray
 
     os.environ.setdefault("RAY_ENABLE_UV_RUN_RUNTIME_ENV", "0")
-    ray.init(num_cpus=4, include_dashboard=False, ignore_reinit_error=True, log_to_driver=False)
+    # Processes report their metrics every second (Ray's default: 10 s), so the metrics tests wait seconds.
+    ray.init(num_cpus=4, include_dashboard=False, ignore_reinit_error=True, log_to_driver=False,
+             _system_config={"metrics_report_interval_ms": 1000})
     yield ray
     ray.shutdown()
 
@@ -73,3 +75,22 @@ def shared_dir() -> Path:
 
 # Tiny models gain nothing from threads, and on a shared 2-core machine spinning OpenMP threads cost a lot.
 torch.set_num_threads(1)
+
+
+def scrape_ray_metrics(ray, prefix: str = "ray_vllm_", **labels: str) -> dict[tuple[str, str], float]:
+    """Ray's metrics export of this node, the samples named ``prefix...`` whose labels include ``labels``: (sample
+    name, position label) -> value summed over the processes that recorded it."""
+    import urllib.request
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    port = next(node["MetricsExportPort"] for node in ray.nodes() if node["Alive"])
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=30) as response:
+        text = response.read().decode()
+    totals: dict[tuple[str, str], float] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name.startswith(prefix) and all(sample.labels.get(k) == v for k, v in labels.items()):
+                key = (sample.name, sample.labels.get("position", ""))
+                totals[key] = totals.get(key, 0.0) + sample.value
+    return totals

@@ -440,36 +440,81 @@ def test_models_by_id_and_unknown_models_are_404s(client, config):
 
 
 def _prometheus(client: httpx.Client) -> dict[tuple[str, str], float]:
-    """The replica's spec-decode counters: (name, position label) -> value."""
+    """The replica's vLLM counters and histogram counts: (name without ``vllm:``, position label) -> value."""
     from prometheus_client.parser import text_string_to_metric_families
 
     response = client.get("/metrics")
     assert response.status_code == 200
     return {
-        (sample.name, sample.labels.get("position", "")): sample.value
+        (sample.name.removeprefix("vllm:"), sample.labels.get("position", "")): sample.value
         for family in text_string_to_metric_families(response.text) for sample in family.samples
-        if sample.name.startswith("spec_decode_") and sample.name.endswith("_total")
+        if sample.name.startswith("vllm:") and sample.name.endswith(("_total", "_count"))
     }
+
+
+METRICS_REQUESTS = [  # 6 sequences, no stop strings: every emitted token is a completion token
+    ("/v1/completions", {"prompt": ["the cat sat on", "a dog ran far"], "max_tokens": 10, "n": 2}),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "home"}], "max_tokens": 9}),
+    ("/v1/completions", {"prompt": "a mat and", "max_tokens": 8, "temperature": 1.0}),
+]
+
+
+def _check_vllm_metrics(delta: dict[tuple[str, str], float], responses: list[dict[str, Any]]) -> None:
+    """vLLM's counters (names without ``vllm:`` / ``ray_vllm_``) against the responses' usage and metrics."""
+    specs = [r["metrics"]["speculative_decoding"] for r in responses]
+    sequences = sum(len(r["choices"]) for r in responses)
+    assert delta[("prompt_tokens_total", "")] == sum(r["usage"]["prompt_tokens"] for r in responses)
+    assert delta[("generation_tokens_total", "")] == sum(r["usage"]["completion_tokens"] for r in responses)
+    assert delta[("time_to_first_token_seconds_count", "")] == sequences
+    assert delta[("e2e_request_latency_seconds_count", "")] == sequences
+    assert delta[("time_per_output_token_seconds_count", "")] > 0
+    assert delta[("spec_decode_num_drafts_total", "")] == sum(s["num_spec_steps"] for s in specs)
+    assert delta[("spec_decode_num_draft_tokens_total", "")] == sum(s["num_draft_tokens"] for s in specs)
+    assert delta[("spec_decode_num_accepted_tokens_total", "")] == sum(s["num_accepted_draft_tokens"] for s in specs)
 
 
 def test_prometheus_totals_equal_the_sum_of_per_response_metrics(client):
     before = _prometheus(client)
-    responses = [
-        _post(client, "/v1/completions", {"prompt": ["the cat sat on", "a dog ran far"], "max_tokens": 10, "n": 2}),
-        _post(client, "/v1/chat/completions", {"messages": [{"role": "user", "content": "home"}], "max_tokens": 9}),
-        _post(client, "/v1/completions", {"prompt": "a mat and", "max_tokens": 8, "temperature": 1.0}),
-    ]
+    responses = [_post(client, path, body) for path, body in METRICS_REQUESTS]
     after = _prometheus(client)
     delta = {key: after[key] - before.get(key, 0.0) for key in after}
+    _check_vllm_metrics(delta, responses)
     specs = [r["metrics"]["speculative_decoding"] for r in responses]
     assert sum(s["num_spec_steps"] for s in specs) > 0
-    assert delta[("spec_decode_num_drafts_total", "")] == sum(s["num_spec_steps"] for s in specs)
-    assert delta[("spec_decode_num_draft_tokens_total", "")] == sum(s["num_draft_tokens"] for s in specs)
-    assert delta[("spec_decode_num_accepted_tokens_total", "")] == sum(s["num_accepted_draft_tokens"] for s in specs)
     # Per position: the steps whose accepted run reached it, from the responses' histograms.
     for position in range(3):
         reached = sum(sum(s["acceptance_histogram"][position + 1 :]) for s in specs)
         assert delta.get(("spec_decode_num_accepted_tokens_per_pos_total", str(position)), 0.0) == reached
+
+
+def _settled(read, what: str) -> dict[tuple[str, str], float]:
+    """``read()`` once two reads seconds apart agree (processes report to Ray's export every second here)."""
+    last = read()
+    for _ in range(20):
+        time.sleep(3)
+        now = read()
+        if now == last:
+            return now
+        last = now
+    pytest.fail(f"{what} kept changing for a minute")
+
+
+def test_ray_metrics_export_has_vllms_names_labels_and_totals(client, ray_cluster):
+    from conftest import scrape_ray_metrics
+
+    def read() -> dict[tuple[str, str], float]:
+        scraped = scrape_ray_metrics(ray_cluster, model_name=MODEL, engine="0")
+        return {(name.removeprefix("ray_vllm_"), position): value for (name, position), value in scraped.items()}
+
+    before = _settled(read, "Ray's metrics export")
+    responses = [_post(client, path, body) for path, body in METRICS_REQUESTS]
+    after = _settled(read, "Ray's metrics export")
+    _check_vllm_metrics({key: after[key] - before.get(key, 0.0) for key in after}, responses)
+    scraped = scrape_ray_metrics(ray_cluster, model_name=MODEL)
+    for name in ("num_requests_running", "num_requests_waiting", "kv_cache_usage_perc"):
+        assert ("ray_vllm_" + name, "") in scraped, sorted(scraped)  # gauges, set after every step
+    # vLLM's Ray wrapper labels each series with the Serve replica's id.
+    assert not scrape_ray_metrics(ray_cluster, model_name=MODEL, ReplicaId="")
 
 
 def test_unknown_route_has_an_openai_error_body(client):
@@ -539,6 +584,55 @@ def test_official_openai_client(server, config, reference):
 
     with pytest.raises(openai.BadRequestError, match="context"):
         client.completions.create(model=MODEL, prompt="a" * 300)
+
+
+def test_streaming_with_logprobs_through_the_official_openai_client(server):
+    """vLLM's chunk format: each chunk carries the logprobs of the tokens whose text it carries; together they are
+    the whole response's."""
+    client = openai.OpenAI(base_url=f"{server}/v1", api_key="unused", max_retries=0)
+    messages = [{"role": "user", "content": "the cat"}]
+    fields = {"model": MODEL, "max_tokens": 10, "temperature": 0, "logprobs": True, "top_logprobs": 2,
+              "extra_body": {"ignore_eos": True}}
+    whole = client.chat.completions.create(messages=messages, **fields).choices[0].logprobs.content
+    chunks = list(client.chat.completions.create(messages=messages, stream=True, **fields))
+    streamed = [entry for chunk in chunks for choice in chunk.choices if choice.logprobs
+                for entry in choice.logprobs.content]
+    assert len(whole) == 10 and sum(1 for c in chunks if c.choices and c.choices[0].logprobs) > 1
+    assert [(e.token, e.logprob, [(t.token, t.logprob) for t in e.top_logprobs]) for e in streamed] == [
+        (e.token, e.logprob, [(t.token, t.logprob) for t in e.top_logprobs]) for e in whole]
+    assert all(len(e.top_logprobs) == 2 for e in streamed)
+
+    fields = {"model": MODEL, "prompt": "a dog ran", "max_tokens": 10, "temperature": 0, "logprobs": 2,
+              "extra_body": {"ignore_eos": True}}
+    whole = client.completions.create(**fields).choices[0].logprobs
+    parts = [c.choices[0].logprobs for c in client.completions.create(stream=True, **fields)
+             if c.choices and c.choices[0].logprobs]
+    assert [t for p in parts for t in p.tokens] == whole.tokens
+    assert [x for p in parts for x in p.token_logprobs] == whole.token_logprobs
+    assert [x for p in parts for x in p.text_offset] == whole.text_offset
+    assert [x for p in parts for x in p.top_logprobs] == whole.top_logprobs
+
+
+THINKING_TEMPLATE = ("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+                     "{% if enable_thinking %}think: {% endif %}{% if add_generation_prompt %}assistant: {% endif %}")
+
+
+def test_chat_template_options_reach_the_template(server, reference):
+    client = openai.OpenAI(base_url=f"{server}/v1", api_key="unused", max_retries=0)
+    messages = [{"role": "user", "content": "a cat"}, {"role": "assistant", "content": "the"}]
+    for options in ({"chat_template": THINKING_TEMPLATE, "chat_template_kwargs": {"enable_thinking": True}},
+                    {"chat_template": THINKING_TEMPLATE, "chat_template_kwargs": {"enable_thinking": False}},
+                    {"continue_final_message": True, "add_generation_prompt": False}):
+        chat = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=8, temperature=0,
+                                              extra_body=options)
+        expected = reference(messages=messages, sampling={"max_tokens": 8}, **options)
+        assert chat.choices[0].message.content == expected.text
+        assert chat.usage.prompt_tokens == len(expected.prompt_token_ids)
+        thinking = options.get("chat_template_kwargs", {}).get("enable_thinking", False)
+        assert expected.prompt.endswith("think: assistant: ") == thinking
+        assert expected.prompt.endswith("assistant: the") == ("continue_final_message" in options)
+    with pytest.raises(openai.BadRequestError, match="continue_final_message"):
+        client.chat.completions.create(model=MODEL, messages=messages, extra_body={"continue_final_message": True})
 
 
 def test_official_openai_client_with_vllm_sampling_fields(server, config, reference, tokenizer):

@@ -2,13 +2,18 @@
 
 from __future__ import annotations
 
+import time
+import uuid
+
 import pyarrow as pa
 import pytest
+from conftest import scrape_ray_metrics
 from test_engine import PROMPTS, make_config, run
 
 from decoding.config import Config
+from decoding.engine import Engine, Request
 from decoding.stats import SpecDecodeStats
-from frontend.metrics import PER_POSITION, SpecDecodeCounters
+from frontend.metrics import EngineMetrics
 from pipeline.actor import GenerationActor
 from pipeline.summary import run_totals
 
@@ -32,30 +37,26 @@ def test_spec_decode_definitions_on_hand_made_steps() -> None:
     assert SpecDecodeStats().struct()["mean_acceptance_length"] == 0.0  # nothing generated (error rows)
 
 
-class FakeCounter:
-    def __init__(self, name: str, description: str, keys: tuple[str, ...]) -> None:
-        assert description and "model_name" in keys
-        self.name, self.keys, self.values = name, keys, {}
-
-    def inc(self, value: float = 1.0, tags: dict[str, str] | None = None) -> None:
-        assert value > 0 and set(tags) == set(self.keys)  # as Ray's counters require
-        key = tags.get("position")
-        self.values[key] = self.values.get(key, 0) + value
-
-
 def test_counters_total_the_per_result_statistics(tokenizer, target, draft) -> None:
+    from test_metrics import Memory
+
     config = make_config(method="draft_model", num_candidates=2, length_policy="static")
-    results = run(config, tokenizer, target, draft)
-    counters = SpecDecodeCounters(FakeCounter, "tiny")
-    for result in results:
-        counters.record(result.stats)
+    engine = Engine(config, target=target, tokenizer=tokenizer, draft=draft)
+    memory = Memory("tiny")
+    metrics = EngineMetrics([memory], "tiny")
+    for i, prompt in enumerate(PROMPTS):
+        engine.add_request(Request(str(i), prompt=prompt))
+    results = []
+    while engine.has_unfinished():
+        output = engine.step()
+        metrics.stepped(output)  # as the runner does: every step
+        results += output.finished
     structs = [r.spec_decode for r in results]
-    values = {name: counter.values for name, counter in counters.counters.items()}
-    assert values["spec_decode_num_drafts"][None] == sum(s["num_spec_steps"] for s in structs) > 0
-    assert values["spec_decode_num_draft_tokens"][None] == sum(s["num_draft_tokens"] for s in structs)
-    assert values["spec_decode_num_accepted_tokens"][None] == sum(s["num_accepted_draft_tokens"] for s in structs)
-    assert sum(values[PER_POSITION].values()) == sum(s["num_accepted_draft_tokens"] for s in structs)
-    assert counters.totals == SpecDecodeStats.total(r.stats for r in results)
+    assert memory.total("vllm:spec_decode_num_drafts") == sum(s["num_spec_steps"] for s in structs) > 0
+    assert memory.total("vllm:spec_decode_num_draft_tokens") == sum(s["num_draft_tokens"] for s in structs)
+    assert memory.total("vllm:spec_decode_num_accepted_tokens") == sum(s["num_accepted_draft_tokens"] for s in structs)
+    assert memory.total("vllm:spec_decode_num_accepted_tokens_per_pos") == sum(
+        s["num_accepted_draft_tokens"] for s in structs)
     for result in results:  # engine result -> output row -> the same statistics
         row = {"num_generated_tokens": len(result.token_ids), "per_step_drafted": result.per_step_drafted,
                "spec_decode": result.spec_decode}
@@ -76,8 +77,9 @@ def test_summary_totals_in_arrow_equal_the_per_row_definition(tokenizer, target,
 
 
 def test_pipeline_actor_exports_what_its_rows_report(ray_cluster, tiny_dirs) -> None:
+    name = f"stats-{uuid.uuid4().hex[:8]}"  # this actor's series alone
     config = Config.model_validate({
-        "model": tiny_dirs["target"], "batch_size": 4,
+        "model": tiny_dirs["target"], "batch_size": 4, "served_model_name": name,
         "speculative": {"method": "draft_model", "model": tiny_dirs["draft"], "num_speculative_tokens": 3,
                         "length_policy": "static"},
         "sampling": {"max_tokens": 10},
@@ -97,8 +99,18 @@ def test_pipeline_actor_exports_what_its_rows_report(ray_cluster, tiny_dirs) -> 
     assert logprobs[1:] == [None] * (len(PROMPTS) - 1)
     rows = block.select(["num_generated_tokens", "per_step_drafted", "spec_decode"]).to_pylist()
     totals = SpecDecodeStats.total(SpecDecodeStats.from_row(row) for row in rows)
-    assert actor.metrics.totals.num_spec_steps == totals.num_spec_steps > 0
-    assert actor.metrics.totals == totals
+    expected = {"ray_vllm_spec_decode_num_drafts_total": totals.num_spec_steps,
+                "ray_vllm_spec_decode_num_draft_tokens_total": totals.num_draft_tokens,
+                "ray_vllm_spec_decode_num_accepted_tokens_total": totals.num_accepted_draft_tokens,
+                "ray_vllm_generation_tokens_total": totals.num_generated_tokens}
+    assert totals.num_spec_steps > 0
+    scraped: dict = {}
+    for _ in range(60):  # Ray's export: reported every second
+        scraped = {key: value for (key, _), value in scrape_ray_metrics(ray_cluster, model_name=name).items()}
+        if all(scraped.get(key) == value for key, value in expected.items()):
+            break
+        time.sleep(1)
+    assert {key: scraped.get(key) for key in expected} == expected
 
 
 def test_two_gpus_on_one_actor_are_refused_by_name() -> None:
