@@ -8,14 +8,61 @@ from __future__ import annotations
 
 import argparse
 import importlib.resources
+import logging
 import sys
+from typing import TextIO
+
+from tqdm import tqdm
 
 from jobs.common import parse_with_config, setup_logging
 from pipeline.io import InputError
 from pipeline.job import run
+from pipeline.progress import Progress
 from pipeline.summary import summary_line
 
 SAMPLE_PROMPTS = importlib.resources.files("jobs").joinpath("data/sample_prompts.jsonl")
+# Without a terminal, one progress line at most this often.
+PLAIN_EVERY_SECONDS = 30.0
+
+
+def _clock(seconds: float | None) -> str:
+    if seconds is None:
+        return "?"
+    minutes, secs = divmod(int(seconds), 60)
+    return f"{minutes // 60}:{minutes % 60:02d}:{secs:02d}" if minutes >= 60 else f"{minutes}:{secs:02d}"
+
+
+class ProgressDisplay:
+    """One progress display: a bar on a terminal, else a plain line every ``PLAIN_EVERY_SECONDS``."""
+
+    def __init__(self, stream: TextIO = sys.stderr) -> None:
+        self.stream = stream
+        self.bar: tqdm | None = tqdm(total=None, unit="row", file=stream, dynamic_ncols=True,
+                                     bar_format="{l_bar}{bar}| {n_fmt}/{total_fmt} rows [{elapsed}{postfix}]",
+                                     desc="generating") if stream.isatty() else None
+        self.last: Progress | None = None
+        self.printed_at = 0.0
+
+    def __call__(self, progress: Progress) -> None:
+        self.last = progress
+        status = (f"{progress.tokens_per_second:.1f} tokens/s, acceptance length "
+                  f"{progress.mean_acceptance_length:.2f}, ETA {_clock(progress.eta_seconds)}"
+                  if progress.engine_ready is not None else "building the engines")
+        if self.bar is not None:
+            self.bar.total = progress.rows_total
+            self.bar.n = progress.rows_done
+            self.bar.set_postfix_str(status, refresh=False)
+            self.bar.refresh()
+            return
+        if progress.now - self.printed_at >= PLAIN_EVERY_SECONDS:
+            self.printed_at = progress.now
+            total = "?" if progress.rows_total is None else progress.rows_total
+            print(f"rows {progress.rows_done}/{total}, {progress.generated_tokens} tokens; {status}",
+                  file=self.stream, flush=True)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -27,12 +74,23 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--input", help="Parquet/JSONL/CSV file, directory or glob; a local path or any pyarrow URI "
                         "(s3://, gs://, hdfs://) (default: bundled samples)")
     parser.add_argument("--output", default="specbatch-out", help="output directory or URI; re-running resumes")
+    parser.add_argument("--verbose", action="store_true",
+                        help="Ray's and transformers' logs, Ray Data's progress bars and the engine actors' output")
     args, config = parse_with_config(parser, sys.argv[1:] if argv is None else argv)
     setup_logging()
+    if not args.verbose:
+        import transformers
+
+        transformers.logging.set_verbosity_error()
+        logging.getLogger("decoding").setLevel(logging.WARNING)
+    display = ProgressDisplay()
     try:
-        summary = run(config, args.input or str(SAMPLE_PROMPTS), args.output)
+        summary = run(config, args.input or str(SAMPLE_PROMPTS), args.output, progress=display,
+                      verbose=args.verbose)
     except InputError as exc:
         parser.exit(2, f"{parser.prog}: error: {exc}\n")
+    finally:
+        display.close()
     print(summary_line(summary, args.output))
     return 0
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import time
 from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
@@ -24,7 +25,7 @@ from decoding.runner import EngineRunner, Event, RequestRejected
 from frontend.metrics import EngineMetrics, ray_backend
 from frontend.remote import localize_models
 from frontend.requests import ChatOptions, RequestError, parse_request, sampling_params
-from pipeline.schema import PRODUCER_NODE, READ_ERROR, output_block
+from pipeline.schema import ENGINE_READY, PRODUCER_NODE, READ_ERROR, output_block
 
 log = logging.getLogger(__name__)
 
@@ -108,8 +109,10 @@ class GenerationActor:
             "target_model": given.model,
             "draft_model": given.speculative.model if spec.method == "draft_model" else None,
         }
-        # Which node produced a block: the writer records it in the part's commit marker.
-        self.metadata = {PRODUCER_NODE: ray.get_runtime_context().get_node_id() if ray.is_initialized() else ""}
+        # Which node produced a block and when its engine was ready: the writer records both in the part's commit
+        # marker (the job's progress and summary tell generation from build time by it).
+        self.metadata = {PRODUCER_NODE: ray.get_runtime_context().get_node_id() if ray.is_initialized() else "",
+                         ENGINE_READY: repr(time.time())}
 
     def __call__(self, batch: pa.Table) -> pa.Table:
         futures = [self._submit(row) for row in batch.to_pylist()]

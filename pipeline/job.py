@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager, nullcontext
 from typing import Any
 
 import ray
@@ -19,6 +19,7 @@ import ray.data
 from decoding.config import Config
 from pipeline.io import list_input_files, read_prompts
 from pipeline.processor import Processor, StageOptions, rows_per_block
+from pipeline.progress import Progress, ProgressWatcher, count_rows
 from pipeline.store import Lease, OutputSink, OutputStore, new_run_id
 from pipeline.summary import RunStats, summarize
 
@@ -31,14 +32,19 @@ log = logging.getLogger(__name__)
 
 
 @contextmanager
-def ray_session() -> Iterator[None]:
-    """Use the connected cluster; else join RAY_ADDRESS's (as under `ray job submit`), else start a local one."""
+def ray_session(verbose: bool = True) -> Iterator[None]:
+    """Use the connected cluster; else join RAY_ADDRESS's (as under `ray job submit`), else start a local one.
+    ``verbose``: Ray's and Ray Data's logs and progress bars and the workers' output reach the driver's (the engine
+    actors' build time and progress lines, decoding.runner); otherwise only warnings do, and errors."""
+    context = ray.data.DataContext.get_current()
+    context.enable_progress_bars = context.print_on_execution_start = verbose
+    for name in ("ray", "ray.data"):
+        logging.getLogger(name).setLevel(logging.INFO if verbose else logging.WARNING)
     if ray.is_initialized():
         yield
         return
-    # INFO from the workers too: the engine actors' build time and progress lines (decoding.runner) reach the
-    # driver's output, as Ray Data's own progress does.
-    ray.init(logging_config=ray.LoggingConfig(encoding="TEXT", log_level="INFO"))
+    ray.init(logging_config=ray.LoggingConfig(encoding="TEXT", log_level="INFO" if verbose else "WARNING"),
+             log_to_driver=verbose)
     try:
         yield
     finally:
@@ -52,13 +58,17 @@ def generate(ds: ray.data.Dataset, config: Config) -> ray.data.Dataset:
     return Processor(config, token_stats=True, options=StageOptions(rows_per_batch=None))(ds)
 
 
-def run(config: Config, input_path: str, output_dir: str) -> dict[str, Any]:
-    """Generate for every input row not yet in ``output_dir``; write parts as they finish, then summary.json."""
+def run(config: Config, input_path: str, output_dir: str, *, progress: Callable[[Progress], None] | None = None,
+        verbose: bool = True) -> dict[str, Any]:
+    """Generate for every input row not yet in ``output_dir``; write parts as they finish, then summary.json.
+    ``progress`` is called every few seconds, on a thread of its own, with what the run has committed so far;
+    ``verbose``: Ray's own logs and progress bars (see ``ray_session``)."""
     fs, files, base = list_input_files(input_path)
     store = OutputStore(output_dir)
     lease = Lease(store)
     lease.acquire()
     started = time.perf_counter()  # after the lease's fixed one-second pause (see Lease)
+    started_at = time.time()
     try:
         markers = store.prepare()
         done = frozenset(row_id for marker in markers for row_id in marker["ids"])
@@ -68,7 +78,9 @@ def run(config: Config, input_path: str, output_dir: str) -> dict[str, Any]:
         store.write_json(f"_runs/{run_id}.json", {"run": run_id, "started": lease.record["started"],
                                                   "input": input_path, "config": config.model_dump(mode="json")})
         sink = OutputSink(store, run_id)
-        with ray_session():
+        watcher = ProgressWatcher(store, run_id, progress, lambda: count_rows(fs, files) - len(done)) if progress \
+            else nullcontext()
+        with ray_session(verbose), watcher:
             ds = read_prompts(files, base, skip=done, rows_per_block=rows_per_block(config), filesystem=fs)
             if config.concurrency_range[0] > 1:
                 # Blocks start flowing once the pool's first actors (its minimum, Ray Data's initial size) are all
@@ -82,7 +94,9 @@ def run(config: Config, input_path: str, output_dir: str) -> dict[str, Any]:
                 ds.context.wait_for_min_actors_s = ACTOR_START_TIMEOUT_S
             # Write tasks are I/O: they ask for no CPU, which the actors hold (see read_prompts).
             generate(ds, config).write_datasink(sink, ray_remote_args={"num_cpus": 0})
-        run_stats = RunStats(run_id, time.perf_counter() - started)
+        ready = [m["engine_ready"] for m in sink.written if m.get("engine_ready")]
+        run_stats = RunStats(run_id, time.perf_counter() - started,
+                             min(ready) - started_at if ready else None)
         summary = summarize(markers + sink.written, store.runs(), config, run_stats, input_path)
         store.write_json("summary.json", summary)
     finally:

@@ -1,22 +1,27 @@
 """``specbatch report``: summary table and PNG charts of an output directory (SPEC "Output directory").
 
 Reads ``outputs/*.parquet`` and ``token_stats/*.parquet`` (plus ``summary.json`` when present) with pyarrow only,
+on any filesystem pyarrow knows (a local path, ``s3://``, ``gs://``, ``hdfs://``: wherever the pipeline writes),
 so it works on any directory that follows the SPEC's schema, whoever wrote it. Writes ``report.html`` with the
-charts under ``report_files/``; the same summary is returned as text.
+charts under ``report_files/`` (through the same filesystems); the same summary is returned as text.
 
 Definitions (all over successful rows):
 - mean acceptance length, tokens per forward: as in ``spec_decode`` (``decoding.stats``, the one definition):
   1 + accepted / spec steps (vLLM's), and generated tokens / target forwards (prefill included).
 - acceptance rate at depth d, per step: of the steps that drafted some candidate to depth d, the share whose
   accepted path reached depth d; per token: the share of drafted tokens at depth d that were accepted.
-- per-prompt speedup: tokens per target forward of each prompt (the forward-count speedup over plain decoding),
-  or, given a baseline directory with the same ids, its seconds per token over this run's, prompt by prompt.
+- tokens per target forward, per prompt: what each verify forward yielded. It is not a speedup: a forward that
+  verifies a tree costs more than a plain decoding step, and drafting costs time too.
+- wall-clock speedup, per prompt: only given a baseline directory of the same prompts decoded with plain
+  decoding (``speculative.method: none``): its seconds per token over this run's, prompt by prompt.
 """
 
 from __future__ import annotations
 
 import html
+import io
 import json
+import posixpath
 import statistics
 from dataclasses import dataclass
 from pathlib import Path
@@ -24,11 +29,13 @@ from typing import Any
 
 import numpy as np
 import pyarrow.compute as pc
+import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 from matplotlib.axes import Axes
 from matplotlib.figure import Figure
 
 from decoding.stats import SpecDecodeStats
+from pipeline.io import InputError, resolve
 
 OUTPUT_COLUMNS = [
     "id", "finish_reason", "num_generated_tokens", "time_taken_llm", "per_step_drafted", "per_step_accepted",
@@ -44,11 +51,15 @@ class RunData:
     summary: dict[str, Any] | None  # summary.json, if the directory has one
 
 
-def _read_parquet_dir(path: Path, columns: list[str]) -> Any:
-    files = sorted(path.glob("*.parquet"))
+def _read_parquet_dir(fs: pafs.FileSystem, path: str, columns: list[str]) -> Any:
+    try:
+        infos = fs.get_file_info(pafs.FileSelector(path, allow_not_found=True))
+    except OSError:
+        return None
+    files = sorted(info.path for info in infos if info.is_file and info.path.endswith(".parquet"))
     if not files:
         return None
-    table = pq.read_table([str(f) for f in files])
+    table = pq.read_table(files, filesystem=fs)
     missing = [c for c in columns if c not in table.column_names]
     if missing:
         raise ValueError(f"{path} lacks column(s) {missing} required by the SPEC's output schema")
@@ -56,19 +67,29 @@ def _read_parquet_dir(path: Path, columns: list[str]) -> Any:
     return table.select(columns + extra)
 
 
+def _filesystem(uri: str) -> tuple[pafs.FileSystem, str]:
+    try:
+        return resolve(str(uri), "directory")
+    except InputError as exc:
+        raise ValueError(str(exc)) from None
+
+
 def load_run(directory: str | Path) -> RunData:
-    directory = Path(directory)
-    outputs = _read_parquet_dir(directory / "outputs", OUTPUT_COLUMNS)
+    fs, root = _filesystem(str(directory))
+    outputs = _read_parquet_dir(fs, posixpath.join(root, "outputs"), OUTPUT_COLUMNS)
     if outputs is None:
         raise ValueError(f"{directory} has no outputs/*.parquet: not a specbatch output directory")
-    stats = _read_parquet_dir(directory / "token_stats", TOKEN_STATS_COLUMNS)
+    stats = _read_parquet_dir(fs, posixpath.join(root, "token_stats"), TOKEN_STATS_COLUMNS)
     arrays: dict[str, np.ndarray] = {name: np.zeros(0, dtype=np.int64) for name in TOKEN_STATS_COLUMNS}
     if stats is not None and stats.num_rows:
         ids = pc.dictionary_encode(stats.column("id").combine_chunks())
         arrays = {name: stats.column(name).to_numpy() for name in TOKEN_STATS_COLUMNS[1:]}
         arrays["id"] = ids.indices.to_numpy()
-    summary_path = directory / "summary.json"
-    summary = json.loads(summary_path.read_text()) if summary_path.exists() else None
+    summary_path = posixpath.join(root, "summary.json")
+    summary = None
+    if fs.get_file_info(summary_path).is_file:
+        with fs.open_input_stream(summary_path) as f:
+            summary = json.loads(f.read())
     return RunData(outputs.to_pylist(), arrays, summary)
 
 
@@ -116,11 +137,22 @@ def _seconds_per_token(data: RunData) -> dict[str, float]:
     }
 
 
-def per_prompt_speedups(data: RunData, baseline: RunData | None = None) -> dict[str, float]:
-    if baseline is None:
-        return {r["id"]: SpecDecodeStats.from_row(r).tokens_per_forward for r in _ok(data) if r["num_generated_tokens"]}
+def tokens_per_forward_by_prompt(data: RunData) -> dict[str, float]:
+    """Generated tokens over target forwards, prompt by prompt (not a speedup: see the module docstring)."""
+    return {r["id"]: SpecDecodeStats.from_row(r).tokens_per_forward for r in _ok(data) if r["num_generated_tokens"]}
+
+
+def per_prompt_speedups(data: RunData, baseline: RunData) -> dict[str, float]:
+    """Wall-clock speedup over ``baseline`` (plain decoding of the same prompts): its seconds per token over this
+    run's, for the prompts both have."""
     base, this = _seconds_per_token(baseline), _seconds_per_token(data)
     return {i: base[i] / seconds for i, seconds in this.items() if i in base}
+
+
+def _mean_median(values: list[float]) -> tuple[float | None, float | None]:
+    if not values:
+        return None, None
+    return round(statistics.fmean(values), 3), round(statistics.median(values), 3)
 
 
 def summarize(data: RunData, baseline: RunData | None = None) -> dict[str, Any]:
@@ -130,8 +162,7 @@ def summarize(data: RunData, baseline: RunData | None = None) -> dict[str, Any]:
     tokens, drafted, accepted = total.num_generated_tokens, total.num_draft_tokens, total.num_accepted_draft_tokens
     llm_seconds = sum(r["time_taken_llm"] for r in ok)
     depths, per_step, _ = acceptance_by_depth(data)
-    speedups = list(per_prompt_speedups(data, baseline).values())
-    kind = "time vs baseline" if baseline is not None else "tokens per target forward"
+    per_forward = _mean_median(list(tokens_per_forward_by_prompt(data).values()))
     table: dict[str, Any] = {
         "rows": len(data.rows),
         "errors": len(data.rows) - len(ok),
@@ -147,9 +178,13 @@ def summarize(data: RunData, baseline: RunData | None = None) -> dict[str, Any]:
         # time_taken_llm may include a row's wait in the engine's queue: a per-row latency, not throughput.
         "mean time_taken_llm per row (s)": round(llm_seconds / len(ok), 3) if ok else None,
         "tokens per row-second": round(tokens / llm_seconds, 2) if llm_seconds else None,
-        f"per-prompt speedup ({kind}), mean": round(statistics.fmean(speedups), 3) if speedups else None,
-        f"per-prompt speedup ({kind}), median": round(statistics.median(speedups), 3) if speedups else None,
+        "tokens per target forward per prompt (not a speedup), mean": per_forward[0],
+        "tokens per target forward per prompt (not a speedup), median": per_forward[1],
     }
+    if baseline is not None:  # a speedup only where plain decoding was measured beside this run
+        speedup = _mean_median(list(per_prompt_speedups(data, baseline).values()))
+        table["wall-clock speedup vs the plain-decoding baseline, per prompt, mean"] = speedup[0]
+        table["wall-clock speedup vs the plain-decoding baseline, per prompt, median"] = speedup[1]
     for name in ("target_model", "draft_model"):
         values = sorted({str(r[name]) for r in data.rows if r.get(name)})
         if values:
@@ -209,16 +244,28 @@ def _chart_timeline(ax: Axes, data: RunData, baseline: RunData | None) -> None:
     ax.legend(fontsize=8)
 
 
+def _chart_per_forward(ax: Axes, data: RunData, baseline: RunData | None) -> None:
+    values = np.array(list(tokens_per_forward_by_prompt(data).values()))
+    if not len(values):
+        return _empty(ax, "no prompts")
+    ax.hist(values, bins=min(30, max(5, len(values) // 3)))
+    ax.axvline(float(np.median(values)), color="tab:orange", linestyle="--", label=f"median {np.median(values):.2f}")
+    ax.set(xlabel="generated tokens / target forwards (prefill included); not a time speedup", ylabel="prompts")
+    ax.legend(fontsize=8)
+
+
 def _chart_speedup(ax: Axes, data: RunData, baseline: RunData | None) -> None:
+    if baseline is None:
+        return _empty(ax, "not measured: pass --baseline, an output directory of the same\n"
+                          "prompts decoded with speculative.method: none")
     speedups = np.array(list(per_prompt_speedups(data, baseline).values()))
     if not len(speedups):
-        return _empty(ax, "no prompts" + (" shared with the baseline" if baseline is not None else ""))
+        return _empty(ax, "no prompts shared with the baseline")
     ax.hist(speedups, bins=min(30, max(5, len(speedups) // 3)))
     ax.axvline(1.0, color="black", linewidth=1)
     ax.axvline(float(np.median(speedups)), color="tab:orange", linestyle="--",
                label=f"median {np.median(speedups):.2f}x")
-    kind = "baseline seconds per token / this run's" if baseline is not None else "tokens per target forward"
-    ax.set(xlabel=f"per-prompt speedup ({kind})", ylabel="prompts")
+    ax.set(xlabel="baseline seconds per token / this run's", ylabel="prompts")
     ax.legend(fontsize=8)
 
 
@@ -227,15 +274,16 @@ CHARTS = {  # file stem -> (title, drawing function)
     "acceptance_by_candidate": ("Acceptance rate by candidate rank", _chart_candidate),
     "accepted_length_histogram": ("Accepted length per step", _chart_lengths),
     "tokens_per_forward": ("Tokens per target forward over the run", _chart_timeline),
-    "per_prompt_speedup": ("Per-prompt speedup", _chart_speedup),
+    "tokens_per_forward_by_prompt": ("Tokens per target forward, per prompt", _chart_per_forward),
+    "per_prompt_speedup": ("Wall-clock speedup over plain decoding, per prompt", _chart_speedup),
 }
 
 
 # ------------------------------------------------------------------------------------------------- output
 @dataclass
 class Report:
-    html: Path
-    charts: list[Path]
+    html: str  # where it was written: a local path or a URI
+    charts: list[str]
     text: str
 
 
@@ -263,12 +311,13 @@ img{{max-width:100%}}</style></head>
 
 
 def write_report(directory: str | Path, output: str | Path | None = None, baseline: str | Path | None = None) -> Report:
-    """Write ``report.html`` and its PNGs to ``output`` (default: the output directory itself)."""
+    """Write ``report.html`` and its PNGs to ``output`` (default: the output directory itself), a local path or
+    a URI."""
     data = load_run(directory)
     base = load_run(baseline) if baseline is not None else None
-    out = Path(output or directory)
-    charts_dir = out / "report_files"
-    charts_dir.mkdir(parents=True, exist_ok=True)
+    out = str(output or directory)
+    fs, root = _filesystem(out)
+    fs.create_dir(posixpath.join(root, "report_files"), recursive=True)
     charts = []
     for stem, (title, draw) in CHARTS.items():
         fig = Figure(figsize=(7, 4))
@@ -276,11 +325,18 @@ def write_report(directory: str | Path, output: str | Path | None = None, baseli
         draw(ax, data, base)
         ax.set_title(title)
         fig.tight_layout()
-        path = charts_dir / f"{stem}.png"
-        fig.savefig(path, dpi=100)
-        charts.append(path)
+        image = io.BytesIO()
+        fig.savefig(image, format="png", dpi=100)
+        charts.append(f"report_files/{stem}.png")
+        with fs.open_output_stream(posixpath.join(root, charts[-1])) as f:
+            f.write(image.getvalue())
     table = summarize(data, base)
-    page = out / "report.html"
-    captions = [(CHARTS[p.stem][0], p.relative_to(out).as_posix()) for p in charts]
-    page.write_text(_html(f"specbatch report: {Path(directory).resolve().name}", table, captions))
-    return Report(page, charts, format_summary(table))
+    captions = [(CHARTS[Path(chart).stem][0], chart) for chart in charts]
+    name = str(directory).rstrip("/").rsplit("/", 1)[-1]
+    with fs.open_output_stream(posixpath.join(root, "report.html")) as f:
+        f.write(_html(f"specbatch report: {name}", table, captions).encode())
+    return Report(_join(out, "report.html"), [_join(out, chart) for chart in charts], format_summary(table))
+
+
+def _join(base: str, relative: str) -> str:
+    return f"{base.rstrip('/')}/{relative}"

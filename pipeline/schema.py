@@ -64,8 +64,10 @@ TOKEN_STAT = pa.struct(list(TOKEN_STATS_SCHEMA)[1:])
 READ_ERROR = "__read_error"
 TOKEN_STATS = "token_stats"
 _PRIVATE = (READ_ERROR, TOKEN_STATS)
-# Schema metadata key of an actor's output block: the Ray node it was generated on.
+# Schema metadata keys of an actor's output block: the Ray node it was generated on, and when (wall clock) the
+# actor's engine was built.
 PRODUCER_NODE = "specbatch.node"
+ENGINE_READY = "specbatch.engine_ready"
 
 
 def _output_row(result: GenerationResult) -> dict[str, Any]:

@@ -37,7 +37,7 @@ from ray.data import Datasink
 from ray.data.block import Block
 
 from pipeline.io import InputError, as_text, resolve
-from pipeline.schema import OUTPUT_SCHEMA, PRODUCER_NODE, TOKEN_STATS_SCHEMA, split_block
+from pipeline.schema import ENGINE_READY, OUTPUT_SCHEMA, PRODUCER_NODE, TOKEN_STATS_SCHEMA, split_block
 from pipeline.summary import part_stats
 
 log = logging.getLogger(__name__)
@@ -155,13 +155,16 @@ class OutputSink(Datasink[list[dict[str, Any]]]):
         return [self._write_part(block) for block in blocks if block.num_rows]
 
     def _write_part(self, block: pa.Table) -> dict[str, Any]:
-        node = (block.schema.metadata or {}).get(PRODUCER_NODE.encode(), b"").decode()
+        metadata = block.schema.metadata or {}
+        node = metadata.get(PRODUCER_NODE.encode(), b"").decode()
+        engine_ready = float(metadata.get(ENGINE_READY.encode(), b"0").decode()) or None
         outputs, stats = split_block(block.replace_schema_metadata(None))
         ids = outputs["id"].to_pylist()
         part = f"part-{hashlib.sha1(chr(10).join(ids).encode()).hexdigest()[:24]}.parquet"
         pq.write_table(stats, posixpath.join(self.root, TOKEN_STATS, part), filesystem=self.fs)
         pq.write_table(outputs, posixpath.join(self.root, OUTPUTS, part), filesystem=self.fs)
-        marker = {"part": part, "run": self.run_id, "node": node, "ids": ids, **part_stats(outputs, stats)}
+        marker = {"part": part, "run": self.run_id, "node": node, "engine_ready": engine_ready, "ids": ids,
+                  **part_stats(outputs, stats)}
         with self.fs.open_output_stream(posixpath.join(self.root, COMMITS, part + ".json")) as f:
             f.write(json.dumps(marker).encode())  # last: the part counts from here on
         # To the driver only the sums: it must not hold every output id in memory.

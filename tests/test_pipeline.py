@@ -456,3 +456,29 @@ def test_ray_job_submit_on_a_started_head(config, tmp_path):
         assert_each_id_once(tmp_path / "out", [row["id"] for row in good_rows(5)])
     finally:
         stop_head(head)
+
+
+def test_cli_output_is_a_few_lines_and_separates_build_from_generation(tiny_dirs, config, tmp_path):
+    """``specbatch generate`` as a user runs it: its own cluster, no terminal (plain progress lines), Ray's and
+    transformers' logs quiet, and a summary whose generation throughput leaves the engines' build out."""
+    source = write_jsonl(tmp_path / "in.jsonl", good_rows(8))
+    (tmp_path / "config.yaml").write_text(yaml.safe_dump(config.model_dump(mode="json")))
+    env = {key: value for key, value in os.environ.items() if key != "RAY_ADDRESS"}
+    env["PIP_INDEX_URL"] = "http://127.0.0.1:9/simple"  # nothing may be downloaded at run time
+    done = subprocess.run(
+        [sys.executable, "-m", "jobs.generate", "--config", str(tmp_path / "config.yaml"), "--input", str(source),
+         "--output", str(tmp_path / "out"), "--num_cpus", "1"],
+        cwd=REPO, env=env, capture_output=True, text=True, timeout=300,
+    )
+    output = done.stdout + done.stderr
+    assert done.returncode == 0, output[-3000:]
+    lines = output.strip().splitlines()
+    assert len(lines) <= 30, output
+    assert not [line for line in lines if "Execution plan" in line or "Running Dataset" in line], output
+    summary = json.loads((tmp_path / "out" / "summary.json").read_text())
+    assert summary["rows"] == 8 and summary["build_seconds"] > 0
+    assert summary["generation_seconds"] == pytest.approx(summary["wall_seconds"] - summary["build_seconds"])
+    assert summary["generation_tokens_per_second"] > summary["tokens_per_second"]
+    generation = next(line for line in lines if line.strip().startswith("generation:"))
+    assert f"{summary['generation_tokens_per_second']:.1f} tokens/s" in generation
+    assert any(line.strip().startswith("engine build") for line in lines)

@@ -1,7 +1,7 @@
 """The job on an S3-compatible object store (issue 16): moto's server on 127.0.0.1, pyarrow's real S3 client.
 
-Input, output directory and model paths are ``s3://`` URIs; the driver is killed midway and the run resumed;
-unknown schemes and missing buckets are refused by name."""
+Input, output directory and model paths are ``s3://`` URIs; the driver is killed midway and the run resumed, and
+``specbatch report`` reads the result there; unknown schemes and missing buckets are refused by name."""
 
 from __future__ import annotations
 
@@ -118,6 +118,14 @@ def test_s3_generate_killed_driver_resume_every_id_once(ray_cluster, s3, s3_conf
     written = json.loads(fs.open_input_stream(f"{root}/summary.json").read())
     assert written["rows"] == len(rows) and len(written["runs"]) == 2
     assert sum(r["rows"] for r in written["runs"]) == len(rows)
+
+    # specbatch report reads the directory where the job wrote it, and writes its page there.
+    from jobs.report import main as report
+
+    assert report([uri(root)]) == 0
+    page = fs.open_input_stream(f"{root}/report.html").read().decode()
+    assert "generated tokens" in page and page.count('<img src="report_files/') == 6
+    assert fs.get_file_info(f"{root}/report_files/per_prompt_speedup.png").size > 0
 
 
 def test_unknown_scheme_and_missing_bucket_are_named(s3, s3_config):
