@@ -190,7 +190,10 @@ def summarize(data: RunData, baseline: RunData | None = None) -> dict[str, Any]:
         if values:
             table[name.replace("_", " ")] = ", ".join(values)
     if data.summary:  # the job's own totals (wall-clock throughput across actors), as it recorded them
-        table.update({f"summary.json: {k}": v for k, v in data.summary.items() if isinstance(v, int | float | str)})
+        notes = {"tokens_per_second": " (over the wall time, engine build included)",
+                 "generation_tokens_per_second": " (from the first engine built)"}
+        table.update({f"summary.json: {k}{notes.get(k, '')}": v for k, v in data.summary.items()
+                      if isinstance(v, int | float | str)})
     return table
 
 
