@@ -291,6 +291,18 @@ class Config(_Strict):
     speculative: SpeculativeConfig = Field(default_factory=SpeculativeConfig)
     sampling: SamplingParams = Field(default_factory=SamplingParams)
     batch_size: int = Field(16, ge=1, le=1024, description="sequences decoded together inside one actor")
+    max_num_seqs: int | None = Field(None, ge=1, le=1024, description="vLLM's name of batch_size")
+    # The paged KV cache (vLLM's names): positions per block, and the pool's size, from an explicit block count, a
+    # byte budget, or (on a GPU) the share of the device's memory the model and the pool may take. CPU default:
+    # the pool holds batch_size rows of max_model_len positions, at most 4 GiB (pages are committed as they are
+    # first written, so an idle pool costs address space only).
+    block_size: Literal[16, 32, 64] = 16
+    num_kv_blocks: int | None = Field(None, ge=1)
+    kv_cache_memory_bytes: int | None = Field(None, ge=1)
+    gpu_memory_utilization: float = Field(0.9, gt=0.0, le=1.0)
+    max_model_len: int | None = Field(None, ge=16, description="context limit; default: the model's")
+    # Most prompt tokens in one prefill forward (vLLM's per-step token budget); a longer prompt runs alone.
+    max_num_batched_tokens: int = Field(8192, ge=16)
     concurrency: int | tuple[int, int] = Field(1, description="number of actors (int, or [min, max])")
     num_gpus: float = Field(0, ge=0)
     # CPU cores per actor / replica (and torch threads on CPU); None = the machine's cores split over actors.
@@ -308,6 +320,15 @@ class Config(_Strict):
         if value and "{" not in value and "\n" not in value and Path(value).is_file():
             return Path(value).read_text()
         return value
+
+    @model_validator(mode="after")
+    def _batch_size_alias(self) -> Config:
+        if self.max_num_seqs is not None:
+            if "batch_size" in self.model_fields_set and self.batch_size != self.max_num_seqs:
+                raise ValueError(f"batch_size ({self.batch_size}) and max_num_seqs ({self.max_num_seqs}) differ: "
+                                 "max_num_seqs is vLLM's name of batch_size, set one")
+            object.__setattr__(self, "batch_size", self.max_num_seqs)
+        return self
 
     @field_validator("num_gpus")
     @classmethod

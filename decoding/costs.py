@@ -22,7 +22,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from decoding.kv_cache import SlotKVCache, forward_tree
+from decoding.forward import forward_tree
+from decoding.kv_cache import CacheShape, PagedKVCache
 from decoding.models import cache_dir
 from decoding.tree import chain_ancestors
 
@@ -30,9 +31,9 @@ log = logging.getLogger(__name__)
 
 _CONTEXT = 32  # tokens already cached when timing, so attention over a cache is part of the cost
 _ROUNDS = 5
-# Of the measurement method and kernels (6: fused int4 siblings, 7: lean draft forward, 8: its fused projections and
-# rotary, 9: its layers compiled ahead of time): other tables are not reused.
-_VERSION = 9
+# Of the measurement method and the forward it times (10: the lean forward over the paged cache): other tables are
+# not reused.
+_VERSION = 10
 _memo: dict[tuple, list[tuple[int, float]]] = {}
 
 
@@ -68,17 +69,18 @@ def forward_timer(
 ) -> Callable[[], float]:
     """A function timing one forward of ``batch`` rows of ``tokens`` new tokens after ``cached`` cached ones
     (warmed up once)."""
-    cache = SlotKVCache(model.config.num_hidden_layers, batch, max_slots=cached + tokens, device=device)
-    rows = cache.add_rows(batch)
+    positions = cached + tokens
+    block_size = 16
+    cache = PagedKVCache(CacheShape.of(model.config), batch * -(-positions // block_size), batch, positions,
+                         block_size=block_size, dtype=next(model.parameters()).dtype, device=device)
+    rows = cache.add_rows([positions] * batch)
     vocab = model.config.vocab_size
     context = torch.randint(0, vocab, (batch, cached), device=device)
-    forward_tree(model, cache, rows, context, chain_ancestors(cached),
-                 torch.ones(batch, cached, dtype=torch.bool, device=device), logits_at=torch.tensor([cached - 1]),
-                 features=_features(model, batch, cached, device))
-    cache.commit(rows, torch.arange(cached, device=device)[None].expand(batch, -1),
-                 torch.full((batch,), cached, device=device))
+    forward_tree(model, cache, rows, context, chain_ancestors(cached), torch.ones(batch, cached, dtype=torch.bool),
+                 logits_at=torch.tensor([cached - 1]), features=_features(model, batch, cached, device))
+    cache.advance(rows, [cached] * batch)
     ids = torch.randint(0, vocab, (batch, tokens), device=device)
-    ancestors, valid = chain_ancestors(tokens), torch.ones(batch, tokens, dtype=torch.bool, device=device)
+    ancestors, valid = chain_ancestors(tokens), torch.ones(batch, tokens, dtype=torch.bool)
     features = _features(model, batch, tokens, device)
 
     def timed() -> float:

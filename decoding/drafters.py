@@ -2,7 +2,12 @@
 
 Interface (after transformers' candidate generators): ``add_rows`` when sequences join, ``propose`` a tree
 below the root-level tokens the engine supplies, ``observe`` the verified outcome, ``remove_row`` when a
-sequence leaves (swap-remove, mirroring the target cache).
+sequence leaves (swap-remove, mirroring the target cache). What one step's proposal needs later (how many levels a
+draft forward ran, its catch-up prefix) travels in the ``Draft`` it returns, never on the drafter.
+
+A model draft runs its levels to the planned depth without reading anything back: which candidates go on is a
+device mask, and the random numbers of every level are drawn before the first. Only a policy whose stop rule can
+end candidates early (a trained head) is asked, level by level, whether any candidate still drafts.
 """
 
 from __future__ import annotations
@@ -10,52 +15,56 @@ from __future__ import annotations
 import copy
 import dataclasses
 import weakref
-from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Protocol
 
 import numpy as np
 import torch
 
-from decoding.kv_cache import Rows, SlotKVCache, forward_tree
-from decoding.lean_forward import lean_view
+from decoding.forward import forward_tree
+from decoding.kv_cache import CacheShape, PagedKVCache, Rows
+from decoding.lean_forward import lean_view, supports_lean_forward
 from decoding.models import for_inference
 from decoding.padding import pad_rows
 from decoding.sampling import WarpParams, row_uniforms, warp_probs
 from decoding.tree import TreeTopology, chain_ancestors, with_prefix_chain
 from decoding.verify_batched import sample_from, sample_tokens
 
-# (level, planned depths [B], draft prob of each new token [B, w], draft hidden state at its parent [B, w, H])
-# -> (each candidate keeps its new token [B, w], and drafts below it [B, w]): LengthPolicy.keep
-KeepFn = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor | None], tuple[torch.Tensor, torch.Tensor]]
 
+class StopRule(Protocol):
+    """A length policy's rule inside the draft loop (``LengthPolicy.keep``): which candidates keep their new
+    token and which draft on, from draft-side signals on the device. ``cuts``: whether it can end a candidate
+    before its planned depth (then the loop asks whether any candidate is left, to spare a forward)."""
 
-def _read_back(tensor: torch.Tensor) -> torch.Tensor:
-    return tensor.to("cpu")
+    cuts: bool
+
+    def keep(self, level: int, depths: torch.Tensor, token_probs: torch.Tensor, hidden: torch.Tensor | None
+             ) -> tuple[torch.Tensor, torch.Tensor]: ...
 
 
 @dataclass
 class DraftInputs:
     contexts: list[list[int]]  # committed tokens of each row, root-level tokens excluded
-    roots: torch.Tensor  # [B, root_width] root-level tokens, the pending token first
-    root_valid: torch.Tensor  # [B, root_width]
+    roots: torch.Tensor  # [B, root_width] root-level tokens, the pending token first (host or device: host_roots)
+    root_valid: torch.Tensor  # [B, root_width], where ``roots`` is
+    pending: torch.Tensor  # [B] host: each row's pending token (roots[:, 0])
     depths: torch.Tensor  # [B] planned depth (0 = no speculation)
     topology: TreeTopology
     warp: WarpParams  # on the drafter's device, with the penalties of each row's history
     greedy: torch.Tensor  # [B] bool on the host: rows that draw no random numbers
     generators: list[torch.Generator]
     replacement: bool
-    keep: KeepFn
+    stop: StopRule
     # [B] depth of the n-gram siblings of a model's tree (None: ``depths``): a row may draft with either alone.
     lookup_depths: torch.Tensor | None = None
-    # The engine's one device -> host copy (counted there); the drafter reads back ids and flags, never laws.
-    to_host: Callable[[torch.Tensor], torch.Tensor] = _read_back
 
     def select(self, rows: torch.Tensor) -> DraftInputs:
         """These inputs for some rows (a host index tensor)."""
         row_ids = rows.tolist()
         return dataclasses.replace(
-            self, contexts=[self.contexts[row] for row in row_ids], roots=self.roots[rows],
-            root_valid=self.root_valid[rows], depths=self.depths[rows], warp=self.warp[rows],
+            self, contexts=[self.contexts[row] for row in row_ids], roots=self.roots[rows.to(self.roots.device)],
+            root_valid=self.root_valid[rows.to(self.roots.device)], pending=self.pending[rows],
+            depths=self.depths[rows], warp=self.warp[rows],
             greedy=self.greedy[rows], generators=[self.generators[row] for row in row_ids],
             lookup_depths=self.lookup_depths[rows] if self.lookup_depths is not None else None,
         )
@@ -63,21 +72,26 @@ class DraftInputs:
 
 @dataclass
 class Draft:
-    tokens: torch.Tensor  # [B, N] in topology order
-    valid: torch.Tensor  # [B, N]
+    tokens: torch.Tensor  # [B, N] in topology order (on the drafter's device; a host drafter's on the host)
+    valid: torch.Tensor  # [B, N], where ``tokens`` is
     token_probs: torch.Tensor  # [B, N] draft probability of each node's token (1 for root level)
     draft_probs: torch.Tensor | None  # [B, N, V] drafter's law at each node; None = deterministic proposals
-    depth: int  # levels drafted below the root level
+    depth: int  # levels of the tree below the root level (its size: topology.size(depth))
     # [B, N] True where a node's token was proposed deterministically (an n-gram sibling in a model's tree): its
     # proposal law is one-hot, whatever ``draft_probs`` says at its parent. None: as ``draft_probs`` says.
     point_mass: torch.Tensor | None = None
+    # For ``observe``: levels the draft model ran forwards on, the catch-up tokens fed before the tree, and the
+    # (rows, tokens per row) of each draft forward (their costs, for the policy).
+    forwarded_levels: int = 0
+    prefix: int = 0
+    forward_shapes: list[tuple[int, int]] = dataclasses.field(default_factory=list)
 
     @classmethod
     def roots_only(cls, inputs: DraftInputs, depth: int = 0) -> Draft:
         size = inputs.topology.size(depth)
         batch = inputs.roots.shape[0]
-        tokens = torch.zeros(batch, size, dtype=torch.long)
-        valid = torch.zeros(batch, size, dtype=torch.bool)
+        tokens = inputs.roots.new_zeros(batch, size)
+        valid = inputs.root_valid.new_zeros(batch, size)
         width = inputs.roots.shape[1]
         tokens[:, :width] = inputs.roots
         valid[:, :width] = inputs.root_valid
@@ -96,17 +110,19 @@ class Draft:
             some.token_probs.new_ones(batch, size),
             laws[0].new_zeros(batch, size, laws[0].shape[-1]) if laws else None, depth,
             some.valid.new_zeros(batch, size) if marks else None,
+            forwarded_levels=max(part.forwarded_levels for _, part in parts),
+            forward_shapes=[shape for _, part in parts for shape in part.forward_shapes],
         )
         device = joined.token_probs.device
         for rows, part in parts:
             width = part.tokens.shape[1]
-            joined.tokens[rows, :width], joined.valid[rows, :width] = part.tokens, part.valid
             on = rows.to(device, non_blocking=True)
+            joined.tokens[on, :width], joined.valid[on, :width] = part.tokens, part.valid
             joined.token_probs[on, :width] = part.token_probs.to(device, non_blocking=True)
             if joined.draft_probs is not None and part.draft_probs is not None:
                 joined.draft_probs[on, :width] = part.draft_probs
             if joined.point_mass is not None and part.point_mass is not None:
-                joined.point_mass[rows, :width] = part.point_mass
+                joined.point_mass[on, :width] = part.point_mass.to(device, non_blocking=True)
         return joined
 
 
@@ -119,11 +135,13 @@ class Drafter:
 
     uses_hidden_states = False
     reads_target_states = False
-    target_cache: SlotKVCache | None = None  # a self-draft's: it drafts in the target's cache (no catch-up tokens)
-    forward_shapes: list[tuple[int, int]] = []  # (rows, tokens per row) of each draft forward this step (none here)
+    host_roots = False  # whether ``propose`` reads the root-level tokens on the host (else they stay on the device)
+    target_cache: PagedKVCache | None = None  # a self-draft's: it drafts in the target's cache (no catch-up tokens)
 
-    def add_rows(self, rows: slice, prompts: list[list[int]], target_states: torch.Tensor | None = None) -> None:
-        del rows, prompts, target_states
+    def add_rows(self, rows: slice, prompts: list[list[int]], positions: list[int],
+                 target_states: torch.Tensor | None = None) -> None:
+        """Sequences joined the batch at ``rows``; ``positions``: the cache positions each may reach."""
+        del rows, prompts, positions, target_states
 
     def remove_row(self, row: int) -> None:
         del row
@@ -131,8 +149,11 @@ class Drafter:
     def propose(self, inputs: DraftInputs) -> Draft:
         return Draft.roots_only(inputs)
 
-    def observe(self, paths: list[list[int]], draft: Draft, target_states: torch.Tensor | None = None) -> None:
-        del paths, draft, target_states
+    def observe(self, paths: list[list[int]], path_tokens: list[list[int]], draft: Draft, topology: TreeTopology,
+                target_states: torch.Tensor | None = None) -> None:
+        """The verified outcome: each row's accepted path (node indices, the pending token first) and its
+        tokens."""
+        del paths, path_tokens, draft, topology, target_states
 
 
 class NgramDrafter(Drafter):
@@ -141,6 +162,8 @@ class NgramDrafter(Drafter):
     Several earlier occurrences with different continuations become several candidates (most recent first).
     Proposals are deterministic, so verification treats their law as one-hot.
     """
+
+    host_roots = True
 
     def __init__(self, max_ngram: int = 4, min_ngram: int = 1) -> None:
         self.max_ngram = max_ngram
@@ -175,7 +198,7 @@ class NgramDrafter(Drafter):
             if depth == 0:
                 continue
             if shared_root:
-                chains = self.continuations([*context, int(inputs.roots[row, 0])], depth, topology.num_candidates)
+                chains = self.continuations([*context, int(inputs.pending[row])], depth, topology.num_candidates)
             else:
                 chains = [
                     (self.continuations([*context, int(root)], depth, 1) or [[]])[0] if ok else []
@@ -214,14 +237,18 @@ def _with_reduced_head(model: torch.nn.Module, subset: tuple[int, ...]) -> torch
 
 
 # A self-draft forwards only the rows that draft while they are at most this share of the batch; more, and it
-# forwards them all. Some rows' cache entries are gathered for the attention, a copy the whole batch does not
-# need (SlotKVCache reads a slice in place): 53 of 62 live XSum rows padded to 1514 cached tokens, 1.8-2.4 s a
-# draft forward gathered vs 0.44 s over all 62 (2-core CPU).
+# forwards them all (the rows not drafting then ride along as padding queries of one node).
 SOME_ROWS_MAX_SHARE = 0.5
 
 
+def model_view(model: torch.nn.Module) -> torch.nn.Module:
+    """The forward the engine runs a model through: the lean forward for the Llama family, else transformers'
+    (with prepacked CPU weights and grouped-query SDPA)."""
+    return lean_view(model) if supports_lean_forward(model) else for_inference(model)
+
+
 class DraftModelDrafter(Drafter):
-    """A small draft sharing the target's tokenizer, with its own slot cache kept on the accepted path.
+    """A small draft sharing the target's tokenizer, with its own paged cache kept on the accepted path.
 
     Tokens committed while the draft did not run on them (the last accepted leaf, steps at depth 0) wait in
     ``uncached`` and are fed as a causal prefix of the next draft tree, so no extra forward is spent on them.
@@ -234,16 +261,14 @@ class DraftModelDrafter(Drafter):
 
     def __init__(
         self, model: torch.nn.Module, capacity: int, device: torch.device, vocab_subset: list[int] | None = None,
-        lookup: NgramDrafter | None = None, lookup_candidates: int = 0, target_cache: SlotKVCache | None = None,
+        lookup: NgramDrafter | None = None, lookup_candidates: int = 0, shares_target_cache: bool = False,
     ) -> None:
         self.device = device
-        # A self-draft (``target_cache``) drafts in the target's own cache: the committed entries are what its
-        # forward would compute with unquantized weights, its tree's entries are tentative slots the verify
-        # forward overwrites, and nothing is committed but the target's. No prefill (a 700-token prompt through
-        # the int4 kernel cost about as much as the target's float32 prefill), no catch-up of tokens committed
-        # while it did not draft, no copy of the target's entries (3% of a batch-64 HumanEval run) and no second
-        # cache (4 GB at batch 64 on XSum).
-        self.target_cache = target_cache
+        # A self-draft (``shares_target_cache``) drafts in the target's own cache: the committed entries are what its
+        # forward would compute with unquantized weights, its tree's entries are tentative positions the verify
+        # forward overwrites, and nothing is committed but the target's. No prefill, no catch-up of tokens
+        # committed while it did not draft, no second cache.
+        self.shares_target_cache = shares_target_cache
         self.vocab_size = model.config.vocab_size
         self.reads_target_states = bool(getattr(model, "reads_features", False))
         # Heterogeneous tree: the last ``lookup_candidates`` candidates of every level are n-gram continuations.
@@ -257,26 +282,36 @@ class DraftModelDrafter(Drafter):
             self.vocab_subset = torch.tensor(vocab_subset, dtype=torch.long)
             if not self.reads_target_states:  # a feature draft's head is stored cut
                 model = _with_reduced_head(model, tuple(vocab_subset))
-        self.model = lean_view(for_inference(model))  # transformers' Python was a tenth of a self-draft forward
-        self.cache = (target_cache if target_cache is not None
-                      else SlotKVCache(model.config.num_hidden_layers, capacity, device=device))
+        self.model = model if self.reads_target_states else model_view(model)
+        self.capacity = capacity
+        self.cache: PagedKVCache | None = None  # ``attach``
         self.uncached: list[list[int]] = []
         self.uncached_states: list[list[torch.Tensor]] = []  # feature draft: the target's state before each
         self.root_states = (  # feature draft: the target's state at each row's last committed position
             torch.zeros(capacity, model.feature_size, device=device) if self.reads_target_states else None
         )
-        self.prefix = 0
-        self.forwarded_levels = 0
-        self.forward_shapes: list[tuple[int, int]] = []  # (rows, tokens per row) of each draft forward this step
-        self.topology: TreeTopology | None = None
         self.uses_hidden_states = False
 
-    def add_rows(self, rows: slice, prompts: list[list[int]], target_states: torch.Tensor | None = None) -> None:
+    def attach(self, target_cache: PagedKVCache) -> None:
+        """The target's cache is there: a self-draft drafts in it; another draft gets a cache of its own with as
+        many positions as the target's pool (it never holds more of a row than the target does)."""
+        if self.shares_target_cache:
+            self.target_cache = self.cache = target_cache
+        else:
+            config = self.model.config
+            self.cache = PagedKVCache(
+                CacheShape.of(config), target_cache.num_blocks, target_cache.max_rows,
+                target_cache.max_blocks_per_row * target_cache.block_size, block_size=target_cache.block_size,
+                dtype=next(self.model.parameters()).dtype, device=self.device,
+            )
+
+    def add_rows(self, rows: slice, prompts: list[list[int]], positions: list[int],
+                 target_states: torch.Tensor | None = None) -> None:
+        self.uncached.extend([] for _ in prompts)
+        self.uncached_states.extend([] for _ in prompts)
         if self.target_cache is not None:  # the target's prefill filled the cache both read
-            self.uncached.extend([] for _ in prompts)
-            self.uncached_states.extend([] for _ in prompts)
             return
-        joined = self.cache.add_rows(len(prompts))
+        joined = self.cache.add_rows(positions)
         assert joined == rows, "draft cache rows must mirror the target cache"
         states = None
         if self.reads_target_states:
@@ -284,27 +319,26 @@ class DraftModelDrafter(Drafter):
             last = torch.tensor([len(p) - 1 for p in prompts], device=self.device)
             self.root_states[rows] = target_states[torch.arange(len(prompts), device=self.device), last]
             states, prompts = target_states, [p[1:] for p in prompts]
-        self.uncached.extend([] for _ in prompts)
-        self.uncached_states.extend([] for _ in prompts)
         ids, lengths = pad_rows(prompts)
         width = ids.shape[1]
         if width:
             valid = torch.arange(width)[None] < lengths[:, None]
-            forward_tree(self.model, self.cache, rows, ids.to(self.device), chain_ancestors(width),
-                         valid.to(self.device), logits_at=torch.tensor([width - 1]),
+            forward_tree(self.model, self.cache, rows, ids.to(self.device), chain_ancestors(width), valid,
+                         logits_at=torch.tensor([width - 1]),
                          features=states[:, :width] if states is not None else None)
-            self.cache.commit(rows, torch.arange(width)[None].expand(len(prompts), -1), lengths)
+            self.cache.advance(rows, lengths.tolist())
 
     def _full_vocab(self, logits: torch.Tensor) -> torch.Tensor:
         if self.vocab_subset is None:
             return logits
         full = logits.new_full((*logits.shape[:-1], self.vocab_size), -torch.inf)
-        full[..., self.vocab_subset] = logits
+        full[..., self.vocab_subset.to(logits.device, non_blocking=True)] = logits
         return full
 
     def remove_row(self, row: int) -> None:
+        last = len(self.uncached) - 1
         if self.root_states is not None:
-            self.root_states[row] = self.root_states[self.cache.active - 1]
+            self.root_states[row] = self.root_states[last]
         if self.target_cache is None:  # a shared cache has moved its rows already
             self.cache.remove_row(row)
         for waiting in (self.uncached, self.uncached_states):
@@ -312,25 +346,35 @@ class DraftModelDrafter(Drafter):
             waiting.pop()
 
     @staticmethod
-    def _sample_level(
-        inputs: DraftInputs, probs: torch.Tensor, width: int, active: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """One child per candidate below nodes with laws ``probs`` [B, w, V] on the device; w == 1 means ``width``
-        children branch here. Greedy rows take the best tokens; sampled ``active`` rows (host mask) draw
-        ``width`` uniforms from their own generator, whatever the others do: a row's random stream must not depend
-        on how deep others draft. Only the uniforms cross to the device; the laws never leave it."""
+    def _uniforms(inputs: DraftInputs, width: int, levels: int) -> torch.Tensor | None:
+        """[B, levels, width] uniforms on the device: each sampled row draws ``width`` per level it drafts (its
+        planned depth), in level order, from its own generator, whatever the others do: a row's random stream
+        must not depend on how deep others draft. None when no row samples."""
+        depths = inputs.depths.tolist()
+        sampled = [row for row, greedy in enumerate(inputs.greedy.tolist()) if not greedy and depths[row] > 0]
+        if not sampled:
+            return None
+        uniforms = torch.zeros(len(depths), levels, width)
+        for row in sampled:
+            drawn = min(depths[row], levels)
+            uniforms[row, :drawn] = row_uniforms([inputs.generators[row]], [0], width * drawn).view(drawn, width)
+        return uniforms.to(inputs.warp.temperature.device, non_blocking=True)
+
+    @staticmethod
+    def _sample_level(inputs: DraftInputs, probs: torch.Tensor, width: int, uniforms: torch.Tensor | None,
+                      sampled: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """One child per candidate below nodes with laws ``probs`` [B, w, V]; w == 1 means ``width`` children
+        branch here. Greedy rows take the best tokens; ``sampled`` rows (device mask) invert their laws' CDFs at
+        this level's ``uniforms`` [B, width]."""
         branching = probs.shape[1] == 1
         laws = probs.expand(-1, width, -1) if branching else probs
         tokens = laws[:, 0].topk(width).indices if branching else laws.argmax(-1)
-        sampled = active & ~inputs.greedy
-        if bool(sampled.any()):
-            uniforms = row_uniforms(inputs.generators, sampled.nonzero().flatten().tolist(), width)
-            uniforms = uniforms.to(probs.device, non_blocking=True)
+        if uniforms is not None:
             if branching:
                 drawn = sample_tokens(laws[:, 0], uniforms, inputs.replacement)
             else:
                 drawn = sample_from(laws.reshape(-1, laws.shape[-1]), uniforms.reshape(-1)).view(laws.shape[:2])
-            tokens = torch.where(sampled.to(probs.device, non_blocking=True)[:, None], drawn, tokens)
+            tokens = torch.where(sampled[:, None], drawn, tokens)
         return tokens, laws.gather(-1, tokens[..., None]).squeeze(-1)
 
     def _lookup_siblings(
@@ -344,7 +388,7 @@ class DraftModelDrafter(Drafter):
             depth = int(lookup_depths[row]) if lookup_depths is not None else int(inputs.depths[row])
             if depth == 0:
                 continue
-            chains = self.lookup.continuations([*context, int(inputs.roots[row, 0])], depth, self.lookup_candidates)
+            chains = self.lookup.continuations([*context, int(inputs.pending[row])], depth, self.lookup_candidates)
             for candidate, chain in enumerate(chains, start=first):
                 for level, token in enumerate(chain, start=1):
                     node = prefix + topology.level_slice(level).start + candidate
@@ -353,15 +397,12 @@ class DraftModelDrafter(Drafter):
         return deepest
 
     def propose(self, inputs: DraftInputs) -> Draft:
-        self.forwarded_levels, self.forward_shapes = 0, []
         drafting = inputs.depths > 0
         count = int(drafting.sum())
         if self.target_cache is None or count == 0 or count > SOME_ROWS_MAX_SHARE * len(drafting):
             return self._propose(inputs, slice(0, len(drafting)))
         # Few rows drafting: a self-draft forwards them alone, the others would pay a draft forward over their whole
-        # context for nothing (the first steps of a batch of 64 XSum rows, a few rows at depth 1, cost 2.7x a
-        # plain step when the forward ran over all 64). A draft with a cache of its own runs every row, to keep
-        # its cache in step with the target's.
+        # context for nothing. A draft with a cache of its own runs every row, to keep its cache in step.
         some, rest = drafting.nonzero().flatten(), (~drafting).nonzero().flatten()
         return Draft.join(len(drafting), [(some, self._propose(inputs.select(some), some)),
                                           (rest, self._propose(inputs.select(rest), rest))])
@@ -374,22 +415,20 @@ class DraftModelDrafter(Drafter):
         lookup_depth = 0
         if self.lookup is not None and batch:
             lookup_depth = int((inputs.lookup_depths if inputs.lookup_depths is not None else inputs.depths).max())
-        max_depth = max(model_depth, lookup_depth)
-        if max_depth == 0:
+        if max(model_depth, lookup_depth) == 0:
             return Draft.roots_only(inputs)
         row_ids = range(rows.start, rows.stop) if isinstance(rows, slice) else rows.tolist()
         uncached = [self.uncached[row] for row in row_ids]
         prefix = max(len(u) for u in uncached)
-        self.prefix, self.topology = prefix, topology
-        ancestors = with_prefix_chain(topology.sliced_ancestors(max_depth), prefix)
+        ancestors = with_prefix_chain(topology.sliced_ancestors(max(model_depth, lookup_depth)), prefix)
         total = ancestors.shape[0]
+        # The tree's ids and flags start on the host (catch-up prefix, root-level tokens, lookup siblings) and go
+        # to the device once; the levels, their laws and their sampling stay there.
         tokens = torch.zeros(batch, total, dtype=torch.long)
         valid = torch.zeros(batch, total, dtype=torch.bool)
         tokens[:, :prefix], waiting = pad_rows(uncached, prefix)
         valid[:, :prefix] = torch.arange(prefix)[None] < waiting[:, None]
         width = topology.root_width
-        tokens[:, prefix : prefix + width] = inputs.roots
-        valid[:, prefix : prefix + width] = inputs.root_valid
         point_mass = None
         depth = 0
         if self.lookup is not None:
@@ -401,35 +440,36 @@ class DraftModelDrafter(Drafter):
         states = None  # feature draft: the state each node reads
         if self.root_states is not None:
             states = self.root_states.new_zeros(batch, total, self.root_states.shape[1])
-            for row, waiting in enumerate(self.uncached_states[row] for row in row_ids):
-                if waiting:
-                    states[row, : len(waiting)] = torch.stack(waiting)
+            for row, waiting_states in enumerate(self.uncached_states[row] for row in row_ids):
+                if waiting_states:
+                    states[row, : len(waiting_states)] = torch.stack(waiting_states)
             states[:, prefix : prefix + width] = self.root_states[list(row_ids), None]
-        # The tree's ids and flags are built on the host (lookup, catch-up prefix) and mirrored on the device;
-        # the laws, the draft probabilities and the sampling stay on the device. Per level the host reads back
-        # the new ids (-1 where a candidate stopped) and which candidates draft on: 8 bytes per candidate.
-        tokens_on, valid_on, ancestors_on = tokens.to(device), valid.to(device), ancestors.to(device)
+        tokens, valid = tokens.to(device, non_blocking=True), valid.to(device, non_blocking=True)
+        tokens[:, prefix : prefix + width] = inputs.roots.to(device, non_blocking=True)
+        valid[:, prefix : prefix + width] = inputs.root_valid.to(device, non_blocking=True)
         tree_ancestors = topology.ancestors.to(device) if inputs.warp.penalties is not None else None
-        depths_on = inputs.depths.to(device)
+        depths_on = inputs.depths.to(device, non_blocking=True)
         token_probs = torch.ones(batch, total, device=device)
-        sampling = not bool(inputs.greedy.all())
-        laws = torch.zeros(batch, total, self.vocab_size, device=device) if sampling else None
-
+        laws = torch.zeros(batch, total, self.vocab_size, device=device) if not bool(inputs.greedy.all()) else None
         model_width = topology.num_candidates - self.lookup_candidates
+        uniforms = self._uniforms(inputs, model_width, model_depth)
+        sampled = (~inputs.greedy).to(device, non_blocking=True)
+        shapes: list[tuple[int, int]] = []
+        forwarded = 0
         start, end = 0, prefix + width
-        extend, extend_on = valid[:, prefix:end], valid_on[:, prefix:end]  # the nodes drafted below
+        extend = valid[:, prefix:end]  # the nodes drafted below
         for level in range(1, model_depth + 1):
-            self.forward_shapes.append((batch, end - start))
+            shapes.append((batch, end - start))
             logits, hidden = forward_tree(
-                self.model, self.cache, rows, tokens_on[:, start:end], ancestors_on, valid_on, start,
+                self.model, self.cache, rows, tokens[:, start:end], ancestors, valid, start,
                 logits_at=torch.arange(max(start, prefix), end) - start,
                 want_hidden=self.uses_hidden_states or states is not None,
                 features=states[:, start:end] if states is not None else None,
             )
-            self.forwarded_levels = max(self.forwarded_levels, level)
+            forwarded = level
             parents = slice(max(start, prefix), end)
             scores = inputs.warp.penalize(  # each node with its own history, as the target's verification does
-                self._full_vocab(logits.float()), tokens_on[:, prefix:], tree_ancestors,
+                self._full_vocab(logits.float()), tokens[:, prefix:], tree_ancestors,
                 slice(parents.start - prefix, parents.stop - prefix),
             )
             probs = warp_probs(scores, inputs.warp)  # [B, w_parent, V]
@@ -438,43 +478,38 @@ class DraftModelDrafter(Drafter):
             # The model's candidates come first in every level; the lookup siblings after them have their tokens.
             probs = probs[:, :model_width]
             hidden = hidden[:, :model_width] if hidden is not None else None
-            active = extend.any(1) & (level <= inputs.depths)
-            children, child_probs = self._sample_level(inputs, probs, model_width, active)
+            level_uniforms = uniforms[:, level - 1] if uniforms is not None else None
+            children, child_probs = self._sample_level(inputs, probs, model_width, level_uniforms, sampled)
             if extend.shape[1] == 1:
-                extend, extend_on = extend.expand(-1, model_width), extend_on.expand(-1, model_width)
+                extend = extend.expand(-1, model_width)
                 hidden = hidden.expand(-1, model_width, -1) if hidden is not None else None
-            keep, deeper = inputs.keep(level, depths_on, child_probs,
-                                       hidden.float() if self.uses_hidden_states else None)
-            keep = extend_on[:, :model_width] & keep
-            extend_on = keep & deeper
-            back = inputs.to_host(torch.stack([torch.where(keep, children, -1), extend_on.long()]).int())
-            kept, extend = back[0] >= 0, back[1].bool()
-            if not bool(kept.any()):
+            keep, deeper = inputs.stop.keep(level, depths_on, child_probs,
+                                            hidden.float() if self.uses_hidden_states else None)
+            keep = extend[:, :model_width] & keep
+            extend = keep & deeper
+            if inputs.stop.cuts and not bool(keep.any()):  # a trained stop rule ended every candidate
                 break
             level_nodes = topology.level_slice(level)
             start, end = prefix + level_nodes.start, prefix + level_nodes.stop
             model_nodes = slice(start, start + model_width)
-            tokens[:, model_nodes] = back[0].clamp(min=0)
-            valid[:, model_nodes] = kept
-            tokens_on[:, model_nodes] = children
-            valid_on[:, model_nodes] = keep
+            tokens[:, model_nodes] = torch.where(keep, children, 0)
+            valid[:, model_nodes] = keep
             token_probs[:, model_nodes] = child_probs
             if states is not None:
                 states[:, model_nodes] = hidden
             depth = max(depth, level)
-            if level == model_depth or not bool(extend.any()):
+            if inputs.stop.cuts and not bool(extend.any()):  # a trained stop rule ended every candidate
                 break
         size = prefix + topology.size(depth)
         return Draft(
-            tokens[:, prefix:size],
-            valid[:, prefix:size],
-            token_probs[:, prefix:size],
-            laws[:, prefix:size] if laws is not None else None,
-            depth,
-            point_mass[:, prefix:size] if point_mass is not None else None,
+            tokens[:, prefix:size], valid[:, prefix:size], token_probs[:, prefix:size],
+            laws[:, prefix:size] if laws is not None else None, depth,
+            point_mass[:, prefix:size].to(device, non_blocking=True) if point_mass is not None else None,
+            forwarded_levels=forwarded, prefix=prefix, forward_shapes=shapes,
         )
 
-    def observe(self, paths: list[list[int]], draft: Draft, target_states: torch.Tensor | None = None) -> None:
+    def observe(self, paths: list[list[int]], path_tokens: list[list[int]], draft: Draft, topology: TreeTopology,
+                target_states: torch.Tensor | None = None) -> None:
         """Keep the accepted path's final entries in the draft cache; the rest of the path waits for next time.
 
         Final: what the draft ran on with the inputs it will always have; for a token draft every level it ran,
@@ -482,18 +517,18 @@ class DraftModelDrafter(Drafter):
         """
         if self.target_cache is not None:  # the target has committed this step in the cache both read
             return
-        ran = self.forwarded_levels > 0
+        ran = draft.forwarded_levels > 0
         final_nodes = 0
         if ran:
-            final_nodes = (self.topology.root_width if self.root_states is not None
-                           else self.topology.size(self.forwarded_levels - 1))
+            final_nodes = (topology.root_width if self.root_states is not None
+                           else topology.size(draft.forwarded_levels - 1))
         keeps = []
         for row, path in enumerate(paths):
             if ran:
-                keeps.append(list(range(len(self.uncached[row]))) + [self.prefix + n for n in path if n < final_nodes])
+                keeps.append(list(range(len(self.uncached[row]))) + [draft.prefix + n for n in path if n < final_nodes])
                 self.uncached[row], self.uncached_states[row] = [], []
             waiting = [i for i, node in enumerate(path) if node >= final_nodes]
-            self.uncached[row] += [int(draft.tokens[row, path[i]]) for i in waiting]
+            self.uncached[row] += [path_tokens[row][i] for i in waiting]
             if self.root_states is not None:
                 before = [self.root_states[row].clone(), *target_states[row, path[:-1]]]  # the state before each node
                 self.uncached_states[row] += [before[i] for i in waiting]
@@ -501,4 +536,4 @@ class DraftModelDrafter(Drafter):
         if not ran:
             return
         keep, counts = pad_rows(keeps)
-        self.cache.commit(slice(0, len(paths)), keep, counts)  # host keep: see SlotKVCache.commit
+        self.cache.commit(slice(0, len(paths)), keep, counts)

@@ -1,235 +1,236 @@
-"""A ragged, slot-addressed KV cache for tree verification, as a transformers ``Cache``.
+"""The paged KV cache: fixed-size blocks from one pool, a block table per row, memory by use.
 
-Row b holds ``lengths[b]`` committed entries in slots [0, lengths[b]). A forward writes its new tokens at
-``lengths[b] + offset + t`` (tentative), the 4D mask decides what each query sees, and ``commit`` then
-*gathers* the accepted path into place right after the committed prefix: rejected branches are never cropped
-or recomputed, and sequences of different lengths share one rectangular buffer without re-padding.
-Rows [0, active) are live; a finished row is replaced by the last one (swap-remove) so the live rows stay a
-contiguous, view-sliceable prefix. When the last row leaves, the buffers are released: an idle engine (a Serve
-replica between bursts, one of several engines in a benchmark) holds no KV memory, which at 64 rows of 2048 slots
-is 6 GB for SmolLM2-135M.
+Each layer's keys and values live in one pool of ``num_blocks`` blocks of ``block_size`` positions (keys
+[blocks, kv_heads, head_dim, block_size], values [blocks, kv_heads, block_size, head_dim]: see ``attention.py``).
+Row r of the batch owns the blocks of its block table: position p sits at offset p % block_size of block
+``table[r][p // block_size]``. A row is admitted only while the pool can promise it the blocks its prompt, its
+``max_tokens`` and one draft tree need (its reservation); blocks are handed out as the row grows and all return to
+the pool when it leaves, so memory in use is the tokens cached plus at most one partial block per row, and a row
+never waits for a block once admitted (no preemption).
 
-The host keeps its own copy of the committed lengths (``host_lengths``): it knows every commit's counts, so
-sizing a forward (the longest row) never reads a device tensor back, which on a GPU would wait for the queue.
+A forward writes its tree's nodes at the row's committed length + node index (tentative entries), and ``commit``
+then moves the accepted path right after the committed prefix: entries already in place are not touched, rejected
+branches are simply overwritten later. Live rows are [0, active); a leaving row is replaced by the last (swap-remove
+of table rows: no key or value moves). The host keeps the committed lengths and the tables (the device's copy of
+the tables is refreshed when they change), so sizing and describing a forward never reads the device.
 """
 
 from __future__ import annotations
 
+import heapq
+import math
+from dataclasses import dataclass
+
 import torch
-from transformers.cache_utils import Cache, CacheLayerMixin
 
-from decoding.tree import attention_inputs
+from decoding.attention import AttentionMetadata
 
-# Which rows a forward runs: the live prefix or a part of it (a slice, a view), or some rows (a host index
-# tensor, e.g. the rows of a batch that draft this step: their entries are gathered for the attention).
+# Which rows a forward runs: the live prefix or a part of it (a slice), or some rows (a host index tensor).
 Rows = slice | torch.Tensor
 
 
-class _SlotLayer(CacheLayerMixin):
-    def __init__(self, owner: SlotKVCache) -> None:
-        super().__init__()
-        self.owner = owner
+@dataclass(frozen=True)
+class CacheShape:
+    num_layers: int
+    kv_heads: int
+    head_dim: int
 
-    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
-        shape = (self.owner.capacity, key_states.shape[1], self.owner.max_slots, key_states.shape[-1])
-        self.keys = key_states.new_zeros(shape)
-        self.values = value_states.new_zeros((*shape[:3], value_states.shape[-1]))
-        self.is_initialized = True
+    @property
+    def bytes_per_token(self) -> int:
+        """Key and value bytes of one position over all layers, per byte of the element type."""
+        return 2 * self.num_layers * self.kv_heads * self.head_dim
 
-    def grow(self, slots: int) -> None:
-        if self.is_initialized and self.keys.shape[2] < slots:
-            for name in ("keys", "values"):
-                old = getattr(self, name)
-                new = old.new_zeros((*old.shape[:2], slots, old.shape[3]))
-                new[:, :, : old.shape[2]] = old
-                setattr(self, name, new)
-
-    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
-        if not self.is_initialized:
-            self.lazy_initialization(key_states, value_states)
-        rows, kv_length = self.owner.rows, self.owner.kv_length
-        for buffer, new in ((self.keys, key_states), (self.values, value_states)):
-            if isinstance(rows, slice):
-                buffer[rows].scatter_(2, self.owner.write_index(new.shape), new.to(buffer.dtype))
-            else:  # some rows: buffer[rows[i], :, write[i, t]] = new[i, :, t]
-                buffer[rows[:, None], :, self.owner.write_slots] = new.transpose(1, 2).to(buffer.dtype)
-        if isinstance(rows, slice):
-            return self.keys[rows, :, :kv_length], self.values[rows, :, :kv_length]
-        # Some rows: their entries gathered (a copy of what the attention reads anyway). ``index_select`` copies
-        # whole row blocks; advanced indexing (``keys[rows]``) went element by element: 53 of 64 rows at ~450
-        # cached tokens, 4.8 vs 1.1 ms a layer's keys, and up to 17 ms at longer padded contexts (2-core CPU).
-        return (self.keys[:, :, :kv_length].index_select(0, rows),
-                self.values[:, :, :kv_length].index_select(0, rows))
-
-    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
-        return self.owner.kv_length, 0
-
-    def get_seq_length(self) -> int:
-        return self.owner.longest(slice(0, self.owner.active))
-
-    def get_max_cache_shape(self) -> int:
-        return self.owner.max_slots
-
-    def get_max_length(self) -> int:
-        return self.owner.max_slots
+    @classmethod
+    def of(cls, config) -> CacheShape:
+        heads = config.num_attention_heads
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+        return cls(config.num_hidden_layers, getattr(config, "num_key_value_heads", None) or heads, head_dim)
 
 
-class SlotKVCache(Cache):
-    def __init__(self, num_layers: int, capacity: int, max_slots: int = 512, device: torch.device | None = None):
-        self.capacity = capacity
-        self.initial_slots = self.max_slots = max_slots
+class PagedKVCache:
+    def __init__(
+        self, shape: CacheShape, num_blocks: int, max_rows: int, max_positions: int, *, block_size: int = 16,
+        dtype: torch.dtype = torch.float32, device: torch.device | None = None,
+    ) -> None:
+        self.shape = shape
+        self.block_size = block_size
+        self.num_blocks = num_blocks
+        self.max_rows = max_rows
+        self.dtype = dtype
         self.device = device or torch.device("cpu")
-        self.lengths = torch.zeros(capacity, dtype=torch.long, device=self.device)
-        self.host_lengths = [0] * capacity  # mirror of ``lengths``, kept from the commit counts
+        self.max_blocks_per_row = math.ceil(max_positions / block_size)
+        # torch.empty: on a CPU, pages are committed when first written, and blocks are handed out lowest first,
+        # so resident memory follows the peak of blocks in use rather than the pool's size.
+        # One tensor for all layers: a compiled forward takes (and guards) two inputs, not two per layer.
+        self.keys = torch.empty(shape.num_layers, num_blocks, shape.kv_heads, shape.head_dim, block_size, dtype=dtype,
+                                device=self.device)
+        self.values = torch.empty(shape.num_layers, num_blocks, shape.kv_heads, block_size, shape.head_dim,
+                                  dtype=dtype, device=self.device)
+        self._free = list(range(num_blocks))  # a heap: lowest block first
+        self.tables = torch.zeros(max_rows, self.max_blocks_per_row, dtype=torch.int32)  # host
+        self._device_tables = self.tables.to(self.device) if self.device.type != "cpu" else self.tables
+        self._tables_stale = False
+        self.row_blocks: list[list[int]] = [[] for _ in range(max_rows)]
+        self.host_lengths = [0] * max_rows  # committed positions per row
+        self.reserved = [0] * max_rows  # blocks each row may still take
         self.active = 0
-        self.rows: slice | torch.Tensor = slice(0, 0)  # of the forward being run (``prepare``)
-        self.write_slots = torch.zeros(0, 0, dtype=torch.long)
-        self._write_indices: dict[torch.Size, torch.Tensor] = {}  # of the forward being run
-        self.kv_length = 0
-        super().__init__(layers=[_SlotLayer(self) for _ in range(num_layers)])
+        self.peak_blocks = 0
 
-    def longest(self, rows: Rows) -> int:
-        """Longest committed length among ``rows``, from the host mirror (no device read)."""
-        if isinstance(rows, slice):
-            return max(self.host_lengths[rows], default=0)
-        return max((self.host_lengths[row] for row in rows.tolist()), default=0)
+    # ---------------------------------------------------------------------------------------------- blocks
+    @property
+    def blocks_in_use(self) -> int:
+        return self.num_blocks - len(self._free)
 
-    def prepare(self, rows: Rows, offset: int, num_new: int) -> None:
-        """Aim the next forward: rows ``rows`` write ``num_new`` tokens after ``offset`` tentative slots."""
-        self.kv_length = self.longest(rows) + offset + num_new  # from the host index, before it moves
-        if not isinstance(rows, slice):
-            rows = rows.to(self.device, non_blocking=True)
-        lengths = self.lengths[rows]
-        self.rows = rows
-        self.write_slots = lengths[:, None] + offset + torch.arange(num_new, device=self.device)[None]
-        self._write_indices = {}
-        if self.kv_length > self.max_slots:
-            self.reserve(max(self.kv_length, 2 * self.max_slots))
+    @property
+    def blocks_promised(self) -> int:
+        return self.blocks_in_use + sum(self.reserved[: self.active])
 
-    def write_index(self, shape: torch.Size) -> torch.Tensor:
-        """``write_slots`` expanded to a [rows, heads, tokens, dim] scatter index; built once per forward, not
-        once per layer and tensor (a self-draft forward writes 60 of them)."""
-        if shape not in self._write_indices:
-            self._write_indices[shape] = self.write_slots[:, None, :, None].expand(-1, shape[1], -1, shape[-1])
-        return self._write_indices[shape]
+    def usage(self) -> float:
+        """Fraction of the pool's blocks in use (vLLM's kv_cache_usage_perc, as a fraction)."""
+        return self.blocks_in_use / self.num_blocks
 
-    def reserve(self, slots: int) -> None:
-        """Room for ``slots`` entries per row, in one allocation. Each growth allocates and copies the whole
-        cache: growing 64 rows of XSum prompts by doubling, one prefill group after another, took 3% of a
-        batch-64 run; the engine reserves what a batch of prompts will need when it admits them."""
-        if slots > self.max_slots:
-            self.max_slots = slots
-            for layer in self.layers:
-                layer.grow(slots)  # an uninitialized layer allocates max_slots when first written
+    def blocks_for(self, positions: int) -> int:
+        return math.ceil(positions / self.block_size)
 
-    def commit(self, rows: slice, keep: torch.Tensor, counts: torch.Tensor | list[int]) -> None:
-        """Keep tentative slots ``lengths + keep[b, :counts[b]]`` as the next committed entries of each row.
+    def can_admit(self, positions: int) -> bool:
+        """Whether a row needing ``positions`` positions fits beside the blocks promised to the live rows."""
+        return self.active < self.max_rows and self.blocks_promised + self.blocks_for(positions) <= self.num_blocks
 
-        ``counts`` should come from the host (a list or a CPU tensor): counts on the device are read back.
-        ``keep`` may come from the host too: where every row keeps the slots right after its committed entries in
-        order (a chain's accepted prefix: every step at batch 1 without siblings), nothing moves. Gathering and
-        scattering 60 buffers for nothing took 1.6 ms of a ~100 ms batch-1 step.
-        """
-        if keep.shape[1] == 0:
-            return
-        host_counts = counts.tolist() if isinstance(counts, torch.Tensor) else list(counts)
-        for row, count in zip(range(rows.start, rows.stop), host_counts):
-            self.host_lengths[row] += count
-        counts = torch.as_tensor(counts).to(self.device, non_blocking=True)
-        if keep.device.type == "cpu":  # read without waiting for the device
-            in_place = torch.arange(keep.shape[1])[None]
-            if bool(((keep == in_place) | (in_place >= torch.as_tensor(host_counts)[:, None])).all()):
-                self.lengths[rows] += counts
-                return
-        keep = keep.to(self.device, non_blocking=True)
-        lengths = self.lengths[rows]
-        source = lengths[:, None] + keep
-        target = lengths[:, None] + torch.arange(keep.shape[1], device=self.device)[None]
-        # Entries past counts[b] copy onto themselves-or-garbage beyond the new length: harmless.
-        source = torch.where(torch.arange(keep.shape[1], device=self.device)[None] < counts[:, None], source, target)
-        for layer in self.layers:
-            if not layer.is_initialized:
-                continue
-            for buffer in (layer.keys, layer.values):
-                view = buffer[rows]
-                gather_index = source[:, None, :, None].expand(-1, view.shape[1], -1, view.shape[3])
-                moved = view.gather(2, gather_index)
-                view.scatter_(2, target[:, None, :, None].expand_as(moved), moved)
-        self.lengths[rows] += counts
-
-    def add_rows(self, count: int) -> slice:
-        """Reserve ``count`` fresh rows after the live ones; returns their slice."""
-        if self.active + count > self.capacity:
-            raise ValueError(f"cache holds at most {self.capacity} rows")
-        rows = slice(self.active, self.active + count)
-        self.lengths[rows] = 0
-        self.host_lengths[rows] = [0] * count
-        self.active += count
+    def add_rows(self, positions: list[int]) -> slice:
+        """Admit rows after the live ones, each promised the blocks for its ``positions``; returns their slice."""
+        if self.active + len(positions) > self.max_rows:
+            raise ValueError(f"cache holds at most {self.max_rows} rows")
+        rows = slice(self.active, self.active + len(positions))
+        for row, need in zip(range(rows.start, rows.stop), positions):
+            self.row_blocks[row] = []
+            self.host_lengths[row] = 0
+            self.reserved[row] = self.blocks_for(need)
+        self.active = rows.stop
         return rows
 
+    def ensure(self, rows: Rows, positions: list[int]) -> None:
+        """Give each row of ``rows`` blocks for its positions [0, positions[i])."""
+        for row, need in zip(self._row_ids(rows), positions):
+            blocks = self.row_blocks[row]
+            missing = self.blocks_for(need) - len(blocks)
+            if missing <= 0:
+                continue
+            if missing > len(self._free) or len(blocks) + missing > self.max_blocks_per_row:
+                raise RuntimeError(f"KV cache pool exhausted ({self.num_blocks} blocks of {self.block_size})")
+            new = [heapq.heappop(self._free) for _ in range(missing)]
+            self.tables[row, len(blocks) : len(blocks) + missing] = torch.tensor(new, dtype=torch.int32)
+            blocks += new
+            self.reserved[row] = max(0, self.reserved[row] - missing)
+            self._tables_stale = True
+        self.peak_blocks = max(self.peak_blocks, self.blocks_in_use)
+
     def remove_row(self, row: int) -> None:
-        """Swap-remove: the last live row moves into ``row``."""
+        """Return the row's blocks to the pool; the last live row takes its place (its table row moves)."""
+        for block in self.row_blocks[row]:
+            heapq.heappush(self._free, block)
         last = self.active - 1
         if row != last:
-            used = self.host_lengths[last]
-            for layer in self.layers:
-                if layer.is_initialized:
-                    layer.keys[row, :, :used] = layer.keys[last, :, :used]
-                    layer.values[row, :, :used] = layer.values[last, :, :used]
-            self.lengths[row] = self.lengths[last]
-            self.host_lengths[row] = used
-        self.lengths[last] = 0
-        self.host_lengths[last] = 0
+            self.row_blocks[row] = self.row_blocks[last]
+            self.host_lengths[row] = self.host_lengths[last]
+            self.reserved[row] = self.reserved[last]
+            self.tables[row] = self.tables[last]
+            self._tables_stale = True
+        self.row_blocks[last], self.host_lengths[last], self.reserved[last] = [], 0, 0
         self.active = last
-        if self.active == 0:
-            self.max_slots = self.initial_slots
-            for layer in self.layers:
-                layer.keys = layer.values = None
-                layer.is_initialized = False  # allocated again, lazily, by the next forward
 
-    def get_seq_length(self, layer_idx: int = 0) -> int:
-        return self.layers[0].get_seq_length()
+    def device_tables(self) -> torch.Tensor:
+        """The block tables on the cache's device (copied without waiting when they changed)."""
+        if self._tables_stale and self._device_tables is not self.tables:
+            self._device_tables.copy_(self.tables, non_blocking=True)
+        self._tables_stale = False
+        return self._device_tables
 
+    # --------------------------------------------------------------------------------------------- lengths
+    def _row_ids(self, rows: Rows) -> list[int]:
+        return list(range(rows.start, rows.stop)) if isinstance(rows, slice) else rows.tolist()
 
-@torch.no_grad()
-def forward_tree(
-    model: torch.nn.Module,
-    cache: SlotKVCache,
-    rows: Rows,
-    input_ids: torch.Tensor,
-    ancestors: torch.Tensor,
-    valid: torch.Tensor,
-    start: int = 0,
-    logits_at: torch.Tensor | None = None,
-    want_hidden: bool = False,
-    hidden_at: torch.Tensor | None = None,
-    features: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """One model forward over tree nodes [start, start + T) of rows ``rows``; returns (logits, last hidden).
+    def longest(self, rows: Rows) -> int:
+        """Longest committed length among ``rows`` (host)."""
+        return max((self.host_lengths[row] for row in self._row_ids(rows)), default=0)
 
-    ``logits_at`` (1D node indices, relative to ``start``) limits the LM head to those nodes: a prefill only
-    needs the last prompt position of each row, and the head is most of a small model's cost. The last hidden
-    state comes back at ``hidden_at`` (default: the ``logits_at`` nodes). ``features`` [B, T, H] is the extra
-    input of a feature draft.
-    """
-    end = start + input_ids.shape[1]
-    dtype = next(model.parameters()).dtype
-    cache.prepare(rows, start, input_ids.shape[1])
-    mask, positions, _ = attention_inputs(  # kv_length = the rows' longest committed length + end
-        ancestors, valid, cache.lengths[cache.rows], start, end, dtype, max_length=cache.kv_length - end
-    )
-    out = model(
-        input_ids=input_ids,
-        attention_mask=mask,
-        position_ids=positions,
-        cache=cache,  # transformers >= 5.24 (past_key_values is removed in 5.40)
-        use_cache=True,
-        output_hidden_states=want_hidden,
-        logits_to_keep=logits_at if logits_at is not None else 0,
-        **({"features": features} if features is not None else {}),
-    )
-    hidden = out.hidden_states[-1] if want_hidden else None
-    hidden_at = hidden_at if hidden_at is not None else logits_at
-    if hidden is not None and hidden_at is not None:
-        hidden = hidden[:, hidden_at]
-    return out.logits, hidden
+    def lengths(self, rows: Rows) -> torch.Tensor:
+        return torch.tensor([self.host_lengths[row] for row in self._row_ids(rows)], dtype=torch.long)
+
+    def slot_of(self, row: int, position: int) -> int:
+        return int(self.tables[row, position // self.block_size]) * self.block_size + position % self.block_size
+
+    # ---------------------------------------------------------------------------------------------- forward
+    def tree_metadata(
+        self, rows: Rows, ancestors: torch.Tensor, valid: torch.Tensor, start: int, end: int
+    ) -> tuple[AttentionMetadata, torch.Tensor]:
+        """Attention metadata and positions [B, end - start] for a forward over tree nodes [start, end) of ``rows``,
+        node n of row b sitting at position ``length_b + n``.
+
+        ``ancestors`` [>= end, >= end] (host bool): row n marks n's ancestors and n. ``valid`` [B, >= end] (bool,
+        on the host or the cache's device): which nodes each row has. A node a row lacks is a padding query: its
+        entries are written (where the row's real nodes never look) and it sees only the row's first position,
+        which keeps its output finite. Everything is computed with tensor operations where ``valid`` lives, so
+        describing a forward never waits for the device. Blocks for positions [0, length_b + end) are given to
+        every row first.
+        """
+        row_ids = self._row_ids(rows)
+        host_lengths = [self.host_lengths[row] for row in row_ids]
+        self.ensure(rows, [length + end for length in host_lengths])
+        device = self.device
+        valid = valid.to(device, non_blocking=True)
+        batch, count = len(row_ids), end - start
+        lengths = torch.tensor(host_lengths, dtype=torch.long).to(device, non_blocking=True)
+        tree = ancestors[start:end, :end]
+        # Words of tree bits: beyond the nodes every query sees in a chain from node 0 (a prefill sees them all).
+        static_chain = int(tree.long().cumprod(-1).sum(-1).min()) if count else 0
+        words = max(1, -(-(end - static_chain) // 64))
+        real = valid[:, start:end]  # [B, T]
+        visible = tree.to(device, non_blocking=True)[None] & valid[:, None, :end]  # [B, T, end]
+        positions = lengths[:, None] + (visible.sum(-1) - 1).clamp(min=0)  # depth: strict ancestors
+        chain = visible.long().cumprod(-1).sum(-1)  # [B, T]: leading nodes all visible
+        offsets = torch.arange(end, device=device)[None, None] - chain[..., None]  # [B, T, end]
+        in_tree = visible & (offsets >= 0) & real[..., None]
+        bit = torch.where(in_tree, torch.ones_like(offsets) << (offsets.clamp(min=0) % 64), 0)
+        word_of = offsets.clamp(min=0) // 64
+        bits = torch.stack([torch.where(word_of == w, bit, 0).sum(-1) for w in range(words)], -1)  # [B, T, W]
+        prefix = torch.where(real, lengths[:, None] + chain, 1)
+        tables = self.device_tables()[torch.tensor(row_ids).to(self.device, non_blocking=True)]  # [B, max_blocks]
+        node_positions = lengths[:, None] + torch.arange(start, end, device=device)[None]
+        slots = tables.gather(1, node_positions // self.block_size).long() * self.block_size + (
+            node_positions % self.block_size)
+        meta = AttentionMetadata(
+            slots=slots.flatten(), block_tables=tables,
+            row_starts=torch.arange(0, batch * count + 1, count, dtype=torch.int32, device=device),
+            prefix_len=prefix.flatten().to(torch.int32), tree_mask=bits.view(batch * count, words),
+            max_keys=max(host_lengths, default=0) + end,
+        )
+        return meta, positions
+
+    def commit(self, rows: slice, keep: torch.Tensor, counts: torch.Tensor | list[int]) -> None:
+        """Keep the tentative entries at nodes ``keep[b, :counts[b]]`` as the next committed positions of each row.
+
+        ``keep`` and ``counts`` come from the host. Entries already in place (a chain's accepted prefix: every step
+        of one row without siblings) are not moved.
+        """
+        host_counts = counts.tolist() if isinstance(counts, torch.Tensor) else list(counts)
+        sources, targets = [], []
+        for row, nodes, count in zip(range(rows.start, rows.stop), keep.tolist(), host_counts):
+            length = self.host_lengths[row]
+            for index, node in enumerate(nodes[:count]):
+                if node != index:
+                    sources.append(self.slot_of(row, length + node))
+                    targets.append(self.slot_of(row, length + index))
+            self.host_lengths[row] = length + count
+        if not sources:
+            return
+        source = torch.tensor(sources).to(self.device, non_blocking=True)
+        target = torch.tensor(targets).to(self.device, non_blocking=True)
+        size = self.block_size
+        blocks, offsets = target // size, target % size
+        self.keys[:, blocks, :, :, offsets] = self.keys[:, source // size, :, :, source % size]
+        self.values[:, blocks, :, offsets] = self.values[:, source // size, :, source % size]
+
+    def advance(self, rows: slice, counts: list[int]) -> None:
+        """Commit ``counts`` positions written in order after each row's committed ones (a prefill, a chain)."""
+        for row, count in zip(range(rows.start, rows.stop), counts):
+            self.host_lengths[row] += count

@@ -1,213 +1,276 @@
-"""A draft's forward as one loop over its layers (gpt-fast style), for Llama-architecture drafts.
+"""The one lean forward of target and draft for the Llama family (Llama, Mistral, Qwen2, Qwen3, SmolLM).
 
-A batch-1 draft forward of the int4 twin of SmolLM2-135M (30 layers) cost 21.3 ms, of which 8.5 ms was Python
-in transformers' forward around the kernels (decorators, keyword plumbing, output capture, module hooks) and
-a further few ms small tensor ops it spends per layer (torch.profiler over 40 draft forwards, this project's
-CPU). The kernels themselves (int4 GEMMs, attention, int8 head) took under 7 ms. This loop calls the same
-modules' kernels with nothing around them, and a quantized twin's fused q|k|v and gate|up kernels directly, fed
-bf16 (no cast back and forth around each kernel), with rotary over the query and key heads in one pass: 16.8 ->
-15.8 ms at 64 cached tokens (transformers' forward of the same twin: 18.7-19.2 ms, same process).
+gpt-fast style: one loop over the layers calling the kernels directly, over a flat batch of tokens (every row's
+nodes one after the other, no padding rows), with attention over the paged cache (``attention.py``). It reads the
+transformers model's own modules and weights as loaded (nothing copied, nothing changed), including a quantized
+twin's weight-only kernels (``quantize.py``), whose q|k|v and gate|up run as one kernel call each.
 
-Only for drafts: its numbers may differ from transformers' in the last float bits (RMSNorm through torch's
-fused ``rms_norm``), which changes nothing about what the engine outputs (verification accepts against the
-law the draft actually drafted from), but the target always runs transformers' own forward, so greedy outputs
-equal transformers' decoding exactly.
+On a CPU the decoder layers run as one graph compiled ahead of time (``compiled_forward.py``): the eager loop
+spends most of a small model's step in Python and dispatch.
+``SPECBATCH_COMPILE=0``, or a compilation that fails, keeps the eager loop: the same function, only slower.
+
+Numerics: fused and compiled operations may round differently from transformers' in the last bits; the tests hold
+greedy outputs to transformers' ``generate`` except at near-ties.
 """
 
 from __future__ import annotations
 
+import logging
+import os
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Literal
 
 import torch
-from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaForCausalLM, LlamaRMSNorm
+from torch import nn
+from transformers.activations import ACT2FN
 
-from decoding import compiled_layers
-from decoding.kv_cache import SlotKVCache
-from decoding.models import attention_function
-from decoding.quantize import ACTIVATION_DTYPE, fused_kernel, int4_parts, is_weight_only
+from decoding.attention import AttentionMetadata, cpu_kernel, paged_attention
+from decoding.compiled_forward import compiled_stack
+from decoding.quantize import ACTIVATION_DTYPE, fused_kernel, int4_matmul, int8_matmul, is_weight_only, kernel_parts
+
+log = logging.getLogger(__name__)
+
+LEAN_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+_views: weakref.WeakKeyDictionary[nn.Module, LeanCausalLM] = weakref.WeakKeyDictionary()
 
 
-@dataclass
-class LeanOutput:
-    logits: torch.Tensor
-    hidden_states: tuple[torch.Tensor] | None
+def compile_enabled() -> bool:
+    return os.environ.get("SPECBATCH_COMPILE", "1") != "0"
 
 
-def lean_view(model: torch.nn.Module) -> torch.nn.Module:
-    """``model`` with the lean forward where it supports it (its layers compiled where decoding.compiled_layers
-    can), else ``model``. One view per model: engines sharing a draft share its view, and so the forward costs
-    measured on it."""
+def supports_lean_forward(model: nn.Module) -> bool:
+    """A causal LM of the Llama family with the standard decoder layer (no sliding window shorter than the
+    context); others keep transformers' forward."""
+    config = getattr(model, "config", None)
+    base = getattr(model, "model", None)
+    if config is None or base is None or getattr(config, "model_type", None) not in LEAN_MODEL_TYPES:
+        return False
+    if getattr(config, "pretraining_tp", 1) != 1 or not hasattr(base, "rotary_emb"):
+        return False
+    for layer in base.layers:
+        attn, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
+        if attn is None or mlp is None or not all(hasattr(attn, n) for n in ("q_proj", "k_proj", "v_proj", "o_proj")):
+            return False
+        if not all(hasattr(mlp, n) for n in ("gate_proj", "up_proj", "down_proj")):
+            return False
+        window = getattr(attn, "sliding_window", None)
+        if window is not None and window < config.max_position_embeddings:
+            return False
+    return True
+
+
+def lean_view(model: nn.Module) -> nn.Module:
+    """``model``'s lean forward where it has one (one view per model, shared by the engines built on it), else
+    ``model`` (transformers' forward runs it)."""
     if not supports_lean_forward(model):
         return model
-    if model not in _lean_views:
-        _lean_views[model] = LeanLlama(model, compile_layers=True)
-    return _lean_views[model]
+    if model not in _views:
+        _views[model] = LeanCausalLM(model)
+    return _views[model]
 
 
-def supports_lean_forward(model: torch.nn.Module) -> bool:
-    """A plain Llama causal LM (SmolLM2 and most Llama-family checkpoints); others keep transformers' forward."""
-    if not isinstance(model, LlamaForCausalLM):
-        return False
-    base = model.model
-    return (
-        all(type(layer) is LlamaDecoderLayer for layer in base.layers)
-        and all(type(norm) is LlamaRMSNorm for norm in [base.norm, *(layer.input_layernorm for layer in base.layers),
-                                                         *(layer.post_attention_layernorm for layer in base.layers)])
-        and getattr(model.config, "pretraining_tp", 1) == 1
-    )
+def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """transformers' Llama RMSNorm, formula for formula."""
+    dtype = x.dtype
+    x = x.float()
+    x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * x.to(dtype)
 
 
-def _rms_norm(norm: LlamaRMSNorm, x: torch.Tensor) -> torch.Tensor:
-    return torch.nn.functional.rms_norm(x, norm.weight.shape, norm.weight, norm.variance_epsilon)
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), -1)
 
 
-@dataclass
-class _Projections:
-    """One layer's input projections as single calls (q|k|v and gate|up side by side) and the dtype its linears
-    read: a quantized twin's kernels take bf16 and return it, so feeding them bf16 casts nothing twice."""
+@dataclass(frozen=True)
+class Projection:
+    """How a linear projection computes: float weights (``F.linear``) or a weight-only kernel (``quantize.py``).
+    Its tensors are passed to the layer function as inputs, so one compiled graph serves every layer."""
 
-    qkv: Callable[[torch.Tensor], torch.Tensor]
-    gate_up: Callable[[torch.Tensor], torch.Tensor]
-    dtype: torch.dtype | None  # None: the hidden states' own
-    query_heads: int
-    rotated_heads: int  # query and key heads, rotated together
+    kind: Literal["float", "int4", "int8"]
+    groupsize: int = 0
+    bias: bool = False
+
+    def apply(self, x: torch.Tensor, tensors: list[torch.Tensor]) -> torch.Tensor:
+        bias = tensors[-1] if self.bias else None
+        if self.kind == "float":
+            return nn.functional.linear(x, tensors[0], bias)
+        out = (int4_matmul(x, tensors[0], tensors[1], self.groupsize) if self.kind == "int4"
+               else int8_matmul(x, tensors[0], tensors[1]))
+        return out + bias if bias is not None else out
+
+    @property
+    def count(self) -> int:
+        return (1 if self.kind == "float" else 2) + self.bias
 
     @classmethod
-    def of(cls, layer: LlamaDecoderLayer) -> _Projections:
-        attn, mlp = layer.self_attn, layer.mlp
-        linears = [attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj, mlp.gate_proj, mlp.up_proj, mlp.down_proj]
-        return cls(
-            _side_by_side([attn.q_proj, attn.k_proj, attn.v_proj]), _side_by_side([mlp.gate_proj, mlp.up_proj]),
-            ACTIVATION_DTYPE if all(is_weight_only(m) for m in linears) else None,
-            attn.q_proj.out_features // attn.head_dim,
-            (attn.q_proj.out_features + attn.k_proj.out_features) // attn.head_dim,
-        )
+    def of(cls, modules: list[nn.Module], fused: Callable | None) -> tuple[Projection, list[torch.Tensor]]:
+        """The projection computing ``modules``' outputs side by side, and its tensors. Float weights of several
+        modules are concatenated once here (a copy: one GEMM instead of several per layer)."""
+        kernel = fused if fused is not None else (vars(modules[0]).get("forward") if len(modules) == 1 else None)
+        parts = kernel_parts(kernel) if kernel is not None else None
+        if parts is not None:
+            kind, tensors, groupsize, bias = parts
+            return cls(kind, groupsize, bias is not None), [*tensors, *([bias] if bias is not None else [])]
+        if not all(type(m) is nn.Linear for m in modules):
+            raise TypeError("not a plain or weight-only linear")
+        weight = modules[0].weight if len(modules) == 1 else torch.cat([m.weight for m in modules]).detach()
+        if all(m.bias is None for m in modules):
+            return cls("float"), [weight]
+        bias = torch.cat([m.bias if m.bias is not None else m.weight.new_zeros(m.out_features) for m in modules])
+        return cls("float", bias=True), [weight, bias.detach()]
 
 
-def _side_by_side(modules: list[torch.nn.Module]) -> Callable[[torch.Tensor], torch.Tensor]:
-    kernel = fused_kernel(modules)
-    if kernel is not None:
-        return kernel
-    return lambda x: torch.cat([module(x) for module in modules], -1)
+@dataclass(frozen=True)
+class LayerSpec:
+    """What is the same in every decoder layer: the compiled layer function's constants."""
+
+    qkv: Projection
+    o: Projection
+    gate_up: Projection
+    down: Projection
+    qk_norm: bool  # Qwen3: RMSNorm over each head's query and key before the rotary
+    eps: float
+    scale: float
+    act: str
+    head_dim: int
+    q_heads: int
+    kv_heads: int
+    kernel_dtype: torch.dtype | None  # a quantized twin's kernels take bf16; None: the hidden states' dtype
 
 
-_lean_views: weakref.WeakKeyDictionary[torch.nn.Module, torch.nn.Module] = weakref.WeakKeyDictionary()
+def _layer_tensors(layer: nn.Module, act: str) -> tuple[LayerSpec, list[torch.Tensor]]:
+    attn, mlp = layer.self_attn, layer.mlp
+    linears = [attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj, mlp.gate_proj, mlp.up_proj, mlp.down_proj]
+    qkv, qkv_tensors = Projection.of(linears[:3], fused_kernel(linears[:3]))
+    o, o_tensors = Projection.of([attn.o_proj], None)
+    gate_up, gate_up_tensors = Projection.of(linears[4:6], fused_kernel(linears[4:6]))
+    down, down_tensors = Projection.of([mlp.down_proj], None)
+    q_norm, k_norm = getattr(attn, "q_norm", None), getattr(attn, "k_norm", None)
+    spec = LayerSpec(
+        qkv=qkv, o=o, gate_up=gate_up, down=down, qk_norm=q_norm is not None,
+        eps=layer.input_layernorm.variance_epsilon, scale=attn.scaling, act=act,
+        head_dim=attn.head_dim, q_heads=attn.q_proj.out_features // attn.head_dim,
+        kv_heads=attn.k_proj.out_features // attn.head_dim,
+        kernel_dtype=ACTIVATION_DTYPE if all(is_weight_only(m) for m in linears) else None,
+    )
+    norms = [layer.input_layernorm.weight, layer.post_attention_layernorm.weight]
+    if q_norm is not None:
+        norms += [q_norm.weight, k_norm.weight]
+    return spec, [t.detach() for t in (*norms, *qkv_tensors, *o_tensors, *gate_up_tensors, *down_tensors)]
 
 
-class LeanLlama(torch.nn.Module):
-    """``model``'s forward as forward_tree calls it, over ``model``'s own modules (nothing copied)."""
+def decoder_layer(
+    spec: LayerSpec, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, slots: torch.Tensor,
+    block_tables: torch.Tensor, row_starts: torch.Tensor, prefix_len: torch.Tensor, tree_mask: torch.Tensor,
+    max_keys: int, keys: torch.Tensor, values: torch.Tensor, *weights: torch.Tensor,
+) -> torch.Tensor:
+    """One decoder layer over flat tokens ``hidden`` [N, H] (the unit that is compiled)."""
+    norm1, norm2, *rest = weights
+    q_norm = k_norm = None
+    if spec.qk_norm:
+        q_norm, k_norm, *rest = rest
+    qkv_w, rest = rest[: spec.qkv.count], rest[spec.qkv.count :]
+    o_w, rest = rest[: spec.o.count], rest[spec.o.count :]
+    gate_up_w, down_w = rest[: spec.gate_up.count], rest[spec.gate_up.count :]
+    tokens, dtype = hidden.shape[0], spec.kernel_dtype or hidden.dtype
+    x = _rms_norm(hidden, norm1, spec.eps).to(dtype)
+    qkv = spec.qkv.apply(x, qkv_w).to(hidden.dtype).view(tokens, -1, spec.head_dim)
+    q, k, v = qkv.split([spec.q_heads, spec.kv_heads, spec.kv_heads], 1)
+    if q_norm is not None:
+        q, k = _rms_norm(q, q_norm, spec.eps), _rms_norm(k, k_norm, spec.eps)
+    q = q * cos + _rotate_half(q) * sin
+    k = k * cos + _rotate_half(k) * sin
+    meta = AttentionMetadata(slots, block_tables, row_starts, prefix_len, tree_mask, max_keys)
+    attended = paged_attention(keys, values, q, k, v.contiguous(), meta, spec.scale)
+    hidden = hidden + spec.o.apply(attended.reshape(tokens, -1).to(dtype), o_w).to(hidden.dtype)
+    x = _rms_norm(hidden, norm2, spec.eps).to(dtype)
+    gate, up = spec.gate_up.apply(x, gate_up_w).chunk(2, -1)
+    return hidden + spec.down.apply((ACT2FN[spec.act](gate) * up).to(dtype), down_w).to(hidden.dtype)
 
-    def __init__(self, model: LlamaForCausalLM, compile_layers: bool = False) -> None:
+
+class LayerStack(nn.Module):
+    """The decoder layers and the final norm over flat tokens, every weight an input: the part of the forward that
+    is compiled (one graph, whatever the batch; the same function runs eagerly where it is not)."""
+
+    def __init__(self, specs: list[LayerSpec], counts: list[int], final_eps: float) -> None:
+        super().__init__()
+        self.specs, self.counts, self.final_eps = specs, counts, final_eps
+
+    def forward(
+        self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, slots: torch.Tensor,
+        block_tables: torch.Tensor, row_starts: torch.Tensor, prefix_len: torch.Tensor, tree_mask: torch.Tensor,
+        keys: torch.Tensor, values: torch.Tensor, weights: list[torch.Tensor], max_keys: int = 0,
+    ) -> torch.Tensor:
+        at = 0
+        for index, (spec, count) in enumerate(zip(self.specs, self.counts)):
+            hidden = decoder_layer(spec, hidden, cos, sin, slots, block_tables, row_starts, prefix_len, tree_mask,
+                                   max_keys, keys[index], values[index], *weights[at : at + count])
+            at += count
+        return _rms_norm(hidden, weights[at], self.final_eps)
+
+
+class LeanCausalLM(nn.Module):
+    """``model``'s forward over the paged cache, on ``model``'s own modules and weights."""
+
+    reads_features = False
+
+    def __init__(self, model: nn.Module) -> None:
         super().__init__()
         self.inner = model
         self.config = model.config
-        self.attention = attention_function(model.config)
-        self.projections = [_Projections.of(layer) for layer in model.model.layers]
-        self.compiled: compiled_layers.CompiledLayers | None = None
-        self.layer_inputs: list[tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]]] = []
-        if compile_layers and compiled_layers.enabled():
-            self._compile_layers()
+        base = model.model
+        layers = [_layer_tensors(layer, model.config.hidden_act) for layer in base.layers]
+        specs = [spec for spec, _ in layers]
+        self.weights = [t for _, tensors in layers for t in tensors] + [base.norm.weight.detach()]
+        self.stack = LayerStack(specs, [len(tensors) for _, tensors in layers], base.norm.variance_epsilon)
+        first = specs[0]
+        self.head_dim, self.q_heads, self.kv_heads = first.head_dim, first.q_heads, first.kv_heads
+        self._compiled: Callable[[list[torch.Tensor]], torch.Tensor] | None = None
+        self._compile_tried = False
+        if self.device.type == "cpu":
+            cpu_kernel()  # the attention kernel, built or loaded once per process
 
-    def _compile_layers(self) -> None:
-        """Compiled layer graphs, where every layer is plain int4 on a CPU with SiLU gating (the quantized twin
-        of a Llama model); else the eager loop stays."""
-        base = self.inner.model
-        if getattr(self.config, "hidden_act", None) != "silu":
-            return
-        inputs, groupsizes = [], set()
-        for layer, projections in zip(base.layers, self.projections):
-            attn, mlp = layer.self_attn, layer.mlp
-            parts = [int4_parts(projections.qkv), int4_parts(vars(attn.o_proj).get("forward")),
-                     int4_parts(projections.gate_up), int4_parts(vars(mlp.down_proj).get("forward"))]
-            if any(part is None for part in parts):
-                return
-            (qkv, qkv_scales, _), (o, o_scales, _), (gate_up, gate_up_scales, _), (down, down_scales, _) = parts
-            groupsizes |= {part[2] for part in parts}
-            inputs.append(((layer.input_layernorm.weight, qkv, qkv_scales),
-                           (o, o_scales, layer.post_attention_layernorm.weight, gate_up, gate_up_scales, down,
-                            down_scales)))
-        first = base.layers[0]
-        norms = [norm for layer in base.layers for norm in (layer.input_layernorm, layer.post_attention_layernorm)]
-        if len(groupsizes) != 1 or len({norm.variance_epsilon for norm in norms}) != 1:
-            return
-        shape = compiled_layers.LayerShape(
-            hidden=self.config.hidden_size, head_dim=first.self_attn.head_dim,
-            query_heads=self.projections[0].query_heads,
-            kv_heads=self.projections[0].rotated_heads - self.projections[0].query_heads,
-            intermediate=first.mlp.gate_proj.out_features, groupsize=groupsizes.pop(),
-            eps=first.input_layernorm.variance_epsilon,
-        )
-        # Distinct example tensors (one passed twice would be traced as one aliased input), drawn from no
-        # generator (a seeded caller's random stream stays as it was).
-        hidden, attended = torch.zeros(2, shape.hidden), torch.zeros(2, shape.hidden)
-        cos, sin = torch.zeros(2, shape.head_dim), torch.zeros(2, shape.head_dim)
-        examples = ((hidden, *inputs[0][0], cos, sin), (hidden, attended, *inputs[0][1]))
-        self.compiled = compiled_layers.compiled_layers(shape, examples)
-        if self.compiled is not None:
-            self.layer_inputs = inputs
-
-    def get_output_embeddings(self) -> torch.nn.Module:
+    def get_output_embeddings(self) -> nn.Module:
         return self.inner.get_output_embeddings()
 
+    @property
+    def device(self) -> torch.device:
+        return self.weights[0].device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.weights[0].dtype
+
+    def compiled(self) -> Callable[[list[torch.Tensor]], torch.Tensor] | None:
+        """The layer stack compiled for this machine (on a CPU with the paged kernel, where compilation works),
+        compiled on first use or loaded from the cache; None: the eager stack runs."""
+        if not self._compile_tried:
+            self._compile_tried = True
+            if compile_enabled() and self.device.type == "cpu" and cpu_kernel():
+                self._compiled = compiled_stack(self.stack, self.weights, self.config)
+        return self._compiled
+
+    @torch.no_grad()
     def forward(
-        self, input_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor, cache: SlotKVCache,
-        use_cache: bool = True, output_hidden_states: bool = False, logits_to_keep: torch.Tensor | int = 0,
-    ) -> LeanOutput:
-        del use_cache  # always: the slot cache is written and read
+        self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+        keys: torch.Tensor, values: torch.Tensor, logits_at: torch.Tensor | None,
+        hidden_at: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """Flat tokens [N] at ``positions`` [N]; returns (logits at ``logits_at`` [M, V], last hidden states at
+        ``hidden_at`` [K, H]), each None when not asked for. ``keys``/``values``: the cache's [layers, ...] pools."""
         base = self.inner.model
-        hidden = base.embed_tokens(input_ids)
-        cos, sin = base.rotary_emb(hidden, position_ids)
-        # Rotary as x * cos + roll(x) * sin', sin' = sin with its first half negated: rotate_half(x) * sin in
-        # two ops instead of four, over the query and key heads at once (43 -> ~15 us of a layer's ~550).
-        half = cos.shape[-1] // 2
-        sin = torch.cat((-sin[..., :half], sin[..., half:]), -1)
-        if self.compiled is not None:
-            hidden = self._compiled_layers(hidden, cos, sin, attention_mask, cache)
+        hidden = base.embed_tokens(input_ids)  # [N, H]
+        cos, sin = base.rotary_emb(hidden, positions[None])
+        cos, sin = cos[0][:, None], sin[0][:, None]  # [N, 1, D]: broadcast over heads
+        inputs = [hidden, cos, sin, meta.slots, meta.block_tables, meta.row_starts, meta.prefix_len, meta.tree_mask,
+                  keys, values]
+        compiled = self.compiled()
+        if compiled is not None:
+            hidden = compiled(inputs + self.weights)
         else:
-            hidden = self._eager_layers(hidden, cos, sin, attention_mask, cache)
-        hidden = _rms_norm(base.norm, hidden)
-        if isinstance(logits_to_keep, torch.Tensor):
-            kept = hidden[:, logits_to_keep]
-        else:
-            kept = hidden[:, -logits_to_keep:] if logits_to_keep else hidden
-        return LeanOutput(self.inner.lm_head(kept), (hidden,) if output_hidden_states else None)
-
-    def _compiled_layers(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                         attention_mask: torch.Tensor, cache: SlotKVCache) -> torch.Tensor:
-        batch, length, width = hidden.shape
-        hidden, cos, sin = hidden.reshape(-1, width), cos.reshape(-1, cos.shape[-1]), sin.reshape(-1, sin.shape[-1])
-        for index, (layer, projections, (before, after)) in enumerate(
-                zip(self.inner.model.layers, self.projections, self.layer_inputs)):
-            attn = layer.self_attn
-            q_and_k, v = self.compiled.before_attention(hidden, *before, cos, sin)
-            q_and_k = q_and_k.view(batch, length, -1, attn.head_dim).transpose(1, 2)
-            v = v.view(batch, length, -1, attn.head_dim).transpose(1, 2)
-            q, k = q_and_k[:, :projections.query_heads], q_and_k[:, projections.query_heads:]
-            k, v = cache.layers[index].update(k, v)
-            out, _ = self.attention(attn, q, k, v, attention_mask, scaling=attn.scaling)
-            hidden = self.compiled.after_attention(hidden, out.reshape(-1, width), *after)
-        return hidden.view(batch, length, width)
-
-    def _eager_layers(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                      attention_mask: torch.Tensor, cache: SlotKVCache) -> torch.Tensor:
-        batch, length, _ = hidden.shape
-        half = cos.shape[-1] // 2
-        cos, sin = cos[:, None], sin[:, None]  # broadcast over heads
-        for index, (layer, projections) in enumerate(zip(self.inner.model.layers, self.projections)):
-            attn, mlp = layer.self_attn, layer.mlp
-            dtype = projections.dtype or hidden.dtype
-            x = _rms_norm(layer.input_layernorm, hidden).to(dtype)
-            heads = projections.qkv(x).to(hidden.dtype).unflatten(-1, (-1, attn.head_dim)).transpose(1, 2)
-            query_heads, rotated = projections.query_heads, projections.rotated_heads
-            q_and_k = heads[:, :rotated]
-            q_and_k = torch.addcmul(q_and_k * cos, q_and_k.roll(half, -1), sin)
-            q, k = q_and_k[:, :query_heads], q_and_k[:, query_heads:]
-            k, v = cache.layers[index].update(k, heads[:, rotated:])
-            out, _ = self.attention(attn, q, k, v, attention_mask, scaling=attn.scaling)
-            hidden = hidden + attn.o_proj(out.reshape(batch, length, -1).to(dtype))  # the sum in hidden's dtype
-            x = _rms_norm(layer.post_attention_layernorm, hidden).to(dtype)
-            gate, up = projections.gate_up(x).to(hidden.dtype).chunk(2, -1)
-            hidden = hidden + mlp.down_proj((mlp.act_fn(gate) * up).to(dtype))
-        return hidden
+            hidden = self.stack(*inputs, self.weights, meta.max_keys)
+        logits = self.inner.lm_head(hidden[logits_at]) if logits_at is not None else None
+        return logits, hidden[hidden_at] if hidden_at is not None else None

@@ -44,6 +44,7 @@ class StepRecord:
 
 class LengthPolicy:
     needs_hidden_states = False
+    cuts = False  # whether ``keep`` can end a candidate before its planned depth (a trained stop head)
 
     def __init__(self, max_depth: int) -> None:
         self.max_depth = max_depth
@@ -417,6 +418,7 @@ class OnlinePolicy(LengthPolicy):
 
 class _HeadPolicy(LengthPolicy):
     needs_hidden_states = True
+    cuts = True
 
     def __init__(self, max_depth: int, head: DraftSignalMLP) -> None:
         super().__init__(max_depth)

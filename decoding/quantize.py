@@ -63,22 +63,32 @@ def int4_fits(weight: torch.Tensor, groupsize: int) -> bool:
     return rows % 16 == 0 and cols % groupsize == 0 and cols % tile == 0
 
 
-def _int4_linear(
-    packed: torch.Tensor, scales_and_zeros: torch.Tensor, groupsize: int, bias: torch.Tensor | None,
-    x: torch.Tensor,
-) -> torch.Tensor:
+def int4_matmul(x: torch.Tensor, packed: torch.Tensor, scales_and_zeros: torch.Tensor, groupsize: int) -> torch.Tensor:
+    """``x @ w.T`` for an int4-packed ``w`` (x [..., K]; returns x's dtype)."""
     flat = x.reshape(-1, x.shape[-1]).to(scales_and_zeros.dtype)
     if flat.device.type == "cpu":
         out = torch.ops.aten._weight_int4pack_mm_for_cpu(flat, packed, groupsize, scales_and_zeros)
     else:
         out = torch.ops.aten._weight_int4pack_mm(flat, packed, groupsize, scales_and_zeros)
-    out = out.to(x.dtype).reshape(*x.shape[:-1], -1)
+    return out.to(x.dtype).reshape(*x.shape[:-1], -1)
+
+
+def int8_matmul(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """``x @ w.T`` for an int8 per-channel ``w`` (x [..., K]; returns x's dtype)."""
+    flat = x.reshape(-1, x.shape[-1]).to(scales.dtype)
+    return torch.ops.aten._weight_int8pack_mm(flat, q, scales).to(x.dtype).reshape(*x.shape[:-1], -1)
+
+
+def _int4_linear(
+    packed: torch.Tensor, scales_and_zeros: torch.Tensor, groupsize: int, bias: torch.Tensor | None,
+    x: torch.Tensor,
+) -> torch.Tensor:
+    out = int4_matmul(x, packed, scales_and_zeros, groupsize)
     return out + bias if bias is not None else out
 
 
 def _int8_linear(q: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None, x: torch.Tensor) -> torch.Tensor:
-    flat = x.reshape(-1, x.shape[-1]).to(scales.dtype)
-    out = torch.ops.aten._weight_int8pack_mm(flat, q, scales).to(x.dtype).reshape(*x.shape[:-1], -1)
+    out = int8_matmul(x, q, scales)
     return out + bias if bias is not None else out
 
 
@@ -182,12 +192,19 @@ def fused_kernel(modules: list[torch.nn.Module]) -> Callable[[torch.Tensor], tor
     return first.kernel
 
 
-def int4_parts(kernel: Callable[[torch.Tensor], torch.Tensor] | None) -> tuple[torch.Tensor, torch.Tensor, int] | None:
-    """(packed weight, scales and zeros, groupsize) of a CPU int4 kernel without bias; None for any other."""
-    if not (isinstance(kernel, functools.partial) and kernel.func is _int4_linear):
+def kernel_parts(
+    kernel: Callable[[torch.Tensor], torch.Tensor] | None,
+) -> tuple[Literal["int4", "int8"], tuple[torch.Tensor, torch.Tensor], int, torch.Tensor | None] | None:
+    """(scheme, its two weight tensors, groupsize, bias) of a weight-only kernel; None for anything else."""
+    if not isinstance(kernel, functools.partial):
         return None
-    packed, scales_and_zeros, groupsize, bias = kernel.args
-    return None if bias is not None or packed.device.type != "cpu" else (packed, scales_and_zeros, groupsize)
+    if kernel.func is _int4_linear:
+        packed, scales_and_zeros, groupsize, bias = kernel.args
+        return "int4", (packed, scales_and_zeros), groupsize, bias
+    if kernel.func is _int8_linear:
+        q, scales, bias = kernel.args
+        return "int8", (q, scales), 0, bias
+    return None
 
 
 def is_weight_only(module: torch.nn.Module) -> bool:

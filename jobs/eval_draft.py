@@ -77,7 +77,7 @@ def time_drafting(drafter: DraftModelDrafter) -> dict[str, float]:
         start = time.perf_counter()
         draft = propose(inputs)
         totals["seconds"] += time.perf_counter() - start
-        totals["forwards"] += drafter.forwarded_levels
+        totals["forwards"] += draft.forwarded_levels
         return draft
 
     drafter.propose = timed

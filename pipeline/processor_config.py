@@ -29,11 +29,11 @@ from decoding.config import Config, format_validation_error
 
 log = logging.getLogger(__name__)
 
-# vLLM engine arguments that size or schedule vLLM's own caches and kernels: this engine has no counterpart, and
-# none of them changes what is generated.
+# vLLM engine arguments that tune vLLM's own scheduler and kernels: this engine has no counterpart, and none of
+# them changes what is generated.
 TUNING_ONLY = frozenset({
-    "enable_prefix_caching", "enable_chunked_prefill", "max_num_batched_tokens", "gpu_memory_utilization",
-    "enforce_eager", "disable_log_stats", "block_size", "swap_space", "distributed_executor_backend",
+    "enable_prefix_caching", "enable_chunked_prefill", "enforce_eager", "disable_log_stats", "swap_space",
+    "distributed_executor_backend",
 })
 # vLLM's dtype spellings -> Config.dtype.
 _DTYPES = {"half": "float16", "float": "float32"}

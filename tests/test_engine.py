@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import copy
 import itertools
-from pathlib import Path
 
 import pytest
 import torch
@@ -160,9 +159,10 @@ def test_a_stop_ends_drafting_after_the_token_without_a_wasted_forward(
     for i, prompt in enumerate(PROMPTS):
         engine.add_request(Request(id=str(i), prompt=prompt))
     results, levels = {}, []
+    propose = engine.drafter.propose
+    engine.drafter.propose = lambda inputs: (draft := propose(inputs), levels.append(draft.forwarded_levels))[0]
     while engine.has_unfinished():
         results.update((r.id, r) for r in engine.step().finished)
-        levels.append(engine.drafter.forwarded_levels)
     assert max(levels) == 1
     assert [results[str(i)].token_ids for i in range(len(PROMPTS))] == reference
     static = run(make_config(method="draft_model", num_candidates=1, length_policy="static",
@@ -284,7 +284,7 @@ def plan_some_rows(engine: Engine) -> list[tuple[int, int]]:
 
     engine.policy.plan = plan
     engine.drafter.model.register_forward_hook(lambda module, args, kwargs, out: shapes.append(
-        (kwargs["input_ids"].shape[0], engine.cache.active)), with_kwargs=True)
+        (len(args[2].row_starts) - 1, engine.cache.active)), with_kwargs=True)  # args: ids, positions, metadata
     return shapes
 
 
@@ -453,7 +453,7 @@ def test_prefill_groups_bound_the_padded_size() -> None:
 
 def test_prefill_in_small_groups_and_idle_caches_released(tokenizer, target, draft, reference) -> None:
     """A tight prefill budget admits rows over several forwards; outputs are unchanged, and once every sequence
-    has finished neither KV cache holds memory, until the next requests allocate it again."""
+    has finished every block of both KV caches is back in its pool, ready for the next requests."""
     engine = Engine(make_config(method="draft_model", batch_size=8), target=target, tokenizer=tokenizer, draft=draft,
                     prefill_tokens=16)
     forwards = []
@@ -471,7 +471,7 @@ def test_prefill_in_small_groups_and_idle_caches_released(tokenizer, target, dra
         done.update({r.id: r for r in engine.step().finished})
     assert [done[str(i)].token_ids for i in range(len(PROMPTS))] == reference
     for cache in (engine.cache, engine.drafter.cache):
-        assert cache.active == 0 and not any(layer.is_initialized for layer in cache.layers)
+        assert cache.active == 0 and cache.blocks_in_use == 0 and cache.blocks_promised == 0 and cache.peak_blocks
     again = engine.generate([Request(id="again", prompt=PROMPTS[2])])
     assert again[0].token_ids == reference[2]
 
@@ -534,8 +534,12 @@ def test_prepacked_inference_model_matches_and_leaves_the_original(target) -> No
 
 
 @pytest.mark.parametrize("rows_count", [2, 1])  # one row of up to 8 queries: SDPA's own grouped-query path
-def test_grouped_query_attention_of_the_inference_model_matches_on_trees(target, rows_count) -> None:
-    from decoding.kv_cache import SlotKVCache, forward_tree
+def test_every_forward_computes_the_same_on_trees(target, rows_count) -> None:
+    """transformers' forward through the cache adapter, the prepacked grouped-query inference view, and the lean
+    forward over the paged cache agree on a ragged prefill and a verification tree (a shallower row included)."""
+    from decoding.forward import forward_tree
+    from decoding.kv_cache import CacheShape, PagedKVCache
+    from decoding.lean_forward import lean_view
     from decoding.models import for_inference
     from decoding.tree import TreeTopology, chain_ancestors
 
@@ -552,15 +556,17 @@ def test_grouped_query_attention_of_the_inference_model_matches_on_trees(target,
     prompts, prompt_valid, tree, tree_valid = (t[:rows_count] for t in (prompts, prompt_valid, tree, tree_valid))
     assert tree.shape[1] == 8
     logits = []
-    for model in (target, fast):
-        cache = SlotKVCache(model.config.num_hidden_layers, 2)
-        rows = cache.add_rows(rows_count)
+    for model in (target, fast, lean_view(target)):
+        cache = PagedKVCache(CacheShape.of(target.config), 8, 2, 64, block_size=16)
+        rows = cache.add_rows([32] * rows_count)
         prefill, _ = forward_tree(model, cache, rows, prompts, chain_ancestors(9), prompt_valid)
-        cache.commit(rows, torch.arange(9)[None].expand(rows_count, -1), prompt_valid.sum(1))
+        cache.advance(rows, prompt_valid.sum(1).tolist())
         verify, _ = forward_tree(model, cache, rows, tree, topology.sliced_ancestors(3), tree_valid)
         logits.append((prefill[prompt_valid], verify[tree_valid]))
-    for reference, grouped in zip(*logits):
-        torch.testing.assert_close(grouped, reference, rtol=1e-5, atol=1e-5)
+    for reference, other in zip(logits[0], logits[1]):
+        torch.testing.assert_close(other, reference, rtol=1e-5, atol=1e-5)
+    for reference, other in zip(logits[0], logits[2]):
+        torch.testing.assert_close(other, reference, rtol=1e-5, atol=1e-5)
 
 
 # ------------------------------------------------------------------------- self-draft, lookup siblings
@@ -617,20 +623,21 @@ def test_a_self_draft_drafts_in_the_target_cache(tokenizer, target) -> None:
     """The self-draft reads and writes the target's cache: no prefill through the quantized twin, no catch-up
     forward of tokens committed while it did not draft, and rows join and leave once."""
     config = make_config(method="draft_model", model="target", quantization="int4", num_speculative_tokens=3,
-                         batch_size=3, length_policy="static", sampling={"max_tokens": 12})
+                         batch_size=3, length_policy="static", sampling={"max_tokens": 20, "ignore_eos": True})
     engine = Engine(config, target=target, tokenizer=tokenizer)
     assert engine.drafter.cache is engine.cache
     draft_tokens, draft_rows = [], []
 
-    def record(module, args, kwargs, out) -> None:
-        draft_rows.append(kwargs["input_ids"].shape[0])
-        draft_tokens.append(kwargs["input_ids"].shape[1])
+    def record(module, args, kwargs, out) -> None:  # the lean forward's args: flat ids, positions, metadata
+        rows = len(args[2].row_starts) - 1
+        draft_rows.append(rows)
+        draft_tokens.append(len(args[0]) // rows)
 
     engine.drafter.model.register_forward_hook(record, with_kwargs=True)
 
     for i, prompt in enumerate(PROMPTS[:3]):
         engine.add_request(Request(id=str(i), prompt=prompt))
-    engine._admit({})
+    engine._admit(engine.scheduler.admit(), {})
     assert not draft_tokens  # no prefill forward through the quantized twin
     assert engine.cache.active == 3
     finished = {}
@@ -660,7 +667,7 @@ def test_a_self_draft_drafts_in_the_target_cache(tokenizer, target) -> None:
     while engine.has_unfinished():
         step()
     assert engine.cache.active == 0
-    plain = Engine(make_config(sampling={"max_tokens": 12}), target=target, tokenizer=tokenizer)
+    plain = Engine(make_config(sampling={"max_tokens": 20, "ignore_eos": True}), target=target, tokenizer=tokenizer)
     expected = plain.generate([Request(id=str(i), prompt=p) for i, p in enumerate(PROMPTS[:3])])
     assert all(finished[r.id].token_ids == r.token_ids for r in expected)
 
@@ -815,7 +822,7 @@ DEFAULT_SPECULATIVE = {"model": "target", "quantization": "int4", "ngram_candida
 def test_a_step_reads_back_only_paths_tokens_and_statistics(temperature, width, init, speculative, penalty, top_k,
                                                             top_p, tokenizer, target, draft, device,
                                                             monkeypatch) -> None:
-    """Every device -> host copy goes through Engine._to_host: per step at most 64·B·(D+2) bytes besides the
+    """Every device -> host copy goes through the step's HostReads: two a step, at most 64·B·(D+2) bytes besides the
     token statistics (which are O(B·N) floats), and never a tensor as wide as the vocabulary. The drafter's
     laws and sampling, the penalties and the warping stay on the device too (and the online policy's planning
     and the quantized self-draft in the default configuration)."""
@@ -828,15 +835,18 @@ def test_a_step_reads_back_only_paths_tokens_and_statistics(temperature, width, 
     engine = Engine(config, target=on_device(target, device), tokenizer=tokenizer,
                     draft=None if self_draft else on_device(draft, device))
     copies: list[torch.Size] = []
-    to_host = engine._to_host
+    to_host = engine.stepper.to_host
     reads = _ReadBacks(monkeypatch)
-    engine._to_host = reads.count(lambda tensor, **kw: copies.append(tensor.shape) or to_host(tensor, **kw))
+    engine.stepper.to_host = reads.count(lambda tensor, **kw: copies.append(tensor.shape) or to_host(tensor, **kw))
+    prefills = []
+    prefill = engine.stepper.prefill
+    engine.stepper.prefill = lambda *args: prefills.append(1) or prefill(*args)
     for i, prompt in enumerate(PROMPTS):
         engine.add_request(Request(id=str(i), prompt=prompt, sampling={"seed": i}))
     nodes = engine.topology.size(depth)
     steps = drafted = 0
     while engine.has_unfinished():
-        before, copies[:] = dict(engine.host_bytes), []
+        before, copies[:], prefills[:] = dict(engine.host_bytes), [], []
         output = engine.step()
         batch = len(engine.running) + len(output.finished)  # every row this step ran
         state = engine.host_bytes["state"] - before["state"]
@@ -845,129 +855,13 @@ def test_a_step_reads_back_only_paths_tokens_and_statistics(temperature, width, 
         assert stats <= 2 * 4 * batch * nodes
         assert all(shape[-1] != target.config.vocab_size for shape in copies), copies
         assert not reads.bypasses, reads.bypasses
+        # Two copies a step (the paths with next tokens and the draft's ids, then the statistics), and one more
+        # for each prefill forward (the joining rows' first tokens).
+        assert len(copies) <= 2 + len(prefills), copies
         steps += 1
         drafted += sum(len(r.token_stats) for r in output.finished)
     # The static policy drafts every step; the online one only where its measured costs say drafting pays.
     assert steps and (drafted or speculative["length_policy"] == "online")
-
-
-def test_the_lean_draft_forward_computes_what_transformers_computes(target) -> None:
-    """A Llama draft runs decoding.lean_forward's loop: the same logits and last hidden states as transformers'
-    forward, on a tree after a cached prefix, for all rows and for some of them (a host index of rows), for a
-    float model and for a quantized twin (whose fused kernels the loop calls directly, in bf16)."""
-    from decoding.lean_forward import supports_lean_forward
-    from decoding.models import for_inference
-    from decoding.quantize import quantized
-
-    assert not supports_lean_forward(FeatureDraft.from_target(target, [0], [1, 2]))
-    for model, weight_only in ((for_inference(target), False), (for_inference(quantized(target, "int4")), True)):
-        assert supports_lean_forward(model)
-        lean = _lean_and_transformers_agree(model)
-        # The quantized twin's layers run through their fused kernels, fed bf16.
-        assert all((projections.dtype is not None) == weight_only for projections in lean.projections)
-
-
-def _lean_and_transformers_agree(model: torch.nn.Module) -> torch.nn.Module:
-    from decoding.lean_forward import LeanLlama
-
-    lean = LeanLlama(model)
-    for (logits, hidden), (lean_logits, lean_hidden) in zip(_tree_forwards(model), _tree_forwards(lean)):
-        torch.testing.assert_close(lean_logits, logits)
-        torch.testing.assert_close(lean_hidden, hidden)
-    return lean
-
-
-def _tree_forwards(forward: torch.nn.Module) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """(logits, last hidden) of a 2 x 2 tree after a cached 5-token prefix: all 3 rows, then rows 0 and 2 (a host
-    index of rows), which must compute what those rows compute in all."""
-    from decoding.kv_cache import SlotKVCache, forward_tree
-    from decoding.tree import chain_ancestors
-
-    config = forward.config
-    generator = torch.Generator().manual_seed(0)
-    prefix = torch.randint(0, config.vocab_size, (3, 5), generator=generator)
-    topology = TreeTopology(num_candidates=2, max_depth=2, root_width=1)
-    nodes = torch.randint(0, config.vocab_size, (3, topology.size(2)), generator=generator)
-    valid = torch.ones(3, topology.size(2), dtype=torch.bool)
-    valid[1, -1] = False
-    cache = SlotKVCache(config.num_hidden_layers, 3, device=torch.device("cpu"))
-    rows = cache.add_rows(3)
-    forward_tree(forward, cache, rows, prefix, chain_ancestors(5), torch.ones(3, 5, dtype=torch.bool))
-    cache.commit(rows, torch.arange(5)[None].expand(3, -1), [5, 5, 5])
-    outputs = []
-    for some in (rows, torch.tensor([0, 2])):
-        picked = slice(None) if isinstance(some, slice) else some
-        outputs.append(forward_tree(forward, cache, some, nodes[picked], topology.ancestors, valid[picked],
-                                    want_hidden=True, logits_at=torch.arange(topology.size(2))))
-    torch.testing.assert_close(outputs[1][0], outputs[0][0][[0, 2]])
-    return outputs
-
-
-def test_compiled_draft_layers_compute_what_the_eager_lean_forward_computes(target) -> None:
-    """An int4 twin's layers run as two ahead-of-time compiled graphs (decoding.compiled_layers) between the
-    eager cache writes and attention: the same logits as the eager lean loop up to bf16 rounding, for all rows
-    and some rows; a draft it cannot compile (float layers) keeps the eager loop."""
-    from decoding.lean_forward import LeanLlama
-    from decoding.models import for_inference
-    from decoding.quantize import quantized
-
-    twin = for_inference(quantized(target, "int4"))
-    compiled = LeanLlama(twin, compile_layers=True)
-    assert compiled.compiled is not None and len(compiled.layer_inputs) == target.config.num_hidden_layers
-    assert LeanLlama(for_inference(target), compile_layers=True).compiled is None
-    eager = _lean_and_transformers_agree(twin)
-    outputs = [_tree_forwards(forward) for forward in (eager, compiled)]
-    for (logits, hidden), (compiled_logits, compiled_hidden) in zip(*outputs):
-        # bf16 activations into the int4 kernels: a last-bit difference upstream can round one element to the
-        # next bf16 value (2^-8 relative); the tiny model's logits are O(10).
-        torch.testing.assert_close(compiled_logits, logits, atol=0.05, rtol=0.01)
-        torch.testing.assert_close(compiled_hidden, hidden, atol=0.05, rtol=0.01)
-
-
-def test_draft_layers_fall_back_to_the_eager_forward_when_they_cannot_compile(target, monkeypatch, caplog) -> None:
-    from decoding import compiled_layers
-    from decoding.lean_forward import LeanLlama
-    from decoding.models import for_inference
-    from decoding.quantize import quantized
-
-    twin = for_inference(quantized(target, "int4"))
-    monkeypatch.setenv("SPECBATCH_COMPILE", "0")
-    assert LeanLlama(twin, compile_layers=True).compiled is None
-    monkeypatch.delenv("SPECBATCH_COMPILE")
-
-    def no_compiler(*args, **kwargs):
-        raise RuntimeError("no C++ compiler found")
-
-    monkeypatch.setattr(compiled_layers, "_loaded", {})
-    monkeypatch.setattr(compiled_layers, "cache_dir", lambda: Path("/nonexistent-specbatch-test"))
-    monkeypatch.setattr(torch._inductor, "aoti_compile_and_package", no_compiler)
-    with caplog.at_level("WARNING"):
-        lean = LeanLlama(twin, compile_layers=True)
-    assert lean.compiled is None and "no C++ compiler found" in caplog.text
-    logits, _ = _tree_forwards(lean)[0]
-    assert torch.isfinite(logits).all()
-
-
-def test_commit_moves_accepted_entries_and_leaves_an_in_place_path_alone() -> None:
-    """``SlotKVCache.commit`` gathers each row's kept slots right after its committed entries; a host ``keep``
-    that already is that order (a chain's accepted prefix) moves nothing and only advances the lengths."""
-    from decoding.kv_cache import SlotKVCache
-
-    cache = SlotKVCache(1, 2, max_slots=8)
-    rows = cache.add_rows(2)
-    layer = cache.layers[0]
-    layer.lazy_initialization(torch.zeros(2, 1, 1, 1), torch.zeros(2, 1, 1, 1))
-    layer.keys[:, 0, :, 0] = torch.arange(8.0)[None] + torch.tensor([[0.0], [100.0]])
-    layer.values.copy_(layer.keys)
-    before, version = layer.keys.clone(), layer.keys._version
-    cache.commit(rows, torch.tensor([[0, 1, 2], [0, 1, 0]]), [3, 2])  # in place: nothing moves
-    assert torch.equal(layer.keys, before) and cache.lengths.tolist() == [3, 2] and cache.host_lengths == [3, 2]
-    assert layer.keys._version == version  # not even rewritten with the same values
-    cache.commit(rows, torch.tensor([[0, 2], [1, 0]]), [2, 1])  # row 0 keeps slots 3 and 5, row 1 slot 3
-    assert layer.keys._version > version
-    assert layer.keys[0, 0, :5, 0].tolist() == [0, 1, 2, 3, 5]
-    assert layer.keys[1, 0, :3, 0].tolist() == [100, 101, 103]
-    assert torch.equal(layer.values, layer.keys) and cache.lengths.tolist() == [5, 3]
 
 
 def test_step_outputs_add_up_to_the_results_and_report_the_batch(tokenizer, target, draft):

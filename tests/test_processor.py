@@ -205,7 +205,12 @@ def test_processor_config_takes_ray_data_llms_fields_and_vllms_engine_kwargs(tin
     stages = specbatch.ProcessorConfig(model_source="m", chat_template_stage={"chat_template_kwargs": {"x": 1}},
                                        detokenize_stage=False)
     assert stages.engine_config().chat_template_kwargs == {"x": 1} and not stages.detokenize
-    for engine_kwargs, named in (({"max_model_len": 64}, "max_model_len"), ({"tensor_parallel_size": 2},
+    paged = specbatch.ProcessorConfig(model_source="m", engine_kwargs={
+        "max_model_len": 64, "block_size": 32, "gpu_memory_utilization": 0.5, "max_num_batched_tokens": 512}
+    ).engine_config()  # the paged KV cache's vLLM names
+    assert (paged.max_model_len, paged.block_size, paged.gpu_memory_utilization, paged.max_num_batched_tokens) == (
+        64, 32, 0.5, 512)
+    for engine_kwargs, named in (({"kv_cache_dtype": "fp8"}, "kv_cache_dtype"), ({"tensor_parallel_size": 2},
                                  "tensor_parallel_size"), ({"batch_size": 4}, "max_num_seqs"),
                                  ({"speculative_config": {"method": "eagle"}}, "speculative.method")):
         with pytest.raises(ValueError, match=named):

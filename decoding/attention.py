@@ -1,0 +1,178 @@
+"""Attention over the paged KV cache: every query reads only its own row's blocks, without padding or copies.
+
+A forward's queries are the nodes [start, end) of each row's tree (a decode step is a one-node tree, a prefill a
+chain), laid out row by row. ``AttentionMetadata`` says, per query, which keys it sees: the row's first
+``prefix_len`` positions, plus the tentative tree positions ``prefix_len + t`` for each bit t of ``tree_mask``
+(its ancestors and itself; words of 64 bits). The same description serves a prefill (a chain: ``prefix_len``
+grows by one per query, no tree bits), a verification (the committed tokens, then the tree) and a draft level
+(the committed tokens, then the nodes earlier levels wrote).
+
+Two implementations of the one operation ``paged_attention``:
+- on a CPU, a C++ kernel (``csrc/paged_attention.cpp``) compiled once per machine with torch's extension builder
+  and cached (a C++ compiler is needed; without one a warning says so and the reference runs). It writes the new
+  keys and values into their slots, then reads each row's blocks in place. 64 rows of 300-1300 cached tokens:
+  4.9 ms a layer against 6.9 ms for SDPA over the same rows padded to the longest (2-core CPU, AVX-512);
+- elsewhere, and as the readable oracle the kernel is tested against, ``reference_attention``: the rows' blocks
+  gathered into a padded batch and one SDPA call with the mask the metadata describes.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger(__name__)
+
+_SOURCE = Path(__file__).parent / "csrc" / "paged_attention.cpp"
+_lock = threading.Lock()
+_kernel_state: dict[str, bool] = {}  # "loaded": the CPU kernel is registered as torch.ops.specbatch.paged_attention
+
+
+@dataclass(frozen=True)
+class AttentionMetadata:
+    """Which slots a forward writes and which keys each query reads; tensors on the model's device.
+
+    Queries are row-major: row r's queries are [row_starts[r], row_starts[r + 1]).
+    """
+
+    slots: torch.Tensor  # [N] long: the slot each query token's key and value are written to
+    block_tables: torch.Tensor  # [R, max_blocks] int32: the physical blocks of each row of the forward
+    row_starts: torch.Tensor  # [R + 1] int32
+    prefix_len: torch.Tensor  # [N] int32: positions [0, prefix_len) of the row are visible
+    tree_mask: torch.Tensor  # [N, words] int64: bit t (of word t // 64) makes position prefix_len + t visible
+    max_keys: int  # the most positions any row's queries see (host fact: sizes the reference's padding)
+
+
+def kernel_enabled() -> bool:
+    return os.environ.get("SPECBATCH_KERNELS", "1") != "0"
+
+
+def _build_kernel() -> bool:
+    """Compile and load the CPU kernel (once per machine and source; later processes load it in milliseconds)."""
+    from torch.utils import cpp_extension
+
+    from decoding.models import cache_dir
+
+    capability = torch.backends.cpu.get_cpu_capability()  # DEFAULT, AVX2, AVX512: at::vec's instruction set
+    flags = ["-O3", "-fopenmp"]
+    if capability in ("AVX2", "AVX512"):
+        flags += ["-march=native", f"-DCPU_CAPABILITY={capability}", f"-DCPU_CAPABILITY_{capability}"]
+    key = hashlib.sha256(_SOURCE.read_bytes() + f"{torch.__version__}|{capability}".encode()).hexdigest()[:12]
+    folder = cache_dir() / "kernels" / key
+    folder.mkdir(parents=True, exist_ok=True)
+    started = time.perf_counter()
+    built = (folder / "specbatch_paged_attention.so").exists()
+    if not built:
+        log.info("compiling the paged attention kernel for this machine (once; cached in %s)", folder)
+    cpp_extension.load(
+        name="specbatch_paged_attention", sources=[str(_SOURCE)], extra_cflags=flags, extra_ldflags=["-fopenmp"],
+        build_directory=str(folder), is_python_module=False, verbose=False,
+    )
+    if not built:
+        log.info("compiled the paged attention kernel in %.1f s", time.perf_counter() - started)
+    return True
+
+
+def cpu_kernel() -> bool:
+    """Whether the CPU kernel is available (built or loaded on first call)."""
+    if not kernel_enabled():
+        return False
+    with _lock:
+        if "loaded" not in _kernel_state:
+            try:
+                _kernel_state["loaded"] = _build_kernel()
+                torch.library.register_fake("specbatch::paged_attention")(_fake_paged_attention)
+            except Exception as exc:  # no compiler, no headers: the reference computes the same
+                log.warning("could not build the paged attention kernel (%s: %s); using the reference attention",
+                            type(exc).__name__, str(exc).splitlines()[0] if str(exc) else "")
+                _kernel_state["loaded"] = False
+        return _kernel_state["loaded"]
+
+
+def _fake_paged_attention(k_cache, v_cache, q, k, v, slots, block_tables, row_starts, prefix_len, tree_mask, scale):
+    return torch.empty_like(q)
+
+
+def paged_attention(
+    k_cache: torch.Tensor, v_cache: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+    meta: AttentionMetadata, scale: float,
+) -> torch.Tensor:
+    """Write ``k``, ``v`` [N, kv_heads, D] into their slots, then attend ``q`` [N, heads, D] over each row's
+    visible keys; returns [N, heads, D]. Caches: keys [blocks, kv_heads, D, block_size], values
+    [blocks, kv_heads, block_size, D]."""
+    if q.device.type == "cpu" and _kernel_state.get("loaded"):  # loaded by cpu_kernel() before any forward
+        return torch.ops.specbatch.paged_attention(
+            k_cache, v_cache, q, k, v, meta.slots, meta.block_tables, meta.row_starts, meta.prefix_len,
+            meta.tree_mask, scale,
+        )
+    return reference_attention(k_cache, v_cache, q, k, v, meta, scale)
+
+
+def write_slots(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                slots: torch.Tensor) -> None:
+    """Keys and values [N, kv_heads, D] into their slots (slot = block * block_size + offset)."""
+    block_size = k_cache.shape[-1]
+    blocks, offsets = slots // block_size, slots % block_size
+    k_cache[blocks, :, :, offsets] = k.to(k_cache.dtype)
+    v_cache[blocks, :, offsets] = v.to(v_cache.dtype)
+
+
+def gather_rows(k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor, keys: int
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Positions [0, keys) of each row as dense [R, kv_heads, keys, D] keys and values (a copy)."""
+    block_size = k_cache.shape[-1]
+    blocks = block_tables[:, : -(-keys // block_size)].long()  # [R, nb]
+    k = k_cache[blocks].permute(0, 2, 1, 4, 3).flatten(2, 3)  # [R, H, nb * bs, D]
+    v = v_cache[blocks].transpose(1, 2).flatten(2, 3)
+    return k[:, :, :keys], v[:, :, :keys]
+
+
+def visibility(meta: AttentionMetadata, keys: int) -> torch.Tensor:
+    """[N, keys] bool: which of its row's first ``keys`` positions each query sees."""
+    positions = torch.arange(keys, device=meta.prefix_len.device)[None]
+    prefix = meta.prefix_len.long()[:, None]
+    offset = positions - prefix
+    words = meta.tree_mask.shape[1]
+    in_tree = (offset >= 0) & (offset < 64 * words)
+    word = meta.tree_mask.gather(1, (offset.clamp(0, 64 * words - 1) // 64).expand(len(prefix), -1))
+    bits = (word >> (offset.clamp(min=0) % 64)) & 1
+    return (positions < prefix) | (in_tree & (bits == 1))
+
+
+def reference_attention(
+    k_cache: torch.Tensor, v_cache: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+    meta: AttentionMetadata, scale: float,
+) -> torch.Tensor:
+    """``paged_attention`` with torch operations: the rows' blocks gathered, padded to the longest, one SDPA."""
+    write_slots(k_cache, v_cache, k, v, meta.slots)
+    rows = meta.row_starts.shape[0] - 1
+    tokens, heads, dim = q.shape
+    keys = max(meta.max_keys, 1)
+    dense_k, dense_v = gather_rows(k_cache, v_cache, meta.block_tables, keys)  # [R, Hkv, L, D]
+    starts = meta.row_starts.long()
+    counts = starts[1:] - starts[:-1]
+    row_of = torch.repeat_interleave(torch.arange(rows, device=q.device), counts, output_size=tokens)
+    within = torch.arange(tokens, device=q.device) - starts[row_of]
+    width = int(counts.max()) if rows else 0
+    padded_q = q.new_zeros(rows, width, heads, dim)
+    padded_q[row_of, within] = q
+    allowed = torch.zeros(rows, width, keys, dtype=torch.bool, device=q.device)
+    allowed[row_of, within] = visibility(meta, keys)
+    allowed[:, :, 0] |= ~allowed.any(-1)  # padding queries see one key: no NaN rows
+    # Positions no query of a row sees may never have been written (a shorter row's tail): zero them, since a
+    # masked weight times a NaN value is still NaN.
+    seen = allowed.any(1)[:, None, :, None]  # [R, 1, L, 1]
+    dense_k = torch.where(seen, dense_k, 0).to(q.dtype)
+    dense_v = torch.where(seen, dense_v, 0).to(q.dtype)
+    out = torch.nn.functional.scaled_dot_product_attention(
+        padded_q.transpose(1, 2), dense_k, dense_v, attn_mask=allowed[:, None],
+        scale=scale, enable_gqa=True,
+    )
+    return out.transpose(1, 2)[row_of, within]

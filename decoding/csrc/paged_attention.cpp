@@ -1,0 +1,216 @@
+// Paged attention on a CPU for decode, tree verification and drafting: each query reads only its own row's blocks.
+//
+// The queries of row r are tokens [row_starts[r], row_starts[r + 1]). Query n sees the keys at logical positions
+// [0, prefix_len[n]) of its row, and the row's tentative tree keys at prefix_len[n] + t for every bit t set in
+// tree_mask[n] (words of 64 bits: bit t is bit t % 64 of word t / 64). Position p of row r lives at offset p % block_size of block block_tables[r][p / block_size].
+// Caches: keys [blocks, kv_heads, head_dim, block_size] (each block's keys transposed, so a query scores a block's
+// keys with vector multiply-adds and no horizontal sums), values [blocks, kv_heads, block_size, head_dim]. The query
+// heads that share a key/value head are scored together, so each key and value is read once per row (grouped-query
+// attention without copies); an online softmax runs over the blocks.
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <ATen/cpu/vec/functional.h>
+#include <ATen/cpu/vec/vec.h>
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <vector>
+
+namespace {
+
+using Vec = at::vec::Vectorized<float>;
+constexpr int64_t kTile = 8;  // query vectors scored together against one loaded key chunk
+
+template <typename T>
+inline Vec load_floats(const T* p) {
+  if constexpr (std::is_same_v<T, float>) {
+    return Vec::loadu(p);
+  } else {
+    float tmp[Vec::size()];
+    for (int64_t i = 0; i < Vec::size(); ++i) tmp[i] = static_cast<float>(p[i]);
+    return Vec::loadu(tmp);
+  }
+}
+
+// scores[v][j] = query[v] . key j, for query vectors [0, count) and the block's keys [0, block_size).
+template <typename T, int kCount>
+inline void score_tile(const float* query, int64_t dim, const T* keys_t, int64_t block_size, float* scores,
+                       int64_t score_stride) {
+  for (int64_t c = 0; c < block_size; c += Vec::size()) {
+    Vec acc[kCount];
+    for (int v = 0; v < kCount; ++v) acc[v] = Vec(0.f);
+    for (int64_t d = 0; d < dim; ++d) {
+      const Vec k = load_floats(keys_t + d * block_size + c);
+      for (int v = 0; v < kCount; ++v) acc[v] = at::vec::fmadd(Vec(query[v * dim + d]), k, acc[v]);
+    }
+    for (int v = 0; v < kCount; ++v) acc[v].store(scores + v * score_stride + c);
+  }
+}
+
+template <typename T>
+inline void score(const float* query, int64_t count, int64_t dim, const T* keys_t, int64_t block_size,
+                  float* scores) {
+  for (int64_t v0 = 0; v0 < count; v0 += kTile) {
+    const float* q = query + v0 * dim;
+    float* s = scores + v0 * block_size;
+    switch (std::min<int64_t>(kTile, count - v0)) {
+      case 1: score_tile<T, 1>(q, dim, keys_t, block_size, s, block_size); break;
+      case 2: score_tile<T, 2>(q, dim, keys_t, block_size, s, block_size); break;
+      case 3: score_tile<T, 3>(q, dim, keys_t, block_size, s, block_size); break;
+      case 4: score_tile<T, 4>(q, dim, keys_t, block_size, s, block_size); break;
+      case 5: score_tile<T, 5>(q, dim, keys_t, block_size, s, block_size); break;
+      case 6: score_tile<T, 6>(q, dim, keys_t, block_size, s, block_size); break;
+      case 7: score_tile<T, 7>(q, dim, keys_t, block_size, s, block_size); break;
+      default: score_tile<T, 8>(q, dim, keys_t, block_size, s, block_size); break;
+    }
+  }
+}
+
+template <typename T>
+void attend(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+            const at::Tensor& block_tables, const at::Tensor& row_starts, const at::Tensor& prefix_len,
+            const at::Tensor& tree_mask, double scale) {
+  const int64_t rows = row_starts.size(0) - 1, q_heads = q.size(1), dim = q.size(2);
+  const int64_t kv_heads = k_cache.size(1), block_size = k_cache.size(3), group = q_heads / kv_heads;
+  const int64_t k_block_stride = k_cache.stride(0), k_head_stride = k_cache.stride(1);
+  const int64_t v_block_stride = v_cache.stride(0), v_head_stride = v_cache.stride(1);
+  const T* qp = q.data_ptr<T>();
+  T* op = out.data_ptr<T>();
+  const T* kp = k_cache.data_ptr<T>();
+  const T* vp = v_cache.data_ptr<T>();
+  const int32_t* tables = block_tables.data_ptr<int32_t>();
+  const int64_t table_stride = block_tables.stride(0);
+  const int32_t* starts = row_starts.data_ptr<int32_t>();
+  const int32_t* prefixes = prefix_len.data_ptr<int32_t>();
+  const int64_t* masks = tree_mask.data_ptr<int64_t>();
+  const int64_t words = tree_mask.size(1), mask_stride = tree_mask.stride(0);
+  const float neg_inf = -std::numeric_limits<float>::infinity();
+
+  at::parallel_for(0, rows * kv_heads, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> query, acc, scores, running_max, running_sum;
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t r = item / kv_heads, h = item % kv_heads;
+      const int64_t first = starts[r], tokens = starts[r + 1] - first;
+      if (tokens == 0) continue;
+      const int64_t vectors = tokens * group;  // query vectors: (token, query head of the group)
+      query.resize(vectors * dim);
+      acc.assign(vectors * dim, 0.f);
+      scores.resize(vectors * block_size);
+      running_max.assign(vectors, neg_inf);
+      running_sum.assign(vectors, 0.f);
+      int64_t common = std::numeric_limits<int64_t>::max(), upto = 0;  // keys every query sees; keys any sees
+      for (int64_t t = 0; t < tokens; ++t) {
+        const int64_t n = first + t, prefix = prefixes[n];
+        common = std::min(common, prefix);
+        upto = std::max(upto, prefix);
+        for (int64_t w = words - 1; w >= 0; --w) {
+          const uint64_t bits = static_cast<uint64_t>(masks[n * mask_stride + w]);
+          if (bits) {
+            upto = std::max(upto, prefix + 64 * w + 64 - __builtin_clzll(bits));
+            break;
+          }
+        }
+        for (int64_t i = 0; i < group; ++i) {
+          const T* src = qp + n * q.stride(0) + (h * group + i) * q.stride(1);
+          float* dst = query.data() + (t * group + i) * dim;
+          for (int64_t d = 0; d < dim; ++d) dst[d] = static_cast<float>(src[d]) * static_cast<float>(scale);
+        }
+      }
+      const int32_t* table = tables + r * table_stride;
+      for (int64_t p0 = 0; p0 < upto; p0 += block_size) {
+        const int64_t keys = std::min(block_size, upto - p0);
+        const int64_t block = table[p0 / block_size];
+        const T* values = vp + block * v_block_stride + h * v_head_stride;
+        score(query.data(), vectors, dim, kp + block * k_block_stride + h * k_head_stride, block_size,
+              scores.data());
+        const bool masked = p0 + block_size > common;
+        for (int64_t vector = 0; vector < vectors; ++vector) {
+          float* s = scores.data() + vector * block_size;
+          if (masked) {
+            const int64_t n = first + vector / group, prefix = prefixes[n];
+            const int64_t* bits = masks + n * mask_stride;
+            for (int64_t j = 0; j < block_size; ++j) {
+              const int64_t offset = p0 + j - prefix;
+              if (j >= keys || (offset >= 0 && (offset >= 64 * words ||
+                                                !((static_cast<uint64_t>(bits[offset / 64]) >> (offset % 64)) & 1)))) {
+                s[j] = neg_inf;
+              }
+            }
+          }
+          const float block_max = at::vec::reduce_all<float>([](Vec& a, Vec& b) { return at::vec::maximum(a, b); },
+                                                             s, block_size);
+          if (block_max == neg_inf) continue;  // nothing visible in this block for this query
+          const float new_max = std::max(running_max[vector], block_max);
+          const float correction = std::exp(running_max[vector] - new_max);
+          at::vec::map([new_max](Vec x) { return (x - Vec(new_max)).exp(); }, s, s, block_size);
+          running_sum[vector] = running_sum[vector] * correction +
+                                at::vec::reduce_all<float>([](Vec& a, Vec& b) { return a + b; }, s, block_size);
+          running_max[vector] = new_max;
+          float* a = acc.data() + vector * dim;
+          for (int64_t d = 0; d < dim; d += Vec::size()) {
+            Vec sum = Vec::loadu(a + d) * Vec(correction);
+            for (int64_t j = 0; j < keys; ++j) sum = at::vec::fmadd(Vec(s[j]), load_floats(values + j * dim + d), sum);
+            sum.store(a + d);
+          }
+        }
+      }
+      for (int64_t vector = 0; vector < vectors; ++vector) {
+        const int64_t n = first + vector / group, head = h * group + vector % group;
+        T* dst = op + n * out.stride(0) + head * out.stride(1);
+        const float inverse = running_sum[vector] > 0.f ? 1.f / running_sum[vector] : 0.f;
+        for (int64_t d = 0; d < dim; ++d) dst[d] = static_cast<T>(acc[vector * dim + d] * inverse);
+      }
+    }
+  });
+}
+
+template <typename T>
+void write(at::Tensor& k_cache, at::Tensor& v_cache, const at::Tensor& k, const at::Tensor& v,
+           const at::Tensor& slots) {
+  const int64_t tokens = k.size(0), kv_heads = k.size(1), dim = k.size(2), block_size = k_cache.size(3);
+  const int64_t* sp = slots.data_ptr<int64_t>();
+  T* kc = k_cache.data_ptr<T>();
+  T* vc = v_cache.data_ptr<T>();
+  for (int64_t n = 0; n < tokens; ++n) {
+    const int64_t block = sp[n] / block_size, offset = sp[n] % block_size;
+    for (int64_t h = 0; h < kv_heads; ++h) {
+      const T* ks = k.data_ptr<T>() + n * k.stride(0) + h * k.stride(1);
+      const T* vs = v.data_ptr<T>() + n * v.stride(0) + h * v.stride(1);
+      T* kd = kc + block * k_cache.stride(0) + h * k_cache.stride(1) + offset;
+      T* vd = vc + block * v_cache.stride(0) + h * v_cache.stride(1) + offset * dim;
+      for (int64_t d = 0; d < dim; ++d) {
+        kd[d * block_size] = ks[d * k.stride(2)];
+        vd[d] = vs[d * v.stride(2)];
+      }
+    }
+  }
+}
+
+}  // namespace
+
+at::Tensor paged_attention(at::Tensor k_cache, at::Tensor v_cache, at::Tensor q, at::Tensor k, at::Tensor v,
+                           at::Tensor slots, at::Tensor block_tables, at::Tensor row_starts, at::Tensor prefix_len,
+                           at::Tensor tree_mask, double scale) {
+  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "caches must be contiguous");
+  TORCH_CHECK(k_cache.size(3) % Vec::size() == 0, "block_size must be a multiple of ", Vec::size());
+  TORCH_CHECK(q.size(2) % Vec::size() == 0, "head_dim must be a multiple of ", Vec::size());
+  auto out = at::empty(q.sizes(), q.options());
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "paged_attention", [&] {
+    TORCH_CHECK(k_cache.scalar_type() == q.scalar_type(), "cache and query dtypes differ");
+    write<scalar_t>(k_cache, v_cache, k.to(q.scalar_type()), v.to(q.scalar_type()), slots.to(at::kLong));
+    attend<scalar_t>(out, q.contiguous(), k_cache, v_cache, block_tables, row_starts, prefix_len, tree_mask, scale);
+  });
+  return out;
+}
+
+// Declared without mutation annotations although it writes the new entries into the caches: a compiled graph reads
+// the caches only through this op, each layer's slice once, so nothing can observe the write out of order. Declared
+// (a!), AOTInductor's exported layer stack read a stale copy of the cache (logits off by ~1 once entries from an
+// earlier forward were read).
+TORCH_LIBRARY(specbatch, m) {
+  m.def("paged_attention(Tensor k_cache, Tensor v_cache, Tensor q, Tensor k, Tensor v, Tensor slots, "
+        "Tensor block_tables, Tensor row_starts, Tensor prefix_len, Tensor tree_mask, float scale) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(specbatch, CPU, m) { m.impl("paged_attention", &paged_attention); }

@@ -1,0 +1,227 @@
+"""Requests, results, and one sequence's life in the engine: what it generated and when it must stop."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence as SequenceABC
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
+from decoding.config import SamplingParams
+from decoding.stats import SpecDecodeStats, acceptance_histogram
+from decoding.text import IncrementalDecoder
+
+
+@dataclass
+class Request:
+    id: str
+    prompt: str | None = None
+    messages: list[dict[str, Any]] | None = None
+    prompt_token_ids: list[int] | None = None
+    sampling: SamplingParams | dict[str, Any] | None = None
+    seed_key: str | None = None  # what the row's random stream derives from with the run seed; default: id
+    # How ``messages`` render (vLLM's chat request fields): a template instead of the tokenizer's, extra variables
+    # for the template (e.g. ``enable_thinking``), and whether to open the assistant's turn or continue the last one.
+    chat_template: str | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+
+
+@dataclass
+class GenerationResult:
+    id: str
+    prompt: str
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    text: str
+    finish_reason: str  # stop | length | error
+    error: str | None
+    time_taken: float
+    token_accepted: list[bool]
+    per_step_drafted: list[int]
+    per_step_accepted: list[int]
+    num_target_forwards: int
+    acceptance_histogram: list[int]
+    # One tuple per drafted candidate token: (step, depth, candidate, token_id, draft_prob, target_prob, accepted)
+    token_stats: list[tuple[int, int, int, int, float, float, bool]] = field(default_factory=list)
+    # With sampling_params.logprobs: per generated token, the target's log-probability and top alternatives.
+    logprobs: list[dict[str, Any]] | None = None
+
+    @property
+    def stats(self) -> SpecDecodeStats:
+        return SpecDecodeStats.of(self)
+
+    @property
+    def spec_decode(self) -> dict[str, Any]:
+        return self.stats.struct()
+
+
+@dataclass
+class StepOutput:
+    finished: list[GenerationResult]
+    new_tokens: dict[str, list[int]]  # tokens each running sequence emitted this step (for streaming)
+    # For per-step metrics: this step's speculation over its rows (each row that drafted is one spec step; tokens
+    # and target forwards count prefills too), and the batch after the step.
+    spec_decode: SpecDecodeStats = field(default_factory=SpecDecodeStats)
+    num_running: int = 0
+    num_waiting: int = 0
+    kv_cache_usage: float = 0.0  # Engine.kv_cache_usage
+    # With sampling_params.logprobs: the entries of ``new_tokens`` (for streaming them).
+    new_logprobs: dict[str, list[dict[str, Any]]] = field(default_factory=dict)
+
+
+@dataclass
+class Sequence:
+    """A request in the engine: its prompt, parameters, random stream and everything generated so far."""
+
+    request_id: str
+    prompt: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    generator: torch.Generator
+    started: float
+    generated: list[int] = field(default_factory=list)
+    accepted: list[bool] = field(default_factory=list)
+    per_step_drafted: list[int] = field(default_factory=list)
+    per_step_accepted: list[int] = field(default_factory=list)
+    token_stats: list[tuple] = field(default_factory=list)
+    logprobs: list[dict[str, Any]] = field(default_factory=list)
+    forwards: int = 0
+    finish_reason: str | None = None
+    stop_text: str | None = None
+    stop_ids: set[int] = field(default_factory=set)  # EOS unless ignore_eos, and stop_token_ids
+    text: IncrementalDecoder | None = None  # the generation's text so far, kept only to match stop strings
+
+    @property
+    def context(self) -> list[int]:
+        """Committed tokens whose KV is cached: everything but the pending (last) token."""
+        return self.prompt_ids + self.generated[:-1]
+
+
+    def emit(self, tokens: list[int], accepted: list[bool], max_context: int,
+             tokenizer: PreTrainedTokenizerBase) -> int:
+        """Append ``tokens`` up to a stop condition (a stop token, max_tokens, the context, a stop string);
+        returns how many were kept."""
+        before = len(self.generated)
+        for token, flag in zip(tokens, accepted):
+            self.generated.append(token)
+            self.accepted.append(flag)
+            if token in self.stop_ids:
+                self.finish_reason = "stop"
+                break
+            if len(self.generated) >= self.params.max_tokens or (
+                len(self.prompt_ids) + len(self.generated) >= max_context
+            ):
+                self.finish_reason = "length"
+                break
+        if self.params.stop:
+            self._apply_stop_strings(before, tokenizer)
+        if len(self.generated) < before:
+            raise AssertionError("stop handling removed committed tokens")
+        return len(self.generated) - before
+
+    def _apply_stop_strings(self, before: int, tokenizer: PreTrainedTokenizerBase) -> None:
+        """Cut after the first token whose text completes a stop string; the text ends before the stop string.
+
+        Incremental: each token is decoded once, and only text that the new token could complete is searched (a
+        stop string found now must end in the token's text, else an earlier token would have ended the sequence).
+        """
+        if self.text is None:
+            self.text = IncrementalDecoder(tokenizer)
+        stops = self.params.stop
+        longest = max(len(stop) for stop in stops)
+        for end in range(before, len(self.generated)):
+            start = max(0, len(self.text.text) - longest + 1)
+            self.text.push([self.generated[end]])
+            hits = [at for stop in stops if (at := self.text.text.find(stop, start)) >= 0]
+            if hits:
+                del self.generated[end + 1 :], self.accepted[end + 1 :]
+                self.stop_text = self.text.text[: min(hits)]
+                self.finish_reason = "stop"
+                return
+
+    def result(self, tokenizer: PreTrainedTokenizerBase, max_depth: int) -> GenerationResult:
+        text = self.stop_text
+        if not self.params.detokenize:
+            text = ""
+        elif text is None:
+            text = tokenizer.decode(self.generated, skip_special_tokens=self.params.skip_special_tokens)
+        return GenerationResult(
+            id=self.request_id, prompt=self.prompt, prompt_token_ids=self.prompt_ids, token_ids=self.generated,
+            text=text, finish_reason=self.finish_reason or "length", error=None,
+            time_taken=time.perf_counter() - self.started, token_accepted=self.accepted,
+            per_step_drafted=self.per_step_drafted, per_step_accepted=self.per_step_accepted,
+            num_target_forwards=self.forwards,
+            acceptance_histogram=acceptance_histogram(self.per_step_drafted, self.per_step_accepted, max_depth),
+            token_stats=self.token_stats,
+            logprobs=self.logprobs[: len(self.generated)] if self.params.logprobs is not None else None,
+        )
+
+
+def error_result(request_id: str, prompt: str, message: str, started: float, max_depth: int) -> GenerationResult:
+    return GenerationResult(
+        id=request_id, prompt=prompt, prompt_token_ids=[], token_ids=[], text="", finish_reason="error",
+        error=message, time_taken=time.perf_counter() - started, token_accepted=[], per_step_drafted=[],
+        per_step_accepted=[], num_target_forwards=0, acceptance_histogram=acceptance_histogram([], [], max_depth),
+    )
+
+
+# A request ready to join the batch, or the error result it already is.
+Prepared = Sequence | GenerationResult
+
+
+class Contexts(SequenceABC[list[int]]):
+    """Each row's committed tokens, built only for a drafter that reads them (n-gram lookup)."""
+
+    def __init__(self, seqs: list[Sequence]) -> None:
+        self._seqs = seqs
+
+    def __len__(self) -> int:
+        return len(self._seqs)
+
+    def __getitem__(self, row):  # type: ignore[override]
+        if isinstance(row, slice):
+            return [seq.context for seq in self._seqs[row]]
+        return self._seqs[row].context
+
+
+class EngineError(ValueError):
+    """A request the engine cannot run; it becomes that sequence's error result."""
+
+
+def encode_request(tokenizer: PreTrainedTokenizerBase, request: Request) -> tuple[str, list[int]]:
+    """Prompt text and token ids (SPEC "Input"): ``prompt`` exactly as ``tokenizer(prompt)`` does, ``messages``
+    through the chat template (the request's or the tokenizer's) with the generation prompt unless the request
+    continues its final message, or ``prompt_token_ids`` as given."""
+    if request.prompt_token_ids is not None:
+        ids = [int(t) for t in request.prompt_token_ids]
+        return (request.prompt if isinstance(request.prompt, str) else tokenizer.decode(ids)), ids
+    if request.messages is not None:
+        if request.add_generation_prompt and request.continue_final_message:
+            raise EngineError("add_generation_prompt and continue_final_message cannot both be true")
+        options = {"chat_template": request.chat_template, "add_generation_prompt": request.add_generation_prompt,
+                   "continue_final_message": request.continue_final_message}
+        try:
+            prompt = tokenizer.apply_chat_template(
+                request.messages, **{**(request.chat_template_kwargs or {}), **options, "tokenize": False}
+            )
+        except Exception as exc:  # templates raise many types on malformed messages
+            raise EngineError(f"cannot render messages with the chat template: {exc}") from exc
+        return prompt, tokenizer(prompt, add_special_tokens=False)["input_ids"]
+    if isinstance(request.prompt, str):
+        return request.prompt, tokenizer(request.prompt)["input_ids"]
+    raise EngineError(f"prompt must be a string, got {type(request.prompt).__name__}")
+
+
+def eos_token_ids(tokenizer: PreTrainedTokenizerBase, model: PreTrainedModel) -> set[int]:
+    """Tokens that end a sequence: the tokenizer's EOS and the model's generation config's."""
+    ids = {tokenizer.eos_token_id}
+    configured = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+    ids.update(configured if isinstance(configured, list) else [configured])
+    return {i for i in ids if i is not None}
+
+

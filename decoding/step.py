@@ -1,0 +1,365 @@
+"""One engine step over the running batch: plan -> draft -> verify -> commit -> observe.
+
+Each phase is a function of the batch returning a small typed result for the next:
+
+- ``plan``: each row's draft depth (the length policy, within the row's room) and its sampling parameters;
+- ``draft``: the root-level tokens (the pending token, and target-initialized siblings) and the drafter's tree;
+- ``verify``: ONE target forward over every row's tree, then the acceptance rule for all rows as tensor
+  operations on the device (``verify_batched.py``); the host reads back the accepted paths and next tokens, and
+  the draft's ids where they are on the device, in one copy;
+- ``commit``: the accepted paths' KV entries into place, the tokens into each sequence (stop conditions), the
+  per-token statistics (a second copy: two floats per node);
+- ``observe``: what the drafter and the length policy learn.
+
+Every device -> host copy goes through ``HostReads`` (a test bounds them: paths, tokens, statistics and, opt-in,
+log-probabilities; never a vocabulary-wide tensor).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+from transformers import PreTrainedTokenizerBase
+
+from decoding.batch_state import BatchState
+from decoding.config import SpeculativeConfig
+from decoding.drafters import Draft, Drafter, DraftInputs
+from decoding.forward import forward_tree
+from decoding.kv_cache import PagedKVCache
+from decoding.length_policies import LengthPolicy, Sources, StepRecord, StepTiming
+from decoding.padding import pad_rows
+from decoding.sampling import WarpParams, row_uniforms, token_logprobs, warp_probs
+from decoding.sequence import Contexts, Sequence
+from decoding.tree import TreeTopology, chain_ancestors
+from decoding.verify_batched import BatchVerdict, sample_from, sample_siblings, verify_batch
+
+
+class HostReads:
+    """Every device -> host copy of a step: a test bounds them, and on a GPU each is a wait for the device."""
+
+    def __init__(self) -> None:
+        self.bytes = {"state": 0, "stats": 0}
+        self.count = 0
+
+    def __call__(self, tensor: torch.Tensor, *, stats: bool = False) -> torch.Tensor:
+        self.bytes["stats" if stats else "state"] += tensor.numel() * tensor.element_size()
+        self.count += 1
+        return tensor.to("cpu")
+
+
+@dataclass
+class Plan:
+    rows: slice
+    depths: torch.Tensor  # [B] host: the model's (or lookup's) draft depth per row
+    lookup_depths: torch.Tensor | None  # [B] host: the lookup siblings' depth, where the tree has both
+    row_warp: WarpParams  # on the device: temperature, top-k, top-p
+    warp: WarpParams  # row_warp with penalties, where rows have them
+    penalized: bool
+    greedy: torch.Tensor  # [B] host
+
+
+@dataclass
+class Drafted:
+    draft: Draft
+    seconds: float
+
+
+@dataclass
+class Verdict:
+    paths: list[list[int]]  # accepted nodes per row, node 0 (the pending token) first
+    next_tokens: list[int]  # the token the target adds after each path
+    draft_tokens: list[list[int]]  # the tree's ids on the host
+    drafted_nodes: torch.Tensor  # [B, N] host: valid nodes below the root level
+    batch: BatchVerdict  # on the device
+    raw_logits: torch.Tensor  # [B, N, V] on the device (log-probabilities, opt-in)
+    states: torch.Tensor | None  # the target's last hidden states at the nodes (feature drafts)
+    slot_of: torch.Tensor  # [N] host: each tree node's index in the forward
+    timing: StepTiming
+
+
+@dataclass
+class Committed:
+    emitted: list[list[int]]  # tokens each row emitted this step (before stop conditions cut them)
+    kept: list[int]  # accepted draft tokens each row kept
+
+
+class Step:
+    """The phases over the engine's parts (the scheduler's running sequences are rows [0, B) of everything)."""
+
+    def __init__(
+        self, target: torch.nn.Module, cache: PagedKVCache, drafter: Drafter, policy: LengthPolicy,
+        topology: TreeTopology, sources: Sources, state: BatchState, speculative: SpeculativeConfig,
+        tokenizer: PreTrainedTokenizerBase, max_context: int, run_seeded: bool, reads: HostReads,
+    ) -> None:
+        self.target, self.cache, self.drafter, self.policy = target, cache, drafter, policy
+        self.topology, self.sources, self.state, self.speculative = topology, sources, state, speculative
+        self.tokenizer, self.max_context, self.run_seeded, self.to_host = tokenizer, max_context, run_seeded, reads
+        self.device = cache.device
+        self.steps = 0
+
+    def _to_device(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Host -> device without waiting: a blocking copy would also wait for the device's queue to drain."""
+        return tensor.to(self.device, non_blocking=True)
+
+    def _uniforms(self, seqs: list[Sequence], count: int) -> torch.Tensor | None:
+        """[B, count] uniforms on the device, each sampled row's from its own generator (greedy rows: 0); None
+        when every row is greedy. A row draws the same count every step, whatever the others do."""
+        sampled = [row for row, seq in enumerate(seqs) if not seq.params.greedy]
+        if not sampled:
+            return None
+        return self._to_device(row_uniforms([s.generator for s in seqs], sampled, count))
+
+    def _warp(self, seqs: list[Sequence], eos_ids: set[int], prefill: bool = False) -> WarpParams:
+        """Sampling parameters of ``seqs`` with the committed histories their penalties need (on the device)."""
+        return WarpParams.from_params(
+            [s.params for s in seqs], [s.prompt_ids for s in seqs],
+            [[] if prefill else s.generated[:-1] for s in seqs], eos_ids, self.target.config.vocab_size,
+        ).to(self.device)
+
+    def _reproducible(self, seq: Sequence) -> bool:
+        """A sampled row that must reproduce (a run seed, or its own): the policy's choices for it may then depend
+        only on its seed and its past acceptance, never on timings or other rows."""
+        return not seq.params.greedy and (seq.params.seed is not None or self.run_seeded)
+
+    # ----------------------------------------------------------------------------------------------- prefill
+    @torch.no_grad()
+    def prefill(self, joining: list[Sequence], positions: list[int], eos_ids: set[int],
+                emitted: dict[str, list[int]]) -> None:
+        """Admit ``joining`` into new rows: one target forward over their prompts, the first token of each."""
+        rows = self.cache.add_rows(positions)
+        ids, lengths = pad_rows([s.prompt_ids for s in joining])
+        width = ids.shape[1]
+        valid = torch.arange(width)[None] < lengths[:, None]
+        last_positions = sorted(set((lengths - 1).tolist()))
+        reads_states = self.drafter.reads_target_states
+        logits, states = forward_tree(
+            self.target, self.cache, rows, self._to_device(ids), chain_ancestors(width), valid,
+            logits_at=torch.tensor(last_positions), want_hidden=reads_states,
+            hidden_at=torch.arange(width) if reads_states else None,
+        )
+        self.cache.advance(rows, lengths.tolist())
+        self.state.set_rows(rows, [s.params for s in joining])
+        at = self._to_device(torch.tensor([last_positions.index(n - 1) for n in lengths.tolist()]))
+        raw = logits[torch.arange(len(joining), device=self.device), at].float()  # [B, V]
+        last = self._warp(joining, eos_ids, prefill=True).penalize(raw) if any(
+            s.params.penalized for s in joining) else raw
+        tokens, scores = last.argmax(-1), last
+        uniforms = self._uniforms(joining, 1)
+        if uniforms is not None:
+            warp = self.state.row_warp(rows)
+            probs = warp_probs(last, warp)
+            greedy = warp.temperature == 0
+            tokens = torch.where(greedy, tokens, sample_from(probs, uniforms[:, 0]))
+            scores = torch.where(greedy[:, None], last, probs)
+        self.state.set_root_scores(rows, scores)
+        for i, (seq, token) in enumerate(zip(joining, self.to_host(tokens).tolist())):
+            seq.forwards = 1
+            if seq.params.logprobs is not None:
+                seq.logprobs += token_logprobs(self.to_host(raw[i : i + 1], stats=True), [token], seq.params.logprobs)
+            seq.emit([token], [False], self.max_context, self.tokenizer)
+            emitted.setdefault(seq.request_id, []).extend(seq.generated)
+        self.drafter.add_rows(rows, [s.prompt_ids for s in joining], positions, states)
+
+    # -------------------------------------------------------------------------------------------------- plan
+    def plan(self, seqs: list[Sequence], eos_ids: set[int]) -> Plan:
+        """Each row's depth within its room (max_tokens, the context) and its sampling parameters."""
+        batch = len(seqs)
+        rows = slice(0, batch)
+        contexts = self.cache.host_lengths[:batch]  # cached tokens, known on the host
+        depths, lookup_depths = self.policy.plan_rows(
+            [s.request_id for s in seqs], contexts, [self._reproducible(s) for s in seqs]
+        )
+        generated = torch.tensor([len(s.generated) for s in seqs])
+        room = torch.minimum(
+            self.state.max_tokens[:batch] - generated - 1,  # a step emits accepted + 1 tokens
+            self.max_context - 1 - torch.tensor(contexts),
+        )
+        finished = torch.tensor([s.finish_reason is not None for s in seqs])
+        room = torch.where(finished, 0, room.clamp(min=0))
+        # Penalties need each row's history: then the drafter warps with it (the target's logits get the same).
+        penalized = any(s.params.penalized for s in seqs)
+        row_warp = self.state.row_warp(rows)
+        return Plan(
+            rows, depths.minimum(room), lookup_depths.minimum(room) if lookup_depths is not None else None,
+            row_warp, self._warp(seqs, eos_ids) if penalized else row_warp, penalized, self.state.greedy(rows),
+        )
+
+    # ------------------------------------------------------------------------------------------------- draft
+    def _roots(self, seqs: list[Sequence], plan: Plan, pending: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Root-level tokens [B, root_width]: the pending token, plus target-initialized siblings where a row
+        drafts, drawn on the device; they stay there unless the drafter reads them on the host."""
+        width = self.topology.root_width
+        batch = len(seqs)
+        if width == 1:
+            return pending[:, None], torch.ones(batch, 1, dtype=torch.bool)
+        uniforms = self._uniforms(seqs, width - 1)
+        siblings = sample_siblings(
+            self.state.root_scores[:batch], self._to_device(pending), plan.row_warp.temperature == 0, width - 1,
+            self.speculative.replacement,
+            uniforms if uniforms is not None else torch.zeros(batch, width - 1, device=self.device),
+        )
+        if self.drafter.host_roots:
+            siblings = self.to_host(siblings)
+        drafts = (siblings >= 0) & (plan.depths > 0).to(siblings.device, non_blocking=True)[:, None]
+        pending = pending.to(siblings.device, non_blocking=True)
+        roots = torch.cat([pending[:, None], torch.where(drafts, siblings, 0)], 1)
+        valid = torch.cat([torch.ones_like(drafts[:, :1]), drafts], 1)
+        return roots, valid
+
+    def draft(self, seqs: list[Sequence], plan: Plan) -> Drafted:
+        started = time.perf_counter()
+        pending = torch.tensor([s.generated[-1] for s in seqs])
+        roots, root_valid = self._roots(seqs, plan, pending)
+        draft = self.drafter.propose(DraftInputs(
+            contexts=Contexts(seqs), roots=roots, root_valid=root_valid, pending=pending,  # type: ignore[arg-type]
+            depths=plan.depths,
+            topology=self.topology, warp=plan.warp, greedy=plan.greedy,
+            generators=[s.generator for s in seqs], replacement=self.speculative.replacement,
+            stop=self.policy, lookup_depths=plan.lookup_depths,
+        ))
+        return Drafted(draft, time.perf_counter() - started)
+
+    # ------------------------------------------------------------------------------------------------ verify
+    def _verify_forward(self, plan: Plan, draft: Draft, tokens: torch.Tensor, valid: torch.Tensor,
+                        ancestors: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+        """The target forward over the tree; (logits [B, N, V], states) on the device and each node's index in
+        the forward on the host.
+
+        Where the draft's flags are on the host, a node no row has (a candidate that stopped, an n-gram sibling
+        without a match) is left out of the forward rather than padded: on a CPU each extra token of a small
+        verify costs ~5% of a plain step. A node's ancestors are live wherever it is, so the live nodes form a
+        tree of their own. A device draft's tree runs whole (its dead nodes as padding queries), so nothing is
+        read back before the forward.
+        """
+        size = draft.tokens.shape[1]
+        want = self.drafter.reads_target_states
+        slot_of = torch.arange(size)
+        if draft.valid.device.type == "cpu":
+            nodes = draft.valid.any(0).nonzero().flatten()
+            if len(nodes) < size:
+                slot_of = torch.zeros(size, dtype=torch.long)
+                slot_of[nodes] = torch.arange(len(nodes))
+                live = self._to_device(nodes)
+                logits, states = forward_tree(self.target, self.cache, plan.rows, tokens[:, live],
+                                              ancestors[nodes][:, nodes], draft.valid[:, nodes], want_hidden=want)
+                on_device = self._to_device(slot_of)  # back to tree positions; dead nodes' rows are never read
+                return logits[:, on_device], states[:, on_device] if states is not None else None, slot_of
+        logits, states = forward_tree(self.target, self.cache, plan.rows, tokens, ancestors, valid, want_hidden=want)
+        return logits, states, slot_of
+
+    def verify(self, seqs: list[Sequence], plan: Plan, drafted: Drafted) -> Verdict:
+        draft = drafted.draft
+        batch, size = draft.tokens.shape
+        started = time.perf_counter()
+        ancestors = self.topology.sliced_ancestors(draft.depth)
+        tokens, valid = self._to_device(draft.tokens), self._to_device(draft.valid)
+        raw, states, slot_of = self._verify_forward(plan, draft, tokens, valid, ancestors)
+        logits = plan.warp.penalize(raw, tokens, self._to_device(ancestors)) if plan.penalized else raw
+        uniforms = self._uniforms(seqs, self.topology.size(self.topology.max_depth) + 1)
+        verdict = verify_batch(
+            logits, tokens, valid, self.topology, plan.row_warp, self.state.root_scores[plan.rows],
+            self._to_device(draft.draft_probs) if draft.draft_probs is not None else None,
+            self.speculative.replacement, uniforms[:, [*range(size), -1]] if uniforms is not None else None,
+            self._to_device(draft.point_mass) if draft.point_mass is not None else None,
+        )
+        self.state.root_scores[plan.rows] = verdict.next_law
+        # One copy: paths and next tokens, and the tree's ids and flags where they are on the device.
+        parts = [verdict.path, verdict.next_token[:, None]]
+        on_device = draft.tokens.device.type != "cpu"
+        if on_device:
+            parts += [draft.tokens, draft.valid.long()]
+        host = self.to_host(torch.cat(parts, 1))
+        depth = verdict.path.shape[1]
+        path_part = host[:, :depth]
+        lengths = (path_part >= 0).sum(1)
+        draft_tokens, draft_valid = (host[:, depth + 1 : depth + 1 + size], host[:, depth + 1 + size :].bool()) \
+            if on_device else (draft.tokens, draft.valid)
+        drafted_nodes = draft_valid & (self.topology.depths[:size] > 0)[None]
+        context = sum(self.cache.host_lengths[:batch]) / batch
+        timing = StepTiming(  # the copy above waited for the verify forward: its time is all in
+            (batch, int(draft_valid.any(0).sum()), context), time.perf_counter() - started,
+            [(count, width, context) for count, width in draft.forward_shapes], drafted.seconds,
+        )
+        return Verdict(
+            paths=[path[:n] for path, n in zip(path_part.tolist(), lengths.tolist())],
+            next_tokens=host[:, depth].tolist(), draft_tokens=draft_tokens.tolist(), drafted_nodes=drafted_nodes,
+            batch=verdict, raw_logits=raw, states=states, slot_of=slot_of, timing=timing,
+        )
+
+    # ------------------------------------------------------------------------------------------------ commit
+    def commit(self, seqs: list[Sequence], plan: Plan, drafted: Drafted, verdict: Verdict,
+               emitted: dict[str, list[int]]) -> Committed:
+        """The accepted paths' KV entries into place; each row's new tokens, statistics and log-probabilities."""
+        paths = verdict.paths
+        keep, counts = pad_rows([[int(verdict.slot_of[n]) for n in path] for path in paths], fill=0)
+        self.cache.commit(plan.rows, keep, counts)
+        target_probs, draft_probs = self.to_host(torch.stack(
+            [verdict.batch.token_probs, self._to_device(drafted.draft.token_probs)]), stats=True).tolist()
+        self.steps += 1
+        node_depths = self.topology.depths.tolist()
+        node_candidates = self.topology.candidate_index.tolist()
+        all_emitted, all_kept = [], []
+        for row, (seq, path) in enumerate(zip(seqs, paths)):
+            accepted_nodes = [n for n in path if node_depths[n] > 0]
+            seq.forwards += 1
+            new_tokens = [verdict.draft_tokens[row][n] for n in accepted_nodes] + [verdict.next_tokens[row]]
+            all_emitted.append(new_tokens)
+            if seq.params.logprobs is not None:  # opt-in: the target's log-probabilities at the path's nodes
+                at_path = self.to_host(verdict.raw_logits[row, self._to_device(torch.tensor(path))], stats=True)
+                seq.logprobs += token_logprobs(at_path, new_tokens, seq.params.logprobs)
+            before = len(seq.generated)
+            kept = seq.emit(new_tokens, [True] * len(accepted_nodes) + [False], self.max_context, self.tokenizer)
+            emitted.setdefault(seq.request_id, []).extend(seq.generated[before:])
+            kept_nodes = set(accepted_nodes[:kept])  # a stop inside the accepted run drops the rest
+            drafted = verdict.drafted_nodes[row].nonzero().flatten().tolist()
+            seq.per_step_drafted.append(len(drafted))
+            seq.per_step_accepted.append(len(kept_nodes))
+            all_kept.append(len(kept_nodes))
+            for node in drafted:
+                seq.token_stats.append((
+                    self.steps, node_depths[node], node_candidates[node], verdict.draft_tokens[row][node],
+                    draft_probs[row][node], target_probs[row][node], node in kept_nodes,
+                ))
+        return Committed(all_emitted, all_kept)
+
+    # ----------------------------------------------------------------------------------------------- observe
+    def observe(self, seqs: list[Sequence], plan: Plan, drafted: Drafted, verdict: Verdict,
+                committed: Committed) -> None:
+        draft = drafted.draft
+        path_tokens = [[verdict.draft_tokens[row][n] for n in path] for row, path in enumerate(verdict.paths)]
+        self.drafter.observe(verdict.paths, path_tokens, draft, self.topology, verdict.states)
+        size = draft.tokens.shape[1]
+        matched = self._matched_by_source(draft.depth, verdict.draft_tokens, verdict.drafted_nodes, committed.emitted)
+        depth_of = self.topology.depths[:size]
+        self.policy.observe(StepRecord(
+            ids=[s.request_id for s in seqs],
+            planned_depth=plan.depths.tolist(),
+            drafted_depth=(verdict.drafted_nodes * depth_of).amax(1).tolist() if size else [0] * len(seqs),
+            accepted=committed.kept,
+            lookup_planned=(plan.lookup_depths if plan.lookup_depths is not None else plan.depths).tolist(),
+            model_matched=matched[0], lookup_matched=matched[1], timing=verdict.timing,
+        ))
+
+    def _matched_by_source(
+        self, depth: int, tokens: list[list[int]], drafted: torch.Tensor, emitted: list[list[int]]
+    ) -> tuple[list[int] | None, list[int] | None]:
+        """How far the best chain of the model's candidates, and of the lookup siblings, agrees with the tokens
+        each row emitted: what each drafter alone would have had accepted, so the policy learns both from every
+        step whichever won. None where the tree has one drafter (its accepted run says it)."""
+        sources, topology = self.sources, self.topology
+        if not (sources.model_width and sources.lookup_width) or depth == 0:
+            return None, None
+        levels = torch.tensor([topology.level_slice(level).start for level in range(1, depth + 1)])
+        nodes = levels[None, :] + torch.arange(topology.num_candidates)[:, None]  # [C, D]
+        chains = torch.tensor(tokens)[:, nodes]  # [B, C, D]
+        target = torch.full((len(emitted), depth), -1, dtype=torch.long)
+        for row, row_tokens in enumerate(emitted):
+            target[row, : min(len(row_tokens), depth)] = torch.tensor(row_tokens[:depth])
+        parents = torch.tensor(topology.parents)[nodes[:, 0]]
+        under_pending = (parents == 0)[None, :, None]  # target-initialized siblings' chains never count
+        agree = (chains == target[:, None, :]) & drafted[:, nodes] & under_pending
+        matched = agree.long().cumprod(-1).sum(-1)  # [B, C]
+        width = sources.model_width
+        return matched[:, :width].amax(1).tolist(), matched[:, width:].amax(1).tolist()

@@ -1,0 +1,212 @@
+"""The forwards a step runs: the paged attention kernel against its reference, the lean forward against
+transformers' for every family it serves (and a quantized twin), transformers' own forward for any other
+architecture, and the compiled layer stack against the eager one."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from tiny import tiny_model, tiny_tokenizer
+from transformers import (
+    GemmaConfig,
+    GemmaForCausalLM,
+    LlamaConfig,
+    LlamaForCausalLM,
+    MistralConfig,
+    MistralForCausalLM,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+    Qwen3Config,
+    Qwen3ForCausalLM,
+)
+
+from decoding import Config, Engine, Request
+from decoding.attention import AttentionMetadata, cpu_kernel, reference_attention
+from decoding.forward import forward_tree
+from decoding.kv_cache import CacheShape, PagedKVCache
+from decoding.lean_forward import LeanCausalLM, lean_view, supports_lean_forward
+from decoding.quantize import quantized
+from decoding.tree import TreeTopology, chain_ancestors
+
+COMMON = dict(vocab_size=32, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+              num_key_value_heads=2, max_position_embeddings=256, eos_token_id=2, bos_token_id=1, pad_token_id=0)
+FAMILIES = {
+    "llama": (LlamaConfig, LlamaForCausalLM, {}),
+    "mistral": (MistralConfig, MistralForCausalLM, {"sliding_window": None}),
+    "qwen2": (Qwen2Config, Qwen2ForCausalLM, {}),  # q, k, v with biases
+    "qwen3": (Qwen3Config, Qwen3ForCausalLM, {"head_dim": 16}),  # RMSNorm over each head's query and key
+}
+
+
+def family_model(name: str) -> torch.nn.Module:
+    config_class, model_class, extra = FAMILIES[name]
+    torch.manual_seed(0)
+    model = model_class(config_class(**COMMON, **extra, initializer_range=0.3)).eval()
+    if name == "qwen2":  # random biases: a zero bias would hide a bias left out
+        with torch.no_grad():
+            for layer in model.model.layers:
+                for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
+                    proj.bias.normal_(0, 0.3)
+    return model
+
+
+def _tree_forwards(model: torch.nn.Module, config) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """(logits, last hidden) of a ragged prefill and then a width-2 tree (a shallower row included), for all three
+    rows and for rows 0 and 2 alone (a host index of rows)."""
+    generator = torch.Generator().manual_seed(0)
+    prompts = torch.randint(3, config.vocab_size, (3, 7), generator=generator)
+    prompt_valid = torch.arange(7)[None] < torch.tensor([[7], [4], [6]])
+    topology = TreeTopology(num_candidates=2, max_depth=2, root_width=1)
+    nodes = torch.randint(3, config.vocab_size, (3, topology.size(2)), generator=generator)
+    valid = torch.ones(3, topology.size(2), dtype=torch.bool)
+    valid[1, -2:] = False
+    cache = PagedKVCache(CacheShape.of(config), 8, 3, 64, dtype=next(model.parameters()).dtype)
+    rows = cache.add_rows([32, 32, 32])
+    prefill = forward_tree(model, cache, rows, prompts, chain_ancestors(7), prompt_valid, want_hidden=True)
+    cache.advance(rows, prompt_valid.sum(1).tolist())
+    outputs = [(prefill[0][prompt_valid], prefill[1][prompt_valid])]
+    for some in (rows, torch.tensor([0, 2])):
+        picked = slice(None) if isinstance(some, slice) else some
+        logits, hidden = forward_tree(model, cache, some, nodes[picked], topology.ancestors, valid[picked],
+                                      want_hidden=True)
+        outputs.append((logits[valid[picked]], hidden[valid[picked]]))
+    return outputs
+
+
+def _rows_agree(outputs) -> None:
+    """Rows 0 and 2 forwarded alone compute what they compute beside row 1."""
+    (_, _), (all_logits, _), (some_logits, _) = outputs
+    per_row = all_logits.split([5, 3, 5])
+    torch.testing.assert_close(some_logits, torch.cat([per_row[0], per_row[2]]))
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_the_lean_forward_computes_what_transformers_computes(family) -> None:
+    model = family_model(family)
+    assert supports_lean_forward(model)
+    lean = lean_view(model)
+    assert isinstance(lean, LeanCausalLM) and lean_view(model) is lean
+    reference, ours = _tree_forwards(model, model.config), _tree_forwards(lean, model.config)
+    for (logits, hidden), (lean_logits, lean_hidden) in zip(reference, ours):
+        torch.testing.assert_close(lean_logits, logits, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(lean_hidden, hidden, atol=1e-5, rtol=1e-5)
+    _rows_agree(ours)
+
+
+def test_the_lean_forward_runs_a_quantized_twin_through_its_fused_kernels() -> None:
+    twin = quantized(tiny_model(), "int4", head=None)  # a float head: the layers' rounding alone is compared
+    lean = lean_view(twin)
+    assert all(spec.qkv.kind == "int4" and spec.kernel_dtype == torch.bfloat16 for spec in lean.stack.specs)
+    for (logits, hidden), (lean_logits, lean_hidden) in zip(_tree_forwards(twin, twin.config),
+                                                            _tree_forwards(lean, twin.config)):
+        # bf16 activations into the int4 kernels on both sides; the fused call rounds like the separate ones.
+        torch.testing.assert_close(lean_logits, logits, atol=0.05, rtol=0.01)
+        torch.testing.assert_close(lean_hidden, hidden, atol=0.05, rtol=0.01)
+
+
+def test_another_architecture_runs_transformers_forward_with_the_same_semantics() -> None:
+    """Gemma's decoder is not the Llama family's: the engine runs transformers' own forward over the paged cache,
+    and greedy outputs are transformers' generate, plain and speculative."""
+    torch.manual_seed(0)
+    config = GemmaConfig(**{**COMMON, "head_dim": 16}, initializer_range=0.3)
+    target = GemmaForCausalLM(config).eval()
+    tokenizer = tiny_tokenizer()
+    target.resize_token_embeddings(len(tokenizer))
+    assert not supports_lean_forward(target)
+    prompts = ["abc abc abc", "the cat sat on the mat", "a"]
+    reference = []
+    for prompt in prompts:
+        ids = tokenizer(prompt, return_tensors="pt").input_ids
+        out = target.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=12)
+        reference.append(out[0, ids.shape[1]:].tolist())
+    for speculative in ({"method": "none"}, {"method": "ngram", "num_candidates": 2, "length_policy": "static"}):
+        engine_config = Config.model_validate({"model": "in-memory", "batch_size": 2, "speculative": speculative,
+                                               "sampling": {"max_tokens": 12}})
+        engine = Engine(engine_config, target=target, tokenizer=tokenizer)
+        assert not isinstance(engine.target, LeanCausalLM)
+        results = engine.generate([Request(id=str(i), prompt=p) for i, p in enumerate(prompts)])
+        assert [r.token_ids for r in results] == reference
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_cpu_kernel_computes_what_the_reference_computes(dtype) -> None:
+    """Random rows of random trees (padding queries, chains, several mask words, grouped-query heads) over a
+    shuffled pool: the kernel's outputs and the entries it writes equal the reference's."""
+    if not cpu_kernel():
+        pytest.skip("no C++ compiler: the reference runs instead of the kernel")
+    generator = torch.Generator().manual_seed(0)
+    heads, kv_heads, dim, block = 6, 2, 32, 16
+    for tokens_per_row, words in ((1, 1), (6, 1), (70, 2), (20, 1)):
+        rows = 5
+        lengths = torch.randint(0, 90, (rows,), generator=generator)
+        blocks = -(-(lengths + tokens_per_row) // block)
+        pool = int(blocks.sum()) + 3
+        order = torch.randperm(pool, generator=generator)
+        tables = torch.zeros(rows, int(blocks.max()), dtype=torch.int32)
+        at = 0
+        for r in range(rows):
+            tables[r, : blocks[r]] = order[at : at + blocks[r]].int()
+            at += int(blocks[r])
+        n = rows * tokens_per_row
+        position = lengths.repeat_interleave(tokens_per_row) + torch.arange(tokens_per_row).repeat(rows)
+        row_of = torch.arange(rows).repeat_interleave(tokens_per_row)
+        slots = tables[row_of, position // block].long() * block + position % block
+        prefix = lengths.repeat_interleave(tokens_per_row).int()
+        # Tree bits: a random subset of the row's tentative positions, always the query's own.
+        bits = (torch.rand(n, tokens_per_row, generator=generator) < 0.5) | (
+            torch.arange(tokens_per_row)[None] == torch.arange(tokens_per_row).repeat(rows)[:, None])
+        mask = torch.zeros(n, words, dtype=torch.int64)
+        for word in range(words):
+            chunk = bits[:, 64 * word : 64 * (word + 1)].long()
+            mask[:, word] = (chunk << torch.arange(chunk.shape[1])).sum(1)
+        if tokens_per_row == 20:  # chains: each query sees what comes before it, no tree bits
+            prefix, mask = (position + 1).int(), torch.zeros(n, words, dtype=torch.int64)
+        meta = AttentionMetadata(slots, tables, torch.arange(0, n + 1, tokens_per_row, dtype=torch.int32), prefix,
+                                 mask, max_keys=int(lengths.max()) + tokens_per_row)
+        q = torch.randn(n, heads, dim, generator=generator).to(dtype)
+        k, v = (torch.randn(n, kv_heads, dim, generator=generator).to(dtype) for _ in range(2))
+        keys = torch.randn(pool, kv_heads, dim, block, generator=generator).to(dtype)
+        values = torch.randn(pool, kv_heads, block, dim, generator=generator).to(dtype)
+        ref_keys, ref_values = keys.clone(), values.clone()
+        reference = reference_attention(ref_keys, ref_values, q, k, v, meta, dim**-0.5)
+        ours = torch.ops.specbatch.paged_attention(keys, values, q, k, v, meta.slots, meta.block_tables,
+                                                   meta.row_starts, meta.prefix_len, meta.tree_mask, dim**-0.5)
+        tolerance = 1e-5 if dtype == torch.float32 else 2e-2
+        torch.testing.assert_close(ours, reference, atol=tolerance, rtol=tolerance)
+        assert torch.equal(keys, ref_keys) and torch.equal(values, ref_values)
+
+
+def test_the_compiled_stack_computes_what_the_eager_stack_computes(monkeypatch, tmp_path, caplog) -> None:
+    """The layer stack compiled ahead of time (a float model and an int4 twin), for several batch shapes from one
+    package; a stack that cannot compile runs eagerly, with a warning."""
+    if not cpu_kernel():
+        pytest.skip("no C++ compiler")
+    from decoding import compiled_forward
+
+    monkeypatch.setenv("SPECBATCH_COMPILE", "1")
+    monkeypatch.setenv("SPECBATCH_CACHE", str(tmp_path))
+    target = tiny_model()
+    for model in (target, quantized(target, "int4", head=None)):  # the eager head: compared without its rounding
+        eager, compiled = LeanCausalLM(model), LeanCausalLM(model)
+        monkeypatch.setenv("SPECBATCH_COMPILE", "0")
+        assert eager.compiled() is None
+        monkeypatch.setenv("SPECBATCH_COMPILE", "1")
+        assert compiled.compiled() is not None
+        tolerance = 1e-5 if model is target else 0.05
+        for (logits, hidden), (c_logits, c_hidden) in zip(_tree_forwards(eager, model.config),
+                                                          _tree_forwards(compiled, model.config)):
+            torch.testing.assert_close(c_logits, logits, atol=tolerance, rtol=tolerance)
+            torch.testing.assert_close(c_hidden, hidden, atol=tolerance, rtol=tolerance)
+
+    def no_compiler(*args, **kwargs):
+        raise RuntimeError("no C++ compiler found")
+
+    monkeypatch.setattr(compiled_forward, "_loaded", {})
+    monkeypatch.setenv("SPECBATCH_CACHE", str(tmp_path / "empty"))
+    monkeypatch.setattr(torch._inductor, "aoti_compile_and_package", no_compiler)
+    fallback = LeanCausalLM(target)
+    with caplog.at_level("WARNING"):
+        assert fallback.compiled() is None
+    assert "no C++ compiler found" in caplog.text
+    logits, _ = _tree_forwards(fallback, target.config)[1]
+    assert torch.isfinite(logits).all()
