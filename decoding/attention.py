@@ -89,6 +89,7 @@ def cpu_kernel() -> bool:
             try:
                 _kernel_state["loaded"] = _build_kernel()
                 torch.library.register_fake("specbatch::paged_attention")(_fake_paged_attention)
+                torch.library.register_fake("specbatch::packed_linear")(_fake_packed_linear)
             except Exception as exc:  # no compiler, no headers: the reference computes the same
                 log.warning("could not build the paged attention kernel (%s: %s); using the reference attention",
                             type(exc).__name__, str(exc).splitlines()[0] if str(exc) else "")
@@ -98,6 +99,37 @@ def cpu_kernel() -> bool:
 
 def _fake_paged_attention(k_cache, v_cache, q, k, v, slots, block_tables, row_starts, prefix_len, tree_mask, scale):
     return torch.empty_like(q)
+
+
+def _fake_packed_linear(x, weight, bias):
+    return x.new_empty((*x.shape[:-1], weight.shape[0]))
+
+
+def kernel_loaded() -> bool:
+    """Whether the CPU kernels are registered (``cpu_kernel()`` loads them)."""
+    return bool(_kernel_state.get("loaded"))
+
+
+def pack_linear_weights(weights: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Prepack float32 CPU weights for ``torch.ops.specbatch.packed_linear`` (which then finds them by their
+    data pointer); returns the weights that were packed, to be forgotten with ``forget_linear_weights``."""
+    if not (cpu_kernel() and torch.backends.mkldnn.is_available()):
+        return []
+    packed = []
+    for weight in weights:
+        if weight.device.type == "cpu" and weight.dtype == torch.float32 and weight.dim() == 2:
+            torch.ops.specbatch.remember_packed(weight, torch.ops.mkldnn._reorder_linear_weight(weight, PACK_ROWS_HINT))
+            packed.append(weight)
+    return packed
+
+
+def forget_linear_weights(weights: list[torch.Tensor]) -> None:
+    for weight in weights:
+        torch.ops.specbatch.forget_packed(weight)
+
+
+# Rows the packed layout is tuned for: a decode step or a verification of a few rows of a few tree nodes.
+PACK_ROWS_HINT = 8
 
 
 def paged_attention(

@@ -26,7 +26,14 @@ import torch
 from torch import nn
 from transformers.activations import ACT2FN
 
-from decoding.attention import AttentionMetadata, cpu_kernel, paged_attention
+from decoding.attention import (
+    AttentionMetadata,
+    cpu_kernel,
+    forget_linear_weights,
+    kernel_loaded,
+    pack_linear_weights,
+    paged_attention,
+)
 from decoding.compiled_forward import compiled_stack
 from decoding.quantize import ACTIVATION_DTYPE, fused_kernel, int4_matmul, int8_matmul, is_weight_only, kernel_parts
 
@@ -96,6 +103,8 @@ class Projection:
     def apply(self, x: torch.Tensor, tensors: list[torch.Tensor]) -> torch.Tensor:
         bias = tensors[-1] if self.bias else None
         if self.kind == "float":
+            if x.device.type == "cpu" and kernel_loaded():  # the weight's oneDNN-packed copy, where it has one
+                return torch.ops.specbatch.packed_linear(x, tensors[0], bias)
             return nn.functional.linear(x, tensors[0], bias)
         out = (int4_matmul(x, tensors[0], tensors[1], self.groupsize) if self.kind == "int4"
                else int8_matmul(x, tensors[0], tensors[1]))
@@ -230,11 +239,32 @@ class LeanCausalLM(nn.Module):
         self.head_dim, self.q_heads, self.kv_heads = first.head_dim, first.q_heads, first.kv_heads
         self._compiled: Callable[[list[torch.Tensor]], torch.Tensor] | None = None
         self._compile_tried = False
+        head = model.get_output_embeddings()
+        self.head_weight = head.weight if type(head) is nn.Linear else None  # a float head (not a quantized one's)
         if self.device.type == "cpu":
             cpu_kernel()  # the attention kernel, built or loaded once per process
+            float_weights = [w for spec_weights in self._float_weights() for w in spec_weights]
+            packed = pack_linear_weights(float_weights + ([self.head_weight.detach()] if self.head_weight is not None
+                                                           else []))
+            weakref.finalize(self, forget_linear_weights, packed)
 
     def get_output_embeddings(self) -> nn.Module:
         return self.inner.get_output_embeddings()
+
+    def _float_weights(self) -> list[list[torch.Tensor]]:
+        """Each layer's float projection weights (not biases, not norms, not quantized kernels' tensors)."""
+        found, at = [], 0
+        for spec, count in zip(self.stack.specs, self.stack.counts):
+            tensors = self.weights[at : at + count]
+            at += count
+            index = 4 if spec.qk_norm else 2
+            layer = []
+            for projection in (spec.qkv, spec.o, spec.gate_up, spec.down):
+                if projection.kind == "float":
+                    layer.append(tensors[index])
+                index += projection.count
+            found.append(layer)
+        return found
 
     @property
     def device(self) -> torch.device:
@@ -272,5 +302,11 @@ class LeanCausalLM(nn.Module):
             hidden = compiled(inputs + self.weights)
         else:
             hidden = self.stack(*inputs, self.weights, meta.max_keys)
-        logits = self.inner.lm_head(hidden[logits_at]) if logits_at is not None else None
+        logits = None
+        if logits_at is not None:
+            kept = hidden[logits_at]
+            if self.head_weight is not None and kept.device.type == "cpu" and kernel_loaded():
+                logits = torch.ops.specbatch.packed_linear(kept, self.head_weight.detach(), self.inner.lm_head.bias)
+            else:
+                logits = self.inner.lm_head(kept)
         return logits, hidden[hidden_at] if hidden_at is not None else None
