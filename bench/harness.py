@@ -27,7 +27,6 @@ from matplotlib.figure import Figure
 from pydantic import BaseModel, ConfigDict, Field
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from decoding.attention import AttentionMetadata
 from decoding.config import Config, SamplingParams
 from decoding.engine import Engine, GenerationResult, Request, encode_request, eos_token_ids
 from decoding.models import SELF_DRAFT, load_draft, load_model, load_tokenizer
@@ -220,8 +219,6 @@ class _Profile:
 
 
 def _rows_of(args: tuple, kwargs: dict[str, Any]) -> int:
-    if len(args) > 2 and isinstance(args[2], AttentionMetadata):  # the lean forward: flat tokens, rows in metadata
-        return len(args[2].row_starts) - 1
     tensor = kwargs.get("input_ids", kwargs.get("inputs_embeds"))
     if tensor is None:
         tensor = args[0]

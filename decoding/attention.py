@@ -39,7 +39,8 @@ _kernel_state: dict[str, bool] = {}  # "loaded": the CPU kernel is registered as
 class AttentionMetadata:
     """Which slots a forward writes and which keys each query reads; tensors on the model's device.
 
-    Queries are row-major: row r's queries are [row_starts[r], row_starts[r + 1]).
+    Queries are row-major: row r's queries are [row_starts[r], row_starts[r + 1]) (a tree forward gives every row
+    as many; the kernel also takes ragged rows).
     """
 
     slots: torch.Tensor  # [N] long: the slot each query token's key and value are written to
@@ -47,7 +48,7 @@ class AttentionMetadata:
     row_starts: torch.Tensor  # [R + 1] int32
     prefix_len: torch.Tensor  # [N] int32: positions [0, prefix_len) of the row are visible
     tree_mask: torch.Tensor  # [N, words] int64: bit t (of word t // 64) makes position prefix_len + t visible
-    max_keys: int  # the most positions any row's queries see (host fact: sizes the reference's padding)
+    max_keys: int  # at least the most positions any row's queries see (host fact: the reference's padding)
 
 
 def kernel_enabled() -> bool:
@@ -182,29 +183,22 @@ def reference_attention(
     k_cache: torch.Tensor, v_cache: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     meta: AttentionMetadata, scale: float,
 ) -> torch.Tensor:
-    """``paged_attention`` with torch operations: the rows' blocks gathered, padded to the longest, one SDPA."""
+    """``paged_attention`` with torch operations: the rows' blocks gathered, padded to ``max_keys``, one SDPA. Rows
+    have equally many queries (as every tree forward lays them out); nothing is read back from the device, so a
+    CUDA graph can capture it."""
     write_slots(k_cache, v_cache, k, v, meta.slots)
-    rows = meta.row_starts.shape[0] - 1
+    rows = meta.block_tables.shape[0]
     tokens, heads, dim = q.shape
     keys = max(meta.max_keys, 1)
     dense_k, dense_v = gather_rows(k_cache, v_cache, meta.block_tables, keys)  # [R, Hkv, L, D]
-    starts = meta.row_starts.long()
-    counts = starts[1:] - starts[:-1]
-    row_of = torch.repeat_interleave(torch.arange(rows, device=q.device), counts, output_size=tokens)
-    within = torch.arange(tokens, device=q.device) - starts[row_of]
-    width = int(counts.max()) if rows else 0
-    padded_q = q.new_zeros(rows, width, heads, dim)
-    padded_q[row_of, within] = q
-    allowed = torch.zeros(rows, width, keys, dtype=torch.bool, device=q.device)
-    allowed[row_of, within] = visibility(meta, keys)
-    allowed[:, :, 0] |= ~allowed.any(-1)  # padding queries see one key: no NaN rows
+    allowed = visibility(meta, keys).view(rows, tokens // rows, keys)
     # Positions no query of a row sees may never have been written (a shorter row's tail): zero them, since a
     # masked weight times a NaN value is still NaN.
     seen = allowed.any(1)[:, None, :, None]  # [R, 1, L, 1]
     dense_k = torch.where(seen, dense_k, 0).to(q.dtype)
     dense_v = torch.where(seen, dense_v, 0).to(q.dtype)
     out = torch.nn.functional.scaled_dot_product_attention(
-        padded_q.transpose(1, 2), dense_k, dense_v, attn_mask=allowed[:, None],
+        q.view(rows, tokens // rows, heads, dim).transpose(1, 2), dense_k, dense_v, attn_mask=allowed[:, None],
         scale=scale, enable_gqa=True,
     )
-    return out.transpose(1, 2)[row_of, within]
+    return out.transpose(1, 2).reshape(tokens, heads, dim)

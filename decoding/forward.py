@@ -89,12 +89,8 @@ def forward_tree(
     at = torch.arange(count) if logits_at is None else logits_at
     hidden_nodes = (at if hidden_at is None else hidden_at) if want_hidden else None
     if isinstance(model, LeanCausalLM):
-        flat = torch.arange(batch)[:, None] * count
-        logits, hidden = model(
-            input_ids.flatten(), positions.flatten(), meta, cache.keys, cache.values,
-            (flat + at[None]).flatten().to(device, non_blocking=True),
-            (flat + hidden_nodes[None]).flatten().to(device, non_blocking=True) if hidden_nodes is not None else None,
-        )
+        logits, hidden = model(input_ids, positions, meta, cache.keys, cache.values,
+                                            cache.max_blocks_per_row * cache.block_size, at, hidden_nodes)
         hidden = hidden.view(batch, len(hidden_nodes), -1) if hidden is not None else None
         return logits.view(batch, len(at), -1), hidden
     keys = meta.max_keys

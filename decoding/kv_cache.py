@@ -61,12 +61,13 @@ class PagedKVCache:
         self.max_blocks_per_row = math.ceil(max_positions / block_size)
         # torch.empty: on a CPU, pages are committed when first written, and blocks are handed out lowest first,
         # so resident memory follows the peak of blocks in use rather than the pool's size.
-        # One tensor for all layers: a compiled forward takes (and guards) two inputs, not two per layer.
-        self.keys = torch.empty(shape.num_layers, num_blocks, shape.kv_heads, shape.head_dim, block_size, dtype=dtype,
-                                device=self.device)
-        self.values = torch.empty(shape.num_layers, num_blocks, shape.kv_heads, block_size, shape.head_dim,
+        # One tensor for all layers: a compiled forward takes two inputs, not two per layer. Block 0 is scratch,
+        # never handed out: the padding rows of a CUDA graph write there.
+        self.keys = torch.empty(shape.num_layers, num_blocks + 1, shape.kv_heads, shape.head_dim, block_size,
+                                dtype=dtype, device=self.device)
+        self.values = torch.empty(shape.num_layers, num_blocks + 1, shape.kv_heads, block_size, shape.head_dim,
                                   dtype=dtype, device=self.device)
-        self._free = list(range(num_blocks))  # a heap: lowest block first
+        self._free = list(range(1, num_blocks + 1))  # a heap: lowest block first
         self.tables = torch.zeros(max_rows, self.max_blocks_per_row, dtype=torch.int32)  # host
         self._device_tables = self.tables.to(self.device) if self.device.type != "cpu" else self.tables
         self._tables_stale = False

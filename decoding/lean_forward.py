@@ -35,6 +35,7 @@ from decoding.attention import (
     paged_attention,
 )
 from decoding.compiled_forward import compiled_stack
+from decoding.cuda_graphs import GraphedForward, graphs_enabled
 from decoding.quantize import ACTIVATION_DTYPE, fused_kernel, int4_matmul, int8_matmul, is_weight_only, kernel_parts
 
 log = logging.getLogger(__name__)
@@ -239,6 +240,7 @@ class LeanCausalLM(nn.Module):
         self.head_dim, self.q_heads, self.kv_heads = first.head_dim, first.q_heads, first.kv_heads
         self._compiled: Callable[[list[torch.Tensor]], torch.Tensor] | None = None
         self._compile_tried = False
+        self._graphs: GraphedForward | None = None
         head = model.get_output_embeddings()
         self.head_weight = head.weight if type(head) is nn.Linear else None  # a float head (not a quantized one's)
         if self.device.type == "cpu":
@@ -285,6 +287,26 @@ class LeanCausalLM(nn.Module):
 
     @torch.no_grad()
     def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata, keys: torch.Tensor,
+        values: torch.Tensor, max_positions: int, logits_nodes: torch.Tensor, hidden_nodes: torch.Tensor | None,
+    ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """``input_ids``/``positions`` [B, T] (every row as many tokens); logits at each row's ``logits_nodes``
+        [B * k, V] and hidden states at its ``hidden_nodes`` [B * k', H] (node indices on the host). On a GPU, as
+        CUDA graphs (``cuda_graphs.py``); ``max_positions``: the cache's positions per row."""
+        if input_ids.is_cuda and graphs_enabled():
+            if self._graphs is None:
+                self._graphs = GraphedForward(self.flat_forward, max_positions)
+            return self._graphs(input_ids, positions, meta, keys, values, logits_nodes, hidden_nodes)
+        batch, per_row = input_ids.shape
+        device = input_ids.device
+        flat = torch.arange(batch)[:, None] * per_row
+        return self.flat_forward(input_ids.flatten(), positions.flatten(), meta, keys, values,
+                    (flat + logits_nodes[None]).flatten().to(device, non_blocking=True),
+                    (flat + hidden_nodes[None]).flatten().to(device, non_blocking=True)
+                    if hidden_nodes is not None else None)
+
+    @torch.no_grad()
+    def flat_forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
         keys: torch.Tensor, values: torch.Tensor, logits_at: torch.Tensor | None,
         hidden_at: torch.Tensor | None = None,

@@ -628,10 +628,9 @@ def test_a_self_draft_drafts_in_the_target_cache(tokenizer, target) -> None:
     assert engine.drafter.cache is engine.cache
     draft_tokens, draft_rows = [], []
 
-    def record(module, args, kwargs, out) -> None:  # the lean forward's args: flat ids, positions, metadata
-        rows = len(args[2].row_starts) - 1
-        draft_rows.append(rows)
-        draft_tokens.append(len(args[0]) // rows)
+    def record(module, args, kwargs, out) -> None:  # the lean forward's args: ids [B, T], positions, metadata
+        draft_rows.append(args[0].shape[0])
+        draft_tokens.append(args[0].shape[1])
 
     engine.drafter.model.register_forward_hook(record, with_kwargs=True)
 

@@ -210,3 +210,37 @@ def test_the_compiled_stack_computes_what_the_eager_stack_computes(monkeypatch, 
     assert "no C++ compiler found" in caplog.text
     logits, _ = _tree_forwards(fallback, target.config)[1]
     assert torch.isfinite(logits).all()
+
+
+def test_rows_padded_for_a_cuda_graph_compute_what_the_real_rows_compute() -> None:
+    """A CUDA graph runs a bucket of rows: the padding rows write the scratch block and see one position, and
+    the real rows' logits and hidden states are those of the unpadded forward (checked on the eager forward, on
+    whatever device this machine has)."""
+    from decoding.cuda_graphs import key_bucket, pad_rows_to, row_bucket
+
+    assert [row_bucket(n) for n in (1, 2, 3, 5, 9, 64, 65)] == [1, 2, 4, 8, 16, 64, 128]
+    assert key_bucket(10, 4096) == 256 and key_bucket(300, 4096) == 512 and key_bucket(300, 400) == 400
+    model = tiny_model()
+    lean = lean_view(model)
+    cache = PagedKVCache(CacheShape.of(model.config), 16, 3, 64)
+    rows = cache.add_rows([40, 40, 40])
+    prompts = torch.randint(3, 30, (3, 6), generator=torch.Generator().manual_seed(0))
+    forward_tree(lean, cache, rows, prompts, chain_ancestors(6), torch.ones(3, 6, dtype=torch.bool))
+    cache.advance(rows, [6, 6, 6])
+    topology = TreeTopology(num_candidates=2, max_depth=2)
+    tokens = torch.randint(3, 30, (3, topology.size(2)), generator=torch.Generator().manual_seed(1))
+    valid = torch.ones_like(tokens, dtype=torch.bool)
+    meta, positions = cache.tree_metadata(rows, topology.ancestors, valid, 0, topology.size(2))
+    nodes = torch.arange(topology.size(2))
+    scratch = cache.keys[:, 0].clone()
+    expected = lean(tokens, positions, meta, cache.keys, cache.values, 64, nodes, nodes)
+    padded = pad_rows_to(4, tokens, positions, meta, nodes, nodes)
+    logits, hidden = lean.flat_forward(
+        padded.input_ids, padded.positions,
+        AttentionMetadata(padded.slots, padded.block_tables, padded.row_starts, padded.prefix_len, padded.tree_mask,
+                          meta.max_keys), cache.keys, cache.values, padded.logits_at, padded.hidden_at)
+    real = 3 * topology.size(2)
+    torch.testing.assert_close(logits[:real], expected[0])
+    torch.testing.assert_close(hidden[:real], expected[1])
+    assert torch.isfinite(logits).all()
+    assert not torch.equal(cache.keys[:, 0], scratch)  # the padding row wrote the scratch block, nothing else

@@ -22,9 +22,9 @@ def test_blocks_are_handed_out_as_rows_grow_and_return_when_they_leave() -> None
     assert cache.can_admit(80) and not cache.can_admit(81)  # 5 blocks left to promise
     cache.ensure(rows, [17, 1])
     assert cache.blocks_in_use == 3 and cache.blocks_promised == 5
-    assert cache.row_blocks[0] == [0, 1] and cache.row_blocks[1] == [2]  # lowest blocks first
+    assert cache.row_blocks[0] == [1, 2] and cache.row_blocks[1] == [3]  # lowest first; block 0 is scratch
     cache.remove_row(0)  # row 1 moves into row 0: its table, not its entries
-    assert cache.active == 1 and cache.row_blocks[0] == [2] and cache.tables[0, 0] == 2
+    assert cache.active == 1 and cache.row_blocks[0] == [3] and cache.tables[0, 0] == 3
     assert cache.blocks_in_use == 1 and cache.blocks_promised == 2
     cache.remove_row(0)
     assert cache.blocks_in_use == 0 and cache.blocks_promised == 0 and cache.peak_blocks == 3
