@@ -211,6 +211,11 @@ class Step:
     def draft(self, seqs: list[Sequence], plan: Plan) -> Drafted:
         started = time.perf_counter()
         pending = torch.tensor([s.generated[-1] for s in seqs])
+        idle = not bool(plan.depths.any()) and (plan.lookup_depths is None or not bool(plan.lookup_depths.any()))
+        if idle and self.topology.root_width == 1:  # a plain step: nothing to draft, no sibling to draw
+            batch = len(seqs)
+            return Drafted(Draft(pending[:, None], torch.ones(batch, 1, dtype=torch.bool), torch.ones(batch, 1), None,
+                                 0), time.perf_counter() - started)
         roots, root_valid = self._roots(seqs, plan, pending)
         draft = self.drafter.propose(DraftInputs(
             contexts=Contexts(seqs), roots=roots, root_valid=root_valid, pending=pending,  # type: ignore[arg-type]

