@@ -32,6 +32,7 @@ log = logging.getLogger(__name__)
 
 _SOURCE = Path(__file__).parent / "csrc" / "paged_attention.cpp"
 _lock = threading.Lock()
+_BUILD_WAIT_S = 900  # a build takes 20-60 s on 2 cores; a holder this long is stuck
 _kernel_state: dict[str, bool] = {}  # "loaded": the CPU kernel is registered as torch.ops.specbatch.paged_attention
 
 
@@ -56,7 +57,12 @@ def kernel_enabled() -> bool:
 
 
 def _build_kernel() -> bool:
-    """Compile and load the CPU kernel (once per machine and source; later processes load it in milliseconds)."""
+    """Compile and load the CPU kernel (once per machine and source; later processes load the library directly).
+
+    Builders of one key take an OS file lock, which dies with its process; torch's own build lock (a plain file
+    named ``lock``) outlives a killed build and makes every later build wait forever, so under our lock a leftover
+    one is removed before building."""
+    from filelock import FileLock, Timeout
     from torch.utils import cpp_extension
 
     from decoding.models import cache_dir
@@ -68,17 +74,26 @@ def _build_kernel() -> bool:
     key = hashlib.sha256(_SOURCE.read_bytes() + f"{torch.__version__}|{capability}".encode()).hexdigest()[:12]
     folder = cache_dir() / "kernels" / key
     folder.mkdir(parents=True, exist_ok=True)
-    started = time.perf_counter()
-    built = (folder / "specbatch_paged_attention.so").exists()
-    if not built:
-        log.info("compiling the paged attention kernel for this machine (once; cached in %s)", folder)
-    cpp_extension.load(
-        name="specbatch_paged_attention", sources=[str(_SOURCE)], extra_cflags=flags, extra_ldflags=["-fopenmp"],
-        build_directory=str(folder), is_python_module=False, verbose=False,
-    )
-    if not built:
-        log.info("compiled the paged attention kernel in %.1f s", time.perf_counter() - started)
-    return True
+    library = folder / "specbatch_paged_attention.so"
+    try:
+        with FileLock(str(folder.parent / f"{key}.lock"), timeout=_BUILD_WAIT_S):
+            if library.exists():
+                try:
+                    torch.ops.load_library(str(library))
+                    return True
+                except OSError:  # a build killed while linking: build again
+                    library.unlink()
+            (folder / "lock").unlink(missing_ok=True)
+            log.info("compiling the paged attention kernel for this machine (once; cached in %s)", folder)
+            started = time.perf_counter()
+            cpp_extension.load(
+                name="specbatch_paged_attention", sources=[str(_SOURCE)], extra_cflags=flags,
+                extra_ldflags=["-fopenmp"], build_directory=str(folder), is_python_module=False, verbose=False,
+            )
+            log.info("compiled the paged attention kernel in %.1f s", time.perf_counter() - started)
+            return True
+    except Timeout as exc:
+        raise RuntimeError(f"another process held {folder} for {_BUILD_WAIT_S} s") from exc
 
 
 def cpu_kernel() -> bool:
