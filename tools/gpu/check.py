@@ -1,0 +1,348 @@
+"""The GPU check: what speculation buys on one lent GPU, within one call (see tools/gpu/README.md).
+
+1. The embedded SmolLM2-135M in bf16, greedy, on chat prompts and on code (HumanEval) at batch 1, 8 and 64: plain
+   decoding captured (CUDA graphs) and eager, the default configuration, n-gram lookup; at batch 1 and temperature 1
+   the int4 self-draft at widths 1, 2 and 4 (static depth 4) against plain decoding. Contenders take turns, the
+   first one rotating each round; every engine runs its batch once untimed first (graph capture, warm-up).
+2. Step costs of a Llama-3-8B-shaped target (32 layers, hidden 4096, 32 heads / 8 KV heads, MLP 14336) with random
+   bf16 weights, the vocabulary of SmolLM2's tokenizer: one forward of 1 token per row after 512 cached, at batch
+   1 / 8 / 64, its bytes (weights + keys and values read) over its time against the card's memory bandwidth; the
+   int4 self-draft's forward against it; trees' verification costs; and the speedups those costs give with the
+   acceptance measured on the real model in part 1 (a projection: random weights accept nothing).
+
+Writes gpu_check.json and gpu_check.md to --output. Each part catches its own failure and records it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import logging
+import os
+import platform
+import time
+import traceback
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from decoding.config import Config
+from decoding.costs import forward_timer
+from decoding.drafters import model_view
+from decoding.engine import Engine, Request
+from decoding.models import load_model, load_tokenizer
+from decoding.quantize import quantized
+from decoding.tree import TreeTopology
+
+log = logging.getLogger("gpu-check")
+CHAT = Path(__file__).resolve().parents[2] / "jobs" / "data" / "chat_prompts.jsonl"
+# Peak memory bandwidth by card (bytes/s, the vendors' sheets): what a decode step at batch 1 can approach.
+PEAK_BANDWIDTH = {"H200": 4.8e12, "H100 80GB HBM3": 3.35e12, "H100": 3.35e12, "A100": 2.0e12}
+LLAMA3_8B = dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
+                 num_key_value_heads=8, max_position_embeddings=8192, rope_theta=500000.0)
+
+
+def peak_bandwidth(name: str) -> float | None:
+    return next((bw for key, bw in PEAK_BANDWIDTH.items() if key in name), None)
+
+
+@dataclass
+class Contender:
+    name: str
+    speculative: dict[str, Any]
+    eager: bool = False
+    temperature: float = 0.0
+
+
+@dataclass
+class Tally:
+    tokens: int = 0
+    steps: int = 0
+    seconds: float = 0.0
+    drafted: list[int] = field(default_factory=list)
+    accepted: list[int] = field(default_factory=list)
+
+
+@contextlib.contextmanager
+def eager_if(eager: bool) -> Iterator[None]:
+    previous = os.environ.get("SPECBATCH_CUDA_GRAPHS")
+    if eager:
+        os.environ["SPECBATCH_CUDA_GRAPHS"] = "0"
+    try:
+        yield
+    finally:
+        if eager:
+            if previous is None:
+                os.environ.pop("SPECBATCH_CUDA_GRAPHS", None)
+            else:
+                os.environ["SPECBATCH_CUDA_GRAPHS"] = previous
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def requests(prompts: list[dict[str, Any]], max_tokens: int, temperature: float, tag: str) -> list[Request]:
+    sampling = {"temperature": temperature, "max_tokens": max_tokens, "seed": 0 if temperature else None}
+    return [Request(f"{tag}-{i}", prompt=p.get("prompt"), messages=p.get("messages"), sampling=sampling)
+            for i, p in enumerate(prompts)]
+
+
+def run_once(engine: Engine, batch: list[Request], tally: Tally | None) -> None:
+    device = engine.device
+    steps = engine.steps
+    sync(device)
+    started = time.perf_counter()
+    results = engine.generate(batch)
+    sync(device)
+    seconds = time.perf_counter() - started
+    errors = [r.error for r in results if r.finish_reason == "error"]
+    if errors:
+        raise RuntimeError(errors[0])
+    if tally is not None:
+        tally.seconds += seconds
+        tally.steps += engine.steps - steps
+        tally.tokens += sum(len(r.token_ids) for r in results)
+        for r in results:
+            tally.drafted += list(r.per_step_drafted)
+            tally.accepted += list(r.per_step_accepted)
+
+
+def build(contender: Contender, batch: int, target: torch.nn.Module, tokenizer: Any, max_positions: int) -> Engine:
+    config = Config.model_validate({
+        "speculative": contender.speculative, "batch_size": batch, "max_model_len": max_positions,
+        # A pool of its own per engine, sized to the work (the default takes most of the card).
+        "num_kv_blocks": batch * (max_positions // 16 + 4),
+    })
+    with eager_if(contender.eager):
+        return Engine(config, target=target, tokenizer=tokenizer)
+
+
+def compare(engines: dict[str, Engine], contenders: list[Contender], batches: dict[str, list[Request]],
+            rounds: int) -> dict[str, Tally]:
+    tallies = {c.name: Tally() for c in contenders}
+    for c in contenders:  # untimed: captures, warm-up
+        with eager_if(c.eager):
+            run_once(engines[c.name], batches[c.name], None)
+    for r in range(rounds):
+        order = contenders[r % len(contenders):] + contenders[: r % len(contenders)]
+        for c in order:
+            with eager_if(c.eager):
+                run_once(engines[c.name], batches[c.name], tallies[c.name])
+    return tallies
+
+
+def tokens_per_step_by_depth(tally: Tally, depth: int) -> dict[int, float]:
+    """Greedy chains: a chain cut at depth d accepts min(a, d) of the a a depth-``depth`` chain accepted."""
+    steps = [a for d, a in zip(tally.drafted, tally.accepted) if d >= depth] or [0]
+    return {d: 1 + sum(min(a, d) for a in steps) / len(steps) for d in range(1, depth + 1)}
+
+
+def part_smollm2(args: argparse.Namespace, device: torch.device, report: dict[str, Any]) -> None:
+    tokenizer = load_tokenizer("smollm2-135m-instruct")
+    target = load_model("smollm2-135m-instruct", "auto", device)
+    chat = [json.loads(line) for line in CHAT.read_text().splitlines() if line.strip()]
+    code = [{"prompt": json.loads(line)["prompt"]} for line in Path(args.code).read_text().splitlines()
+            if line.strip()] if args.code else []
+    prompt_sets = {"chat": chat, **({"code": code} if code else {})}
+    plain = {"method": "none"}
+    greedy = [Contender("plain", plain), Contender("plain-eager", plain, eager=True), Contender("default", {}),
+              Contender("ngram", {"method": "ngram"})]
+    self_draft = {"method": "draft_model", "model": "target", "num_speculative_tokens": 4, "length_policy": "static"}
+    sampled = [Contender("plain-t1", plain, temperature=1.0)] + [
+        Contender(f"width{w}-t1", {**self_draft, "num_candidates": w}, temperature=1.0) for w in (1, 2, 4)]
+    chain = Contender("chain5", {**self_draft, "num_speculative_tokens": 5})
+    rows = report.setdefault("smollm2", [])
+    for batch in args.batches:
+        if time.monotonic() > args.deadline:
+            log.warning("out of time before batch %d", batch)
+            break
+        contenders = greedy + (sampled + [chain] if batch == 1 else [])
+        engines: dict[str, Engine] = {}
+        for c in contenders:
+            try:
+                engines[c.name] = build(c, batch, target, tokenizer, args.max_positions)
+            except Exception as exc:  # recorded; the others still run
+                log.error("%s at batch %d did not build: %s", c.name, batch, exc)
+                rows.append({"batch": batch, "contender": c.name, "error": f"build: {exc}"})
+        contenders = [c for c in contenders if c.name in engines]
+        for set_name, prompts in prompt_sets.items():
+            take = batch * args.prompt_batches
+            chosen = (prompts * (take // len(prompts) + 1))[:take]
+            batches = {c.name: requests(chosen, args.max_tokens, c.temperature, f"{set_name}{batch}")
+                       for c in contenders}
+            try:
+                tallies = compare(engines, contenders, batches, args.rounds)
+            except Exception as exc:
+                log.error("batch %d %s failed: %s", batch, set_name, traceback.format_exc())
+                rows.append({"batch": batch, "prompts": set_name, "error": str(exc)})
+                continue
+            for c in contenders:
+                t = tallies[c.name]
+                base = tallies["plain-t1" if c.temperature else "plain"]
+                rows.append({
+                    "batch": batch, "prompts": set_name, "contender": c.name, "temperature": c.temperature,
+                    "tokens": t.tokens, "steps": t.steps, "seconds": round(t.seconds, 4),
+                    "tok_per_s": round(t.tokens / t.seconds, 1), "ms_per_step": round(1e3 * t.seconds / t.steps, 3),
+                    "tokens_per_step": round(t.tokens / t.steps / batch, 3),
+                    "vs_plain": round((t.tokens / t.seconds) / (base.tokens / base.seconds), 3),
+                })
+                log.info("batch %d %s %s: %s", batch, set_name, c.name, rows[-1])
+            if batch == 1 and "chain5" in tallies and set_name == "chat":
+                report["chain_tokens_per_step"] = tokens_per_step_by_depth(tallies["chain5"], 5)
+            for c in sampled[1:]:
+                if batch == 1 and set_name == "chat" and c.name in tallies:
+                    t = tallies[c.name]
+                    report.setdefault("width_tokens_per_step", {})[c.name] = t.tokens / t.steps
+        del engines
+        torch.cuda.empty_cache() if device.type == "cuda" else None
+
+
+def part_shape_costs(args: argparse.Namespace, device: torch.device, report: dict[str, Any]) -> None:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    vocab = len(load_tokenizer("smollm2-135m-instruct"))
+    shape = dict(LLAMA3_8B) if not args.tiny_shape else dict(
+        hidden_size=256, intermediate_size=512, num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=2,
+        max_position_embeddings=2048, rope_theta=500000.0)
+    config = LlamaConfig(vocab_size=vocab, **shape)
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    started = time.perf_counter()
+    default_dtype = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with device:
+            model = LlamaForCausalLM(config).eval()
+    finally:
+        torch.set_default_dtype(default_dtype)
+    for p in model.parameters():
+        p.requires_grad_(False)
+    log.info("built the %s-shaped model in %.1f s", "tiny" if args.tiny_shape else "Llama-3-8B",
+             time.perf_counter() - started)
+    target = model_view(model)
+    draft = model_view(quantized(model, "int4"))
+    weight_bytes = sum(p.numel() * p.element_size() for name, p in model.named_parameters()
+                       if "embed_tokens" not in name)
+    kv_per_token = 2 * config.num_hidden_layers * config.num_key_value_heads * (
+        config.hidden_size // config.num_attention_heads) * torch.finfo(dtype).bits // 8
+    peak = peak_bandwidth(torch.cuda.get_device_name(device)) if device.type == "cuda" else None
+    cached = args.cached
+    costs: dict[str, Any] = {"weights_bytes": weight_bytes, "kv_bytes_per_token": kv_per_token,
+                             "peak_bandwidth": peak, "cached": cached, "rows": []}
+    report["shape_costs"] = costs
+
+    def timed(model: torch.nn.Module, batch: int, tokens: int) -> float:
+        timer = forward_timer(model, device, batch, tokens, cached)
+        return min(timer() for _ in range(args.repeats))
+
+    topologies = {w: TreeTopology(w, 4) for w in (1, 2, 4)}
+    for batch in args.batches:
+        if time.monotonic() > args.deadline:
+            break
+        plain = timed(target, batch, 1)
+        moved = weight_bytes + batch * (cached + 1) * kv_per_token
+        row: dict[str, Any] = {"batch": batch, "target_ms": round(plain * 1e3, 3),
+                               "bytes_per_step": moved, "bandwidth": round(moved / plain / 1e9, 1)}
+        if peak:
+            row["bandwidth_fraction"] = round(moved / plain / peak, 3)
+        draft_costs = {w: timed(draft, batch, w) for w in (1, 2, 4)}
+        row["draft_ms"] = {w: round(s * 1e3, 3) for w, s in draft_costs.items()}
+        row["draft_over_target"] = round(draft_costs[1] / plain, 3)
+        verify = {d: timed(target, batch, d + 1) for d in range(1, 6)}
+        row["verify_ms"] = {d: round(s * 1e3, 3) for d, s in verify.items()}
+        trees = {w: timed(target, batch, t.size(4)) for w, t in topologies.items()}
+        row["tree_verify_ms"] = {w: round(s * 1e3, 3) for w, s in trees.items()}
+        # Projections with the real model's acceptance: tokens per step over the step's forwards.
+        chain = report.get("chain_tokens_per_step", {})
+        row["projected_chain"] = {d: round(tau * plain / (d * draft_costs[1] + verify[d]), 3)
+                                  for d, tau in chain.items()}
+        widths = report.get("width_tokens_per_step", {})
+        row["projected_width_t1"] = {
+            name: round(tau * plain / (4 * draft_costs[w] + trees[w]), 3)
+            for w in (1, 2, 4) if (name := f"width{w}-t1") in widths for tau in [widths[name]]}
+        costs["rows"].append(row)
+        log.info("shape costs at batch %d: %s", batch, row)
+
+
+def markdown(report: dict[str, Any]) -> str:
+    env = report["environment"]
+    lines = [f"# GPU check: {env.get('device')}", "",
+             f"torch {env.get('torch')}, transformers {env.get('transformers')}, {env.get('python')}; "
+             f"{report.get('seconds', 0):.0f} s", ""]
+    rows = [r for r in report.get("smollm2", []) if "tok_per_s" in r]
+    if rows:
+        lines += ["## SmolLM2-135M-Instruct, bf16", "",
+                  "| batch | prompts | contender | T | tok/s | ms/step | tokens/step/row | vs plain |",
+                  "|---|---|---|---|---|---|---|---|"]
+        lines += [f"| {r['batch']} | {r['prompts']} | {r['contender']} | {r['temperature']:g} | {r['tok_per_s']} | "
+                  f"{r['ms_per_step']} | {r['tokens_per_step']} | {r['vs_plain']}x |" for r in rows]
+        lines.append("")
+    errors = [r for r in report.get("smollm2", []) if "error" in r] + report.get("errors", [])
+    costs = report.get("shape_costs")
+    if costs and costs.get("rows"):
+        lines += ["## Llama-3-8B shape, random bf16 weights: one forward after "
+                  f"{costs['cached']} cached tokens", "",
+                  "| batch | target ms | GB/s | of peak | int4 draft / target | projected depth 1..5 | "
+                  "projected widths 1/2/4, T=1 |", "|---|---|---|---|---|---|---|"]
+        for r in costs["rows"]:
+            chain = " / ".join(f"{v}x" for v in r["projected_chain"].values()) or "-"
+            widths = " / ".join(f"{v}x" for v in r["projected_width_t1"].values()) or "-"
+            lines.append(f"| {r['batch']} | {r['target_ms']} | {r['bandwidth']} | {r.get('bandwidth_fraction', '-')} "
+                         f"| {r['draft_over_target']} | {chain} | {widths} |")
+        lines.append("")
+    if errors:
+        lines += ["## Failures", ""] + [f"- {e}" for e in errors] + [""]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--output", required=True)
+    parser.add_argument("--code", help="HumanEval JSONL (prompt fields)")
+    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--batches", type=int, nargs="+", default=[1, 8, 64])
+    parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--max-positions", type=int, default=1024)
+    parser.add_argument("--prompt-batches", type=int, default=1, help="batches of prompts per timed run")
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--cached", type=int, default=512)
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--budget", type=float, default=400.0, help="seconds; parts stop starting work after it")
+    parser.add_argument("--tiny-shape", action="store_true", help="a small stand-in for the 8B shape (CPU tests)")
+    parser.add_argument("--skip", nargs="*", default=[], choices=["smollm2", "shape"])
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    started = time.monotonic()
+    device = torch.device(args.device)
+    output = Path(args.output)
+    output.mkdir(parents=True, exist_ok=True)
+    import transformers
+
+    report: dict[str, Any] = {"environment": {
+        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor(),
+        "torch": torch.__version__, "transformers": transformers.__version__, "python": platform.python_version(),
+    }}
+    parts = [("smollm2", part_smollm2, 0.6), ("shape", part_shape_costs, 1.0)]
+    for name, part, share in parts:
+        if name in args.skip:
+            continue
+        args.deadline = started + args.budget * share
+        try:
+            part(args, device, report)
+        except Exception as exc:
+            log.error("%s failed: %s", name, traceback.format_exc())
+            report.setdefault("errors", []).append(f"{name}: {type(exc).__name__}: {exc}")
+        report["seconds"] = time.monotonic() - started
+        (output / "gpu_check.json").write_text(json.dumps(report, indent=1, default=str))
+        (output / "gpu_check.md").write_text(markdown(report))
+    print(markdown(report))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

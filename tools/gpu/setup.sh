@@ -1,0 +1,13 @@
+#!/usr/bin/env bash
+# GPU call 1 (carry .gpu/whl .gpu/model.00): the wheels the machine lacks into /tmp/site, the first model part kept
+# in /root/gpu (both outlive the call while the machine stays warm), then the engine's tests on CUDA.
+# Argument: seconds for the tests (tools/gpu/README.md).
+set -o pipefail
+mkdir -p /root/gpu && cp .gpu/model.00 /root/gpu/
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .gpu/whl/*.whl || exit 1
+export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 SPECBATCH_CACHE=/root/sbcache
+{ nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv; lscpu | grep -E "Model name|^CPU\(s\)|Flags"
+  python3 -c "import torch, transformers; print(torch.__version__, transformers.__version__, torch.cuda.get_device_name())"
+} 2>&1 | tee "$OUT/env.txt"
+OMP_NUM_THREADS=2 timeout "${1:-150}" python3 -m pytest -q -p no:cacheprovider -n 8 -rfE -k "cuda or padded" \
+  tests/test_engine.py tests/test_forward.py 2>&1 | tee "$OUT/cuda_tests.log" | tail -40
