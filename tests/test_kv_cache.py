@@ -36,6 +36,7 @@ def test_commit_moves_accepted_entries_and_leaves_an_in_place_path_alone() -> No
     cache = PagedKVCache(CacheShape(1, 1, 16), num_blocks=4, max_rows=2, max_positions=32, block_size=16)
     rows = cache.add_rows([16, 16])
     cache.ensure(rows, [16, 16])
+    cache.keys.zero_(), cache.values.zero_()  # the pools are allocated uninitialized: NaNs would fail torch.equal
     for row, offset in ((0, 0.0), (1, 100.0)):
         block = cache.row_blocks[row][0]
         cache.keys[0, block, 0, :, :] = (torch.arange(16.0) + offset)[None]
