@@ -1,56 +1,30 @@
-"""Engine semantics on tiny random models: greedy equals transformers, sampling follows the target law."""
+"""Engine semantics on tiny random models: greedy decoding equals transformers', sampling follows the target's
+law, a seeded row samples the same whatever runs beside it, requests join and leave between steps, and stops and
+bad requests end their own rows alone."""
 
 from __future__ import annotations
 
-import copy
 import itertools
 
 import pytest
 import torch
-from scipy.stats import chi2
+from engine_cases import (
+    END,
+    MAX_TOKENS,
+    PROMPTS,
+    SMALL_VOCAB,
+    chi_square_pvalue,
+    make_config,
+    on_device,
+    reference_warp,
+    run,
+)
 from tiny import noisy_copy, tiny_model
 
-from decoding import Config, Engine, Request
-from decoding.drafters import SOME_ROWS_MAX_SHARE
+from decoding import Engine, Request
 from decoding.engine import prefill_groups
 from decoding.feature_draft import FeatureDraft
 from decoding.signal_head import DraftSignalMLP
-from decoding.tree import TreeTopology
-
-PROMPTS = [
-    "abc abc abc abc",
-    "hello world",
-    "the quick brown fox jumps over the lazy dog. the quick brown",
-    "a",
-    "banana bandana banana",
-    "so it goes, so it goes",
-    "zebra",
-    "one two one two one",
-]
-MAX_TOKENS = 24
-
-
-def make_config(**speculative) -> Config:
-    batch_size = speculative.pop("batch_size", 4)
-    sampling = speculative.pop("sampling", {"max_tokens": MAX_TOKENS})
-    if speculative.get("method") == "draft_model":
-        speculative.setdefault("model", "in-memory")
-    return Config.model_validate(
-        {"model": "in-memory", "batch_size": batch_size, "speculative": speculative, "sampling": sampling}
-    )
-
-
-@pytest.fixture(scope="module")
-def reference(tokenizer, target) -> list[list[int]]:
-    """transformers' greedy decoding, one prompt at a time, in float32 on CPU."""
-    outputs = []
-    for prompt in PROMPTS:
-        ids = tokenizer(prompt, return_tensors="pt").input_ids
-        generated = target.generate(
-            ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=MAX_TOKENS
-        )
-        outputs.append(generated[0, ids.shape[1] :].tolist())
-    return outputs
 
 
 @pytest.fixture(scope="module")
@@ -65,22 +39,7 @@ def heads(tmp_path_factory, target) -> dict[str, str]:
     return paths
 
 
-_MOVED: dict[tuple[int, str], torch.nn.Module] = {}
-
-
-def on_device(model, device: torch.device | None):
-    """The model on ``device`` (a copy, made once: the session's models stay on the CPU for the references)."""
-    if model is None or device is None or device.type == "cpu":
-        return model
-    key = (id(model), str(device))
-    if key not in _MOVED:
-        _MOVED[key] = copy.deepcopy(model).to(device)
-    return _MOVED[key]
-
-
-def run(config: Config, tokenizer, target, draft=None, prompts=PROMPTS, device=None) -> list:
-    engine = Engine(config, target=on_device(target, device), tokenizer=tokenizer, draft=on_device(draft, device))
-    return engine.generate([Request(id=str(i), prompt=p) for i, p in enumerate(prompts)])
+# ------------------------------------------------------------------------------------------------------ greedy identity
 
 
 GREEDY_GRID = (
@@ -141,62 +100,39 @@ def test_feature_draft_greedy_matches_transformers(
         assert sum(sum(r.per_step_drafted) for r in results) > 0
 
 
-@pytest.mark.parametrize("policy", ["threshold", "decision"])
-def test_a_stop_ends_drafting_after_the_token_without_a_wasted_forward(
-    policy, tmp_path, tokenizer, target, draft, reference
+@pytest.mark.parametrize("batch_size", [1, 3, 8])
+@pytest.mark.parametrize(("draft_model", "quantization", "width", "lookups", "init", "policy"), [
+    ("target", "int4", 1, 0, "draft", "static"), ("target", "int4", 2, 0, "target", "static"),
+    ("target", "int8", 2, 0, "draft", "static"), ("target", "int4", 1, 0, "draft", "online"),
+    ("target", "int4", 1, 1, "draft", "static"), ("target", "int4", 2, 2, "target", "static"),
+    ("target", "int8", 1, 1, "draft", "online"),
+    ("in-memory", None, 1, 1, "draft", "static"), ("in-memory", None, 2, 1, "target", "static"),
+    ("in-memory", "int8", 2, 2, "draft", "static"), ("in-memory", "int4", 1, 1, "draft", "heuristic"),
+])
+def test_self_draft_and_lookup_siblings_greedy_match_transformers(
+    draft_model, quantization, width, lookups, init, policy, batch_size, tokenizer, target, draft, reference
 ) -> None:
-    """A head that always says "stop" drafts exactly what static depth 1 drafts, with one draft forward per step:
-    the stop comes after the token it judged, so no forward is run for a token that is then thrown away."""
-    head = DraftSignalMLP(target.config.hidden_size)
-    with torch.no_grad():
-        head.out.weight.zero_()
-        head.out.bias.fill_(-20.0)  # P(accepted) ~ 0
-    head.save(tmp_path)
-    field = "acceptance_head" if policy == "threshold" else "decision_model"
-    config = make_config(method="draft_model", num_candidates=1, length_policy=policy, num_speculative_tokens=4,
-                         batch_size=3, **{field: str(tmp_path)})
-    engine = Engine(config, target=target, tokenizer=tokenizer, draft=draft)
-    for i, prompt in enumerate(PROMPTS):
-        engine.add_request(Request(id=str(i), prompt=prompt))
-    results, levels = {}, []
-    propose = engine.drafter.propose
-    engine.drafter.propose = lambda inputs: (draft := propose(inputs), levels.append(draft.forwarded_levels))[0]
-    while engine.has_unfinished():
-        results.update((r.id, r) for r in engine.step().finished)
-    assert max(levels) == 1
-    assert [results[str(i)].token_ids for i in range(len(PROMPTS))] == reference
-    static = run(make_config(method="draft_model", num_candidates=1, length_policy="static",
-                             num_speculative_tokens=1, batch_size=3), tokenizer, target, draft)
-    assert [results[str(i)].per_step_drafted for i in range(len(PROMPTS))] == [r.per_step_drafted for r in static]
+    config = make_config(
+        method="draft_model", model=draft_model, quantization=quantization, num_candidates=width,
+        ngram_candidates=lookups, candidate_init=init, length_policy=policy, num_speculative_tokens=4,
+        batch_size=batch_size,
+    )
+    results = run(config, tokenizer, target, draft if draft_model == "in-memory" else None)
+    assert [r.token_ids for r in results] == reference
+    for result in results:
+        assert sum(result.token_accepted) == sum(result.per_step_accepted)
+        assert len(result.token_stats) == sum(result.per_step_drafted)
+    if policy == "static":
+        forwards = sum(r.num_target_forwards for r in results)
+        assert forwards < 0.8 * sum(len(r.token_ids) for r in results)  # it really saved target forwards
+    if lookups and policy == "static":
+        lookup_stats = [stat for r in results for stat in r.token_stats if stat[2] >= width]
+        assert lookup_stats  # the lookup siblings were proposed and verified
+        if draft_model == "in-memory":  # beside a noisy draft some of them win (a self-draft leaves them little)
+            assert any(stat[-1] for stat in lookup_stats)
 
 
-def test_sliced_mask_equals_rebuilt_mask() -> None:
-    largest = TreeTopology(num_candidates=3, max_depth=5, root_width=3)
-    for depth in range(6):
-        assert torch.equal(largest.sliced_ancestors(depth), TreeTopology(3, depth, 3).ancestors)
-
-
-# ------------------------------------------------------------------------------------------------ sampling
-SMALL_VOCAB = 6  # ids 0..5; id 2 is EOS
-END = SMALL_VOCAB  # "no token": the sequence already ended
-
-
-def reference_warp(logits: torch.Tensor, temperature: float, top_k: int, top_p: float) -> torch.Tensor:
-    """An independent transcription of transformers' warpers: temperature, top-k, then top-p."""
-    logits = logits.double() / temperature
-    if top_k:
-        logits[logits < logits.topk(top_k).values[-1]] = -torch.inf
-    probs = logits.softmax(-1)
-    order = probs.argsort(descending=True)
-    keep = torch.zeros_like(probs, dtype=torch.bool)
-    mass = 0.0
-    for token in order.tolist():
-        keep[token] = True
-        mass += float(probs[token])
-        if mass >= top_p:
-            break
-    probs = probs * keep
-    return probs / probs.sum()
+# -------------------------------------------------------------------------------------------------------- sampling laws
 
 
 def exact_joint_law(model, prompt: list[int], warp: dict, positions: tuple[int, int]) -> torch.Tensor:
@@ -218,19 +154,6 @@ def exact_joint_law(model, prompt: list[int], warp: dict, positions: tuple[int, 
 
     extend([], 1.0)
     return joint
-
-
-def chi_square_pvalue(counts: torch.Tensor, law: torch.Tensor) -> float:
-    counts, law = counts.flatten().double(), law.flatten()
-    total = counts.sum()
-    assert counts[law == 0].sum() == 0, "sampled an outcome of probability 0"
-    expected = law * total
-    big = expected >= 5
-    observed = torch.cat([counts[big], counts[~big].sum()[None]])
-    expected = torch.cat([expected[big], expected[~big].sum()[None]])
-    keep = expected > 0
-    statistic = float(((observed[keep] - expected[keep]) ** 2 / expected[keep]).sum())
-    return float(chi2.sf(statistic, int(keep.sum()) - 1))
 
 
 @pytest.fixture(scope="module")
@@ -257,6 +180,8 @@ SAMPLING_GRID = [
         ("lookup_siblings", 2, False, "target"), ("lookup_siblings", 2, True, "target"),
     ]
 ]
+
+
 # Pseudo-methods of the sampling grid: the speculative fields they stand for.
 SAMPLING_METHODS = {
     "self_draft_int4": {"method": "draft_model", "model": "target", "quantization": "int4"},
@@ -328,6 +253,9 @@ def test_sampling_follows_target_law(
         assert chi_square_pvalue(counts, law) > 1e-3
 
 
+# ---------------------------------------------------------------------------------------------------------------- seeds
+
+
 def test_seed_makes_sampling_reproducible(tokenizer, target, draft, device) -> None:
     sampling = {"max_tokens": 16, "temperature": 1.0, "seed": 7}  # the run seed (default null: fresh randomness)
     config = make_config(method="draft_model", num_candidates=2, sampling=sampling)
@@ -370,27 +298,22 @@ def test_a_seeded_row_samples_the_same_alone_and_in_a_batch(init, tokenizer, tar
         assert alone[0].token_ids == batch[i].token_ids
 
 
-# --------------------------------------------------------------------------------------------- bad input
-def test_bad_requests_become_error_results_and_spare_the_batch(tokenizer, target, draft, reference) -> None:
-    config = make_config(method="draft_model", num_candidates=2, batch_size=8)
-    engine = Engine(config, target=target, tokenizer=tokenizer, draft=draft)
-    good = [Request(id=f"ok{i}", prompt=p) for i, p in enumerate(PROMPTS[:3])]
-    bad = [
-        Request(id="empty", prompt=""),
-        Request(id="long", prompt="ab " * 200),
-        Request(id="temperature", prompt="abc", sampling={"temperature": -1}),
-        Request(id="top_p", prompt="abc", sampling={"top_p": 0}),
-        Request(id="max_tokens", prompt="abc", sampling={"max_tokens": "many"}),
-        Request(id="not-a-string", prompt=123),  # type: ignore[arg-type]
-    ]
-    results = {r.id: r for r in engine.generate([good[0], *bad[:3], good[1], *bad[3:], good[2]])}
-    for request in bad:
-        result = results[request.id]
-        assert result.finish_reason == "error" and result.error and result.token_ids == []
-    assert "empty" in results["empty"].error
-    assert "context" in results["long"].error
-    assert "temperature" in results["temperature"].error
-    assert [results[f"ok{i}"].token_ids for i in range(3)] == reference[:3]
+@pytest.mark.parametrize("policy", ["heuristic", "online"])
+def test_a_seeded_sampled_row_is_the_same_whatever_rows_run_beside_it(policy, tokenizer, target, draft) -> None:
+    """Rows beside it draft to other depths (their own acceptance), yet a seeded row's draws stay its own."""
+    config = make_config(
+        method="draft_model", num_candidates=2, ngram_candidates=1, length_policy=policy, batch_size=4,
+        sampling={"max_tokens": 20, "temperature": 1.0},
+    )
+    seeded = Request(id="seeded", prompt=PROMPTS[2], sampling={"seed": 5})
+    alone = Engine(config, target=target, tokenizer=tokenizer, draft=draft).generate([seeded])[0]
+    others = [Request(id=f"other{i}", prompt=p) for i, p in enumerate(PROMPTS[:3])]
+    beside = Engine(config, target=target, tokenizer=tokenizer, draft=draft).generate([*others, seeded])[-1]
+    assert sum(alone.per_step_drafted) > 0 and sum(beside.per_step_drafted) > 0
+    assert beside.token_ids == alone.token_ids
+
+
+# ---------------------------------------------------------------------------------------------------------------- stops
 
 
 def test_stop_strings_and_max_tokens(tokenizer, target, reference, device) -> None:
@@ -419,6 +342,60 @@ def test_stop_strings_are_matched_without_decoding_the_generation_again(tokenize
     results = run(config, tokenizer, target)
     assert [r.token_ids for r in results] == reference
     assert sorted(decoded) == sorted(len(r.token_ids) for r in results)
+
+
+# -------------------------------------------------------------------------------------------------- requests and errors
+
+
+def test_bad_requests_become_error_results_and_spare_the_batch(tokenizer, target, draft, reference) -> None:
+    config = make_config(method="draft_model", num_candidates=2, batch_size=8)
+    engine = Engine(config, target=target, tokenizer=tokenizer, draft=draft)
+    good = [Request(id=f"ok{i}", prompt=p) for i, p in enumerate(PROMPTS[:3])]
+    bad = [
+        Request(id="empty", prompt=""),
+        Request(id="long", prompt="ab " * 200),
+        Request(id="temperature", prompt="abc", sampling={"temperature": -1}),
+        Request(id="top_p", prompt="abc", sampling={"top_p": 0}),
+        Request(id="max_tokens", prompt="abc", sampling={"max_tokens": "many"}),
+        Request(id="not-a-string", prompt=123),  # type: ignore[arg-type]
+    ]
+    results = {r.id: r for r in engine.generate([good[0], *bad[:3], good[1], *bad[3:], good[2]])}
+    for request in bad:
+        result = results[request.id]
+        assert result.finish_reason == "error" and result.error and result.token_ids == []
+    assert "empty" in results["empty"].error
+    assert "context" in results["long"].error
+    assert "temperature" in results["temperature"].error
+    assert [results[f"ok{i}"].token_ids for i in range(3)] == reference[:3]
+
+
+def test_mismatched_draft_vocabulary_is_refused(tokenizer, target) -> None:
+    other = tiny_model(seed=5, vocab_size=SMALL_VOCAB)
+    with pytest.raises(ValueError, match="tokenizer"):
+        Engine(make_config(method="draft_model"), target=target, tokenizer=tokenizer, draft=other)
+
+
+def test_chat_rendering_options_reach_the_template(tokenizer):
+    """vLLM's chat request fields: a template of the request's own, variables it reads, and continuing the final
+    message instead of opening the assistant's turn."""
+    from decoding.engine import EngineError, encode_request
+
+    template = ("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+                "{% if enable_thinking %}think: {% endif %}{% if add_generation_prompt %}assistant: {% endif %}")
+    messages = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "a"}]
+    thinking, _ = encode_request(tokenizer, Request("t", messages=messages, chat_template=template,
+                                                    chat_template_kwargs={"enable_thinking": True}))
+    plain, ids = encode_request(tokenizer, Request("p", messages=messages, chat_template=template))
+    assert thinking.endswith("think: assistant: ") and plain.endswith("a\nassistant: ") and "think" not in plain
+    assert ids == tokenizer(plain, add_special_tokens=False)["input_ids"]
+    continued, _ = encode_request(tokenizer, Request("c", messages=messages, add_generation_prompt=False,
+                                                     continue_final_message=True))
+    assert continued.endswith("assistant: a")  # the tokenizer's own template, the last message left open
+    with pytest.raises(EngineError, match="cannot both be true"):
+        encode_request(tokenizer, Request("b", messages=messages, continue_final_message=True))
+
+
+# -------------------------------------------------------------------------------------------------- continuous batching
 
 
 def test_continuous_batching_step_api(tokenizer, target, draft, reference, device) -> None:
@@ -476,12 +453,6 @@ def test_prefill_in_small_groups_and_idle_caches_released(tokenizer, target, dra
     assert again[0].token_ids == reference[2]
 
 
-def test_mismatched_draft_vocabulary_is_refused(tokenizer, target) -> None:
-    other = tiny_model(seed=5, vocab_size=SMALL_VOCAB)
-    with pytest.raises(ValueError, match="tokenizer"):
-        Engine(make_config(method="draft_model"), target=target, tokenizer=tokenizer, draft=other)
-
-
 def test_abort_frees_the_row_and_spares_the_rest(tokenizer, target, draft, reference, device) -> None:
     engine = Engine(make_config(method="draft_model", batch_size=2), target=on_device(target, device),
                     tokenizer=tokenizer, draft=on_device(draft, device))
@@ -496,279 +467,29 @@ def test_abort_frees_the_row_and_spares_the_rest(tokenizer, target, draft, refer
     assert list(done) == ["1"] and done["1"].token_ids == reference[1]
 
 
-def test_vocabulary_subset_draft_is_lossless_and_leaves_the_model_whole(
-    tmp_path, tokenizer, target, draft, reference
-) -> None:
-    import json
+def test_step_outputs_add_up_to_the_results_and_report_the_batch(tokenizer, target, draft):
+    """Per-step metrics (vLLM's counters move as the engine steps): the steps' speculation statistics and tokens
+    add up to the finished results', and each step reports the batch it leaves behind."""
+    from decoding.stats import SpecDecodeStats
 
-    from decoding.models import DRAFT_METADATA
-
-    draft.save_pretrained(tmp_path)
-    (tmp_path / DRAFT_METADATA).write_text(json.dumps({"vocab_subset": list(range(3, 20))}))
-    config = make_config(method="draft_model", model=str(tmp_path), num_candidates=2)
+    config = make_config(method="draft_model", num_speculative_tokens=3, num_candidates=2, length_policy="static",
+                         batch_size=3)
     engine = Engine(config, target=target, tokenizer=tokenizer, draft=draft)
-    assert engine.drafter.model.get_output_embeddings().out_features == 17
-    assert draft.get_output_embeddings().out_features == target.config.vocab_size
-    results = engine.generate([Request(id=str(i), prompt=p) for i, p in enumerate(PROMPTS)])
-    assert [r.token_ids for r in results] == reference
-    # Tokens outside the subset are never proposed.
-    assert all(3 <= stat[3] < 20 for r in results for stat in r.token_stats)
-    # A second engine on the same draft reuses the cut view (and so its prepacked weights and measured costs).
-    assert Engine(config, target=target, tokenizer=tokenizer, draft=draft).drafter.model is engine.drafter.model
-
-
-def test_prepacked_inference_model_matches_and_leaves_the_original(target) -> None:
-    from decoding.models import for_inference
-
-    fast = for_inference(target)
-    ids = torch.randint(3, target.config.vocab_size, (3, 17), generator=torch.Generator().manual_seed(0))
-    with torch.no_grad():
-        torch.testing.assert_close(fast(ids).logits, target(ids).logits, rtol=1e-5, atol=1e-5)
-
-    def prepacked(model: torch.nn.Module) -> list[bool]:
-        return ["forward" in vars(m) for m in model.modules() if isinstance(m, torch.nn.Linear)]
-
-    assert prepacked(fast) and all(prepacked(fast))
-    assert not any(prepacked(target))  # the caller's modules run as before
-    assert all(a is b for a, b in zip(fast.parameters(), target.parameters()))  # weights shared, not copied
-
-
-@pytest.mark.parametrize("rows_count", [2, 1])  # one row of up to 8 queries: SDPA's own grouped-query path
-def test_every_forward_computes_the_same_on_trees(target, rows_count) -> None:
-    """transformers' forward through the cache adapter, the prepacked grouped-query inference view, and the lean
-    forward over the paged cache agree on a ragged prefill and a verification tree (a shallower row included)."""
-    from decoding.forward import forward_tree
-    from decoding.kv_cache import CacheShape, PagedKVCache
-    from decoding.lean_forward import lean_view
-    from decoding.models import for_inference
-    from decoding.tree import TreeTopology, chain_ancestors
-
-    fast = for_inference(target)
-    assert target.config.num_attention_heads > target.config.num_key_value_heads  # the tiny model uses GQA
-    assert fast.config._attn_implementation != target.config._attn_implementation == "sdpa"
-    generator = torch.Generator().manual_seed(1)
-    prompts = torch.randint(3, target.config.vocab_size, (2, 9), generator=generator)
-    prompt_valid = torch.arange(9)[None] < torch.tensor([[9], [6]])  # ragged rows
-    topology = TreeTopology(num_candidates=2, max_depth=3, root_width=2)
-    tree = torch.randint(3, target.config.vocab_size, (2, topology.size(3)), generator=generator)
-    tree_valid = torch.ones_like(tree, dtype=torch.bool)
-    tree_valid[1, -2:] = False  # a row with a shallower tree
-    prompts, prompt_valid, tree, tree_valid = (t[:rows_count] for t in (prompts, prompt_valid, tree, tree_valid))
-    assert tree.shape[1] == 8
-    logits = []
-    for model in (target, fast, lean_view(target)):
-        cache = PagedKVCache(CacheShape.of(target.config), 8, 2, 64, block_size=16)
-        rows = cache.add_rows([32] * rows_count)
-        prefill, _ = forward_tree(model, cache, rows, prompts, chain_ancestors(9), prompt_valid)
-        cache.advance(rows, prompt_valid.sum(1).tolist())
-        verify, _ = forward_tree(model, cache, rows, tree, topology.sliced_ancestors(3), tree_valid)
-        logits.append((prefill[prompt_valid], verify[tree_valid]))
-    for reference, other in zip(logits[0], logits[1]):
-        torch.testing.assert_close(other, reference, rtol=1e-5, atol=1e-5)
-    for reference, other in zip(logits[0], logits[2]):
-        torch.testing.assert_close(other, reference, rtol=1e-5, atol=1e-5)
-
-
-# ------------------------------------------------------------------------- self-draft, lookup siblings
-@pytest.mark.parametrize("batch_size", [1, 3, 8])
-@pytest.mark.parametrize(("draft_model", "quantization", "width", "lookups", "init", "policy"), [
-    ("target", "int4", 1, 0, "draft", "static"), ("target", "int4", 2, 0, "target", "static"),
-    ("target", "int8", 2, 0, "draft", "static"), ("target", "int4", 1, 0, "draft", "online"),
-    ("target", "int4", 1, 1, "draft", "static"), ("target", "int4", 2, 2, "target", "static"),
-    ("target", "int8", 1, 1, "draft", "online"),
-    ("in-memory", None, 1, 1, "draft", "static"), ("in-memory", None, 2, 1, "target", "static"),
-    ("in-memory", "int8", 2, 2, "draft", "static"), ("in-memory", "int4", 1, 1, "draft", "heuristic"),
-])
-def test_self_draft_and_lookup_siblings_greedy_match_transformers(
-    draft_model, quantization, width, lookups, init, policy, batch_size, tokenizer, target, draft, reference
-) -> None:
-    config = make_config(
-        method="draft_model", model=draft_model, quantization=quantization, num_candidates=width,
-        ngram_candidates=lookups, candidate_init=init, length_policy=policy, num_speculative_tokens=4,
-        batch_size=batch_size,
-    )
-    results = run(config, tokenizer, target, draft if draft_model == "in-memory" else None)
-    assert [r.token_ids for r in results] == reference
-    for result in results:
-        assert sum(result.token_accepted) == sum(result.per_step_accepted)
-        assert len(result.token_stats) == sum(result.per_step_drafted)
-    if policy == "static":
-        forwards = sum(r.num_target_forwards for r in results)
-        assert forwards < 0.8 * sum(len(r.token_ids) for r in results)  # it really saved target forwards
-    if lookups and policy == "static":
-        lookup_stats = [stat for r in results for stat in r.token_stats if stat[2] >= width]
-        assert lookup_stats  # the lookup siblings were proposed and verified
-        if draft_model == "in-memory":  # beside a noisy draft some of them win (a self-draft leaves them little)
-            assert any(stat[-1] for stat in lookup_stats)
-
-
-def test_quantized_self_draft_leaves_the_target_as_loaded(tokenizer, target) -> None:
-    before = {name: p.detach().clone() for name, p in target.named_parameters()}
-    config = make_config(method="draft_model", model="target", quantization="int4", num_speculative_tokens=3)
-    engine = Engine(config, target=target, tokenizer=tokenizer)
-    twin = engine.drafter.model  # the lean forward over the quantized twin (decoding.lean_forward)
-    assert twin is not target and twin is not engine.target and twin.inner is not target
-    assert twin.compiled is not None  # its layers compiled (decoding.compiled_layers): what the engine tests run
-    quantized_layers = [m for m in twin.modules() if isinstance(m, torch.nn.Linear) and "forward" in vars(m)]
-    assert len(quantized_layers) == sum(isinstance(m, torch.nn.Linear) for m in target.modules())
-    assert not any("forward" in vars(m) for m in target.modules() if isinstance(m, torch.nn.Linear))
-    assert all(torch.equal(p, before[name]) for name, p in target.named_parameters())
-    ids = torch.tensor([tokenizer("abc abc abc").input_ids])
-    with torch.no_grad():  # a close twin (0.64 here, on random weights; chance is 1/31), not another model
-        agree = (twin.inner(ids).logits.argmax(-1) == target(ids).logits.argmax(-1)).float().mean()
-    assert agree >= 0.5
-
-
-def test_a_self_draft_drafts_in_the_target_cache(tokenizer, target) -> None:
-    """The self-draft reads and writes the target's cache: no prefill through the quantized twin, no catch-up
-    forward of tokens committed while it did not draft, and rows join and leave once."""
-    config = make_config(method="draft_model", model="target", quantization="int4", num_speculative_tokens=3,
-                         batch_size=3, length_policy="static", sampling={"max_tokens": 20, "ignore_eos": True})
-    engine = Engine(config, target=target, tokenizer=tokenizer)
-    assert engine.drafter.cache is engine.cache
-    draft_tokens, draft_rows = [], []
-
-    def record(module, args, kwargs, out) -> None:  # the lean forward's args: ids [B, T], positions, metadata
-        draft_rows.append(args[0].shape[0])
-        draft_tokens.append(args[0].shape[1])
-
-    engine.drafter.model.register_forward_hook(record, with_kwargs=True)
-
-    for i, prompt in enumerate(PROMPTS[:3]):
-        engine.add_request(Request(id=str(i), prompt=prompt))
-    engine._admit(engine.scheduler.admit(), {})
-    assert not draft_tokens  # no prefill forward through the quantized twin
-    assert engine.cache.active == 3
-    finished = {}
-
-    def step() -> None:
-        finished.update({r.id: r for r in engine.step().finished})
-
-    engine.policy.plan = lambda ids: torch.zeros(len(ids), dtype=torch.long)  # plain steps: nothing drafted
-    step(), step()
-    assert not draft_tokens
-    # Most rows, not all, drafting: the draft runs over the whole batch (a slice read in place, nothing gathered).
-    engine.policy.plan = lambda ids: torch.tensor([3, 1, 0])
-    assert SOME_ROWS_MAX_SHARE * 3 < 2  # two of three rows draft: more than the share
-    step()
-    assert draft_rows[0] == 3
-    assert engine.cache.active == 3
-    engine.policy.plan = lambda ids: torch.full((len(ids),), 3)
-    draft_tokens.clear(), draft_rows.clear()
-    step()
-    assert draft_tokens == [1, 1, 1]  # the root alone, then one token per level: no backlog fed again
-    assert draft_rows == [3, 3, 3]
-    # Few rows drafting are forwarded alone: the draft runs over the middle row's entries only.
-    engine.policy.plan = lambda ids: torch.tensor([0, 2, 0][: len(ids)])
-    draft_rows.clear()
-    step()
-    assert draft_rows == [1, 1]
+    for i, prompt in enumerate(PROMPTS):
+        engine.add_request(Request(str(i), prompt=prompt))
+    steps, tokens, results, batches = SpecDecodeStats(), 0, [], []
     while engine.has_unfinished():
-        step()
-    assert engine.cache.active == 0
-    plain = Engine(make_config(sampling={"max_tokens": 20, "ignore_eos": True}), target=target, tokenizer=tokenizer)
-    expected = plain.generate([Request(id=str(i), prompt=p) for i, p in enumerate(PROMPTS[:3])])
-    assert all(finished[r.id].token_ids == r.token_ids for r in expected)
-
-
-def test_int4_and_int8_kernels_compute_the_quantized_weights() -> None:
-    from decoding.quantize import int4_groupwise, int8_per_channel, quantize_linear
-
-    torch.manual_seed(0)
-    linear = torch.nn.Linear(64, 48)
-    x = torch.randn(5, 64)
-    for scheme in ("int4", "int8"):
-        layer = copy.deepcopy(linear)
-        quantize_linear(layer, scheme, groupsize=32)
-        # The kernels read bf16 activations and scales (their fast path on CPU): the reference rounds alike.
-        if scheme == "int4":
-            q, scales_and_zeros = int4_groupwise(linear.weight.detach(), 32)
-            scale, zero = scales_and_zeros.bfloat16().float().permute(1, 0, 2).unbind(-1)  # [N, K / 32]
-            weight = ((q.float().reshape(48, 2, 32) - 8) * scale[..., None] + zero[..., None]).reshape(48, 64)
-        else:
-            q, scale = int8_per_channel(linear.weight.detach())
-            weight = q.float() * scale.bfloat16().float()[:, None]
-        expected = x.bfloat16().float() @ weight.T + linear.bias
-        assert torch.allclose(layer(x), expected, atol=0.02 * float(expected.abs().max()))
-        assert (weight - linear.weight).abs().max() < 0.1 * linear.weight.abs().max()
-    odd = torch.nn.Linear(64, 6)  # 6 outputs: the CPU int4 packing wants multiples of 16, so this layer is int8
-    quantize_linear(odd, "int4", groupsize=32)
-    q, scale = int8_per_channel(odd.weight.detach())
-    expected = x.bfloat16().float() @ (q.float() * scale.bfloat16().float()[:, None]).T + odd.bias
-    assert torch.allclose(odd(x), expected, atol=0.02 * float(expected.abs().max()))
-
-
-def test_a_head_with_exact_top_logits_recomputes_its_largest_outputs_in_float() -> None:
-    from decoding.quantize import quantize_linear
-
-    torch.manual_seed(0)
-    head = torch.nn.Linear(64, 96)
-    x = torch.randn(2, 3, 64)
-    plain, rescored = copy.deepcopy(head), copy.deepcopy(head)
-    quantize_linear(plain, "int4", groupsize=32)
-    quantize_linear(rescored, "int4", groupsize=32, exact_top=5)
-    approximate, mixed, exact = plain(x), rescored(x), head(x).detach()
-    chosen = approximate.topk(5, -1).indices
-    top = torch.zeros_like(mixed, dtype=torch.bool).scatter(-1, chosen, True)
-    assert int(top.sum()) == 2 * 3 * 5
-    torch.testing.assert_close(mixed[top], exact[top])  # the int4 head's top 5 of each row, in float
-    assert torch.equal(mixed[~top], approximate[~top])  # the rest as the int4 head computed them
-    assert not torch.equal(mixed, approximate)
-
-
-def test_fused_siblings_compute_what_separate_layers_compute(target) -> None:
-    from decoding.quantize import FusedSiblings, quantize_linear, quantized
-
-    torch.manual_seed(0)
-    layers = [torch.nn.Linear(64, n, bias=bias) for n, bias in ((48, True), (16, False), (32, True))]
-    separate = copy.deepcopy(layers)
-    for layer in separate:
-        quantize_linear(layer, "int4", groupsize=32)
-    FusedSiblings(layers, "int4", 32)
-    x, y = torch.randn(3, 64), torch.randn(3, 64)
-    expected = [layer(x) for layer in separate]
-    # In order, out of order, and a sibling called with another input (computes again, never mixes inputs).
-    assert all(torch.allclose(layer(x), want, atol=1e-5) for layer, want in zip(layers, expected))
-    assert torch.allclose(layers[2](x), expected[2], atol=1e-5)
-    assert torch.allclose(layers[0](x), expected[0], atol=1e-5)
-    assert torch.allclose(layers[1](y), separate[1](y), atol=1e-5)
-    assert torch.allclose(layers[1](x), expected[1], atol=1e-5)
-    # The twin fuses q/k/v and gate/up, and computes what a twin of separate layers computes.
-    twin = quantized(target, "int4")
-    attention = twin.model.layers[0].self_attn
-    assert attention.q_proj.forward.func.__self__ is attention.v_proj.forward.func.__self__
-    ids = torch.tensor([[1, 2, 3, 4, 5]])
-    unfused = copy.deepcopy(target)
-    for module in unfused.modules():
-        if isinstance(module, torch.nn.Linear):
-            head = module is unfused.get_output_embeddings()  # int4 with its top 8 logits exact
-            quantize_linear(module, "int4", 32, exact_top=8 if head else 0)
-    with torch.no_grad():
-        torch.testing.assert_close(twin(ids).logits, unfused(ids).logits, rtol=1e-4, atol=1e-4)
-
-
-def test_lookup_siblings_belong_to_a_model_tree() -> None:
-    assert make_config(method="ngram", ngram_candidates=1).speculative.ngram_candidates == 0
-    assert make_config(method="none", ngram_candidates=2).speculative.ngram_candidates == 0
-    assert make_config(method="draft_model", ngram_candidates=2).speculative.ngram_candidates == 2
-    default = Config().speculative  # the zero-training default: the target drafting for itself in int4
-    assert (default.model, default.quantization, default.method) == ("target", "int4", "draft_model")
-    assert make_config(method="draft_model", model="some/draft").speculative.quantization is None
-
-
-@pytest.mark.parametrize("policy", ["heuristic", "online"])
-def test_a_seeded_sampled_row_is_the_same_whatever_rows_run_beside_it(policy, tokenizer, target, draft) -> None:
-    """Rows beside it draft to other depths (their own acceptance), yet a seeded row's draws stay its own."""
-    config = make_config(
-        method="draft_model", num_candidates=2, ngram_candidates=1, length_policy=policy, batch_size=4,
-        sampling={"max_tokens": 20, "temperature": 1.0},
-    )
-    seeded = Request(id="seeded", prompt=PROMPTS[2], sampling={"seed": 5})
-    alone = Engine(config, target=target, tokenizer=tokenizer, draft=draft).generate([seeded])[0]
-    others = [Request(id=f"other{i}", prompt=p) for i, p in enumerate(PROMPTS[:3])]
-    beside = Engine(config, target=target, tokenizer=tokenizer, draft=draft).generate([*others, seeded])[-1]
-    assert sum(alone.per_step_drafted) > 0 and sum(beside.per_step_drafted) > 0
-    assert beside.token_ids == alone.token_ids
+        output = engine.step()
+        steps += output.spec_decode
+        tokens += sum(len(new) for new in output.new_tokens.values())
+        results += output.finished
+        batches.append((output.num_running, output.num_waiting, output.kv_cache_usage))
+        assert output.num_running == len(engine.running) and output.num_waiting == len(engine.waiting)
+    total = SpecDecodeStats.total(result.stats for result in results)
+    assert total.num_spec_steps > 0 and steps == total
+    assert tokens == total.num_generated_tokens
+    assert batches[0][:2] == (3, len(PROMPTS) - 3) and 0 < batches[0][2] < 1
+    assert batches[-1] == (0, 0, 0.0)
 
 
 def _reads_back(name: str, args: tuple, kwargs: dict) -> bool:
@@ -861,48 +582,3 @@ def test_a_step_reads_back_only_paths_tokens_and_statistics(temperature, width, 
         drafted += sum(len(r.token_stats) for r in output.finished)
     # The static policy drafts every step; the online one only where its measured costs say drafting pays.
     assert steps and (drafted or speculative["length_policy"] == "online")
-
-
-def test_step_outputs_add_up_to_the_results_and_report_the_batch(tokenizer, target, draft):
-    """Per-step metrics (vLLM's counters move as the engine steps): the steps' speculation statistics and tokens
-    add up to the finished results', and each step reports the batch it leaves behind."""
-    from decoding.stats import SpecDecodeStats
-
-    config = make_config(method="draft_model", num_speculative_tokens=3, num_candidates=2, length_policy="static",
-                         batch_size=3)
-    engine = Engine(config, target=target, tokenizer=tokenizer, draft=draft)
-    for i, prompt in enumerate(PROMPTS):
-        engine.add_request(Request(str(i), prompt=prompt))
-    steps, tokens, results, batches = SpecDecodeStats(), 0, [], []
-    while engine.has_unfinished():
-        output = engine.step()
-        steps += output.spec_decode
-        tokens += sum(len(new) for new in output.new_tokens.values())
-        results += output.finished
-        batches.append((output.num_running, output.num_waiting, output.kv_cache_usage))
-        assert output.num_running == len(engine.running) and output.num_waiting == len(engine.waiting)
-    total = SpecDecodeStats.total(result.stats for result in results)
-    assert total.num_spec_steps > 0 and steps == total
-    assert tokens == total.num_generated_tokens
-    assert batches[0][:2] == (3, len(PROMPTS) - 3) and 0 < batches[0][2] < 1
-    assert batches[-1] == (0, 0, 0.0)
-
-
-def test_chat_rendering_options_reach_the_template(tokenizer):
-    """vLLM's chat request fields: a template of the request's own, variables it reads, and continuing the final
-    message instead of opening the assistant's turn."""
-    from decoding.engine import EngineError, encode_request
-
-    template = ("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
-                "{% if enable_thinking %}think: {% endif %}{% if add_generation_prompt %}assistant: {% endif %}")
-    messages = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "a"}]
-    thinking, _ = encode_request(tokenizer, Request("t", messages=messages, chat_template=template,
-                                                    chat_template_kwargs={"enable_thinking": True}))
-    plain, ids = encode_request(tokenizer, Request("p", messages=messages, chat_template=template))
-    assert thinking.endswith("think: assistant: ") and plain.endswith("a\nassistant: ") and "think" not in plain
-    assert ids == tokenizer(plain, add_special_tokens=False)["input_ids"]
-    continued, _ = encode_request(tokenizer, Request("c", messages=messages, add_generation_prompt=False,
-                                                     continue_final_message=True))
-    assert continued.endswith("assistant: a")  # the tokenizer's own template, the last message left open
-    with pytest.raises(EngineError, match="cannot both be true"):
-        encode_request(tokenizer, Request("b", messages=messages, continue_final_message=True))

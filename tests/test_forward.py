@@ -1,6 +1,7 @@
 """The forwards a step runs: the paged attention kernel against its reference, the lean forward against
 transformers' for every family it serves (and a quantized twin), transformers' own forward for any other
-architecture, and the compiled layer stack against the eager one."""
+architecture, the compiled layer stack against the eager one, and the prepacked inference view and all three
+forwards agreeing on trees."""
 
 from __future__ import annotations
 
@@ -25,6 +26,7 @@ from decoding.attention import AttentionMetadata, cpu_kernel, reference_attentio
 from decoding.forward import forward_tree
 from decoding.kv_cache import CacheShape, PagedKVCache
 from decoding.lean_forward import LeanCausalLM, lean_view, supports_lean_forward
+from decoding.models import for_inference
 from decoding.quantize import quantized
 from decoding.tree import TreeTopology, chain_ancestors
 
@@ -244,3 +246,47 @@ def test_rows_padded_for_a_cuda_graph_compute_what_the_real_rows_compute() -> No
     torch.testing.assert_close(hidden[:real], expected[1])
     assert torch.isfinite(logits).all()
     assert not torch.equal(cache.keys[:, 0], scratch)  # the padding row wrote the scratch block, nothing else
+
+
+def test_prepacked_inference_model_matches_and_leaves_the_original(target) -> None:
+    fast = for_inference(target)
+    ids = torch.randint(3, target.config.vocab_size, (3, 17), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        torch.testing.assert_close(fast(ids).logits, target(ids).logits, rtol=1e-5, atol=1e-5)
+
+    def prepacked(model: torch.nn.Module) -> list[bool]:
+        return ["forward" in vars(m) for m in model.modules() if isinstance(m, torch.nn.Linear)]
+
+    assert prepacked(fast) and all(prepacked(fast))
+    assert not any(prepacked(target))  # the caller's modules run as before
+    assert all(a is b for a, b in zip(fast.parameters(), target.parameters()))  # weights shared, not copied
+
+
+@pytest.mark.parametrize("rows_count", [2, 1])  # one row of up to 8 queries: SDPA's own grouped-query path
+def test_every_forward_computes_the_same_on_trees(target, rows_count) -> None:
+    """transformers' forward through the cache adapter, the prepacked grouped-query inference view, and the lean
+    forward over the paged cache agree on a ragged prefill and a verification tree (a shallower row included)."""
+    fast = for_inference(target)
+    assert target.config.num_attention_heads > target.config.num_key_value_heads  # the tiny model uses GQA
+    assert fast.config._attn_implementation != target.config._attn_implementation == "sdpa"
+    generator = torch.Generator().manual_seed(1)
+    prompts = torch.randint(3, target.config.vocab_size, (2, 9), generator=generator)
+    prompt_valid = torch.arange(9)[None] < torch.tensor([[9], [6]])  # ragged rows
+    topology = TreeTopology(num_candidates=2, max_depth=3, root_width=2)
+    tree = torch.randint(3, target.config.vocab_size, (2, topology.size(3)), generator=generator)
+    tree_valid = torch.ones_like(tree, dtype=torch.bool)
+    tree_valid[1, -2:] = False  # a row with a shallower tree
+    prompts, prompt_valid, tree, tree_valid = (t[:rows_count] for t in (prompts, prompt_valid, tree, tree_valid))
+    assert tree.shape[1] == 8
+    logits = []
+    for model in (target, fast, lean_view(target)):
+        cache = PagedKVCache(CacheShape.of(target.config), 8, 2, 64, block_size=16)
+        rows = cache.add_rows([32] * rows_count)
+        prefill, _ = forward_tree(model, cache, rows, prompts, chain_ancestors(9), prompt_valid)
+        cache.advance(rows, prompt_valid.sum(1).tolist())
+        verify, _ = forward_tree(model, cache, rows, tree, topology.sliced_ancestors(3), tree_valid)
+        logits.append((prefill[prompt_valid], verify[tree_valid]))
+    for reference, other in zip(logits[0], logits[1]):
+        torch.testing.assert_close(other, reference, rtol=1e-5, atol=1e-5)
+    for reference, other in zip(logits[0], logits[2]):
+        torch.testing.assert_close(other, reference, rtol=1e-5, atol=1e-5)

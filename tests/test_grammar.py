@@ -11,7 +11,7 @@ import jsonschema
 import pytest
 import torch
 import xgrammar as xgr
-from test_engine import make_config
+from engine_cases import make_config
 
 from decoding import Engine, Request
 from decoding.config import Constraint, SamplingParams, StructuredOutputs, load_config

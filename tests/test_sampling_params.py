@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 import torch
+from engine_cases import END, PROMPTS, SMALL_VOCAB, chi_square_pvalue, make_config, reference_warp, run
 from pydantic import ValidationError
-from test_engine import END, PROMPTS, SMALL_VOCAB, chi_square_pvalue, make_config, reference_warp, run
 from transformers import RepetitionPenaltyLogitsProcessor
 
 from decoding import Engine, Request
@@ -149,7 +149,7 @@ def penalized_joint_law(model, prompt: list[int], warp: dict, presence: float, f
 
 @pytest.mark.parametrize(("width", "init"), [(2, "draft"), (3, "target")])
 def test_sampling_with_presence_penalty_follows_the_penalized_target_law(width, init, tokenizer) -> None:
-    from test_engine import noisy_copy, tiny_model
+    from tiny import noisy_copy, tiny_model
 
     target = tiny_model(seed=3, vocab_size=SMALL_VOCAB)
     draft = noisy_copy(target, 0.6, seed=4)

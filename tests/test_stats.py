@@ -8,7 +8,7 @@ import uuid
 import pyarrow as pa
 import pytest
 from conftest import scrape_ray_metrics
-from test_engine import PROMPTS, make_config, run
+from engine_cases import PROMPTS, make_config, run
 
 from decoding.config import Config
 from decoding.engine import Engine, Request

@@ -1,0 +1,93 @@
+"""What the engine tests share: their prompts, a configuration builder, runs on a chosen device, and the
+reference of a sampled law (transformers' warpers transcribed) with its chi-square check."""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+from scipy.stats import chi2
+
+from decoding import Config, Engine, Request
+
+PROMPTS = [
+    "abc abc abc abc",
+    "hello world",
+    "the quick brown fox jumps over the lazy dog. the quick brown",
+    "a",
+    "banana bandana banana",
+    "so it goes, so it goes",
+    "zebra",
+    "one two one two one",
+]
+
+
+MAX_TOKENS = 24
+
+
+def make_config(**speculative) -> Config:
+    batch_size = speculative.pop("batch_size", 4)
+    sampling = speculative.pop("sampling", {"max_tokens": MAX_TOKENS})
+    if speculative.get("method") == "draft_model":
+        speculative.setdefault("model", "in-memory")
+    return Config.model_validate(
+        {"model": "in-memory", "batch_size": batch_size, "speculative": speculative, "sampling": sampling}
+    )
+
+
+_MOVED: dict[tuple[int, str], torch.nn.Module] = {}
+
+
+def on_device(model, device: torch.device | None):
+    """The model on ``device`` (a copy, made once: the session's models stay on the CPU for the references)."""
+    if model is None or device is None or device.type == "cpu":
+        return model
+    key = (id(model), str(device))
+    if key not in _MOVED:
+        _MOVED[key] = copy.deepcopy(model).to(device)
+    return _MOVED[key]
+
+
+def run(config: Config, tokenizer, target, draft=None, prompts=PROMPTS, device=None) -> list:
+    engine = Engine(config, target=on_device(target, device), tokenizer=tokenizer, draft=on_device(draft, device))
+    return engine.generate([Request(id=str(i), prompt=p) for i, p in enumerate(prompts)])
+
+
+# --------------------------------------------------------------------------------------------------------- sampled laws
+
+
+SMALL_VOCAB = 6  # ids 0..5; id 2 is EOS
+
+
+END = SMALL_VOCAB  # "no token": the sequence already ended
+
+
+def reference_warp(logits: torch.Tensor, temperature: float, top_k: int, top_p: float) -> torch.Tensor:
+    """An independent transcription of transformers' warpers: temperature, top-k, then top-p."""
+    logits = logits.double() / temperature
+    if top_k:
+        logits[logits < logits.topk(top_k).values[-1]] = -torch.inf
+    probs = logits.softmax(-1)
+    order = probs.argsort(descending=True)
+    keep = torch.zeros_like(probs, dtype=torch.bool)
+    mass = 0.0
+    for token in order.tolist():
+        keep[token] = True
+        mass += float(probs[token])
+        if mass >= top_p:
+            break
+    probs = probs * keep
+    return probs / probs.sum()
+
+
+def chi_square_pvalue(counts: torch.Tensor, law: torch.Tensor) -> float:
+    counts, law = counts.flatten().double(), law.flatten()
+    total = counts.sum()
+    assert counts[law == 0].sum() == 0, "sampled an outcome of probability 0"
+    expected = law * total
+    big = expected >= 5
+    observed = torch.cat([counts[big], counts[~big].sum()[None]])
+    expected = torch.cat([expected[big], expected[~big].sum()[None]])
+    keep = expected > 0
+    statistic = float(((observed[keep] - expected[keep]) ** 2 / expected[keep]).sum())
+    return float(chi2.sf(statistic, int(keep.sum()) - 1))

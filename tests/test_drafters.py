@@ -1,0 +1,143 @@
+"""Drafters (decoding/drafters.py): a stop ends drafting without a wasted forward, a self-draft drafts in the
+target's cache and leaves the target as loaded, a draft over a vocabulary subset stays lossless, lookup siblings
+join a model's tree only."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from engine_cases import PROMPTS, make_config, run
+
+from decoding import Config, Engine, Request
+from decoding.drafters import SOME_ROWS_MAX_SHARE
+from decoding.signal_head import DraftSignalMLP
+
+# --------------------------------------------------------------------------------------------------------- model drafts
+
+
+@pytest.mark.parametrize("policy", ["threshold", "decision"])
+def test_a_stop_ends_drafting_after_the_token_without_a_wasted_forward(
+    policy, tmp_path, tokenizer, target, draft, reference
+) -> None:
+    """A head that always says "stop" drafts exactly what static depth 1 drafts, with one draft forward per step:
+    the stop comes after the token it judged, so no forward is run for a token that is then thrown away."""
+    head = DraftSignalMLP(target.config.hidden_size)
+    with torch.no_grad():
+        head.out.weight.zero_()
+        head.out.bias.fill_(-20.0)  # P(accepted) ~ 0
+    head.save(tmp_path)
+    field = "acceptance_head" if policy == "threshold" else "decision_model"
+    config = make_config(method="draft_model", num_candidates=1, length_policy=policy, num_speculative_tokens=4,
+                         batch_size=3, **{field: str(tmp_path)})
+    engine = Engine(config, target=target, tokenizer=tokenizer, draft=draft)
+    for i, prompt in enumerate(PROMPTS):
+        engine.add_request(Request(id=str(i), prompt=prompt))
+    results, levels = {}, []
+    propose = engine.drafter.propose
+    engine.drafter.propose = lambda inputs: (draft := propose(inputs), levels.append(draft.forwarded_levels))[0]
+    while engine.has_unfinished():
+        results.update((r.id, r) for r in engine.step().finished)
+    assert max(levels) == 1
+    assert [results[str(i)].token_ids for i in range(len(PROMPTS))] == reference
+    static = run(make_config(method="draft_model", num_candidates=1, length_policy="static",
+                             num_speculative_tokens=1, batch_size=3), tokenizer, target, draft)
+    assert [results[str(i)].per_step_drafted for i in range(len(PROMPTS))] == [r.per_step_drafted for r in static]
+
+
+def test_vocabulary_subset_draft_is_lossless_and_leaves_the_model_whole(
+    tmp_path, tokenizer, target, draft, reference
+) -> None:
+    import json
+
+    from decoding.models import DRAFT_METADATA
+
+    draft.save_pretrained(tmp_path)
+    (tmp_path / DRAFT_METADATA).write_text(json.dumps({"vocab_subset": list(range(3, 20))}))
+    config = make_config(method="draft_model", model=str(tmp_path), num_candidates=2)
+    engine = Engine(config, target=target, tokenizer=tokenizer, draft=draft)
+    assert engine.drafter.model.get_output_embeddings().out_features == 17
+    assert draft.get_output_embeddings().out_features == target.config.vocab_size
+    results = engine.generate([Request(id=str(i), prompt=p) for i, p in enumerate(PROMPTS)])
+    assert [r.token_ids for r in results] == reference
+    # Tokens outside the subset are never proposed.
+    assert all(3 <= stat[3] < 20 for r in results for stat in r.token_stats)
+    # A second engine on the same draft reuses the cut view (and so its prepacked weights and measured costs).
+    assert Engine(config, target=target, tokenizer=tokenizer, draft=draft).drafter.model is engine.drafter.model
+
+
+def test_quantized_self_draft_leaves_the_target_as_loaded(tokenizer, target) -> None:
+    before = {name: p.detach().clone() for name, p in target.named_parameters()}
+    config = make_config(method="draft_model", model="target", quantization="int4", num_speculative_tokens=3)
+    engine = Engine(config, target=target, tokenizer=tokenizer)
+    twin = engine.drafter.model  # the lean forward over the quantized twin (decoding.lean_forward)
+    assert twin is not target and twin is not engine.target and twin.inner is not target
+    assert twin.compiled is not None  # its layers compiled (decoding.compiled_layers): what the engine tests run
+    quantized_layers = [m for m in twin.modules() if isinstance(m, torch.nn.Linear) and "forward" in vars(m)]
+    assert len(quantized_layers) == sum(isinstance(m, torch.nn.Linear) for m in target.modules())
+    assert not any("forward" in vars(m) for m in target.modules() if isinstance(m, torch.nn.Linear))
+    assert all(torch.equal(p, before[name]) for name, p in target.named_parameters())
+    ids = torch.tensor([tokenizer("abc abc abc").input_ids])
+    with torch.no_grad():  # a close twin (0.64 here, on random weights; chance is 1/31), not another model
+        agree = (twin.inner(ids).logits.argmax(-1) == target(ids).logits.argmax(-1)).float().mean()
+    assert agree >= 0.5
+
+
+def test_a_self_draft_drafts_in_the_target_cache(tokenizer, target) -> None:
+    """The self-draft reads and writes the target's cache: no prefill through the quantized twin, no catch-up
+    forward of tokens committed while it did not draft, and rows join and leave once."""
+    config = make_config(method="draft_model", model="target", quantization="int4", num_speculative_tokens=3,
+                         batch_size=3, length_policy="static", sampling={"max_tokens": 20, "ignore_eos": True})
+    engine = Engine(config, target=target, tokenizer=tokenizer)
+    assert engine.drafter.cache is engine.cache
+    draft_tokens, draft_rows = [], []
+
+    def record(module, args, kwargs, out) -> None:  # the lean forward's args: ids [B, T], positions, metadata
+        draft_rows.append(args[0].shape[0])
+        draft_tokens.append(args[0].shape[1])
+
+    engine.drafter.model.register_forward_hook(record, with_kwargs=True)
+
+    for i, prompt in enumerate(PROMPTS[:3]):
+        engine.add_request(Request(id=str(i), prompt=prompt))
+    engine._admit(engine.scheduler.admit(), {})
+    assert not draft_tokens  # no prefill forward through the quantized twin
+    assert engine.cache.active == 3
+    finished = {}
+
+    def step() -> None:
+        finished.update({r.id: r for r in engine.step().finished})
+
+    engine.policy.plan = lambda ids: torch.zeros(len(ids), dtype=torch.long)  # plain steps: nothing drafted
+    step(), step()
+    assert not draft_tokens
+    # Most rows, not all, drafting: the draft runs over the whole batch (a slice read in place, nothing gathered).
+    engine.policy.plan = lambda ids: torch.tensor([3, 1, 0])
+    assert SOME_ROWS_MAX_SHARE * 3 < 2  # two of three rows draft: more than the share
+    step()
+    assert draft_rows[0] == 3
+    assert engine.cache.active == 3
+    engine.policy.plan = lambda ids: torch.full((len(ids),), 3)
+    draft_tokens.clear(), draft_rows.clear()
+    step()
+    assert draft_tokens == [1, 1, 1]  # the root alone, then one token per level: no backlog fed again
+    assert draft_rows == [3, 3, 3]
+    # Few rows drafting are forwarded alone: the draft runs over the middle row's entries only.
+    engine.policy.plan = lambda ids: torch.tensor([0, 2, 0][: len(ids)])
+    draft_rows.clear()
+    step()
+    assert draft_rows == [1, 1]
+    while engine.has_unfinished():
+        step()
+    assert engine.cache.active == 0
+    plain = Engine(make_config(sampling={"max_tokens": 20, "ignore_eos": True}), target=target, tokenizer=tokenizer)
+    expected = plain.generate([Request(id=str(i), prompt=p) for i, p in enumerate(PROMPTS[:3])])
+    assert all(finished[r.id].token_ids == r.token_ids for r in expected)
+
+
+def test_lookup_siblings_belong_to_a_model_tree() -> None:
+    assert make_config(method="ngram", ngram_candidates=1).speculative.ngram_candidates == 0
+    assert make_config(method="none", ngram_candidates=2).speculative.ngram_candidates == 0
+    assert make_config(method="draft_model", ngram_candidates=2).speculative.ngram_candidates == 2
+    default = Config().speculative  # the zero-training default: the target drafting for itself in int4
+    assert (default.model, default.quantization, default.method) == ("target", "int4", "draft_model")
+    assert make_config(method="draft_model", model="some/draft").speculative.quantization is None
