@@ -1,6 +1,6 @@
-"""Drafters (decoding/drafters.py): a stop ends drafting without a wasted forward, a self-draft drafts in the
-target's cache and leaves the target as loaded, a draft over a vocabulary subset stays lossless, lookup siblings
-join a model's tree only."""
+"""Drafters (decoding/drafters.py): n-gram lookup on literal token arrays, and what the model drafters promise: a
+stop ends drafting without a wasted forward, a self-draft drafts in the target's cache and leaves the target as
+loaded, a draft over a vocabulary subset stays lossless, lookup siblings join a model's tree only."""
 
 from __future__ import annotations
 
@@ -9,8 +9,79 @@ import torch
 from engine_cases import PROMPTS, make_config, run
 
 from decoding import Config, Engine, Request
-from decoding.drafters import SOME_ROWS_MAX_SHARE
+from decoding.drafters import SOME_ROWS_MAX_SHARE, DraftInputs, NgramDrafter
 from decoding.signal_head import DraftSignalMLP
+from decoding.tree import TreeTopology
+
+
+# -------------------------------------------------------------------------------------------------------- n-gram lookup
+def test_the_longest_matching_suffix_is_continued_first() -> None:
+    """The 3-gram [4, 2, 3] continues with 5 before the more recent 2-gram [2, 3] continues with 6; a shorter
+    suffix whose continuation starts like an earlier candidate's adds nothing."""
+    context = [4, 2, 3, 5, 1, 2, 3, 6, 0, 4, 2, 3]
+    assert NgramDrafter(max_ngram=3).continuations(context, depth=2, width=2) == [[5, 1], [6, 0]]
+    assert NgramDrafter(max_ngram=3).continuations(context, depth=2, width=1) == [[5, 1]]
+    # Up to 2-grams only: the most recent occurrence of [2, 3] first.
+    assert NgramDrafter(max_ngram=2).continuations(context, depth=2, width=2) == [[6, 0], [5, 1]]
+
+
+def test_the_most_recent_occurrence_is_continued_first() -> None:
+    context = [1, 5, 1, 6, 1, 7, 1]
+    assert NgramDrafter().continuations(context, depth=1, width=3) == [[7], [6], [5]]
+    assert NgramDrafter().continuations(context, depth=1, width=2) == [[7], [6]]
+
+
+def test_candidates_start_with_distinct_tokens() -> None:
+    """The oldest [1] continues with 2 as a more recent one does: no second candidate, so fewer than ``width``."""
+    context = [1, 2, 1, 2, 1, 3, 1]
+    assert NgramDrafter().continuations(context, depth=3, width=3) == [[3, 1], [2, 1, 3]]
+
+
+def test_continuations_stop_at_the_depth_and_at_the_context_s_end() -> None:
+    context = [1, 2, 3, 1, 2]  # [1, 2] occurred at the start: 3, 1, 2 follow it, and then the context ends
+    assert NgramDrafter().continuations(context, depth=2, width=1) == [[3, 1]]
+    assert NgramDrafter().continuations(context, depth=5, width=1) == [[3, 1, 2]]
+
+
+def test_suffixes_shorter_than_min_ngram_or_unseen_propose_nothing() -> None:
+    assert NgramDrafter(min_ngram=1).continuations([1, 2, 3, 1], depth=3, width=2) == [[2, 3, 1]]
+    assert NgramDrafter(min_ngram=2).continuations([1, 2, 3, 1], depth=3, width=2) == []
+    assert NgramDrafter().continuations([1, 2, 3, 4], depth=3, width=2) == []
+    assert NgramDrafter().continuations([5], depth=3, width=2) == []
+    assert NgramDrafter().continuations([], depth=3, width=2) == []
+
+
+def _ngram_inputs(topology: TreeTopology, contexts: list[list[int]], roots: list[list[int]],
+                  root_valid: list[list[bool]], depths: list[int]) -> DraftInputs:
+    """Draft inputs as the engine hands them to a host drafter; n-gram lookup reads no warp, randomness or stop."""
+    roots_tensor = torch.tensor(roots)
+    return DraftInputs(
+        contexts=contexts, roots=roots_tensor, root_valid=torch.tensor(root_valid), pending=roots_tensor[:, 0],
+        depths=torch.tensor(depths), topology=topology, warp=None, greedy=torch.ones(len(roots), dtype=torch.bool),
+        generators=[], replacement=False, stop=None,
+    )
+
+
+def test_lookup_places_candidate_k_of_level_l_at_its_tree_node() -> None:
+    """Each row continues context + pending token; candidate k's l-th token sits at ``level_slice(l).start + k``,
+    and the tree is cut to the deepest level any row filled."""
+    topology = TreeTopology(num_candidates=2, max_depth=3, root_width=1)
+    inputs = _ngram_inputs(topology, [[4, 2, 3, 5, 1, 2], [7, 7, 7], [9, 8]], [[3], [7], [8]], [[True]] * 3,
+                           [2, 1, 0])
+    draft = NgramDrafter().propose(inputs)
+    assert draft.depth == 2 and draft.draft_probs is None  # deterministic proposals
+    assert draft.tokens.tolist() == [[3, 5, 0, 1, 0], [7, 7, 0, 0, 0], [8, 0, 0, 0, 0]]
+    assert draft.valid.int().tolist() == [[1, 1, 0, 1, 0], [1, 1, 0, 0, 0], [1, 0, 0, 0, 0]]
+
+
+def test_lookup_continues_each_target_initialized_root_alone() -> None:
+    topology = TreeTopology(num_candidates=2, max_depth=2, root_width=2)
+    inputs = _ngram_inputs(topology, [[3, 9, 6, 8, 1]] * 2, [[3, 6], [3, 6]], [[True, True], [True, False]], [2, 2])
+    draft = NgramDrafter().propose(inputs)
+    assert draft.depth == 2
+    assert draft.tokens.tolist() == [[3, 6, 9, 8, 6, 1], [3, 6, 9, 0, 6, 0]]
+    assert draft.valid.int().tolist() == [[1, 1, 1, 1, 1, 1], [1, 0, 1, 0, 1, 0]]
+
 
 # --------------------------------------------------------------------------------------------------------- model drafts
 

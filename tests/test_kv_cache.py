@@ -133,3 +133,35 @@ def test_a_request_larger_than_the_pool_is_an_error_result() -> None:
                                     "sampling": {"max_tokens": 100}})
     result = Engine(config, target=target, tokenizer=tokenizer).generate([Request(id="x", prompt="abc")])[0]
     assert result.finish_reason == "error" and "KV cache positions" in result.error
+
+
+def test_commit_moves_every_layer_s_entries_across_blocks() -> None:
+    """Accepted nodes that sit in the row's next block move back into the block before it, in every layer, keys and
+    values alike; a row whose path is its chain moves nothing."""
+    cache = PagedKVCache(CacheShape(2, 1, 4), num_blocks=6, max_rows=2, max_positions=32, block_size=16)
+    rows = cache.add_rows([32, 32])
+    cache.ensure(rows, [32, 32])
+
+    def locate(row: int, position: int) -> tuple[int, int]:
+        return divmod(cache.slot_of(row, position), cache.block_size)
+
+    for row in range(2):
+        for position in range(32):
+            block, offset = locate(row, position)
+            for layer in range(2):
+                cache.keys[layer, block, 0, :, offset] = 1000 * layer + 100 * row + position
+                cache.values[layer, block, 0, offset, :] = 1000 * layer + 100 * row + position
+    cache.advance(rows, [14, 3])
+    # Row 0 keeps nodes 0, 3, 5 (positions 14, 17, 19) as positions 14, 15, 16; row 1 keeps its root alone.
+    cache.commit(rows, torch.tensor([[0, 3, 5], [0, 0, 0]]), [3, 1])
+    assert cache.host_lengths[:2] == [17, 4]
+
+    def read(row: int, layer: int, positions: range) -> list[tuple[int, int]]:
+        return [(int(cache.keys[layer, block, 0, 0, offset]), int(cache.values[layer, block, 0, offset, 0]))
+                for block, offset in (locate(row, position) for position in positions)]
+
+    for layer in range(2):
+        expected = [1000 * layer + position for position in [*range(15), 17, 19]]
+        assert read(0, layer, range(17)) == list(zip(expected, expected))
+        expected = [1000 * layer + 100 + position for position in range(4)]
+        assert read(1, layer, range(4)) == list(zip(expected, expected))
