@@ -1,4 +1,5 @@
-"""The one configuration model of specbatch (SPEC "Configuration"), loadable from YAML with CLI overrides."""
+"""The one configuration model of specbatch, loadable from YAML with CLI overrides (docs/reference.md lists its
+fields)."""
 
 from __future__ import annotations
 
@@ -27,8 +28,8 @@ class _Strict(BaseModel):
 class SpeculativeConfig(_Strict):
     method: Literal["none", "ngram", "draft_model"] = "draft_model"
     # The default needs no training and serves any target: the target drafts for itself through an int4 copy of
-    # its weights (README "Performance": on chat prompts a lookup sibling beside it cost 10% at batch 1, on code
-    # and news it changed little, so it is left out by default). A trained draft is a path or
+    # its weights (on chat prompts a lookup sibling beside it cost 10% at batch 1, on code and news it changed
+    # little, so it is left out by default). A trained draft is a path or
     # the alias `specbatch train-draft` makes (smollm2-135m-instruct-draft; without it the engine falls back to
     # ngram with a warning, models.resolve_draft).
     model: str | None = Field("target", description="draft model path or alias, or 'target' (self-draft)")
@@ -212,7 +213,7 @@ class SamplingParams(_Strict):
     top_k: int = Field(0, ge=-1, lt=2**63, description="0 or -1 (vLLM) disables top-k")
     max_tokens: int = Field(256, ge=1, le=1_000_000)
     min_tokens: int = Field(0, ge=0, le=1_000_000, description="EOS and stop_token_ids are banned until this many")
-    # Config: the run seed (null = fresh randomness); per row: that row's own seed (SPEC "Decoding semantics").
+    # Config: the run seed (null = fresh randomness); per row: that row's own seed (vLLM's semantics).
     seed: int | None = Field(None, ge=0, lt=2**63)
     stop: list[_STOP] = Field(default_factory=list, max_length=MAX_STOPS)
     stop_token_ids: list[_TOKEN_ID] = Field(default_factory=list, max_length=MAX_STOP_TOKEN_IDS)

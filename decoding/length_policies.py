@@ -195,7 +195,7 @@ class OnlinePolicy(LengthPolicy):
     option if it beats plain decoding by ``margin`` (the cost model's error), and probes one level deeper now and
     then (within ``probe_budget`` of the time) to keep the deeper rates fresh and to come back from depth 0.
 
-    Reproducible seeded sampling (SPEC): a row marked ``fixed`` (T > 0 with a seed) decides from its own past
+    Reproducible seeded sampling: a row marked ``fixed`` (T > 0 with a seed) decides from its own past
     acceptance, a fixed prior instead of the batch's rates, the calibration alone (cached per machine) for costs,
     the engine's full batch for rows, and its own step count for probes: nothing timed, nothing of other rows.
     """

@@ -1,4 +1,4 @@
-"""Weight-only quantization of a draft (SPEC "Models": ``speculative.quantization: int4 | int8``).
+"""Weight-only quantization of a draft (``speculative.quantization: int4 | int8``).
 
 A quantized copy of a model reads its linear layers through torch's weight-only kernels, the path gpt-fast uses:
 int4 groupwise (``aten._weight_int4pack_mm_for_cpu`` on CPU, ``aten._weight_int4pack_mm`` on CUDA) and int8 per

@@ -194,9 +194,9 @@ class EngineError(ValueError):
 
 
 def encode_request(tokenizer: PreTrainedTokenizerBase, request: Request) -> tuple[str, list[int]]:
-    """Prompt text and token ids (SPEC "Input"): ``prompt`` exactly as ``tokenizer(prompt)`` does, ``messages``
-    through the chat template (the request's or the tokenizer's) with the generation prompt unless the request
-    continues its final message, or ``prompt_token_ids`` as given."""
+    """Prompt text and token ids (docs/reference.md, "Input"): ``prompt`` exactly as ``tokenizer(prompt)`` does,
+    ``messages`` through the chat template (the request's or the tokenizer's) with the generation prompt unless the
+    request continues its final message, or ``prompt_token_ids`` as given."""
     if request.prompt_token_ids is not None:
         ids = [int(t) for t in request.prompt_token_ids]
         return (request.prompt if isinstance(request.prompt, str) else tokenizer.decode(ids)), ids

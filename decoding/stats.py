@@ -1,4 +1,4 @@
-"""The acceptance metrics, defined once (SPEC "Output directory", ``spec_decode``), in vLLM's vocabulary.
+"""The acceptance metrics, defined once, in vLLM's vocabulary (``spec_decode`` in docs/reference.md).
 
 Every place that reports speculation (engine results, output rows, ``summary.json``, the report, the server's
 ``metrics``, Prometheus, the benchmark, eval_draft) builds a ``SpecDecodeStats`` and reads its fields, so the

@@ -1,1 +1,1 @@
-"""Ray Serve deployment of the engine: an OpenAI-compatible HTTP endpoint (SPEC "HTTP"); see docs/serve.md."""
+"""Ray Serve deployment of the engine: an OpenAI-compatible HTTP endpoint (docs/reference.md, docs/serve.md)."""

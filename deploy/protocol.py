@@ -1,4 +1,4 @@
-"""OpenAI-shaped request and response models of the HTTP endpoint (SPEC "HTTP").
+"""OpenAI-shaped request and response models of the HTTP endpoint (docs/reference.md, "HTTP API").
 
 Requests are validated strictly (``"10"`` is not a number, unknown fields are rejected) so that a client
 mistake is a 400 with the offending parameter named, never a silently different generation.
@@ -286,7 +286,7 @@ class Usage(BaseModel):
 
 
 class SpecDecodeMetrics(BaseModel):
-    """The ``spec_decode`` struct of SPEC's output rows over the response's choices (``decoding.stats``)."""
+    """The ``spec_decode`` struct of the output rows over the response's choices (``decoding.stats``)."""
 
     num_spec_steps: int
     num_draft_tokens: int

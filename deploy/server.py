@@ -1,4 +1,4 @@
-"""The OpenAI-compatible HTTP endpoint (SPEC "HTTP") as a Ray Serve application.
+"""The OpenAI-compatible HTTP endpoint (docs/reference.md, "HTTP API") as a Ray Serve application.
 
 Each replica owns one ``Engine`` driven as a continuous batch by ``EngineLoop``; this module only translates
 between OpenAI's wire format and engine requests/results. Entry points:

@@ -33,7 +33,7 @@ def parse_with_config(
 ) -> tuple[argparse.Namespace, Config]:
     """Parse known options; every other ``--a.b VALUE`` overrides a config field (over ``defaults``, a job's own
     dotted defaults). Exits 2 on a bad config."""
-    parser.add_argument("--config", help="YAML config file (fields of SPEC's configuration)")
+    parser.add_argument("--config", help="YAML config file (fields: docs/reference.md)")
     args, unknown = parser.parse_known_args(argv)
     try:
         config = load_config(args.config, {**(defaults or {}), **split_overrides(unknown)})

@@ -1,4 +1,4 @@
-"""Throughput of the batch pipeline against calling the engine directly (issue 3's acceptance numbers).
+"""Throughput of the batch pipeline against calling the engine directly (docs/performance.md).
 
 64 XSum articles as "Summarize the following article in one sentence: ..." chat prompts, batch_size 8, the
 default model and speculative configuration: ``Engine.generate`` in this process, then ``pipeline.run`` with

@@ -55,7 +55,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m jobs.scale_out", description=__doc__.split("\n")[0])
     parser.add_argument("--rows", type=int, default=64)
     parser.add_argument("--nodes", default="1,2", help="cluster sizes to run, comma-separated")
-    parser.add_argument("--input", help="prompt file (SPEC Input); default: --rows XSum chat prompts")
+    parser.add_argument("--input", help="prompt file (Parquet, JSONL or CSV); default: --rows XSum chat prompts")
     parser.add_argument("--data", type=Path, default=XSUM, help="JSONL with id and document (XSum)")
     parser.add_argument("--json", action="store_true", help="also print each run's result as a JSON line")
     args, config = parse_with_config(parser, sys.argv[1:] if argv is None else argv, DEFAULTS)

@@ -1,4 +1,4 @@
-"""``specbatch serve``: the OpenAI-compatible endpoint (SPEC "HTTP") on Ray Serve, until SIGTERM or SIGINT.
+"""``specbatch serve``: the OpenAI-compatible endpoint (docs/reference.md) on Ray Serve, until SIGTERM or SIGINT.
 
 On the first signal the server drains (``deploy.drain``): new requests get 503, the requests in flight finish
 within ``graceful_shutdown_timeout_s``, the rest are ended cleanly; then Serve shuts down, and so does the Ray

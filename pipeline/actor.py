@@ -62,7 +62,7 @@ class RowFailed(RuntimeError):
 
 
 def request_from_row(key: str, row: dict[str, Any], engine: Engine, options: RowOptions = RowOptions()) -> Request:
-    """An input row (SPEC "Input") as an engine request; ``RequestError`` when it cannot be one. Rows are
+    """An input row (docs/reference.md, "Input") as an engine request; ``RequestError`` when it cannot be one. Rows are
     validated as the server validates its requests (frontend.requests), sampling parameters with every bound and
     against the model; the engine itself rejects what only tokenizing shows: empty or over-long prompts."""
     if row.get(READ_ERROR):

@@ -1,7 +1,7 @@
-"""Reading prompt datasets (SPEC "Input"): Parquet, JSONL or CSV; a file, a directory or a glob, on any filesystem
+"""Reading prompt datasets (docs/reference.md): Parquet, JSONL or CSV; a file, a directory or a glob, on any filesystem
 pyarrow knows (a local path, s3://, gs://, hdfs://, ...).
 
-Ray Data's stock readers cannot tell a row's position in its file, which SPEC's derived ids need, and
+Ray Data's stock readers cannot tell a row's position in its file, which the derived ids need, and
 pyarrow's JSON reader rejects a whole file when one row has a value of another type. So the files are
 read by a small ``FileBasedDatasource`` (Ray Data's reader base class: listing, parallel read tasks,
 retries) that numbers rows and turns undecodable rows into per-row errors instead of failing the read.

@@ -1,4 +1,4 @@
-"""The batch generation job: input files -> Ray Data -> engine actors -> output directory (SPEC "Output directory").
+"""The batch generation job: input files -> Ray Data -> engine actors -> output directory (docs/reference.md).
 
 ``specbatch generate`` is the processor of ``build_processor`` between a reader that numbers rows and skips the
 finished ones, and a datasink whose write tasks write the parts on the workers: no output row passes through

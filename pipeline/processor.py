@@ -1,5 +1,5 @@
 """``build_processor``: the engine as a stage of one's own Ray Data pipeline, with Ray Data LLM's semantics
-(SPEC "Python API").
+(docs/reference.md, "Python API").
 
     processor = build_processor(ProcessorConfig(model_source="smollm2-135m-instruct", batch_size=32),
                                 preprocess=lambda row: {"messages": [{"role": "user", "content": row["question"]}]},
@@ -7,7 +7,7 @@
     ds = processor(ray.data.read_parquet("s3://bucket/questions/"))
 
 Rows as Ray Data LLM treats them: what ``preprocess`` returns is merged into the input row, so every input column
-reaches ``postprocess``; the engine adds SPEC's output columns (no ``id`` needed, none added); rows that end in
+reaches ``postprocess``; the engine adds the output columns (no ``id`` needed, none added); rows that end in
 ``finish_reason: "error"`` bypass ``postprocess``. ``config`` is a ``ProcessorConfig`` (Ray Data LLM's
 ``vLLMEngineProcessorConfig`` fields) or a ``Config`` (specbatch's own).
 """
@@ -158,7 +158,7 @@ def build_processor(
     ``Config``, its dict form or a YAML file (specbatch's own; the engine's ``batch_size`` then sets the Ray
     batches too). ``preprocess`` maps a user row to the columns to add: ``prompt`` or ``messages``, optionally
     ``sampling_params`` and the chat template options; its output is merged into the row. ``postprocess`` maps
-    each output row (the input columns, SPEC's output columns) to the row to keep; rows whose ``finish_reason`` is
+    each output row (the input columns, the output columns) to the row to keep; rows whose ``finish_reason`` is
     "error" bypass it. ``builder_kwargs``: ``chat_template_kwargs`` for every row, as Ray Data LLM's.
 
     Errors: a ``ProcessorConfig`` has Ray Data LLM's ``should_continue_on_error`` (default false: a row that

@@ -1,8 +1,8 @@
-"""``specbatch report``: summary table and PNG charts of an output directory (SPEC "Output directory").
+"""``specbatch report``: summary table and PNG charts of an output directory (docs/reference.md, "Output directory").
 
 Reads ``outputs/*.parquet`` and ``token_stats/*.parquet`` (plus ``summary.json`` when present) with pyarrow only,
 on any filesystem pyarrow knows (a local path, ``s3://``, ``gs://``, ``hdfs://``: wherever the pipeline writes),
-so it works on any directory that follows the SPEC's schema, whoever wrote it. Writes ``report.html`` with the
+so it works on any directory that follows that schema, whoever wrote it. Writes ``report.html`` with the
 charts under ``report_files/`` (through the same filesystems); the same summary is returned as text.
 
 Definitions (all over successful rows):
@@ -62,7 +62,7 @@ def _read_parquet_dir(fs: pafs.FileSystem, path: str, columns: list[str]) -> Any
     table = pq.read_table(files, filesystem=fs)
     missing = [c for c in columns if c not in table.column_names]
     if missing:
-        raise ValueError(f"{path} lacks column(s) {missing} required by the SPEC's output schema")
+        raise ValueError(f"{path} lacks column(s) {missing} required by the output schema")
     extra = [c for c in ("target_model", "draft_model") if c in table.column_names]
     return table.select(columns + extra)
 

@@ -1,4 +1,4 @@
-"""The explicit Arrow schemas of an output directory (SPEC "Output directory") and the tables built on them."""
+"""The explicit Arrow schemas of an output directory (docs/reference.md) and the tables built on them."""
 
 from __future__ import annotations
 
@@ -95,7 +95,7 @@ def _output_row(result: GenerationResult) -> dict[str, Any]:
 def output_block(
     inputs: pa.Table, results: list[GenerationResult], provenance: dict[str, str | None], token_stats: bool = True
 ) -> pa.Table:
-    """SPEC's output columns for ``results`` (one per input row, same order), carried-through input
+    """The output columns for ``results`` (one per input row, same order), carried-through input
     columns after them, and with ``token_stats`` the nested token statistics. ``id`` only where the input has
     one (build_processor needs none), first and of the input's type (the job's reader makes it a string)."""
     rows = [{**_output_row(result), **provenance} for result in results]

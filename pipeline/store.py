@@ -1,4 +1,4 @@
-"""The output directory (SPEC "Output directory") on any filesystem pyarrow knows, written by Ray Data write tasks.
+"""The output directory (docs/reference.md) on any filesystem pyarrow knows, written by Ray Data write tasks.
 
 Object stores have no atomic rename, so a part is committed by a marker instead: a write task writes
 ``token_stats/<part>.parquet``, then ``outputs/<part>.parquet``, then ``_commits/<part>.json``, a small file

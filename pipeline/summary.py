@@ -1,4 +1,4 @@
-"""``summary.json``: aggregate metrics of an output directory, in vLLM's vocabulary (SPEC "Output directory").
+"""``summary.json``: aggregate metrics of an output directory, in vLLM's vocabulary (docs/reference.md).
 
 Each part's sums are computed by the write task that writes it and stored in its commit marker
 (``part_stats``); the summary adds the markers up. So it is computed from what was written, costs the driver

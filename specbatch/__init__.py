@@ -1,6 +1,6 @@
 """specbatch: distributed batch generation with lossless multi-candidate speculative decoding.
 
-The public Python API (SPEC "Python API"), re-exported from the four rooms where it lives::
+The public Python API (docs/reference.md, "Python API"), re-exported from the four rooms where it lives::
 
     import ray
     import specbatch

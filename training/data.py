@@ -12,7 +12,7 @@ from transformers import PreTrainedTokenizerBase
 
 
 class PromptSource(BaseModel):
-    """One prompt file. Rows carry ``prompt`` (raw text) or ``messages`` (chat), as in SPEC's input format;
+    """One prompt file. Rows carry ``prompt`` (raw text) or ``messages`` (chat), as in the job's input;
     ``template`` instead formats any row fields (``"Summarize ...: {document}"``) into a prompt."""
 
     model_config = ConfigDict(extra="forbid")
