@@ -1,4 +1,4 @@
-"""No row or file stops a job (issue 16 point 5): each kind of bad input becomes error rows naming the row or
+"""No row or file stops a job: each kind of bad input becomes error rows naming the row or
 file and the reason, the job exits 0, and every good row beside it is generated.
 
 One `specbatch generate` run over a directory holding one file (or a few) per case; each test checks its case:

@@ -1,4 +1,4 @@
-"""Several nodes (issue 16 point 3): a Ray cluster of two one-CPU nodes on this machine
+"""Several nodes: a Ray cluster of two one-CPU nodes on this machine
 (``ray.cluster_utils.Cluster``, through ``jobs.scale_out``): both nodes' actors produce parts, every row once."""
 
 from __future__ import annotations

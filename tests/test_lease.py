@@ -1,4 +1,4 @@
-"""Two drivers, one output directory (issue 16 point 6): a live run's lease refuses a second run; a killed run's
+"""Two drivers, one output directory: a live run's lease refuses a second run; a killed run's
 lease does not hold the directory (dead process on this host at once, elsewhere once it expires)."""
 
 from __future__ import annotations

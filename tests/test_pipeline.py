@@ -1,4 +1,4 @@
-"""The Ray Data batch job (issue 3) on a local Ray cluster with tiny models: schema, error rows, resume,
+"""The Ray Data batch job on a local Ray cluster with tiny models: schema, error rows, resume,
 killed drivers and actors, concurrency, and `ray job submit`."""
 
 from __future__ import annotations
@@ -93,7 +93,7 @@ def test_outputs_follow_spec_schema_one_row_per_input(one_actor_run, mixed_input
     outputs = pq.read_table(out / "outputs")
     expected_ids = [json.loads(line)["id"] for line in mixed_input.read_text().splitlines()]
     assert sorted(outputs["id"].to_pylist()) == sorted(expected_ids)
-    # SPEC columns with SPEC types first, then the carried-through input columns.
+    # The output columns with their types first, then the carried-through input columns.
     assert outputs.schema.names[: len(OUTPUT_SCHEMA)] == OUTPUT_SCHEMA.names
     for field in OUTPUT_SCHEMA:
         assert outputs.schema.field(field.name).type == field.type, field.name
@@ -140,7 +140,7 @@ def test_token_stats_agree_with_outputs_and_summary(one_actor_run):
         assert drafted[i] == spec["num_draft_tokens"] == sum(row["per_step_drafted"])
         assert accepted[i] == spec["num_accepted_draft_tokens"] == sum(row["per_step_accepted"])
         assert accepted[i] == sum(row["token_accepted"])
-        if row["finish_reason"] != "error":  # SPEC: spec steps are the verification steps that drafted
+        if row["finish_reason"] != "error":  # spec steps are the verification steps that drafted
             assert spec["num_spec_steps"] == sum(1 for d in row["per_step_drafted"] if d)
             assert sum(spec["acceptance_histogram"]) == spec["num_spec_steps"]
             if spec["num_spec_steps"]:

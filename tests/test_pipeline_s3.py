@@ -1,4 +1,4 @@
-"""The job on an S3-compatible object store (issue 16): moto's server on 127.0.0.1, pyarrow's real S3 client.
+"""The job on an S3-compatible object store: moto's server on 127.0.0.1, pyarrow's real S3 client.
 
 Input, output directory and model paths are ``s3://`` URIs; the driver is killed midway and the run resumed, and
 ``specbatch report`` reads the result there; unknown schemes and missing buckets are refused by name."""

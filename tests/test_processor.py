@@ -1,8 +1,8 @@
-"""``specbatch.build_processor`` (SPEC "Python API"): user rows in, user columns plus SPEC's output columns out,
+"""``specbatch.build_processor`` (docs/reference.md): user rows in, user columns plus the output columns out,
 no id needed, no internal columns, token statistics opt-in; Ray Data LLM's row semantics (preprocess merged into
 the row, error rows bypassing postprocess, should_continue_on_error) and its config (``ProcessorConfig``, its
-documented example ported by changing the import and the class); and docs/generate.md's example, run as
-written."""
+documented example ported by changing the import and the class); and the examples of docs/generate.md and the
+README, run as written."""
 
 from __future__ import annotations
 
@@ -82,6 +82,19 @@ def test_docs_example_runs_as_written(ray_cluster, config, tmp_path):
     assert all(set(row) == {"topic", "answer", "accepted_draft_tokens"} for row in answers)
     assert "'topic': 'geography'" in done.stdout
 
+
+
+@pytest.mark.real_model
+def test_readme_example_runs_as_written(ray_cluster, tmp_path):
+    """The README's Python example, unchanged: the default configuration on the embedded model."""
+    readme = (REPO / "README.md").read_text()
+    example = re.search(r"```python\n(.*?)```", readme, re.S).group(1)
+    env = {**os.environ, "RAY_ADDRESS": ray_cluster.get_runtime_context().gcs_address}
+    done = subprocess.run([sys.executable, "-c", example], cwd=tmp_path, env=env, capture_output=True, text=True,
+                          timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "'text': 'The capital of France is'" in done.stdout
+    assert "'finish_reason': 'error'" not in done.stdout and "'generated_text':" in done.stdout
 
 # Ray Data LLM's documented example (python/ray/data/llm.py, vLLMEngineProcessorConfig), with the import and the
 # config class changed and the model one this machine has.

@@ -1,4 +1,4 @@
-"""specbatch report on output directories written exactly per SPEC's schema from real engine results."""
+"""specbatch report on output directories written exactly per the output schema from real engine results."""
 
 from __future__ import annotations
 
@@ -40,7 +40,7 @@ STAT_FIELDS = ["step", "depth", "candidate", "token_id", "draft_prob", "target_p
 
 
 def write_output_dir(directory: Path, results: list[GenerationResult], config: Config, wall: float) -> None:
-    """An output directory as SPEC describes it, two files per folder (as several actors would write)."""
+    """An output directory as docs/reference.md describes it, two files per folder (as several actors would write)."""
     for folder in ("outputs", "token_stats"):
         (directory / folder).mkdir(parents=True)
     half = (len(results) + 1) // 2

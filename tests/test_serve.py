@@ -117,7 +117,7 @@ def test_completion_matches_engine(client, config, reference, tokenizer):
         "total_tokens": prompt_tokens + completion_tokens,
     }
     spec = body["metrics"]["speculative_decoding"]
-    assert spec == expected.spec_decode  # SPEC's definitions, computed in one place (decoding.stats)
+    assert spec == expected.spec_decode  # one definition, computed in one place (decoding.stats)
     assert spec["num_spec_steps"] == sum(1 for drafted in expected.per_step_drafted if drafted) > 0
     accepted, steps = spec["num_accepted_draft_tokens"], spec["num_spec_steps"]
     assert spec["mean_acceptance_length"] == pytest.approx(1 + accepted / steps)

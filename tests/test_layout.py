@@ -1,0 +1,120 @@
+"""The repository's shape: imports run one way between the packages, the README's commands are the console
+script's, and the docs and code describe the product as it is (no work history, no document outside the
+repository)."""
+
+from __future__ import annotations
+
+import ast
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+PACKAGES = ["decoding", "frontend", "pipeline", "deploy", "jobs", "bench", "training", "specbatch", "tools"]
+
+# What each package must never import (its own top-level name or a submodule of it).
+FORBIDDEN = {
+    "decoding": {"ray", "frontend", "pipeline", "deploy", "jobs", "bench", "training", "specbatch", "tools"},
+    "frontend": {"pipeline", "deploy", "jobs", "bench", "training", "specbatch", "tools"},
+    "pipeline": {"deploy", "jobs", "bench", "training", "specbatch", "tools"},
+    "deploy": {"pipeline", "jobs", "bench", "training", "specbatch", "tools"},
+    "bench": {"pipeline", "deploy", "jobs", "training", "specbatch", "tools"},
+    "training": {"pipeline", "deploy", "jobs", "bench", "specbatch", "tools"},
+}
+
+
+def imported_modules(path: Path) -> list[tuple[int, str]]:
+    """Every absolute import of a file, at any depth (function-level imports included), with its line."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            found += [(node.lineno, alias.name) for alias in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            found.append((node.lineno, node.module))
+        elif (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
+              and node.func.attr == "import_module" and node.args and isinstance(node.args[0], ast.Constant)):
+            found.append((node.lineno, str(node.args[0].value)))
+    return found
+
+
+def import_violations(package: str, forbidden: set[str]) -> list[str]:
+    return [f"{path.relative_to(REPO)}:{line} imports {module}"
+            for path in sorted((REPO / package).rglob("*.py"))
+            for line, module in imported_modules(path) if module.split(".")[0] in forbidden]
+
+
+@pytest.mark.parametrize("package", sorted(FORBIDDEN))
+def test_imports_run_one_way(package: str) -> None:
+    assert (REPO / package / "__init__.py").is_file()
+    assert import_violations(package, FORBIDDEN[package]) == []
+
+
+def test_the_import_check_finds_imports_at_any_depth(tmp_path: Path) -> None:
+    module = tmp_path / "example.py"
+    module.write_text("import os\n\ndef f():\n    from ray.data import Dataset\n    import pipeline.job as job\n"
+                      "    return importlib.import_module('deploy.server')\n")
+    assert [name for _, name in imported_modules(module)] == ["os", "ray.data", "pipeline.job", "deploy.server"]
+
+
+def test_every_command_of_the_readme_is_the_console_script_s() -> None:
+    from jobs.cli import COMMANDS
+
+    script = Path(sys.executable).parent / "specbatch"
+    shown = subprocess.run([str(script), "--help"], capture_output=True, text=True, timeout=120, check=True).stdout
+    listed = re.findall(r"^  (\S+)\s", shown, re.M)
+    assert listed == list(COMMANDS)
+    readme = (REPO / "README.md").read_text()
+    table = readme[readme.index("## Commands"):readme.index("## Configuration")]
+    first_cells = [line.split(" | ")[0] for line in table.splitlines() if line.startswith("| `")]
+    named = [code.removeprefix("specbatch ").split()[0]
+             for cell in first_cells for code in re.findall("`([^`]*)`", cell)]
+    assert sorted(named) == sorted(COMMANDS)
+
+
+# Work history has no place in the product's text: issue numbers, rounds of work, dated logs, "superseded"
+# sections, or citations of a contract document the repository does not hold.
+HISTORY = [
+    (re.compile(r"\bissues? #?\d+", re.I), "an issue number"),
+    (re.compile(r"\b(first|second|third|fourth|fifth|sixth|seventh|eighth|ninth|tenth|eleventh|twelfth|"
+                r"thirteenth|last|this|next|previous|earlier|later) session\b", re.I), "a session of work"),
+    (re.compile(r"\bsuperseded\b", re.I), "a superseded section"),
+    (re.compile(r"^#+ .*\b20\d\d-\d\d-\d\d\b", re.M), "a dated section heading"),
+    (re.compile(r"\bSPEC\b|SPEC\.md"), "the contract document outside the repository"),
+]
+
+
+def product_text_files() -> list[Path]:
+    files = [REPO / "README.md", *sorted((REPO / "docs").rglob("*.md")), *sorted((REPO / "jobs" / "configs").glob("*"))]
+    for package in [*PACKAGES, "tests"]:
+        files += sorted(p for p in (REPO / package).rglob("*") if p.suffix in (".py", ".md", ".sh", ".cpp"))
+    return [path for path in files if path != Path(__file__).resolve()]  # this file's examples of history
+
+
+def history_in(text: str) -> list[str]:
+    found = []
+    for pattern, what in HISTORY:
+        for match in pattern.finditer(text):
+            line = text.count("\n", 0, match.start()) + 1
+            found.append(f"line {line}: {what} ({match.group(0).strip()!r})")
+    return found
+
+
+def test_docs_and_code_describe_the_product_not_its_history() -> None:
+    files = product_text_files()
+    assert REPO / "docs" / "reference.md" in files and REPO / "decoding" / "engine.py" in files
+    problems = [f"{path.relative_to(REPO)} {problem}" for path in files for problem in history_in(path.read_text())]
+    assert problems == []
+
+
+@pytest.mark.parametrize(("text", "found"), [
+    ("as issue 14 asks", True), ("Issue #3's numbers", True), ("in the twelfth session", True),
+    ("### Current engine, 2026-11-24 (CPU)", True), ("superseded by the table above", True),
+    ('(SPEC "Input")', True), ("see SPEC.md", True),
+    ("SPECBATCH_COMPILE=0", False), ("an HTTP session", False), ("spec_decode", False),
+    ("measured 2026-11-26 at commit 298f046", False), ("the issue is the cache", False),
+])
+def test_the_history_check_tells_history_from_product_text(text: str, found: bool) -> None:
+    assert bool(history_in(text)) == found
