@@ -176,10 +176,14 @@ def gather_rows(k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torc
                 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Positions [0, keys) of each row as dense [R, kv_heads, keys, D] keys and values (a copy)."""
     block_size = k_cache.shape[-1]
-    blocks = block_tables[:, : -(-keys // block_size)].long()  # [R, nb]
+    needed = -(-keys // block_size)
+    if block_tables.shape[1] < needed:  # keys past the table: the scratch block, masked by every caller
+        block_tables = torch.nn.functional.pad(block_tables, (0, needed - block_tables.shape[1]))
+    blocks = block_tables[:, :needed].long()  # [R, nb]
     k = k_cache[blocks].permute(0, 2, 1, 4, 3).flatten(2, 3)  # [R, H, nb * bs, D]
     v = v_cache[blocks].transpose(1, 2).flatten(2, 3)
-    return k[:, :, :keys], v[:, :, :keys]
+    # Contiguous: CUDA's memory-efficient SDPA refuses keys whose sequence stride is not aligned.
+    return k[:, :, :keys].contiguous(), v[:, :, :keys].contiguous()
 
 
 def visibility(meta: AttentionMetadata, keys: int) -> torch.Tensor:
@@ -210,8 +214,8 @@ def reference_attention(
     # Positions no query of a row sees may never have been written (a shorter row's tail): zero them, since a
     # masked weight times a NaN value is still NaN.
     seen = allowed.any(1)[:, None, :, None]  # [R, 1, L, 1]
-    dense_k = torch.where(seen, dense_k, 0).to(q.dtype)
-    dense_v = torch.where(seen, dense_v, 0).to(q.dtype)
+    dense_k = torch.where(seen, dense_k, 0).to(q.dtype).contiguous()
+    dense_v = torch.where(seen, dense_v, 0).to(q.dtype).contiguous()
     out = torch.nn.functional.scaled_dot_product_attention(
         q.view(rows, tokens // rows, heads, dim).transpose(1, 2), dense_k, dense_v, attn_mask=allowed[:, None],
         scale=scale, enable_gqa=True,

@@ -76,9 +76,12 @@ class PaddedInputs:
 
 
 def pad_rows_to(rows: int, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
-                logits_nodes: torch.Tensor, hidden_nodes: torch.Tensor | None) -> PaddedInputs:
+                logits_nodes: torch.Tensor, hidden_nodes: torch.Tensor | None, table_blocks: int | None = None,
+                ) -> PaddedInputs:
     """``input_ids``/``positions`` [B, T] and their metadata padded to ``rows`` rows: a padding row's tokens write
-    slot 0 (the scratch block) and see position 0 only. ``logits_nodes``/``hidden_nodes``: node indices per row."""
+    slot 0 (the scratch block) and see position 0 only. ``logits_nodes``/``hidden_nodes``: node indices per row.
+    ``table_blocks``: the block tables' width a graph holds (the key bucket's blocks; a forward's tables are as
+    wide as its longest row): narrower tables are padded with the scratch block, which no query sees."""
     batch, per_row = input_ids.shape
     extra = rows - batch
     device = input_ids.device
@@ -89,9 +92,12 @@ def pad_rows_to(rows: int, input_ids: torch.Tensor, positions: torch.Tensor, met
         return torch.cat([tensor, tensor.new_full((extra * per_row, *tensor.shape[1:]), value)])
 
     flat = torch.arange(rows, device=device)[:, None] * per_row
+    tables = meta.block_tables
+    width = table_blocks or tables.shape[1]
+    tables = torch.nn.functional.pad(tables[:, :width], (0, max(0, width - tables.shape[1]), 0, extra))
     return PaddedInputs(
         input_ids=pad(input_ids.flatten(), 0), positions=pad(positions.flatten(), 0), slots=pad(meta.slots, 0),
-        block_tables=torch.cat([meta.block_tables, meta.block_tables.new_zeros(extra, meta.block_tables.shape[1])]),
+        block_tables=tables,
         row_starts=torch.arange(0, rows * per_row + 1, per_row, dtype=torch.int32, device=device),
         prefix_len=pad(meta.prefix_len, 1), tree_mask=pad(meta.tree_mask, 0),
         logits_at=(flat + logits_nodes.to(device, non_blocking=True)[None]).flatten(),
@@ -154,7 +160,8 @@ class GraphedForward:
         shape = GraphShape(keys.data_ptr(), row_bucket(batch), per_row, meta.tree_mask.shape[1],
                            key_bucket(meta.max_keys, self.max_positions), len(logits_nodes),
                            len(hidden_nodes) if hidden_nodes is not None else 0)
-        padded = pad_rows_to(shape.rows, input_ids, positions, meta, logits_nodes, hidden_nodes)
+        padded = pad_rows_to(shape.rows, input_ids, positions, meta, logits_nodes, hidden_nodes,
+                             table_blocks=-(-shape.keys // keys.shape[-1]))
         graph = self.graphs.get(shape)
         if graph is None:
             started = time.perf_counter()

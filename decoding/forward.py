@@ -34,8 +34,8 @@ class _PoolLayer(CacheLayerMixin):
                     meta.slots)
         dense_k, dense_v = gather_rows(keys, values, meta.block_tables, meta.max_keys)
         seen = self.owner.seen  # positions no query of the row sees may never have been written: zeroed
-        return (torch.where(seen, dense_k, 0).to(key_states.dtype),
-                torch.where(seen, dense_v, 0).to(value_states.dtype))
+        return (torch.where(seen, dense_k, 0).to(key_states.dtype).contiguous(),
+                torch.where(seen, dense_v, 0).to(value_states.dtype).contiguous())
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
         return self.owner.meta.max_keys, 0

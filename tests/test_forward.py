@@ -218,6 +218,7 @@ def test_rows_padded_for_a_cuda_graph_compute_what_the_real_rows_compute() -> No
     """A CUDA graph runs a bucket of rows: the padding rows write the scratch block and see one position, and
     the real rows' logits and hidden states are those of the unpadded forward (checked on the eager forward, on
     whatever device this machine has)."""
+    from decoding.attention import gather_rows
     from decoding.cuda_graphs import key_bucket, pad_rows_to, row_bucket
 
     assert [row_bucket(n) for n in (1, 2, 3, 5, 9, 64, 65)] == [1, 2, 4, 8, 16, 64, 128]
@@ -236,16 +237,21 @@ def test_rows_padded_for_a_cuda_graph_compute_what_the_real_rows_compute() -> No
     nodes = torch.arange(topology.size(2))
     scratch = cache.keys[:, 0].clone()
     expected = lean(tokens, positions, meta, cache.keys, cache.values, 64, nodes, nodes)
-    padded = pad_rows_to(4, tokens, positions, meta, nodes, nodes)
+    keys = key_bucket(meta.max_keys, 64)  # past the rows' tables: the graph's tables are padded with scratch
+    padded = pad_rows_to(4, tokens, positions, meta, nodes, nodes, table_blocks=keys // cache.block_size)
+    assert padded.block_tables.shape == (4, keys // cache.block_size) > meta.block_tables.shape
     logits, hidden = lean.flat_forward(
         padded.input_ids, padded.positions,
         AttentionMetadata(padded.slots, padded.block_tables, padded.row_starts, padded.prefix_len, padded.tree_mask,
-                          meta.max_keys), cache.keys, cache.values, padded.logits_at, padded.hidden_at)
+                          keys), cache.keys, cache.values, padded.logits_at, padded.hidden_at)
     real = 3 * topology.size(2)
     torch.testing.assert_close(logits[:real], expected[0])
     torch.testing.assert_close(hidden[:real], expected[1])
     assert torch.isfinite(logits).all()
     assert not torch.equal(cache.keys[:, 0], scratch)  # the padding row wrote the scratch block, nothing else
+    # The reference attention gathers keys past a row's table from the scratch block (masked), not a shorter batch.
+    gathered, _ = gather_rows(cache.keys[0], cache.values[0], meta.block_tables[:, :1], keys)
+    assert gathered.shape[2] == keys
 
 
 def test_prepacked_inference_model_matches_and_leaves_the_original(target) -> None:
