@@ -230,12 +230,10 @@ class OnlinePolicy(LengthPolicy):
         self.row_steps: dict[str, int] = {}
         self.steps = 0
         # Realized goodput of the steps that drafted, relative to plain decoding's predicted for the same rows and
-        # context: when drafting has not paid, rows decode plainly and draft only on probe steps. The floor the
-        # cost model alone missed: at batch 16 on 2 CPU cores it drafted at 0.78x of plain. Tokens made and
-        # tokens plain decoding would have made in the same time are summed with a decay per row-step, so the
-        # verdict weighs evidence as rows x steps: one batch-64 step is as telling as 64 steps of one row, whose
-        # gain swings with every rejection (at batch 1 an average over two steps held back a row that gained
-        # 1.5x, for hundreds of steps).
+        # context: when drafting has not paid, rows decode plainly and draft only on probe steps (the cost model
+        # alone drafted at 0.78x of plain at batch 16 on 2 CPU cores). Both token sums decay per row-step, so the
+        # verdict weighs evidence as rows x steps: one batch-64 step counts as 64 steps of one row, whose gain
+        # swings with every rejection.
         self.gain_tokens = 0.0
         self.gain_plain_tokens = 0.0
         self.gain_evidence = 0.0  # decayed row-steps behind the two sums
@@ -313,17 +311,16 @@ class OnlinePolicy(LengthPolicy):
         self.steps += 1
         for row, (seq_id, context, is_fixed) in enumerate(zip(ids, contexts, fixed)):
             self.row_steps[seq_id] = self.row_steps.get(seq_id, 0) + 1
-            # Rows probe on the same steps: one row drafting makes the whole batch's draft and verify forwards
-            # deeper, so probes on different steps cost every step (batch 16, HumanEval: 0.59x of plain
-            # decoding). A seeded row counts its own steps (its choices must not depend on other rows).
+            # Rows probe on the same steps: one row drafting deepens the whole batch's forwards, so probes on
+            # different steps cost every step (0.59x of plain at batch 16). A seeded row counts its own steps (its
+            # choices must not depend on other rows).
             steps = self.row_steps[seq_id] if is_fixed else self.steps
             batch = self.capacity if is_fixed else rows
             key = (batch, 0 if is_fixed else context // 64, is_fixed)
             if key not in costs:
                 costs[key] = [self.step_seconds(m, lk, batch, context, is_fixed) for m, lk in options]
                 # Whether any option could pay were every drafted token accepted: where none could (a large batch
-                # on a few CPU cores), probing cannot find one either, and only widens the batch's forwards
-                # (batch 64, 128 HumanEval prompts: two probe steps cost 3% of the run's target time).
+                # on a few CPU cores), probing cannot find one either and only widens the batch's forwards.
                 payable[key] = any((1 + max(m, lk)) / max(c, 1e-9) >= (1 + self.margin) / max(costs[key][0], 1e-9)
                                    for (m, lk), c in zip(options[1:], costs[key][1:]))
             if not payable[key]:

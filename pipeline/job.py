@@ -84,13 +84,11 @@ def run(config: Config, input_path: str, output_dir: str, *, progress: Callable[
             ds = read_prompts(files, base, skip=done, rows_per_block=rows_per_block(config), filesystem=fs)
             if config.concurrency_range[0] > 1:
                 # Blocks start flowing once the pool's first actors (its minimum, Ray Data's initial size) are all
-                # up: otherwise the first actor ready takes every block its calls in flight hold
-                # (pipeline_throughput, concurrency 2: one actor got all 4 blocks of the 64 rows while the other
-                # finished loading, 0.57x of a single actor). The wait also holds back the read, so a pool that
-                # starts with one actor does without it: its first block then reaches it 0.1-0.5 s after its engine
-                # is built instead of 1.4-2.3 s (the read task's worker importing pyarrow and Ray Data, then parsing).
-                # An actor that cannot start still fails the job: Ray Data's no-progress timeout. The dataset's
-                # own context.
+                # up: otherwise the first actor ready takes every block its calls in flight hold (concurrency 2 ran
+                # at 0.57x of one actor). The wait also holds back the read, so a pool that starts with one actor
+                # does without it (its first block arrives 0.1-0.5 s after the build instead of 1.4-2.3 s). An
+                # actor that cannot start still fails the job: Ray Data's no-progress timeout. The dataset's own
+                # context.
                 ds.context.wait_for_min_actors_s = ACTOR_START_TIMEOUT_S
             # Write tasks are I/O: they ask for no CPU, which the actors hold (see read_prompts).
             generate(ds, config).write_datasink(sink, ray_remote_args={"num_cpus": 0})
