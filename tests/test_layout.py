@@ -118,3 +118,56 @@ def test_docs_and_code_describe_the_product_not_its_history() -> None:
 ])
 def test_the_history_check_tells_history_from_product_text(text: str, found: bool) -> None:
     assert bool(history_in(text)) == found
+
+
+def section(markdown: str, heading: str) -> str:
+    """The text of the ``## heading`` section, up to the next section of that level."""
+    start = markdown.index(f"\n## {heading}\n")
+    end = markdown.find("\n## ", start + 1)
+    return markdown[start:end if end != -1 else None]
+
+
+def test_the_reference_names_every_configuration_field_output_column_and_route() -> None:
+    """docs/reference.md is written from the code: a field, column or route added to the code must appear there."""
+    from decoding.config import Config, SamplingParams, SpeculativeConfig
+    from pipeline.schema import OUTPUT_SCHEMA, SPEC_DECODE, TOKEN_STATS_SCHEMA
+
+    reference = (REPO / "docs" / "reference.md").read_text()
+    configuration = section(reference, "Configuration")
+    fields = [*Config.model_fields, *SpeculativeConfig.model_fields, *SamplingParams.model_fields]
+    assert [name for name in fields if f"`{name}`" not in configuration] == []
+    output = section(reference, "Output directory")
+    columns = [*OUTPUT_SCHEMA.names, *(field.name for field in SPEC_DECODE), *TOKEN_STATS_SCHEMA.names]
+    assert [name for name in columns if f"`{name}`" not in output] == []
+    server = ast.parse((REPO / "deploy" / "server.py").read_text())
+    routes = [f"{decorator.func.attr.upper()} {decorator.args[0].value}" for node in ast.walk(server)
+              if isinstance(node, ast.AsyncFunctionDef | ast.FunctionDef) for decorator in node.decorator_list
+              if isinstance(decorator, ast.Call) and isinstance(decorator.func, ast.Attribute)
+              and decorator.func.attr in ("get", "post") and isinstance(decorator.func.value, ast.Name)
+              and decorator.func.value.id == "api"]
+    assert len(routes) >= 6
+    http = section(reference, "HTTP API")
+    assert [route for route in routes if f"`{re.sub(r'{[^}]*}', '{id}', route)}`" not in http] == []
+
+
+def heading_anchors(markdown: str) -> set[str]:
+    """GitHub's anchors of a page's headings: lowercase, punctuation but ``-`` and ``_`` dropped, spaces -> ``-``."""
+    text = re.sub(r"```.*?```", "", markdown, flags=re.S)
+    return {re.sub(r"[^\w\- ]", "", title.strip().lower()).replace(" ", "-")
+            for title in re.findall(r"^#+ (.*)$", text, re.M)}
+
+
+def test_links_between_the_docs_resolve() -> None:
+    pages = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
+    broken = []
+    for page in pages:
+        for target in re.findall(r"\]\(([^)\s]+)\)", page.read_text()):
+            if re.match(r"[a-z]+://", target):
+                continue
+            path, _, anchor = target.partition("#")
+            linked = (page.parent / path).resolve() if path else page
+            if not linked.exists():
+                broken.append(f"{page.name}: {target} (no such file)")
+            elif anchor and linked.suffix == ".md" and anchor not in heading_anchors(linked.read_text()):
+                broken.append(f"{page.name}: {target} (no such heading)")
+    assert broken == []
