@@ -35,7 +35,10 @@ def _clock(seconds: float | None) -> str:
 class ProgressDisplay:
     """One progress display: a bar on a terminal, else a plain line every ``PLAIN_EVERY_SECONDS``."""
 
-    def __init__(self, stream: TextIO = sys.stderr) -> None:
+    def __init__(self, stream: TextIO | None = None) -> None:
+        # sys.stderr as it is now, not as it was when this module was imported (a test's captured stream, since
+        # closed, made every later run fail with "I/O operation on closed file").
+        stream = stream or sys.stderr
         self.stream = stream
         self.bar: tqdm | None = tqdm(total=None, unit="row", file=stream, dynamic_ncols=True,
                                      bar_format="{l_bar}{bar}| {n_fmt}/{total_fmt} rows [{elapsed}{postfix}]",
