@@ -14,6 +14,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import os
 import statistics
 import time
 from collections.abc import Callable
@@ -65,7 +66,8 @@ def _features(model: torch.nn.Module, batch: int, tokens: int, device: torch.dev
 
 
 def forward_timer(
-    model: torch.nn.Module, device: torch.device, batch: int, tokens: int, cached: int = _CONTEXT
+    model: torch.nn.Module, device: torch.device, batch: int, tokens: int, cached: int = _CONTEXT,
+    graphs: bool = False,
 ) -> Callable[[], float]:
     """A function timing one forward of ``batch`` rows of ``tokens`` new tokens after ``cached`` cached ones
     (warmed up once)."""
@@ -88,7 +90,7 @@ def forward_timer(
             torch.cuda.synchronize(device)
         start = time.perf_counter()
         # Uncommitted: every call rewrites the same slots.
-        forward_tree(model, cache, rows, ids, ancestors, valid, features=features)
+        forward_tree(model, cache, rows, ids, ancestors, valid, features=features, graphs=graphs)
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         return time.perf_counter() - start
@@ -105,12 +107,14 @@ def _sizes(max_tokens: int) -> list[int]:
     return [*sizes, max(max_tokens, 1)]
 
 
-def calibrate(model: torch.nn.Module, max_tokens: int, batch: int = 1, disk_key: str | None = None) -> CostTable:
+def calibrate(model: torch.nn.Module, max_tokens: int, batch: int = 1, disk_key: str | None = None,
+              graphs: bool = False) -> CostTable:
     """Time forwards of ``batch`` rows of 1, 2, 4, ... ``max_tokens`` new tokens each; memoised per model object
     and cached on disk under ``disk_key``."""
     device = next(model.parameters()).device
     dtype = next(model.parameters()).dtype
-    setting = (str(device), str(dtype), torch.get_num_threads(), max_tokens, batch)
+    setting = (str(device), str(dtype), torch.get_num_threads(), max_tokens, batch,
+               graphs and device.type == "cuda" and os.environ.get("SPECBATCH_CUDA_GRAPHS", "decode"))
     memo_key = (id(model), *setting)
     if memo_key in _memo:
         return CostTable(_memo[memo_key])
@@ -123,7 +127,7 @@ def calibrate(model: torch.nn.Module, max_tokens: int, batch: int = 1, disk_key:
             return CostTable(_memo[memo_key])
     log.info("calibrating forward costs of %s on %s, %d row(s) (once per machine)", disk_key or "model", device, batch)
     sizes = _sizes(max_tokens)
-    timers = [forward_timer(model, device, batch, size) for size in sizes]
+    timers = [forward_timer(model, device, batch, size, graphs=graphs) for size in sizes]
     # Interleaved rounds, median per size: a noisy moment spoils one sample of each size, not a whole size
     # (the table is cached for good, so one bad sample would steer the policy on every later run).
     rounds = [[timer() for timer in timers] for _ in range(_ROUNDS)]
@@ -155,11 +159,12 @@ class BatchCosts:
 
 
 def calibrate_batch(
-    model: torch.nn.Module, max_tokens: int, full_rows: int, disk_key: str | None = None
+    model: torch.nn.Module, max_tokens: int, full_rows: int, disk_key: str | None = None, graphs: bool = False,
 ) -> BatchCosts:
-    """``BatchCosts`` up to ``max_tokens`` new tokens per row and ``full_rows`` rows."""
-    one_row = calibrate(model, max_tokens, 1, disk_key)
-    full = calibrate(model, max_tokens, full_rows, disk_key) if full_rows > 1 else one_row
+    """``BatchCosts`` up to ``max_tokens`` new tokens per row and ``full_rows`` rows (``graphs``: as the target's
+    forwards run, CUDA graphs where the mode allows)."""
+    one_row = calibrate(model, max_tokens, 1, disk_key, graphs)
+    full = calibrate(model, max_tokens, full_rows, disk_key, graphs) if full_rows > 1 else one_row
     return BatchCosts(one_row, full, full_rows)
 
 

@@ -6,9 +6,12 @@ a power of two (at least 256), and how many logits and hidden states per row com
 input buffers; a call copies its inputs into them (padding rows write their entries to the cache's scratch block 0
 and read its first position only), replays, and copies the outputs out. Weights and the KV pool never move, so the
 addresses a graph captured stay valid. Graphs share one memory pool; a shape is captured the first time a run meets
-it (milliseconds), and ``warm_up`` captures the decode shapes of every batch bucket when the engine is built.
+it (milliseconds).
 
-``SPECBATCH_CUDA_GRAPHS=0`` runs the eager forward instead: the same function, launch by launch.
+Which forwards replay as graphs (``SPECBATCH_CUDA_GRAPHS``): ``decode`` (the default) the target's forwards of one
+token per row (a plain decoding step, a speculative step at depth 0), the shape the CUDA tests have passed with
+graphs; ``all`` every forward its caller allows (tree verifications and draft levels too); ``0`` none, the same
+function launch by launch.
 """
 
 from __future__ import annotations
@@ -29,8 +32,12 @@ ROW_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
 MIN_KEYS = 256
 
 
-def graphs_enabled() -> bool:
-    return os.environ.get("SPECBATCH_CUDA_GRAPHS", "1") != "0"
+def graphs_enabled(per_row: int = 1) -> bool:
+    """Whether a forward of ``per_row`` tokens per row (that its caller allows to be graphed) replays a graph."""
+    mode = os.environ.get("SPECBATCH_CUDA_GRAPHS", "decode")
+    if mode in ("0", "off"):
+        return False
+    return per_row == 1 if mode == "decode" else True
 
 
 def row_bucket(rows: int) -> int:

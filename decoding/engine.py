@@ -174,7 +174,7 @@ class Engine:
         spec = self.config.speculative
         verify = calibrate_batch(
             self.target, self.topology.size(self.topology.max_depth), self.capacity,
-            resolve_model_path(self.config.model) if target_from_path else None,
+            resolve_model_path(self.config.model) if target_from_path else None, graphs=True,
         )
         if not isinstance(self.drafter, DraftModelDrafter):
             return verify, None  # n-gram lookup costs next to nothing beside a forward

@@ -73,6 +73,7 @@ def forward_tree(
     want_hidden: bool = False,
     hidden_at: torch.Tensor | None = None,
     features: torch.Tensor | None = None,
+    graphs: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """One forward over tree nodes [start, start + T) of ``rows``; returns (logits [B, k, V], hidden [B, k', H]).
 
@@ -80,7 +81,8 @@ def forward_tree(
     host (see ``PagedKVCache.tree_metadata``). ``logits_at`` (host node indices relative to ``start``; default: every
     node) limits the LM head to those nodes: a prefill needs only each row's last prompt position, and the head is
     most of a small model's cost. The last hidden state comes back at ``hidden_at`` (default: the ``logits_at``
-    nodes) when ``want_hidden``. ``features`` [B, T, H] is a feature draft's extra input.
+    nodes) when ``want_hidden``. ``features`` [B, T, H] is a feature draft's extra input. ``graphs``: a lean forward
+    may replay a CUDA graph (``cuda_graphs.graphs_enabled``).
     """
     batch, count = input_ids.shape
     end = start + count
@@ -90,7 +92,7 @@ def forward_tree(
     hidden_nodes = (at if hidden_at is None else hidden_at) if want_hidden else None
     if isinstance(model, LeanCausalLM):
         logits, hidden = model(input_ids, positions, meta, cache.keys, cache.values,
-                                            cache.max_blocks_per_row * cache.block_size, at, hidden_nodes)
+                               cache.max_blocks_per_row * cache.block_size, at, hidden_nodes, graphs=graphs)
         hidden = hidden.view(batch, len(hidden_nodes), -1) if hidden is not None else None
         return logits.view(batch, len(at), -1), hidden
     keys = meta.max_keys

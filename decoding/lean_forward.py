@@ -289,11 +289,13 @@ class LeanCausalLM(nn.Module):
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata, keys: torch.Tensor,
         values: torch.Tensor, max_positions: int, logits_nodes: torch.Tensor, hidden_nodes: torch.Tensor | None,
+        graphs: bool = False,
     ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """``input_ids``/``positions`` [B, T] (every row as many tokens); logits at each row's ``logits_nodes``
         [B * k, V] and hidden states at its ``hidden_nodes`` [B * k', H] (node indices on the host). On a GPU, as
-        CUDA graphs (``cuda_graphs.py``); ``max_positions``: the cache's positions per row."""
-        if input_ids.is_cuda and graphs_enabled():
+        CUDA graphs where ``graphs`` and the mode allow (``cuda_graphs.py``); ``max_positions``: the cache's
+        positions per row."""
+        if graphs and input_ids.is_cuda and graphs_enabled(input_ids.shape[1]):
             if self._graphs is None:
                 self._graphs = GraphedForward(self.flat_forward, max_positions)
             return self._graphs(input_ids, positions, meta, keys, values, logits_nodes, hidden_nodes)

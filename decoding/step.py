@@ -248,10 +248,12 @@ class Step:
                 slot_of[nodes] = torch.arange(len(nodes))
                 live = self._to_device(nodes)
                 logits, states = forward_tree(self.target, self.cache, plan.rows, tokens[:, live],
-                                              ancestors[nodes][:, nodes], draft.valid[:, nodes], want_hidden=want)
+                                              ancestors[nodes][:, nodes], draft.valid[:, nodes], want_hidden=want,
+                                              graphs=True)
                 on_device = self._to_device(slot_of)  # back to tree positions; dead nodes' rows are never read
                 return logits[:, on_device], states[:, on_device] if states is not None else None, slot_of
-        logits, states = forward_tree(self.target, self.cache, plan.rows, tokens, ancestors, valid, want_hidden=want)
+        logits, states = forward_tree(self.target, self.cache, plan.rows, tokens, ancestors, valid, want_hidden=want,
+                                      graphs=True)
         return logits, states, slot_of
 
     def verify(self, seqs: list[Sequence], plan: Plan, drafted: Drafted) -> Verdict:

@@ -54,7 +54,7 @@ def peak_bandwidth(name: str) -> float | None:
 class Contender:
     name: str
     speculative: dict[str, Any]
-    eager: bool = True  # CUDA graphs only where asked (plain decoding): speculative graph shapes are not yet exact
+    eager: bool = False  # SPECBATCH_CUDA_GRAPHS=0 (else the engine's default mode)
     temperature: float = 0.0
 
 
@@ -151,10 +151,10 @@ def part_smollm2(args: argparse.Namespace, device: torch.device, report: dict[st
             if line.strip()] if args.code else []
     prompt_sets = {"chat": chat, **({"code": code} if code else {})}
     plain = {"method": "none"}
-    greedy = [Contender("plain", plain, eager=False), Contender("plain-eager", plain), Contender("default", {}),
+    greedy = [Contender("plain", plain), Contender("plain-eager", plain, eager=True), Contender("default", {}),
               Contender("ngram", {"method": "ngram"})]
     self_draft = {"method": "draft_model", "model": "target", "num_speculative_tokens": 4, "length_policy": "static"}
-    sampled = [Contender("plain-t1", plain, eager=False, temperature=1.0)] + [
+    sampled = [Contender("plain-t1", plain, temperature=1.0)] + [
         Contender(f"width{w}-t1", {**self_draft, "num_candidates": w}, temperature=1.0) for w in (1, 2, 4)]
     chain = Contender("chain5", {**self_draft, "num_speculative_tokens": 5})
     rows = report.setdefault("smollm2", [])
@@ -238,7 +238,7 @@ def part_shape_costs(args: argparse.Namespace, device: torch.device, report: dic
 
     def timed(model: torch.nn.Module, batch: int, tokens: int, graphs: bool = False) -> float:
         with eager_if(not graphs):
-            timer = forward_timer(model, device, batch, tokens, cached)
+            timer = forward_timer(model, device, batch, tokens, cached, graphs=graphs)
             return min(timer() for _ in range(args.repeats))
 
     topologies = {w: TreeTopology(w, 4) for w in (1, 2, 4)}

@@ -13,6 +13,6 @@ export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 SPECBATCH_CACHE=/root/sbcach
 # CUDA_LAUNCH_BLOCKING=1 on one greedy case so that its stack is where it happened.
 OMP_NUM_THREADS=2 SPECBATCH_CUDA_GRAPHS=0 timeout "${1:-150}" python3 -m pytest -q -p no:cacheprovider -n 8 -rfE \
   -k "cuda or padded" tests/test_engine.py tests/test_forward.py 2>&1 | tee "$OUT/cuda_tests_eager.log" | tail -15
-OMP_NUM_THREADS=2 CUDA_LAUNCH_BLOCKING=1 timeout 60 python3 -m pytest -q -p no:cacheprovider -x --tb=long \
+OMP_NUM_THREADS=2 SPECBATCH_CUDA_GRAPHS=all CUDA_LAUNCH_BLOCKING=1 timeout 60 python3 -m pytest -q -p no:cacheprovider -x --tb=long \
   -k "cuda-ngram-1-target-heuristic-3 or cuda-draft_model-2-draft-static-3" tests/test_engine.py \
   > "$OUT/cuda_graph_case.log" 2>&1; grep -E "^E |py:[0-9]+|passed|failed" "$OUT/cuda_graph_case.log" | tail -25
