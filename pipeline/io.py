@@ -130,16 +130,20 @@ def _suffix(path: str) -> str:
 def read_prompts(
     files: list[str], base: str, *, skip: frozenset[str], rows_per_block: int, filesystem: pafs.FileSystem | None = None
 ) -> ray.data.Dataset:
-    """Rows of the files whose id is not in ``skip``, yielded in slices of ``rows_per_block``.
+    """Rows of the files whose id is not in ``skip``, in blocks of at most ``rows_per_block`` rows of one file.
 
-    The read does all per-row preparation itself (ids, resume filter, slicing) and asks for no CPU:
-    CPU actors hold the cluster's CPUs, and any other CPU-bound stage before them would wait forever.
-    Ray Data (2.60) joins the slices of one read task and splits the result into blocks of at least
-    ``DataContext.target_min_block_size`` (1 MiB), or two per CPU for less data: 64 XSum prompts arrive as 4
-    blocks of 16 rows, 5,000 as 10 blocks of 500 (measured). Those blocks are the actors' calls and the parts.
+    The read does all per-row preparation itself (ids, resume filter) and asks for no CPU: CPU actors hold the
+    cluster's CPUs, and any other CPU-bound stage before them would wait forever. Each file is read by a task of
+    its own, so no block mixes files (whose column types may differ; a task reading several concatenates them, and
+    fails when they clash). Ray Data joins what one read task yields into one block (20,000 rows of one file: one
+    block), so a streaming repartition, which asks for no CPU either, cuts it into blocks of ``rows_per_block``
+    rows. Those blocks are the actors' calls and the output parts.
     """
-    source = PromptFiles(files, base, skip, rows_per_block, filesystem or pafs.LocalFileSystem())
-    return ray.data.read_datasource(source, num_cpus=0)
+    source = PromptFiles(files, base, skip, filesystem or pafs.LocalFileSystem())
+    ds = ray.data.read_datasource(source, num_cpus=0, override_num_blocks=len(files))
+    ds = ds.repartition(target_num_rows_per_block=rows_per_block)
+    ds._logical_plan.dag.ray_remote_args["num_cpus"] = 0  # Dataset.repartition takes no remote args
+    return ds
 
 
 class PromptFiles(FileBasedDatasource):
@@ -149,13 +153,10 @@ class PromptFiles(FileBasedDatasource):
     file's own types: a file that cannot be parsed at all is one error row named after the file, so the other
     files' rows still run."""
 
-    def __init__(
-        self, files: list[str], base: str, skip: frozenset[str], rows_per_block: int, filesystem: pafs.FileSystem
-    ) -> None:
+    def __init__(self, files: list[str], base: str, skip: frozenset[str], filesystem: pafs.FileSystem) -> None:
         super().__init__(files, filesystem=filesystem)
         self._base = base
         self._skip = skip
-        self._rows_per_block = rows_per_block
 
     def _read_stream(self, f: pa.NativeFile, path: str) -> Iterator[pa.Table]:
         data = f.read_buffer()  # outside the try: an I/O error is Ray Data's to retry, not an error row
@@ -167,8 +168,8 @@ class PromptFiles(FileBasedDatasource):
         table = with_ids(table, name)
         if self._skip:
             table = table.filter(pc.invert(pc.is_in(table["id"], pa.array(list(self._skip), pa.string()))))
-        for start in range(0, table.num_rows, self._rows_per_block):
-            yield table.slice(start, self._rows_per_block)
+        if table.num_rows:
+            yield table
 
 
 def parse_file(data: pa.Buffer, kind: str) -> pa.Table:

@@ -34,8 +34,8 @@ CALLS_PER_ACTOR = 4
 
 def rows_per_block(config: Config) -> int:
     """Half an engine batch: an actor works on several blocks at once (``CALLS_PER_ACTOR``), so its engine stays
-    full, and the blocks spread evenly over actors that start at different times. Exact for the processor's own
-    batches; the job's reader only slices by it (see ``pipeline.io.read_prompts``: Ray Data joins small slices)."""
+    full, and the blocks spread evenly over actors that start at different times. The processor's own batches;
+    ``specbatch generate`` reads its own blocks (``pipeline.job.rows_per_part``)."""
     return max(1, -(-config.batch_size // 2))
 
 

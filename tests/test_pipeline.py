@@ -208,6 +208,64 @@ def test_resume_skips_finished_ids_and_cleans_partial_parts(ray_cluster, config,
     assert summary["rows_this_run"] == 0 and summary["rows"] == 9 and len(summary["runs"]) == 3
 
 
+def _parts(out: Path) -> list[tuple[float, pa.Table]]:
+    """Each committed part's commit time (its marker's) and its outputs, in commit order."""
+    markers = sorted((out / "_commits").iterdir(), key=lambda marker: marker.stat().st_mtime)
+    return [(marker.stat().st_mtime, pq.read_table(out / "outputs" / json.loads(marker.read_text())["part"]))
+            for marker in markers]
+
+
+def test_20000_short_rows_commit_their_first_part_within_the_first_fifth_of_the_run(ray_cluster, tiny_dirs, tmp_path):
+    """Parts hold at most four engine batches and are committed as they finish. Before, 20,000 rows came out as 4
+    parts of 5,000, the first committed 185 s into a 201 s run: a kill before then lost everything. The run is
+    counted from its first row's start (the first part's commit less its slowest row's time), so that the actor's
+    start, which depends on the machine's load, is not part of it."""
+    from pipeline.job import rows_per_part
+
+    config = Config.model_validate({"model": tiny_dirs["target"], "speculative": {"method": "none"},
+                                    "sampling": {"max_tokens": 12, "ignore_eos": True}, "batch_size": 64})
+    source = write_jsonl(tmp_path / "big.jsonl",
+                         [{"id": f"big-{i}", "prompt": WORDS[i % len(WORDS)]} for i in range(20_000)])
+    out = tmp_path / "out"
+    summary = run(config, str(source), str(out))
+    assert summary["rows"] == 20_000 and summary["errors"] == 0
+    parts = _parts(out)
+    size = rows_per_part(config, source.stat().st_size)
+    assert size <= 4 * config.batch_size and len(parts) == -(-20_000 // size)
+    assert all(part.num_rows <= size for _, part in parts)
+    first_commit, first_part = parts[0]
+    started = first_commit - max(first_part["time_taken_llm"].to_pylist())
+    first, last = first_commit - started, parts[-1][0] - started
+    print(f"{len(parts)} parts; the first committed {first:.1f} s into {last:.1f} s of generation")
+    assert first <= 0.2 * last, (first, last)
+
+
+def test_parts_hold_one_files_rows_with_its_types(ray_cluster, tiny_dirs, tmp_path):
+    """Ten files of 200 rows whose `extra` column is int in some and text in others: each part holds one file's
+    rows and keeps that file's type. Before, a read task's files were joined into one block (a part held three
+    files' rows) and, with clashing types, the job failed."""
+    from pipeline.job import rows_per_part
+
+    config = Config.model_validate({"model": tiny_dirs["target"], "speculative": {"method": "none"},
+                                    "sampling": {"max_tokens": 2}, "batch_size": 16})
+    folder = tmp_path / "in"
+    folder.mkdir()
+    for k in range(10):
+        write_jsonl(folder / f"f{k}.jsonl", [{"prompt": WORDS[i % 6], "extra": i if k % 2 else f"s{i}"}
+                                             for i in range(200)])
+    out = tmp_path / "out"
+    assert run(config, str(folder), str(out))["rows"] == 2000
+    parts = _parts(out)
+    size = rows_per_part(config, sum(path.stat().st_size for path in folder.iterdir()))
+    for _, part in parts:
+        [name] = {row_id.split(":")[0] for row_id in part["id"].to_pylist()}
+        assert part.num_rows <= size
+        assert part.schema.field("extra").type == (pa.int64() if int(name[1]) % 2 else pa.string())
+    assert len(parts) == 10 * -(-200 // size)
+    ids = OutputStore(str(out)).read_outputs(["id"])["id"].to_pylist()
+    assert sorted(ids) == sorted(f"f{k}.jsonl:{i}" for k in range(10) for i in range(200))
+
+
 def assert_each_id_once(out: Path, ids: list[str]) -> None:
     outputs = pq.read_table(out / "outputs")
     assert sorted(outputs["id"].to_pylist()) == sorted(ids)
