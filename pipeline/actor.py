@@ -39,6 +39,8 @@ ENGINE_RUNTIME_ENV = {"env_vars": {"RAY_worker_niceness": "0"}}
 INFERENCE_ERROR = "__inference_error__"
 # Row columns that set how a row's messages render (frontend.requests.ChatOptions).
 CHAT_COLUMNS = tuple(ChatOptions.model_fields)
+# The row columns a request is made of; the others only pass through to the output.
+REQUEST_COLUMNS = frozenset({"id", "prompt", "messages", "sampling_params", READ_ERROR, *CHAT_COLUMNS})
 
 
 @dataclass(frozen=True)
@@ -86,6 +88,29 @@ def error_result(request_id: str, prompt: Any, message: str) -> GenerationResult
     )
 
 
+def _rows(batch: pa.Table) -> list[dict[str, Any]]:
+    """The columns of the batch's rows that make requests, as Python values (the others are carried through as
+    Arrow data, whatever Python can make of them: a timestamp past year 9999 failed the batch). A row with a value
+    Python cannot represent (a string that is not UTF-8, which Parquet does not check) carries the reason, naming
+    the column, as its ``READ_ERROR`` instead of failing the whole batch."""
+    batch = batch.select([name for name in batch.column_names if name in REQUEST_COLUMNS])
+    try:
+        return batch.to_pylist()
+    except (ValueError, ArithmeticError):  # UnicodeDecodeError, OverflowError
+        pass
+    rows = []
+    for index in range(batch.num_rows):
+        row: dict[str, Any] = {}
+        for name, column in zip(batch.column_names, batch.columns, strict=True):
+            try:
+                row[name] = column[index].as_py()
+            except (ValueError, ArithmeticError) as exc:
+                row = {READ_ERROR: f"undecodable row: column {name!r}: {exc}"}
+                break
+        rows.append(row)
+    return rows
+
+
 class GenerationActor:
     """``map_batches`` callable class: Arrow batch of input rows -> output block (see pipeline.schema)."""
 
@@ -115,7 +140,7 @@ class GenerationActor:
                          ENGINE_READY: repr(time.time())}
 
     def __call__(self, batch: pa.Table) -> pa.Table:
-        futures = [self._submit(row) for row in batch.to_pylist()]
+        futures = [self._submit(row) for row in _rows(batch)]
         results = [future.result() for future in futures]
         if not self.options.continue_on_error and (failed := [r for r in results if r.finish_reason == "error"]):
             raise RowFailed(f"{len(failed)} of {len(results)} rows failed, the first: {failed[0].error} "

@@ -10,6 +10,8 @@ retries) that numbers rows and turns undecodable rows into per-row errors instea
 from __future__ import annotations
 
 import contextlib
+import csv
+import io
 import json
 import os
 import posixpath
@@ -33,6 +35,8 @@ FORMATS = {".parquet": "parquet", ".jsonl": "json", ".json": "json", ".csv": "cs
 _CSV_TEXT_COLUMNS = {"id": pa.string(), "prompt": pa.string()}
 # Deepest JSON record read: request columns are held to MAX_DEPTH later, carried-through columns may nest more.
 RECORD_DEPTH = 2 * MAX_DEPTH
+# A JSON escape of a UTF-16 surrogate: alone (without its pair) it decodes to a str no UTF-8 encoder accepts.
+_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
 
 
 class InputError(ValueError):
@@ -162,7 +166,7 @@ class PromptFiles(FileBasedDatasource):
         data = f.read_buffer()  # outside the try: an I/O error is Ray Data's to retry, not an error row
         name = posixpath.relpath(path, self._base) if self._base else path
         try:
-            table = normalize(parse_file(data, FORMATS[_suffix(path)]))
+            table = normalize(valid_text(parse_file(data, FORMATS[_suffix(path)])))
         except Exception as exc:  # any parser's error on a corrupt file: one error row instead of a failed job
             table = pa.table({"id": [name], READ_ERROR: [f"unreadable input file {name}: {exc}"]})
         table = with_ids(table, name)
@@ -173,12 +177,131 @@ class PromptFiles(FileBasedDatasource):
 
 
 def parse_file(data: pa.Buffer, kind: str) -> pa.Table:
+    """The file's rows; what cannot be read of a row (or of a Parquet row group) is that row's ``READ_ERROR``.
+    Raises only when nothing can be isolated (no footer, no header)."""
     if kind == "parquet":
-        return pq.read_table(pa.BufferReader(data))
+        return read_parquet_row_groups(data)
     if kind == "csv":
-        options = pa_csv.ConvertOptions(column_types=_CSV_TEXT_COLUMNS)
-        return pa_csv.read_csv(pa.BufferReader(data), convert_options=options)
+        try:
+            return _read_csv(data.to_pybytes())
+        except pa.ArrowInvalid:  # a row with invalid UTF-8 or another number of fields: find it
+            return read_csv_rows(data.to_pybytes())
     return read_json_records(data.to_pybytes())
+
+
+def _read_csv(data: bytes) -> pa.Table:
+    options = pa_csv.ConvertOptions(column_types=_CSV_TEXT_COLUMNS)
+    return pa_csv.read_csv(pa.BufferReader(data), convert_options=options)
+
+
+def read_csv_rows(data: bytes) -> pa.Table:
+    """A CSV file that Arrow's reader refuses, record by record: a record that is not valid UTF-8 text or has
+    another number of fields than the header becomes a row with a ``READ_ERROR``; the other records are read by
+    Arrow as usual (types inferred, ``id`` and ``prompt`` as text)."""
+    records = [r for r in csv.reader(io.StringIO(data.decode("utf-8", "surrogateescape"), newline="")) if r]
+    if not records:
+        raise ValueError("no CSV header")
+    header, *rows = records
+    _encoded(header, "the CSV header")
+    good, errors, ids = io.StringIO(newline=""), {}, {}
+    writer = csv.writer(good)
+    writer.writerow(header)
+    id_field = header.index("id") if "id" in header else None
+    for number, row in enumerate(rows):
+        try:
+            if len(row) != len(header):
+                raise ValueError(f"it has {len(row)} fields, the header {len(header)}")
+            _encoded(row, "it")
+        except ValueError as exc:
+            errors[number] = f"undecodable CSV record {number + 1}: {exc}"
+            if id_field is not None and id_field < len(row) and _text(row[id_field]):
+                ids[number] = row[id_field]  # the row keeps its id where it can
+        else:
+            writer.writerow(row)
+    return interleave(_read_csv(good.getvalue().encode()), errors, len(rows), ids)
+
+
+def _encoded(values: list[str], what: str) -> None:
+    if not all(_text(value) for value in values):
+        raise ValueError(f"{what} is not valid UTF-8 text")
+
+
+def _text(value: object) -> bool:
+    """Whether ``value`` is a string UTF-8 can encode (no lone surrogate)."""
+    if not isinstance(value, str):
+        return False
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
+def read_parquet_row_groups(data: pa.Buffer) -> pa.Table:
+    """A Parquet file row group by row group: the rows of a row group that cannot be read become error rows."""
+    parquet = pq.ParquetFile(pa.BufferReader(data))
+    tables, errors, ids, offset = [], {}, {}, 0
+    for group in range(parquet.num_row_groups):
+        rows = parquet.metadata.row_group(group).num_rows
+        try:
+            tables.append(parquet.read_row_group(group))
+        except Exception as exc:  # a corrupt page or column chunk
+            errors.update((offset + row, f"unreadable row group {group}: {exc}") for row in range(rows))
+            with contextlib.suppress(Exception):  # the rows keep their ids where that column reads
+                column = parquet.read_row_group(group, columns=["id"])["id"].to_pylist()
+                ids.update((offset + row, value) for row, value in enumerate(as_text(column)))
+        offset += rows
+    good = pa.concat_tables(tables) if tables else parquet.schema_arrow.empty_table()
+    return interleave(good, errors, offset, ids)
+
+
+def interleave(good: pa.Table, errors: dict[int, str], total: int, ids: dict[int, str] | None = None) -> pa.Table:
+    """``total`` rows in file order: row ``i`` is an error row (``READ_ERROR`` = ``errors[i]``, its id from ``ids``
+    if there, nothing else) where ``errors`` has it, else the next row of ``good``."""
+    if not errors:
+        return good
+    failed = pa.table({READ_ERROR: pa.array(list(errors.values()), pa.string())})
+    if ids:
+        failed = failed.append_column("id", pa.array([ids.get(row) for row in errors], pa.string()))
+    both = pa.concat_tables([good, failed], promote_options="permissive")
+    order, next_good, next_failed = [], 0, good.num_rows
+    for row in range(total):
+        if row in errors:
+            order.append(next_failed)
+            next_failed += 1
+        else:
+            order.append(next_good)
+            next_good += 1
+    return both.take(pa.array(order, pa.int64()))
+
+
+def valid_text(table: pa.Table) -> pa.Table:
+    """Rows holding text that is not valid UTF-8 (Parquet does not check it on reading, and a later conversion of
+    the whole block would fail) become error rows naming the column; their value is dropped."""
+    errors: dict[int, str] = {}
+    for index, name in enumerate(table.column_names):
+        column = table.column(index)
+        try:
+            column.validate(full=True)
+            continue
+        except pa.ArrowInvalid:
+            pass
+        bad = []
+        for row in range(len(column)):
+            try:
+                column[row].as_py()
+            except UnicodeDecodeError:
+                bad.append(row)
+                errors.setdefault(row, f"undecodable row {row}: column {name!r} is not valid UTF-8 text")
+        mask = pc.is_in(pa.array(range(len(column))), pa.array(bad, pa.int64()))
+        table = table.set_column(index, name, pc.if_else(mask, pa.nulls(len(column), column.type), column))
+    if not errors:
+        return table
+    messages = pa.array([errors.get(row) for row in range(table.num_rows)], pa.string())
+    if READ_ERROR in table.column_names:
+        messages = pc.coalesce(table[READ_ERROR], messages)
+        return table.set_column(table.column_names.index(READ_ERROR), READ_ERROR, messages)
+    return table.append_column(READ_ERROR, messages)
 
 
 def normalize(table: pa.Table) -> pa.Table:
@@ -238,6 +361,11 @@ def read_json_records(data: bytes) -> pa.Table:
                 raise ValueError(f"expected a JSON object, got {type(record).__name__}")
             if too_deep(record, RECORD_DEPTH):  # before Arrow and pydantic recurse into it
                 raise ValueError(f"nested deeper than {RECORD_DEPTH} levels")
+            if _SURROGATE_ESCAPE.search(line):  # valid JSON, but a lone surrogate is no text Arrow can hold
+                json.dumps(record, ensure_ascii=False).encode()
+        except UnicodeEncodeError:
+            record = {"id": record["id"]} if _text(record.get("id")) else {}  # the row keeps its id where it can
+            error = f"undecodable JSON record {number}: a string holds a lone surrogate (\\ud800-\\udfff)"
         except ValueError as exc:
             record, error = {}, f"undecodable JSON record {number}: {exc}"
         else:

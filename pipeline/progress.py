@@ -15,6 +15,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+import pyarrow as pa
 import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 
@@ -56,12 +57,16 @@ class Progress:
 
 
 def count_rows(fs: pafs.FileSystem, files: list[str]) -> int:
-    """Rows in the input files without parsing them: Parquet's metadata, JSON Lines' and CSV's lines."""
+    """Rows in the input files without parsing them: Parquet's metadata, JSON Lines' and CSV's lines. A Parquet
+    file without a readable footer counts as the one error row the reader makes of it."""
     total = 0
     for path in files:
         if path.endswith(".parquet"):
             with fs.open_input_file(path) as f:
-                total += pq.ParquetFile(f).metadata.num_rows
+                try:
+                    total += pq.ParquetFile(f).metadata.num_rows
+                except pa.ArrowInvalid:  # "Parquet magic bytes not found", a truncated footer, an empty file
+                    total += 1
             continue
         with fs.open_input_stream(path) as f:
             data = f.read()
@@ -96,7 +101,7 @@ class ProgressWatcher:
         if self.count is not None:
             try:
                 self.rows_total = self.count()
-            except OSError as exc:  # a progress display never fails the job
+            except Exception as exc:  # a progress display never fails the job, nor prints a thread's traceback
                 log.debug("cannot count the input rows: %s", exc)
         while not self._stop.wait(self.interval):
             self._poll()

@@ -1,5 +1,5 @@
-"""No row or file stops a job: each kind of bad input becomes error rows naming the row or
-file and the reason, the job exits 0, and every good row beside it is generated.
+"""No row or file stops a job: each kind of bad input becomes error rows naming the row or file and the reason,
+the job exits 0, and every good row beside it is generated.
 
 One `specbatch generate` run over a directory holding one file (or a few) per case; each test checks its case:
 rows in = rows out, the bad ones as error rows with the reason, the good ones generated."""
@@ -119,6 +119,46 @@ case("sampling.jsonl", jsonl(
     "sp-tiny-temperature": None, "sp-tiny-top-p": None, "sp-greedy": None})
 
 
+# Text that is not valid UTF-8 is an error row by itself, in every format; the rest of the file runs.
+case("text/surrogate.jsonl", jsonl(
+    *good("sur"), '{"id": "sur-bad", "prompt": "x \\ud800"}', '{"prompt": "\\udfff alone", "extra": 1}',
+    '{"id": "sur-pair", "prompt": "a pair \\ud83d\\ude00 is text"}'),
+     {"sur-ok-0": None, "sur-ok-1": None, "sur-bad": "lone surrogate", "text/surrogate.jsonl:3": "lone surrogate",
+      "sur-pair": None})
+case("text/bad.csv", b"id,prompt,extra\ncsv-ok-0,the cat,1\ncsv-bad,bad \xff\xfe text,2\ncsv-ok-1,a dog,3\n"
+     b"csv-ragged,x,4,5\n\ncsv-ok-2,\"quoted, with comma\",6\n",
+     {"csv-ok-0": None, "csv-ok-1": None, "csv-ok-2": None, "csv-bad": "record 2: it is not valid UTF-8",
+      "csv-ragged": "record 4: it has 4 fields, the header 3"})
+
+
+def _invalid_utf8_parquet() -> bytes:
+    """Parquet does not check UTF-8 on reading: a prompt, and a stop string nested in a struct, that are not text."""
+    prompts = pa.array([b"the cat", b"bad \xff text", b"a dog", b"on a mat"]).view(pa.string())
+    stops = pa.array([b"zz", b"zz", b"z\xffz"]).view(pa.string())
+    stop_lists = pa.ListArray.from_arrays(pa.array([0, 0, 0, 2, 3], pa.int32()), stops)
+    params = pa.StructArray.from_arrays([stop_lists], ["stop"])
+    ids = ["pq8-ok-0", "pq8-bad", "pq8-ok-1", "pq8-bad-nested"]
+    return parquet_bytes(pa.table({"id": ids, "prompt": prompts, "sampling_params": params}))
+
+
+def _corrupt_row_group_parquet() -> bytes:
+    table = pa.table({"id": [f"rg-{i}" for i in range(6)], "prompt": [f"the cat {i}" for i in range(6)]})
+    sink = pa.BufferOutputStream()
+    pq.write_table(table, sink, row_group_size=2, compression="none")
+    data = bytearray(sink.getvalue().to_pybytes())
+    chunk = pq.ParquetFile(pa.BufferReader(bytes(data))).metadata.row_group(1).column(1)  # rows 2-3's prompts
+    data[chunk.data_page_offset : chunk.data_page_offset + 8] = b"\xff" * 8  # an unreadable page header
+    return bytes(data)
+
+
+case("text/invalid_utf8.parquet", _invalid_utf8_parquet(),
+     {"pq8-ok-0": None, "pq8-ok-1": None, "pq8-bad": "column 'prompt' is not valid UTF-8",
+      "pq8-bad-nested": "column 'sampling_params' is not valid UTF-8"})
+case("text/row_groups.parquet", _corrupt_row_group_parquet(),
+     {"rg-0": None, "rg-1": None, "rg-2": "unreadable row group 1", "rg-3": "unreadable row group 1", "rg-4": None,
+      "rg-5": None})
+
+
 @pytest.fixture(scope="module")
 def bad_run(ray_cluster, tiny_dirs, tmp_path_factory) -> tuple[int, dict[str, dict]]:
     from jobs.generate import main
@@ -182,6 +222,48 @@ def test_malformed_messages(bad_run):
 
 def test_empty_stop_strings(bad_run):
     check(bad_run, "stops.jsonl")
+
+
+def test_invalid_text_is_an_error_row_in_every_format(bad_run):
+    """A lone surrogate in a JSON line, invalid UTF-8 or a ragged record in a CSV file, invalid UTF-8 in a Parquet
+    string, an unreadable Parquet row group: those rows are errors (keeping their ids where they can), the others
+    run; before, the file became one error row (or, for Parquet, failed the actor's whole batch)."""
+    check(bad_run, "text/surrogate.jsonl", "text/bad.csv", "text/invalid_utf8.parquet", "text/row_groups.parquet")
+    _, rows = bad_run
+    assert rows["csv-ok-2"]["extra"] == "6" and rows["csv-ok-0"]["prompt"] == "the cat"
+
+
+def test_a_value_python_cannot_hold_fails_its_row_alone():
+    """The engine actor's rows (also build_processor's, from any dataset): a prompt that is not UTF-8 is an error row
+    naming the column, the other rows are requests; a carried-through column is never made Python values (a
+    timestamp past year 9999 failed the whole batch)."""
+    from pipeline.actor import _rows
+    from pipeline.schema import READ_ERROR
+
+    batch = pa.table({"id": ["a", "b", "c"], "prompt": pa.array([b"the cat", b"bad \xff", b"a dog"]).view(pa.string()),
+                      "when": pa.array([0, 10**14, 2], pa.timestamp("s"))})
+    with pytest.raises(ValueError):
+        batch.to_pylist()
+    first, bad, last = _rows(batch)
+    assert first == {"id": "a", "prompt": "the cat"} and last == {"id": "c", "prompt": "a dog"}
+    assert list(bad) == [READ_ERROR] and "column 'prompt'" in bad[READ_ERROR]
+    assert _rows(batch.drop_columns(["prompt"])) == [{"id": "a"}, {"id": "b"}, {"id": "c"}]
+
+
+def test_progress_counts_every_file_corrupt_ones_included(tmp_path):
+    """The progress display's row count (on a thread of its own) reads a corrupt Parquet file as the one error row
+    the reader makes of it; it raised "Parquet magic bytes not found" there, and the run showed no total."""
+    import pyarrow.fs as pafs
+
+    from pipeline.progress import count_rows
+
+    paths = []
+    for name, (content, _) in CASES.items():
+        path = tmp_path / name
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_bytes(content if isinstance(content, bytes) else content.encode())
+        paths.append(str(path))
+    assert count_rows(pafs.LocalFileSystem(), paths) == sum(len(expected) for _, expected in CASES.values())
 
 
 def test_sampling_params_are_bounded_and_strict_as_the_servers(bad_run):
