@@ -17,7 +17,7 @@ import ray
 import ray.data
 
 from decoding.config import Config
-from pipeline.io import list_input_files, read_prompts
+from pipeline.io import InputError, list_input_files, read_prompts
 from pipeline.processor import CALLS_PER_ACTOR, Processor, StageOptions, rows_per_block
 from pipeline.progress import Progress, ProgressWatcher, count_rows
 from pipeline.store import Lease, OutputSink, OutputStore, new_run_id
@@ -87,11 +87,17 @@ def run(config: Config, input_path: str, output_dir: str, *, progress: Callable[
     fs, files, base = list_input_files(input_path)
     store = OutputStore(output_dir)
     lease = Lease(store)
-    lease.acquire()
+    try:
+        lease.acquire()
+    except OSError as exc:  # an existing file, a read-only file system, no permission
+        raise InputError(f"output {output_dir}: cannot write there ({exc})") from None
     started = time.perf_counter()  # after the lease's fixed one-second pause (see Lease)
     started_at = time.time()
     try:
-        markers = store.prepare()
+        try:
+            markers = store.prepare()
+        except OSError as exc:
+            raise InputError(f"output {output_dir}: cannot write there ({exc})") from None
         done = frozenset(row_id for marker in markers for row_id in marker["ids"])
         if done:
             log.info("resuming: %d rows already in %s are skipped", len(done), output_dir)

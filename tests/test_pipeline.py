@@ -266,6 +266,20 @@ def test_parts_hold_one_files_rows_with_its_types(ray_cluster, tiny_dirs, tmp_pa
     assert sorted(ids) == sorted(f"f{k}.jsonl:{i}" for k in range(10) for i in range(200))
 
 
+def test_an_output_path_that_cannot_be_a_directory_is_one_line_and_exit_2(tmp_path, capsys):
+    from jobs.generate import main
+
+    source = write_jsonl(tmp_path / "in.jsonl", good_rows(2))
+    existing = tmp_path / "a-file"
+    existing.write_text("not a directory")
+    for output in (existing, existing / "below", Path("/sys/specbatch-out")):  # /sys: not writable
+        with pytest.raises(SystemExit) as exit_:
+            main(["--input", str(source), "--output", str(output)])
+        assert exit_.value.code == 2
+        err = capsys.readouterr().err.strip()
+        assert len(err.splitlines()) == 1 and f"output {output}: cannot write there" in err, err
+
+
 def assert_each_id_once(out: Path, ids: list[str]) -> None:
     outputs = pq.read_table(out / "outputs")
     assert sorted(outputs["id"].to_pylist()) == sorted(ids)
