@@ -5,6 +5,7 @@ repository)."""
 from __future__ import annotations
 
 import ast
+import json
 import re
 import subprocess
 import sys
@@ -171,3 +172,70 @@ def test_links_between_the_docs_resolve() -> None:
             elif anchor and linked.suffix == ".md" and anchor not in heading_anchors(linked.read_text()):
                 broken.append(f"{page.name}: {target} (no such heading)")
     assert broken == []
+
+
+def documented_commands() -> list[tuple[str, str, list[str]]]:
+    """(page, command, its options) for every ``specbatch <command>`` or ``python -m jobs.<module>`` that README.md
+    and docs/*.md show, in code blocks (continuation lines joined) and inline code."""
+    found = []
+    for page in [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]:
+        text = page.read_text()
+        blocks = [re.sub(r"\\\n\s*", " ", block) for block in re.findall(r"```(?:sh|bash)\n(.*?)```", text, re.S)]
+        lines = [line for block in blocks for line in block.splitlines()]
+        lines += [" ".join(span.split()) for span in
+                  re.findall(r"(?<!`)`([^`]+)`(?!`)", re.sub(r"```.*?```", "", text, flags=re.S))]
+        for line in lines:
+            for match in re.finditer(r"(?:^|&& |\b)(specbatch [a-z][a-z-]*|python -m jobs\.\w+)([^#&|]*)", line):
+                options = re.findall(r"(?<![\w-])--([a-z][\w.-]*)", match.group(2))
+                found.append((page.name, match.group(1), [option for option in options if option != "a.b"]))
+    return found  # ``--a.b VALUE`` is how the docs write "any dotted override"
+
+
+def accepts(model: type, dotted: str) -> bool:
+    """Whether ``--dotted VALUE`` names a field of ``model`` (a pydantic model; sections nest with dots)."""
+    from pydantic import BaseModel
+
+    for key in dotted.replace("-", "_").split("."):
+        field = model.model_fields.get(key) if isinstance(model, type) and issubclass(model, BaseModel) else None
+        if field is None:
+            return False
+        model = field.annotation
+        if getattr(model, "__origin__", None) is not None or not isinstance(model, type):  # X | None: its model
+            model = next((arg for arg in getattr(model, "__args__", ()) if isinstance(arg, type)
+                          and issubclass(arg, BaseModel)), model)
+    return True
+
+
+def test_every_documented_command_line_uses_options_the_command_takes() -> None:
+    """Each option a README or docs command line passes is one of that command's own (``--help``) or, for the
+    commands that take configuration overrides, a field of that command's configuration."""
+    from decoding.config import Config
+    from jobs.cli import COMMANDS
+    from training.distill import DraftTrainingConfig
+    from training.signals import SignalTrainingConfig
+
+    overrides = {"jobs.train_draft": DraftTrainingConfig, "jobs.train_head": SignalTrainingConfig,
+                 "jobs.train_decision": SignalTrainingConfig, "jobs.report": None, "jobs.eval_draft": None,
+                 "jobs.eval_self_draft": None}
+    commands = documented_commands()
+    assert {name for _, name, _ in commands} >= {f"specbatch {name}" for name in COMMANDS}
+    modules = {name: COMMANDS[name.split()[1]][0] if name.startswith("specbatch ") else name.split()[-1]
+               for _, name, _ in commands}
+    # Every module's --help in one process (the imports are most of the time): module -> its help text.
+    script = ("import contextlib, importlib, io, json, sys\nhelps = {}\nfor module in sys.argv[1:]:\n"
+              "    out = io.StringIO()\n    with contextlib.redirect_stdout(out), contextlib.suppress(SystemExit):\n"
+              "        importlib.import_module(module).main(['--help'])\n    helps[module] = out.getvalue()\n"
+              "print(json.dumps(helps))")
+    done = subprocess.run([sys.executable, "-c", script, *sorted(set(modules.values()))], cwd=REPO,
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    helps = json.loads(done.stdout.splitlines()[-1])
+    assert all("usage:" in text for text in helps.values()), helps
+    wrong = []
+    for page, name, options in commands:
+        module = modules[name]
+        model = overrides.get(module, Config)
+        wrong += [f"{page}: {name} --{option}" for option in options
+                  if not re.search(rf"(?<![\w-])--{re.escape(option)}(?![\w-])", helps[module])
+                  and not (model is not None and accepts(model, option))]
+    assert wrong == []
