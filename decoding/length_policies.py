@@ -182,6 +182,7 @@ POOLED_STRENGTH = 2.0
 # and the evidence it needs: two drafting steps at batch 16 or more, about 25 at batch 1.
 GAIN_DECAY = 0.97
 GAIN_EVIDENCE = 16.0
+COST_REUSE_STEPS = 16
 
 
 class OnlinePolicy(LengthPolicy):
@@ -242,6 +243,7 @@ class OnlinePolicy(LengthPolicy):
         # steps themselves (the model's one scale also absorbs the drafting steps' errors).
         self.plain_correction = 1.0
         self.lookup_plan: torch.Tensor | None = None
+        self._cost_memo: dict[tuple, tuple[int, list[float], bool]] = {}  # key -> (step, option costs, payable)
 
     # ------------------------------------------------------------------------------------------- costs
     def step_seconds(
@@ -318,11 +320,18 @@ class OnlinePolicy(LengthPolicy):
             batch = self.capacity if is_fixed else rows
             key = (batch, 0 if is_fixed else context // 64, is_fixed)
             if key not in costs:
-                costs[key] = [self.step_seconds(m, lk, batch, context, is_fixed) for m, lk in options]
-                # Whether any option could pay were every drafted token accepted: where none could (a large batch
-                # on a few CPU cores), probing cannot find one either and only widens the batch's forwards.
-                payable[key] = any((1 + max(m, lk)) / max(c, 1e-9) >= (1 + self.margin) / max(costs[key][0], 1e-9)
-                                   for (m, lk), c in zip(options[1:], costs[key][1:]))
+                # Costs move slowly (corrections by timed steps): reused for COST_REUSE_STEPS steps, for ever from
+                # the fixed calibration. Every option's cost for every row bucket each step took 2% of a batch-16
+                # step that drafted nothing.
+                memo = self._cost_memo.get(key)
+                if memo is None or (not is_fixed and self.steps - memo[0] >= COST_REUSE_STEPS):
+                    option_costs = [self.step_seconds(m, lk, batch, context, is_fixed) for m, lk in options]
+                    # Whether any option could pay were every drafted token accepted: where none could (a large
+                    # batch on a few CPU cores), probing cannot find one either and only widens the batch's forwards.
+                    memo = self._cost_memo[key] = (self.steps, option_costs, any(
+                        (1 + max(m, lk)) / max(c, 1e-9) >= (1 + self.margin) / max(option_costs[0], 1e-9)
+                        for (m, lk), c in zip(options[1:], option_costs[1:])))
+                costs[key], payable[key] = memo[1], memo[2]
             if not payable[key]:
                 model_depths[row], lookup_depths[row] = 0, 0
                 continue
