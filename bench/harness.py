@@ -463,7 +463,7 @@ def _compare(rows: list[BenchRow], outputs: list[dict[str, list[int]]], greedy: 
 
 
 def environment(models: Models) -> dict[str, Any]:
-    """The machine and software a table was measured on (the README records it)."""
+    """The machine and software a table was measured on (docs/performance.md records it with each table)."""
     cpu = platform.processor() or platform.machine()
     try:
         with open("/proc/cpuinfo") as f:

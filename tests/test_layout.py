@@ -239,3 +239,9 @@ def test_every_documented_command_line_uses_options_the_command_takes() -> None:
                   if not re.search(rf"(?<![\w-])--{re.escape(option)}(?![\w-])", helps[module])
                   and not (model is not None and accepts(model, option))]
     assert wrong == []
+
+
+def test_every_page_the_code_and_docs_name_exists() -> None:
+    named = {(path.relative_to(REPO), page) for path in product_text_files()
+             for page in re.findall(r"\bdocs/[\w-]+\.md\b", path.read_text())}
+    assert named and [f"{path}: {page}" for path, page in sorted(named) if not (REPO / page).is_file()] == []
