@@ -189,6 +189,24 @@ def parse_file(data: pa.Buffer, kind: str) -> pa.Table:
     return read_json_records(data.to_pybytes())
 
 
+def count_records(data: bytes, kind: str) -> int:
+    """The rows ``parse_file`` makes of a JSON or CSV file, without building them: its records (a quoted CSV value
+    may hold line breaks), or the one error row of a CSV file without a header."""
+    if kind == "csv":
+        records = _csv_records(data)
+        return len(records) - 1 if records else 1
+    lines = [line for line in data.splitlines() if line.strip()]
+    if lines and lines[0].lstrip().startswith(b"["):  # one JSON array, as read_json_records reads it
+        with contextlib.suppress(ValueError, RecursionError, TypeError):
+            return len(json.loads(data))
+    return len(lines)
+
+
+def _csv_records(data: bytes) -> list[list[str]]:
+    """The non-empty CSV records of ``data``; bytes that are not UTF-8 are kept as surrogate escapes."""
+    return [r for r in csv.reader(io.StringIO(data.decode("utf-8", "surrogateescape"), newline="")) if r]
+
+
 def _read_csv(data: bytes) -> pa.Table:
     options = pa_csv.ConvertOptions(column_types=_CSV_TEXT_COLUMNS)
     return pa_csv.read_csv(pa.BufferReader(data), convert_options=options)
@@ -198,7 +216,7 @@ def read_csv_rows(data: bytes) -> pa.Table:
     """A CSV file that Arrow's reader refuses, record by record: a record that is not valid UTF-8 text or has
     another number of fields than the header becomes a row with a ``READ_ERROR``; the other records are read by
     Arrow as usual (types inferred, ``id`` and ``prompt`` as text)."""
-    records = [r for r in csv.reader(io.StringIO(data.decode("utf-8", "surrogateescape"), newline="")) if r]
+    records = _csv_records(data)
     if not records:
         raise ValueError("no CSV header")
     header, *rows = records

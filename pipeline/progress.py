@@ -9,6 +9,7 @@ compilation.
 from __future__ import annotations
 
 import logging
+import posixpath
 import threading
 import time
 from collections.abc import Callable
@@ -19,6 +20,7 @@ import pyarrow as pa
 import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 
+from pipeline.io import FORMATS, count_records
 from pipeline.store import OutputStore
 
 log = logging.getLogger(__name__)
@@ -57,11 +59,13 @@ class Progress:
 
 
 def count_rows(fs: pafs.FileSystem, files: list[str]) -> int:
-    """Rows in the input files without parsing them: Parquet's metadata, JSON Lines' and CSV's lines. A Parquet
-    file without a readable footer counts as the one error row the reader makes of it."""
+    """The rows the job's reader makes of the input files, without making them: Parquet's metadata, JSON Lines'
+    and CSV's records. A Parquet file without a readable footer counts as the one error row the reader makes of
+    it."""
     total = 0
     for path in files:
-        if path.endswith(".parquet"):
+        kind = FORMATS[posixpath.splitext(path)[1]]
+        if kind == "parquet":
             with fs.open_input_file(path) as f:
                 try:
                     total += pq.ParquetFile(f).metadata.num_rows
@@ -69,9 +73,7 @@ def count_rows(fs: pafs.FileSystem, files: list[str]) -> int:
                     total += 1
             continue
         with fs.open_input_stream(path) as f:
-            data = f.read()
-        lines = sum(1 for line in data.splitlines() if line.strip())
-        total += lines - 1 if path.endswith(".csv") else lines
+            total += count_records(f.read(), kind)
     return total
 
 

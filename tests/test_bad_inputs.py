@@ -255,6 +255,7 @@ def test_progress_counts_every_file_corrupt_ones_included(tmp_path):
     the reader makes of it; it raised "Parquet magic bytes not found" there, and the run showed no total."""
     import pyarrow.fs as pafs
 
+    from pipeline.io import parse_file
     from pipeline.progress import count_rows
 
     paths = []
@@ -264,6 +265,13 @@ def test_progress_counts_every_file_corrupt_ones_included(tmp_path):
         path.write_bytes(content if isinstance(content, bytes) else content.encode())
         paths.append(str(path))
     assert count_rows(pafs.LocalFileSystem(), paths) == sum(len(expected) for _, expected in CASES.values())
+    # records, not lines: a quoted CSV value with a line break, a JSON array on a few lines, a header alone
+    (tmp_path / "multiline.csv").write_bytes(b'id,prompt\na,"line one\nline two"\nb,plain\n')
+    (tmp_path / "array.json").write_bytes(b'[{"prompt": "a"}, {"prompt": "b"},\n {"prompt": "c"}]')
+    (tmp_path / "header.csv").write_bytes(b"id,prompt\n")
+    for name, rows in (("multiline.csv", 2), ("array.json", 3), ("header.csv", 0)):
+        assert count_rows(pafs.LocalFileSystem(), [str(tmp_path / name)]) == rows, name
+        assert parse_file(pa.py_buffer((tmp_path / name).read_bytes()), name.split(".")[1]).num_rows == rows, name
 
 
 def test_sampling_params_are_bounded_and_strict_as_the_servers(bad_run):
