@@ -245,3 +245,12 @@ def test_every_page_the_code_and_docs_name_exists() -> None:
     named = {(path.relative_to(REPO), page) for path in product_text_files()
              for page in re.findall(r"\bdocs/[\w-]+\.md\b", path.read_text())}
     assert named and [f"{path}: {page}" for path, page in sorted(named) if not (REPO / page).is_file()] == []
+
+
+def test_every_repository_path_the_docs_name_exists() -> None:
+    pages = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
+    roots = "|".join([*PACKAGES, "tests", "docs", r"\.ci"])
+    named = {(page.name, path) for page in pages
+             for path in re.findall(rf"(?<![\w/.])((?:{roots})/[\w/.-]*\w)", page.read_text())}
+    assert len(named) > 50
+    assert [f"{page}: {path}" for page, path in sorted(named) if not (REPO / path).exists()] == []
