@@ -16,7 +16,7 @@ import copy
 import dataclasses
 import weakref
 from dataclasses import dataclass
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
 import torch
@@ -29,6 +29,9 @@ from decoding.padding import pad_rows
 from decoding.sampling import WarpParams, row_uniforms, warp_probs
 from decoding.tree import TreeTopology, chain_ancestors, with_prefix_chain
 from decoding.verify_batched import sample_from, sample_tokens
+
+if TYPE_CHECKING:
+    from decoding.constrained import GrammarView
 
 
 class StopRule(Protocol):
@@ -57,6 +60,10 @@ class DraftInputs:
     stop: StopRule
     # [B] depth of the n-gram siblings of a model's tree (None: ``depths``): a row may draft with either alone.
     lookup_depths: torch.Tensor | None = None
+    # Constrained rows (decoding.constrained): the tree's grammar masks, which the draft's laws get and which cut
+    # what the grammar refuses, and per row the grammar's own draft for a lookup candidate ([] where none).
+    grammar: GrammarView | None = None
+    grammar_drafts: list[list[int]] | None = None
 
     def select(self, rows: torch.Tensor) -> DraftInputs:
         """These inputs for some rows (a host index tensor)."""
@@ -67,6 +74,8 @@ class DraftInputs:
             depths=self.depths[rows], warp=self.warp[rows],
             greedy=self.greedy[rows], generators=[self.generators[row] for row in row_ids],
             lookup_depths=self.lookup_depths[rows] if self.lookup_depths is not None else None,
+            grammar=self.grammar.select(rows) if self.grammar is not None else None,
+            grammar_drafts=[self.grammar_drafts[row] for row in row_ids] if self.grammar_drafts is not None else None,
         )
 
 
@@ -136,6 +145,7 @@ class Drafter:
     uses_hidden_states = False
     reads_target_states = False
     host_roots = False  # whether ``propose`` reads the root-level tokens on the host (else they stay on the device)
+    takes_grammar_drafts = False  # whether ``propose`` puts DraftInputs.grammar_drafts in a lookup candidate
     target_cache: PagedKVCache | None = None  # a self-draft's: it drafts in the target's cache (no catch-up tokens)
 
     def add_rows(self, rows: slice, prompts: list[list[int]], positions: list[int],
@@ -164,6 +174,7 @@ class NgramDrafter(Drafter):
     """
 
     host_roots = True
+    takes_grammar_drafts = True
 
     def __init__(self, max_ngram: int = 4, min_ngram: int = 1) -> None:
         self.max_ngram = max_ngram
@@ -185,6 +196,17 @@ class NgramDrafter(Drafter):
                         return found
         return found
 
+    def with_grammar_draft(self, context: list[int], chains: list[list[int]], draft: list[int], depth: int,
+                           width: int) -> list[list[int]]:
+        """``chains`` (continuations of ``context``) with a constrained row's grammar draft first, continued by
+        lookup up to ``depth`` (the masks cut a continuation where it leaves the grammar); at most ``width``."""
+        if not draft:
+            return chains
+        draft = draft[:depth]
+        if len(draft) < depth:
+            draft = draft + next(iter(self.continuations([*context, *draft], depth - len(draft), 1)), [])
+        return [draft, *(chain for chain in chains if chain[0] != draft[0])][:width]
+
     def propose(self, inputs: DraftInputs) -> Draft:
         topology = inputs.topology
         max_depth = int(inputs.depths.max()) if len(inputs.depths) else 0
@@ -197,13 +219,20 @@ class NgramDrafter(Drafter):
             depth = int(inputs.depths[row])
             if depth == 0:
                 continue
+            pending = [*context, int(inputs.pending[row])]
             if shared_root:
-                chains = self.continuations([*context, int(inputs.pending[row])], depth, topology.num_candidates)
+                chains = self.continuations(pending, depth, topology.num_candidates)
             else:
                 chains = [
                     (self.continuations([*context, int(root)], depth, 1) or [[]])[0] if ok else []
                     for root, ok in zip(inputs.roots[row].tolist(), inputs.root_valid[row].tolist())
                 ]
+            if inputs.grammar_drafts is not None and inputs.grammar_drafts[row]:
+                ahead = inputs.grammar_drafts[row]
+                if shared_root:
+                    chains = self.with_grammar_draft(pending, chains, ahead, depth, topology.num_candidates)
+                else:  # the pending token's candidate
+                    chains[0] = self.with_grammar_draft(pending, [], ahead, depth, 1)[0]
             for candidate, chain in enumerate(chains):
                 for level, token in enumerate(chain, start=1):
                     node = topology.level_slice(level).start + candidate
@@ -291,6 +320,10 @@ class DraftModelDrafter(Drafter):
             torch.zeros(capacity, model.feature_size, device=device) if self.reads_target_states else None
         )
         self.uses_hidden_states = False
+
+    @property
+    def takes_grammar_drafts(self) -> bool:  # type: ignore[override]
+        return self.lookup is not None
 
     def attach(self, target_cache: PagedKVCache) -> None:
         """The target's cache is there: a self-draft drafts in it; another draft gets a cache of its own with as
@@ -388,7 +421,11 @@ class DraftModelDrafter(Drafter):
             depth = int(lookup_depths[row]) if lookup_depths is not None else int(inputs.depths[row])
             if depth == 0:
                 continue
-            chains = self.lookup.continuations([*context, int(inputs.pending[row])], depth, self.lookup_candidates)
+            pending = [*context, int(inputs.pending[row])]
+            chains = self.lookup.continuations(pending, depth, self.lookup_candidates)
+            if inputs.grammar_drafts is not None:
+                chains = self.lookup.with_grammar_draft(pending, chains, inputs.grammar_drafts[row], depth,
+                                                        self.lookup_candidates)
             for candidate, chain in enumerate(chains, start=first):
                 for level, token in enumerate(chain, start=1):
                     node = prefix + topology.level_slice(level).start + candidate
@@ -468,10 +505,12 @@ class DraftModelDrafter(Drafter):
             )
             forwarded = level
             parents = slice(max(start, prefix), end)
+            parent_nodes = slice(parents.start - prefix, parents.stop - prefix)
             scores = inputs.warp.penalize(  # each node with its own history, as the target's verification does
-                self._full_vocab(logits.float()), tokens[:, prefix:], tree_ancestors,
-                slice(parents.start - prefix, parents.stop - prefix),
+                self._full_vocab(logits.float()), tokens[:, prefix:], tree_ancestors, parent_nodes,
             )
+            if inputs.grammar is not None:  # the masks the target's laws get at the same nodes
+                scores = inputs.grammar.mask(scores, parent_nodes, may_empty=self.vocab_subset is not None)
             probs = warp_probs(scores, inputs.warp)  # [B, w_parent, V]
             if laws is not None:
                 laws[:, parents] = probs
@@ -497,6 +536,10 @@ class DraftModelDrafter(Drafter):
             token_probs[:, model_nodes] = child_probs
             if states is not None:
                 states[:, model_nodes] = hidden
+            if inputs.grammar is not None:  # cut what the grammar refuses; nothing grows below a token that ends it
+                cut, closed = inputs.grammar.walk(level_nodes, tokens[:, start:end], valid[:, start:end])
+                valid[:, start:end] &= ~cut
+                extend = extend & ~closed[:, :model_width]
             depth = max(depth, level)
             if inputs.stop.cuts and not bool(extend.any()):  # a trained stop rule ended every candidate
                 break

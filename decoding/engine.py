@@ -18,6 +18,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from decoding.batch_state import BatchState
 from decoding.config import Config, SamplingParams, format_validation_error
+from decoding.constrained import Constraints
 from decoding.costs import BatchCosts, calibrate_batch
 from decoding.drafters import Drafter, DraftModelDrafter, NgramDrafter, model_view
 from decoding.kv_cache import CacheShape, PagedKVCache
@@ -113,6 +114,7 @@ class Engine:
         self.eos_ids = eos_token_ids(self.tokenizer, target)
         self.run_seed = run_seed(config.sampling.seed)
         self.state = BatchState(self.capacity, config.sampling, self.device)
+        self.constraints = Constraints(self.loaded_target.config.vocab_size)
         self.scheduler = Scheduler(self.capacity, self.cache, self._positions)
         self.reads = HostReads()
         self.stepper = Step(
@@ -226,11 +228,14 @@ class Engine:
         (with a ``tokenizer`` of that thread's own), so a long prompt never stalls the batch. The result goes to
         ``add_prepared``; an invalid request becomes its error result."""
         started = time.perf_counter()
+        tokenizer = tokenizer or self.tokenizer
         try:
             params = self._sampling_params(request.sampling)
-            prompt, prompt_ids = self._tokenize(request, tokenizer or self.tokenizer)
+            prompt, prompt_ids = self._tokenize(request, tokenizer)
             seq = Sequence(request.id, prompt, prompt_ids, params,
                            row_generator(params, self.run_seed, request.seed_key or request.id), started)
+            seq.stop_ids = params.stop_ids(self.eos_ids)
+            seq.grammar = self.constraints.row_grammar(params, seq.stop_ids, tokenizer)  # compiled here, off the step
             need = self.cache.blocks_for(self._positions(seq))
             if need > self.cache.num_blocks:
                 raise EngineError(
@@ -241,7 +246,6 @@ class Engine:
         except EngineError as exc:
             prompt = request.prompt if isinstance(request.prompt, str) else ""
             return self._error_result(request.id, prompt, str(exc), started)
-        seq.stop_ids = params.stop_ids(self.eos_ids)
         return seq
 
     def add_prepared(self, prepared: Prepared) -> None:
@@ -262,11 +266,6 @@ class Engine:
         vocab = self.loaded_target.config.vocab_size
         if any(t < 0 or t >= vocab for t in sampling.stop_token_ids):
             raise EngineError(f"invalid sampling_params: stop_token_ids must lie in [0, {vocab})")
-        if sampling.structured_outputs is not None:  # validated above; the step does not apply masks
-            raise EngineError(
-                "invalid sampling_params: structured_outputs (guided_decoding) is not applied by this engine's step, "
-                "so it is refused rather than ignored"
-            )
         if sampling.n != 1:
             raise EngineError(
                 f"invalid sampling_params: n is {sampling.n}; one request decodes one sequence (the server returns "

@@ -33,7 +33,9 @@ from transformers import PreTrainedTokenizerBase
 from decoding.config import Constraint
 
 BITS = 32
-_FIELDS = {kind: f"structured_outputs.{kind}" for kind in ("json", "regex", "choice", "grammar", "json_object")}
+CONSTRAINT_FIELDS = {
+    kind: f"structured_outputs.{kind}" for kind in ("json", "regex", "choice", "grammar", "json_object")
+}
 # xgrammar's C++ errors start with "[hh:mm:ss] /path/file.cc:123: ": the reason follows.
 _LOCATION = re.compile(r"^\[[^\]]*\]\s+\S+:\d+:\s*")
 
@@ -63,7 +65,7 @@ def grammar_of(constraint: Constraint) -> xgr.Grammar:
         if kind == "grammar":  # EBNF (GBNF) rules read `name ::= ...`; anything else is taken for Lark
             return xgr.Grammar.from_ebnf(text) if "::=" in text else xgr.Grammar.from_lark(text)
     except (RuntimeError, ValueError, TypeError) as exc:
-        raise GrammarError(f"invalid {_FIELDS[kind]}: {_reason(exc)}") from None
+        raise GrammarError(f"invalid {CONSTRAINT_FIELDS[kind]}: {_reason(exc)}") from None
     raise GrammarError(f"unknown constraint kind {kind!r}")
 
 
@@ -90,7 +92,7 @@ class GrammarCompiler:
         try:
             return self._compiler.compile_grammar(grammar_of(constraint))
         except RuntimeError as exc:
-            raise GrammarError(f"invalid {_FIELDS[constraint.kind]}: {_reason(exc)}") from None
+            raise GrammarError(f"invalid {CONSTRAINT_FIELDS[constraint.kind]}: {_reason(exc)}") from None
 
 
 _compilers: weakref.WeakKeyDictionary[PreTrainedTokenizerBase, dict[int, GrammarCompiler]] = (
@@ -185,13 +187,22 @@ class RowGrammar:
         BPE vocabulary several tokenizations of that text stay allowed, so unlike ``forced`` these are likely
         drafts, not certain ones. [] when there is no such text or ``after`` leaves the grammar."""
         walked = self.commit(after)
-        text = self.matcher.find_jump_forward_string() if walked == len(after) else ""
+        ended = walked < len(after) or self.matcher.is_terminated()
+        text = "" if ended else self.matcher.find_jump_forward_string()
         if walked:
             self.matcher.rollback(walked)
         if not text:
             return []
         tokens = encode(text)[:limit]
         return tokens[: self.accepts([*after, *tokens]) - len(after)] if tokens else []
+
+    def allows_any(self) -> bool:
+        """Whether some token of the vocabulary may follow the committed tokens (a vocabulary that cannot spell
+        what the grammar needs next allows none)."""
+        if self.matcher.is_terminated():
+            return False
+        self.matcher.fill_next_token_bitmask(self._scratch, 0)
+        return bool(self._scratch.any())
 
     def _only_allowed(self) -> int | None:
         self.matcher.fill_next_token_bitmask(self._scratch, 0)
@@ -269,6 +280,18 @@ class TreeMasks:
     @property
     def terminal(self) -> torch.Tensor:
         return torch.tensor(self._terminal, dtype=torch.bool)
+
+    def forced(self) -> torch.Tensor:
+        """[B, N] (host): the nodes whose parent's mask allows exactly one token (theirs, where the grammar
+        accepts them): under the masks the target gives that token probability 1. Root-level nodes are never
+        forced here (their law is the committed state's)."""
+        words = self._host
+        single = ((words != 0).sum(-1) == 1) & ((words & (words - 1)) == 0).all(-1)  # [R, N]: one bit set
+        parents = torch.tensor(self.parents, dtype=torch.long)
+        forced = torch.zeros(len(self.grammars), len(self.parents), dtype=torch.bool)
+        if self.constrained:
+            forced[torch.tensor(self.constrained)] = single[:, parents.clamp(min=0)] & (parents >= 0)
+        return forced & ~self.refused
 
     def level(self, nodes: slice, tokens: torch.Tensor, valid: torch.Tensor) -> RowMasks:
         """Walk the nodes of one level: ``tokens`` [B, n] and ``valid`` [B, n] on the host, n = the level's nodes.

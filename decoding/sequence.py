@@ -5,7 +5,7 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence as SequenceABC
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
@@ -13,6 +13,9 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 from decoding.config import SamplingParams
 from decoding.stats import SpecDecodeStats, acceptance_histogram
 from decoding.text import IncrementalDecoder
+
+if TYPE_CHECKING:  # xgrammar loads when a constraint appears
+    from decoding.grammar import RowGrammar
 
 
 @dataclass
@@ -50,6 +53,8 @@ class GenerationResult:
     token_stats: list[tuple[int, int, int, int, float, float, bool]] = field(default_factory=list)
     # With sampling_params.logprobs: per generated token, the target's log-probability and top alternatives.
     logprobs: list[dict[str, Any]] | None = None
+    # Accepted draft tokens that were the only token the row's constraint allowed (structured outputs).
+    num_grammar_forced_tokens: int = 0
 
     @property
     def stats(self) -> SpecDecodeStats:
@@ -95,6 +100,11 @@ class Sequence:
     stop_text: str | None = None
     stop_ids: set[int] = field(default_factory=set)  # EOS unless ignore_eos, and stop_token_ids
     text: IncrementalDecoder | None = None  # the generation's text so far, kept only to match stop strings
+    # A constrained row's grammar, at the committed tokens before the pending one (decoding.constrained).
+    grammar: RowGrammar | None = None
+    grammar_committed: int = 0  # generated tokens the grammar has consumed
+    grammar_forced: int = 0  # accepted draft tokens the grammar allowed alone
+    error: str | None = None  # why a row ended with finish_reason "error" after it started generating
 
     @property
     def context(self) -> list[int]:
@@ -152,13 +162,14 @@ class Sequence:
             text = tokenizer.decode(self.generated, skip_special_tokens=self.params.skip_special_tokens)
         return GenerationResult(
             id=self.request_id, prompt=self.prompt, prompt_token_ids=self.prompt_ids, token_ids=self.generated,
-            text=text, finish_reason=self.finish_reason or "length", error=None,
+            text=text, finish_reason=self.finish_reason or "length", error=self.error,
             time_taken=time.perf_counter() - self.started, token_accepted=self.accepted,
             per_step_drafted=self.per_step_drafted, per_step_accepted=self.per_step_accepted,
             num_target_forwards=self.forwards,
             acceptance_histogram=acceptance_histogram(self.per_step_drafted, self.per_step_accepted, max_depth),
             token_stats=self.token_stats,
             logprobs=self.logprobs[: len(self.generated)] if self.params.logprobs is not None else None,
+            num_grammar_forced_tokens=self.grammar_forced,
         )
 
 

@@ -9,7 +9,9 @@ definitions cannot drift apart:
 - ``tokens_per_forward``: generated tokens / all target forwards, prefill included;
 - ``acceptance_histogram``: spec steps by accepted count (sums to num_spec_steps);
 - ``accepted_per_pos``: spec steps whose accepted run reached each draft position (vLLM's
-  ``num_accepted_tokens_per_pos``).
+  ``num_accepted_tokens_per_pos``);
+- ``num_grammar_forced_tokens``: accepted draft tokens that a constraint (structured outputs) allowed alone, so
+  that the target's masked law gave them probability 1; ``grammar_forced_share`` over the generated tokens.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ class _Result(Protocol):
     per_step_accepted: list[int]
     num_target_forwards: int
     acceptance_histogram: list[int]
+    num_grammar_forced_tokens: int
 
 
 def acceptance_histogram(
@@ -60,19 +63,20 @@ class SpecDecodeStats:
     num_generated_tokens: int = 0
     num_target_forwards: int = 0
     acceptance_histogram: tuple[int, ...] = ()
+    num_grammar_forced_tokens: int = 0
 
     @classmethod
     def of(cls, result: _Result) -> SpecDecodeStats:
         """One generation's statistics (an engine ``GenerationResult``)."""
         return cls.from_steps(
             result.per_step_drafted, result.per_step_accepted, len(result.token_ids), result.num_target_forwards,
-            len(result.acceptance_histogram) - 1,
+            len(result.acceptance_histogram) - 1, result.num_grammar_forced_tokens,
         )
 
     @classmethod
     def from_steps(
         cls, per_step_drafted: Sequence[int], per_step_accepted: Sequence[int], generated: int,
-        target_forwards: int | None = None, max_depth: int | None = None,
+        target_forwards: int | None = None, max_depth: int | None = None, grammar_forced: int = 0,
     ) -> SpecDecodeStats:
         """From per-step counts. ``target_forwards`` defaults to the prefill plus one per verification step (an
         output row's ``per_step_drafted`` has one entry per step); ``max_depth`` to the deepest accepted run."""
@@ -87,6 +91,7 @@ class SpecDecodeStats:
             num_generated_tokens=generated,
             num_target_forwards=target_forwards,
             acceptance_histogram=tuple(acceptance_histogram(per_step_drafted, per_step_accepted, max(max_depth, 0))),
+            num_grammar_forced_tokens=grammar_forced,
         )
 
     @classmethod
@@ -100,6 +105,7 @@ class SpecDecodeStats:
             num_generated_tokens=generated,
             num_target_forwards=_forwards(row["per_step_drafted"] or [], generated),
             acceptance_histogram=tuple(struct.get("acceptance_histogram") or ()),
+            num_grammar_forced_tokens=struct.get("num_grammar_forced_tokens") or 0,
         )
 
     def __add__(self, other: SpecDecodeStats) -> SpecDecodeStats:
@@ -110,6 +116,7 @@ class SpecDecodeStats:
             self.num_generated_tokens + other.num_generated_tokens,
             self.num_target_forwards + other.num_target_forwards,
             _add(self.acceptance_histogram, other.acceptance_histogram),
+            self.num_grammar_forced_tokens + other.num_grammar_forced_tokens,
         )
 
     @classmethod
@@ -131,6 +138,10 @@ class SpecDecodeStats:
         return self.num_generated_tokens / self.num_target_forwards if self.num_target_forwards else 0.0
 
     @property
+    def grammar_forced_share(self) -> float:
+        return self.num_grammar_forced_tokens / self.num_generated_tokens if self.num_generated_tokens else 0.0
+
+    @property
     def accepted_per_pos(self) -> list[int]:
         """Spec steps that accepted at least ``i + 1`` draft tokens, for each position i."""
         histogram = self.acceptance_histogram
@@ -146,6 +157,7 @@ class SpecDecodeStats:
             "tokens_per_forward": self.tokens_per_forward,
             "draft_acceptance_rate": self.draft_acceptance_rate,
             "acceptance_histogram": list(self.acceptance_histogram),
+            "num_grammar_forced_tokens": self.num_grammar_forced_tokens,
         }
 
 

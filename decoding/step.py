@@ -25,8 +25,10 @@ from transformers import PreTrainedTokenizerBase
 
 from decoding.batch_state import BatchState
 from decoding.config import SpeculativeConfig
+from decoding.constrained import StepGrammar, advance, apply_masks, grammar_drafts
 from decoding.drafters import Draft, Drafter, DraftInputs
 from decoding.forward import forward_tree
+from decoding.grammar import committed_masks
 from decoding.kv_cache import PagedKVCache
 from decoding.length_policies import LengthPolicy, Sources, StepRecord, StepTiming
 from decoding.padding import pad_rows
@@ -58,12 +60,15 @@ class Plan:
     warp: WarpParams  # row_warp with penalties, where rows have them
     penalized: bool
     greedy: torch.Tensor  # [B] host
+    constrained: bool = False  # some row has a grammar (decoding.constrained)
+    grammar_drafts: list[list[int]] | None = None  # per row: the grammar's own draft, for a lookup candidate
 
 
 @dataclass
 class Drafted:
     draft: Draft
     seconds: float
+    grammar: StepGrammar | None = None  # the tree's grammar masks, where some row has a constraint
 
 
 @dataclass
@@ -98,6 +103,7 @@ class Step:
         self.tokenizer, self.max_context, self.run_seeded, self.to_host = tokenizer, max_context, run_seeded, reads
         self.device = cache.device
         self.steps = 0
+        self.encode = lambda text: tokenizer.encode(text, add_special_tokens=False)  # grammar drafts' text
 
     def _to_device(self, tensor: torch.Tensor) -> torch.Tensor:
         """Host -> device without waiting: a blocking copy would also wait for the device's queue to drain."""
@@ -145,6 +151,8 @@ class Step:
         raw = logits[torch.arange(len(joining), device=self.device), at].float()  # [B, V]
         last = self._warp(joining, eos_ids, prefill=True).penalize(raw) if any(
             s.params.penalized for s in joining) else raw
+        if any(s.grammar is not None for s in joining):
+            last = self._masked_first(joining, last, raw)
         tokens, scores = last.argmax(-1), last
         uniforms = self._uniforms(joining, 1)
         if uniforms is not None:
@@ -181,10 +189,14 @@ class Step:
         # Penalties need each row's history: then the drafter warps with it (the target's logits get the same).
         penalized = any(s.params.penalized for s in seqs)
         row_warp = self.state.row_warp(rows)
-        return Plan(
+        plan = Plan(
             rows, depths.minimum(room), lookup_depths.minimum(room) if lookup_depths is not None else None,
             row_warp, self._warp(seqs, eos_ids) if penalized else row_warp, penalized, self.state.greedy(rows),
+            constrained=any(s.grammar is not None for s in seqs),
         )
+        if plan.constrained and self.drafter.takes_grammar_drafts and self.topology.max_depth:
+            self._plan_grammar_drafts(seqs, plan, room)
+        return plan
 
     # ------------------------------------------------------------------------------------------------- draft
     def _roots(self, seqs: list[Sequence], plan: Plan, pending: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -214,17 +226,26 @@ class Step:
         idle = not bool(plan.depths.any()) and (plan.lookup_depths is None or not bool(plan.lookup_depths.any()))
         if idle and self.topology.root_width == 1:  # a plain step: nothing to draft, no sibling to draw
             batch = len(seqs)
-            return Drafted(Draft(pending[:, None], torch.ones(batch, 1, dtype=torch.bool), torch.ones(batch, 1), None,
-                                 0), time.perf_counter() - started)
+            roots, root_valid = pending[:, None], torch.ones(batch, 1, dtype=torch.bool)
+            grammar = self._grammar_tree(seqs, plan, roots, root_valid)[0] if plan.constrained else None
+            return Drafted(Draft(roots, root_valid, torch.ones(batch, 1), None, 0), time.perf_counter() - started,
+                           grammar)
         roots, root_valid = self._roots(seqs, plan, pending)
+        grammar = None
+        if plan.constrained:
+            grammar, root_valid = self._grammar_tree(seqs, plan, roots, root_valid)
         draft = self.drafter.propose(DraftInputs(
             contexts=Contexts(seqs), roots=roots, root_valid=root_valid, pending=pending,  # type: ignore[arg-type]
             depths=plan.depths,
             topology=self.topology, warp=plan.warp, greedy=plan.greedy,
             generators=[s.generator for s in seqs], replacement=self.speculative.replacement,
             stop=self.policy, lookup_depths=plan.lookup_depths,
+            grammar=grammar.view() if grammar is not None else None, grammar_drafts=plan.grammar_drafts,
         ))
-        return Drafted(draft, time.perf_counter() - started)
+        if grammar is not None:  # the levels the drafter did not walk (all of a host drafter's)
+            grammar.finish(draft.tokens, draft.valid, [self.topology.level_slice(level)
+                                                       for level in range(1, draft.depth + 1)])
+        return Drafted(draft, time.perf_counter() - started, grammar)
 
     # ------------------------------------------------------------------------------------------------ verify
     def _verify_forward(self, plan: Plan, draft: Draft, tokens: torch.Tensor, valid: torch.Tensor,
@@ -264,6 +285,8 @@ class Step:
         tokens, valid = self._to_device(draft.tokens), self._to_device(draft.valid)
         raw, states, slot_of = self._verify_forward(plan, draft, tokens, valid, ancestors)
         logits = plan.warp.penalize(raw, tokens, self._to_device(ancestors)) if plan.penalized else raw
+        if drafted.grammar is not None:
+            logits = self._masked_tree(seqs, drafted.grammar, logits, raw)
         uniforms = self._uniforms(seqs, self.topology.size(self.topology.max_depth) + 1)
         verdict = verify_batch(
             logits, tokens, valid, self.topology, plan.row_warp, self.state.root_scores[plan.rows],
@@ -307,6 +330,8 @@ class Step:
         self.steps += 1
         node_depths = self.topology.depths.tolist()
         node_candidates = self.topology.candidate_index.tolist()
+        grammar = drafted.grammar
+        forced = grammar.forced(len(verdict.draft_tokens[0])) if grammar is not None else None
         all_emitted, all_kept = [], []
         for row, (seq, path) in enumerate(zip(seqs, paths)):
             accepted_nodes = [n for n in path if node_depths[n] > 0]
@@ -320,6 +345,8 @@ class Step:
             kept = seq.emit(new_tokens, [True] * len(accepted_nodes) + [False], self.max_context, self.tokenizer)
             emitted.setdefault(seq.request_id, []).extend(seq.generated[before:])
             kept_nodes = set(accepted_nodes[:kept])  # a stop inside the accepted run drops the rest
+            if forced is not None:
+                seq.grammar_forced += sum(forced[row][node] for node in kept_nodes)
             drafted = verdict.drafted_nodes[row].nonzero().flatten().tolist()
             seq.per_step_drafted.append(len(drafted))
             seq.per_step_accepted.append(len(kept_nodes))
@@ -329,7 +356,46 @@ class Step:
                     self.steps, node_depths[node], node_candidates[node], verdict.draft_tokens[row][node],
                     draft_probs[row][node], target_probs[row][node], node in kept_nodes,
                 ))
+        if grammar is not None:
+            advance(seqs)
         return Committed(all_emitted, all_kept)
+
+    # ------------------------------------------------------------------------------------------- constraints
+    def _masked_first(self, joining: list[Sequence], last: torch.Tensor, raw: torch.Tensor) -> torch.Tensor:
+        """The first token's logits [B, V] under each constrained row's grammar (the raw logits stay as they are,
+        for log-probabilities)."""
+        masked = last.clone() if last is raw else last
+        apply_masks(masked[:, None], committed_masks([s.grammar for s in joining], self.device),
+                    any(s.grammar is not None and s.params.min_tokens > 0 for s in joining))
+        return masked
+
+    def _plan_grammar_drafts(self, seqs: list[Sequence], plan: Plan, room: torch.Tensor) -> None:
+        """Each constrained row's grammar draft (within its room), and the lookup depth raised to hold it."""
+        drafts = grammar_drafts(seqs, room.clamp(max=self.topology.max_depth).tolist(), self.encode)
+        lengths = torch.tensor([len(draft) for draft in drafts])
+        if plan.lookup_depths is not None:
+            plan.lookup_depths = plan.lookup_depths.maximum(lengths)
+        else:  # a lookup-only tree
+            plan.depths = plan.depths.maximum(lengths)
+        plan.grammar_drafts = drafts
+
+    def _grammar_tree(self, seqs: list[Sequence], plan: Plan, roots: torch.Tensor, root_valid: torch.Tensor
+                      ) -> tuple[StepGrammar, torch.Tensor]:
+        """The step's grammar masks, walked at the root level; root-level siblings the grammar refuses are cut."""
+        depth = int(plan.depths.max())
+        if plan.lookup_depths is not None:
+            depth = max(depth, int(plan.lookup_depths.max()))
+        grammar = StepGrammar(seqs, self.topology.parents[: self.topology.size(depth)], self.device, self.to_host)
+        cut, _ = grammar.view().walk(self.topology.level_slice(0), roots, root_valid)
+        return grammar, root_valid & ~cut
+
+    def _masked_tree(self, seqs: list[Sequence], grammar: StepGrammar, logits: torch.Tensor, raw: torch.Tensor
+                     ) -> torch.Tensor:
+        """The target's logits at every node under the grammar masks (the raw ones stay, for log-probabilities)."""
+        if logits is raw and any(s.params.logprobs is not None for s in seqs):
+            logits = raw.clone()
+        grammar.mask(logits)
+        return logits
 
     # ----------------------------------------------------------------------------------------------- observe
     def observe(self, seqs: list[Sequence], plan: Plan, drafted: Drafted, verdict: Verdict,
