@@ -295,6 +295,7 @@ class SpecDecodeMetrics(BaseModel):
     tokens_per_forward: float
     draft_acceptance_rate: float
     acceptance_histogram: list[int]
+    num_grammar_forced_tokens: int  # accepted draft tokens a constraint allowed alone
 
 
 class Metrics(BaseModel):

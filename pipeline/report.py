@@ -174,6 +174,8 @@ def summarize(data: RunData, baseline: RunData | None = None) -> dict[str, Any]:
         "draft tokens": drafted,
         "accepted draft tokens": accepted,
         "draft acceptance rate": round(total.draft_acceptance_rate, 3) if drafted else None,
+        "grammar-forced draft tokens (structured outputs)": total.num_grammar_forced_tokens,
+        "grammar-forced share of generated tokens": round(total.grammar_forced_share, 3) if tokens else None,
         "acceptance rate by depth (per step)": dict(zip(depths.tolist(), per_step.round(3).tolist(), strict=True)),
         # time_taken_llm may include a row's wait in the engine's queue: a per-row latency, not throughput.
         "mean time_taken_llm per row (s)": round(llm_seconds / len(ok), 3) if ok else None,

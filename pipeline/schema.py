@@ -18,6 +18,7 @@ SPEC_DECODE = pa.struct([
     pa.field("tokens_per_forward", pa.float64()),
     pa.field("draft_acceptance_rate", pa.float64()),
     pa.field("acceptance_histogram", pa.list_(pa.int32())),
+    pa.field("num_grammar_forced_tokens", pa.int32()),
 ])
 
 OUTPUT_SCHEMA = pa.schema([

@@ -57,11 +57,12 @@ def run_totals(outputs: pa.Table) -> SpecDecodeStats:
             _sum(pc.list_value_length(outputs["per_step_drafted"])), _sum(pc.greater(generated, 0))
         ),
         acceptance_histogram=_summed_lists(pc.struct_field(spec, "acceptance_histogram")),
+        num_grammar_forced_tokens=_sum(pc.struct_field(spec, "num_grammar_forced_tokens")),
     )
 
 
 _STATS = ("num_spec_steps", "num_draft_tokens", "num_accepted_draft_tokens", "num_generated_tokens",
-          "num_target_forwards", "acceptance_histogram")
+          "num_target_forwards", "num_grammar_forced_tokens", "acceptance_histogram")
 
 
 def part_stats(outputs: pa.Table, stats: pa.Table) -> dict[str, Any]:
@@ -117,6 +118,9 @@ def summarize(markers: list[dict[str, Any]], runs: list[dict[str, Any]], config:
         "num_draft_tokens": total.num_draft_tokens,
         "num_accepted_draft_tokens": total.num_accepted_draft_tokens,
         "num_accepted_tokens_per_pos": per_pos,
+        # Accepted draft tokens that a constraint allowed alone (structured outputs), and their share of the output.
+        "num_grammar_forced_tokens": total.num_grammar_forced_tokens,
+        "grammar_forced_share": total.grammar_forced_share,
         "input": input_path,
         "config": config.model_dump(mode="json"),
         # Every run that wrote into this directory, with its own configuration: a directory resumed under
