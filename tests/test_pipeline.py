@@ -7,6 +7,7 @@ import contextlib
 import json
 import os
 import random
+import re
 import signal
 import socket
 import subprocess
@@ -25,7 +26,7 @@ import pyarrow.parquet as pq
 import pytest
 import yaml
 
-from decoding.config import Config
+from decoding.config import Config, StructuredOutputs
 from decoding.engine import Engine, Request
 from pipeline.actor import GenerationActor
 from pipeline.io import list_input_files, read_json_records, read_prompts
@@ -176,6 +177,31 @@ def test_pipeline_matches_engine_and_two_actors_match_one(one_actor_run, config,
     assert {r.id: r.token_ids for r in direct} == {row["id"]: one[row["id"]] for row in good}
 
 
+def test_constrained_rows_follow_the_configured_or_their_own_constraint(ray_cluster, config, tmp_path):
+    """A configured choice for every row, a row's own regex (JSON text, as a dataset stores it) instead, an invalid
+    one as an error row naming the field; the grammar's forced tokens counted per row and in the summary."""
+    choices = ["yes it is", "no it is not"]
+    constrained = config.model_copy(update={"sampling": config.sampling.model_copy(update={
+        "structured_outputs": StructuredOutputs(choice=choices), "max_tokens": 24})})
+    regex = "(ran|sat) (far|home)\\."
+    rows = good_rows(5) + [
+        {"id": "own-regex", "prompt": "a dog", "n": 0,
+         "sampling_params": json.dumps({"guided_decoding": {"regex": regex}, "temperature": 1.0, "seed": 1})},
+        {"id": "bad-regex", "prompt": "a dog", "n": 0, "sampling_params": {"structured_outputs": {"regex": "(a"}}},
+    ]
+    summary = run(constrained, str(write_jsonl(tmp_path / "in.jsonl", rows)), str(tmp_path / "out"))
+    outputs = by_id(pq.read_table(tmp_path / "out" / "outputs"))
+    for row in good_rows(5):
+        assert outputs[row["id"]]["generated_text"] in choices, outputs[row["id"]]
+    assert re.fullmatch(regex, outputs["own-regex"]["generated_text"]), outputs["own-regex"]
+    assert outputs["bad-regex"]["finish_reason"] == "error"
+    assert "structured_outputs.regex" in outputs["bad-regex"]["error"]
+    forced = [row["spec_decode"]["num_grammar_forced_tokens"] for row in outputs.values() if not row["error"]]
+    # After their first tokens the choices run alone: the masked draft drew them, the target accepted them.
+    assert all(count > 0 for count in forced) and summary["num_grammar_forced_tokens"] == sum(forced)
+    assert summary["grammar_forced_share"] == pytest.approx(sum(forced) / summary["generated_tokens"])
+
+
 def test_resume_skips_finished_ids_and_cleans_partial_parts(ray_cluster, config, tmp_path):
     source = write_jsonl(tmp_path / "in.jsonl", good_rows(6))
     out = tmp_path / "out"
@@ -291,7 +317,7 @@ def assert_each_id_once(out: Path, ids: list[str]) -> None:
 GPU_DRIVER = """
 import json, sys
 import ray
-from decoding.config import Config
+from decoding.config import Config, StructuredOutputs
 from pipeline.job import run
 ray.init(num_cpus=2, num_gpus=1, include_dashboard=False, log_to_driver=False)  # one GPU as far as Ray knows
 print(json.dumps(run(Config.model_validate_json(sys.argv[1]), sys.argv[2], sys.argv[3])))

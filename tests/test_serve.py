@@ -5,12 +5,14 @@ from __future__ import annotations
 import asyncio
 import itertools
 import json
+import re
 import threading
 import time
 from types import SimpleNamespace
 from typing import Any
 
 import httpx
+import jsonschema
 import openai
 import pytest
 import yaml
@@ -280,14 +282,12 @@ BAD_CONSTRAINTS = [
      "guided_whitespace_pattern", "guided_whitespace_pattern"),
     ("other-backend", "/v1/completions", {"prompt": "ab", "guided_decoding_backend": "outlines"},
      "guided_decoding_backend", "xgrammar"),
-    # A valid constraint the engine's step does not apply is refused, never ignored.
+    # The tiny vocabulary has no "{": a valid JSON constraint it cannot spell is refused by the engine, named.
     ("json-object", "/v1/chat/completions", {**CHAT, "response_format": {"type": "json_object"}}, "messages",
-     "structured_outputs"),
+     "structured_outputs.json_object cannot be spelled"),
     ("json-schema", "/v1/chat/completions", {**CHAT, "response_format": {
         "type": "json_schema", "json_schema": {"name": "r", "schema": SCHEMA, "strict": True}}}, "messages",
-     "structured_outputs"),
-    ("structured-outputs", "/v1/completions", {"prompt": "ab", "structured_outputs": {"choice": ["a", "b"]}},
-     "prompt", "structured_outputs"),
+     "structured_outputs.json cannot be spelled"),
 ]
 BAD_REQUESTS += [case[:4] for case in BAD_CONSTRAINTS]
 
@@ -308,6 +308,37 @@ def test_bad_request_is_a_400_with_an_openai_error(client, path, body, param):
     assert isinstance(error["message"], str) and error["message"]
     assert error["param"] == param
     assert client.get("/health").status_code == 200  # the replica survives
+
+
+# (path, body, the same constraint as structured_outputs, a pattern every complete output matches)
+CONSTRAINED = [
+    ("/v1/completions", {"prompt": "the cat", "guided_choice": ["a cat sat", "the dog"]},
+     {"choice": ["a cat sat", "the dog"]}, "a cat sat|the dog"),
+    ("/v1/completions", {"prompt": "a dog", "structured_outputs": {"regex": "(ran|sat) (far|home)\\."}},
+     {"regex": "(ran|sat) (far|home)\\."}, "(ran|sat) (far|home)\\."),
+    ("/v1/chat/completions", {**CHAT, "guided_grammar": 'root ::= "on " ("a mat" | "the mat") "."'},
+     {"grammar": 'root ::= "on " ("a mat" | "the mat") "."'}, "on (a|the) mat\\."),
+    ("/v1/chat/completions", {**CHAT, "guided_regex": "[a-c]{3,}"}, {"regex": "[a-c]{3,}"}, "[a-c]{3,}"),
+]
+
+
+@pytest.mark.parametrize(("path", "body", "constraint", "pattern"), CONSTRAINED,
+                         ids=["guided-choice", "structured-outputs", "guided-grammar", "guided-regex"])
+def test_constrained_requests_follow_their_constraint_as_the_engine_does(client, reference, path, body, constraint,
+                                                                         pattern):
+    """Greedy and speculative (the server drafts with a model): the engine's plain constrained output, in full or
+    cut by max_tokens; sampled choices follow the constraint too."""
+    inputs = {key: value for key, value in body.items() if key in ("prompt", "messages")}
+    expected = reference(sampling={"structured_outputs": constraint}, **inputs)
+    response = _post(client, path, {**body, "temperature": 0})
+    [choice] = response["choices"]
+    text = choice["text"] if path == "/v1/completions" else choice["message"]["content"]
+    assert (text, choice["finish_reason"]) == (expected.text, expected.finish_reason)
+    assert re.fullmatch(pattern, text) if expected.finish_reason == "stop" else len(expected.token_ids) == MAX_TOKENS
+    sampled = _post(client, path, {**body, "temperature": 1.0, "seed": 7, "n": 4, "max_tokens": 64})
+    for choice in sampled["choices"]:
+        text = choice["text"] if path == "/v1/completions" else choice["message"]["content"]
+        assert choice["finish_reason"] == "length" or re.fullmatch(pattern, text), text
 
 
 def test_a_body_sent_as_text_or_form_is_refused_and_an_untyped_one_read_as_json(client):
@@ -668,6 +699,64 @@ def test_official_openai_client_with_vllm_sampling_fields(server, config, refere
         client.completions.create(model=MODEL, prompt="the dog", seed=-1)
     with pytest.raises(openai.NotFoundError):
         client.completions.create(model="gpt-4o", prompt="the dog")
+
+
+JSON_MODEL = "tiny-json"
+PERSON = {
+    "type": "object",
+    "properties": {"name": {"type": "string", "pattern": "^[a-z]{0,6}$"},
+                   "age": {"type": "integer", "minimum": 0, "maximum": 120},
+                   "pets": {"type": "array", "items": {"enum": ["cat", "dog"]}, "maxItems": 2},
+                   "address": {"type": "object", "properties": {"zip": {"type": "integer", "minimum": 0,
+                                                                         "maximum": 99999}},
+                               "required": ["zip"]}},
+    "required": ["name", "age", "pets", "address"],
+}
+
+
+@pytest.fixture(scope="module")
+def json_server(server, ray_cluster, tmp_path_factory) -> str:
+    """A second application over a tiny random target with SmolLM2's vocabulary (the tiny one cannot spell JSON),
+    drafting with n-gram lookup and the grammar's forced tokens, under its own route prefix."""
+    from ray import serve
+    from tiny import tiny_model
+
+    from decoding.models import DEFAULT_MODEL, load_tokenizer
+
+    root = tmp_path_factory.mktemp("json-model")
+    tokenizer = load_tokenizer(DEFAULT_MODEL)
+    tiny_model(seed=5, vocab_size=len(tokenizer)).save_pretrained(root / "model")
+    tokenizer.save_pretrained(root / "model")
+    (root / "serve.yaml").write_text(yaml.safe_dump({
+        "model": str(root / "model"), "served_model_name": JSON_MODEL,
+        "speculative": {"method": "ngram", "num_speculative_tokens": 4}, "sampling": {"max_tokens": 96},
+    }))
+    serve.run(build_app({"config": str(root / "serve.yaml"), "batch_size": 4}), name="json", route_prefix="/json")
+    yield f"{server}/json"
+    serve.delete("json")
+
+
+def test_official_openai_client_with_a_json_schema_response_format(json_server):
+    client = openai.OpenAI(base_url=f"{json_server}/v1", api_key="unused", max_retries=0)
+    messages = [{"role": "user", "content": "A person as JSON, please."}]
+    forced = 0
+    for temperature in (0.0, 1.0):
+        chat = client.chat.completions.create(
+            model=JSON_MODEL, messages=messages, temperature=temperature, seed=3, n=3,
+            response_format={"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON,
+                                                                    "strict": True}},
+            extra_body={"structured_outputs": {"disable_any_whitespace": True}},  # a random model's spaces never end
+        )
+        for choice in chat.choices:
+            assert choice.finish_reason == "stop", choice.message.content
+            jsonschema.validate(json.loads(choice.message.content), PERSON)
+        forced += chat.model_extra["metrics"]["speculative_decoding"]["num_grammar_forced_tokens"]
+    assert forced > 0  # keys, braces and quotes the schema allows alone were free drafts
+    # vLLM's older field and the completions endpoint: the same constraint.
+    completion = client.completions.create(model=JSON_MODEL, prompt="{", temperature=0,
+                                           extra_body={"guided_json": PERSON, "structured_outputs": {
+                                               "disable_any_whitespace": True}})
+    jsonschema.validate(json.loads(completion.choices[0].text), PERSON)
 
 
 # --------------------------------------------------------------------------------------- replica internals
