@@ -731,7 +731,11 @@ def json_server(server, ray_cluster, tmp_path_factory) -> str:
         "model": str(root / "model"), "served_model_name": JSON_MODEL,
         "speculative": {"method": "ngram", "num_speculative_tokens": 4}, "sampling": {"max_tokens": 96},
     }))
-    serve.run(build_app({"config": str(root / "serve.yaml"), "batch_size": 4}), name="json", route_prefix="/json")
+    with pytest.MonkeyPatch.context() as patch:  # no API key, whichever application was built before
+        for name in ("SPECBATCH_API_KEY", "VLLM_API_KEY"):
+            patch.delenv(name, raising=False)
+        serve.run(build_app({"config": str(root / "serve.yaml"), "batch_size": 4}), name="json",
+                  route_prefix="/json")
     yield f"{server}/json"
     serve.delete("json")
 
