@@ -4,10 +4,13 @@ Everything runs in one process, on the same prompts and the same loaded models. 
 turns, engine step by engine step (see ``_interleaved``), so the drift of a shared machine reaches all of them alike:
 transformers ``generate`` (a batch-1 loop, and left-padded batches for larger batch sizes), transformers assisted
 generation at batch 1 (``assistant_model`` for ``draft_model``, prompt lookup for ``ngram``), the engine with
-method ``none`` at every batch size, and a grid of the engine's speculative configurations.
+method ``none`` at every batch size, a grid of the engine's speculative configurations, and, given another
+checkout (``baseline.py``), that checkout's engine beside each of this one's.
 
 Profiling is measured from the outside: forward hooks time the target (and a transformers assistant), and the
-engine's drafter methods are wrapped, so the engine itself is benchmarked unmodified.
+engine's drafter methods are wrapped, so the engine itself is benchmarked unmodified. Times are device time
+(``measure.Clock``: CUDA events on a GPU, read once a turn); each row also gets its decode steps' mean time, the
+bytes they move (weights and cached keys and values read) and the share of the device's memory bandwidth.
 """
 
 from __future__ import annotations
@@ -15,20 +18,22 @@ from __future__ import annotations
 import itertools
 import logging
 import platform
-import time
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager, nullcontext
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
+from types import ModuleType
 from typing import Any, Literal
 
 import torch
 import transformers
-from matplotlib.figure import Figure
 from pydantic import BaseModel, ConfigDict, Field
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
+from bench.baseline import convert_model
+from bench.measure import Bandwidth, Clock, ForwardBytes, bandwidth_fraction, device_bandwidth
+from decoding import engine as engine_module
 from decoding.config import Config, SamplingParams
-from decoding.engine import Engine, GenerationResult, Request, encode_request, eos_token_ids
+from decoding.engine import Request, encode_request, eos_token_ids
 from decoding.models import SELF_DRAFT, load_draft, load_model, load_tokenizer
 from decoding.stats import SpecDecodeStats
 
@@ -92,7 +97,7 @@ class BenchGrid(_Strict):
 
 @dataclass(frozen=True)
 class Contender:
-    kind: Literal["transformers", "assisted", "engine"]
+    kind: Literal["transformers", "assisted", "engine", "baseline"]  # baseline: the other checkout's engine
     config: Config  # batch size, method and speculative settings of this contender
 
     @property
@@ -104,8 +109,12 @@ class Contender:
         return self.config.speculative.method
 
     @property
+    def is_engine(self) -> bool:
+        return self.kind in ("engine", "baseline")
+
+    @property
     def speculative(self) -> bool:
-        return self.kind == "engine" and self.method != "none"
+        return self.is_engine and self.method != "none"
 
     @property
     def name(self) -> str:
@@ -113,6 +122,8 @@ class Contender:
             return "transformers generate"
         if self.kind == "assisted":
             return "transformers assisted " + ("(prompt lookup)" if self.method == "ngram" else "(draft)")
+        if self.kind == "baseline":
+            return "baseline " + Contender("engine", self.config).name
         if not self.speculative:
             return "engine none"
         spec = self.config.speculative
@@ -133,8 +144,9 @@ def _variant(config: Config, batch_size: int, **speculative: Any) -> Config:
     return Config.model_validate(data)
 
 
-def contenders(config: Config, grid: BenchGrid) -> list[Contender]:
-    """Every run of the benchmark, baselines first within each batch size; duplicates removed."""
+def contenders(config: Config, grid: BenchGrid, baseline: bool = False) -> list[Contender]:
+    """Every run of the benchmark, baselines first within each batch size; duplicates removed. ``baseline``: each
+    engine contender is followed by the same configuration of the baseline checkout's engine."""
     engine: dict[tuple, Config] = {}
     for sweep in grid.sweeps:
         spec = config.speculative
@@ -170,8 +182,11 @@ def contenders(config: Config, grid: BenchGrid) -> list[Contender]:
             # transformers can assist with a loaded draft or with prompt lookup, not with a self-draft
             assistable = [m for m in methods if m == "ngram" or config.speculative.model != SELF_DRAFT]
             runs += [Contender("assisted", _variant(config, 1, method=m)) for m in assistable]
-        runs.append(Contender("engine", _variant(config, batch, method="none")))
-        runs += [Contender("engine", c) for key, c in engine.items() if key[0] == batch]
+        engines = [_variant(config, batch, method="none")] + [c for key, c in engine.items() if key[0] == batch]
+        for engine_config in engines:
+            runs.append(Contender("engine", engine_config))
+            if baseline:
+                runs.append(Contender("baseline", engine_config))
     return runs
 
 
@@ -200,6 +215,12 @@ class BenchRow(BaseModel):
     draft_s: float  # seconds in the drafter (engine) or the assistant model's forwards (transformers)
     target_s: float  # seconds in target model forwards (prefill, decode, verification)
     other_s: float  # the rest: sampling, acceptance, cache bookkeeping, Python
+    # Decode steps: engine steps that admitted no prompt, transformers' generate iterations after the prefill.
+    decode_steps: int = 0
+    ms_per_step: float | None = None
+    bytes_per_step: float | None = None  # weights and cached keys/values read by the step's forwards
+    bandwidth_fraction: float | None = None  # bytes_per_step / ms_per_step over the device's memory bandwidth
+    drafted_per_step: float | None = None  # draft tokens per decode step (engine)
 
 
 class BenchResult(BaseModel):
@@ -217,6 +238,9 @@ class _Profile:
     target_rows: int = 0  # sequences forwarded through the target, summed over its forward calls
     draft_s: float = 0.0
 
+    def add(self, name: str, seconds: float) -> None:
+        setattr(self, name, getattr(self, name) + seconds)
+
 
 def _rows_of(args: tuple, kwargs: dict[str, Any]) -> int:
     tensor = kwargs.get("input_ids", kwargs.get("inputs_embeds"))
@@ -226,20 +250,18 @@ def _rows_of(args: tuple, kwargs: dict[str, Any]) -> int:
 
 
 @contextmanager
-def _timed_forwards(module: torch.nn.Module, on_done: Callable[[float, int], None]) -> Iterator[None]:
-    starts: list[float] = []
+def _timed_forwards(module: torch.nn.Module, clock: Clock, on_done: Callable[[float, int], None]) -> Iterator[None]:
+    """Each forward of ``module`` as a clock span (device time: no waits on a GPU) with its row count."""
+    starts: list[Any] = []
     rows: list[int] = []
-    # GPU kernels run asynchronously: without a sync the time would land in whatever waits next.
-    sync = torch.cuda.synchronize if next(module.parameters()).is_cuda else (lambda: None)
 
     def before(_module: torch.nn.Module, args: tuple, kwargs: dict[str, Any]) -> None:
         rows.append(_rows_of(args, kwargs))
-        sync()
-        starts.append(time.perf_counter())
+        starts.append(clock.mark())
 
     def after(_module: torch.nn.Module, _args: tuple, _kwargs: dict[str, Any], _output: Any) -> None:
-        sync()
-        on_done(time.perf_counter() - starts.pop(), rows.pop())
+        count = rows.pop()
+        clock.add(starts.pop(), clock.mark(), lambda seconds: on_done(seconds, count))
 
     handles = [module.register_forward_pre_hook(before, with_kwargs=True),
                module.register_forward_hook(after, with_kwargs=True)]
@@ -250,17 +272,27 @@ def _timed_forwards(module: torch.nn.Module, on_done: Callable[[float, int], Non
             handle.remove()
 
 
-def _time_methods(obj: Any, names: tuple[str, ...], profile: _Profile) -> None:
+@contextmanager
+def _on_forward(module: torch.nn.Module | None, call: Callable[[tuple, dict[str, Any]], None]) -> Iterator[None]:
+    """``call(args, kwargs)`` before each forward of ``module`` (nothing when None)."""
+    handle = module.register_forward_pre_hook(lambda _m, a, k: call(a, k), with_kwargs=True) if module else None
+    try:
+        yield
+    finally:
+        if handle is not None:
+            handle.remove()
+
+
+def _time_methods(obj: Any, names: tuple[str, ...], clock: Clock, on_done: Callable[[float], None]) -> None:
     """Wrap instance methods so their time counts as drafting (the engine is only used once per run)."""
     for name in names:
-        method = getattr(obj, name)
+        method = getattr(obj, name, None)
+        if method is None:
+            continue
 
         def timed(*args: Any, _method: Callable = method, **kwargs: Any) -> Any:
-            start = time.perf_counter()
-            try:
+            with clock.span(on_done):
                 return _method(*args, **kwargs)
-            finally:
-                profile.draft_s += time.perf_counter() - start
 
         setattr(obj, name, timed)
 
@@ -273,6 +305,17 @@ class _Measurement:
     seconds: float = 0.0
     profile: _Profile = field(default_factory=_Profile)
     stats: SpecDecodeStats | None = None  # engine only (per-sequence target forwards; else counted by the hooks)
+    decode_seconds: float = 0.0
+    decode_steps: int = 0
+    bytes_moved: float = 0.0  # by the decode steps
+    drafted: int = 0  # draft tokens of the decode steps (engine)
+    rounds: list[tuple[float, int]] = field(default_factory=list)  # (decode seconds, decode steps) per chunk
+
+    def add(self, name: str, value: float) -> None:
+        setattr(self, name, getattr(self, name) + value)
+
+    def close_round(self, seconds_before: float, steps_before: int) -> None:
+        self.rounds.append((self.decode_seconds - seconds_before, self.decode_steps - steps_before))
 
 
 @dataclass
@@ -282,9 +325,13 @@ class Models:
     draft: torch.nn.Module | None = None  # as loaded: transformers assisted generation needs the full head
     draft_name: str | None = None
     eos_ids: list[int] = field(default_factory=list)
+    baseline: ModuleType | None = None  # another checkout's decoding package (bench.baseline.load_baseline)
+    bandwidth_gbs: float | None = None  # the device's memory bandwidth, if known better than the default
+    clock: Clock = field(init=False)
 
     def __post_init__(self) -> None:
         self.eos_ids = sorted(eos_token_ids(self.tokenizer, self.target))
+        self.clock = Clock(self.target.device)
 
     @classmethod
     def load(cls, config: Config, needs_draft: bool) -> Models:
@@ -296,6 +343,11 @@ class Models:
     @property
     def pad_id(self) -> int:
         return self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.eos_ids[0]
+
+    def bandwidth(self) -> Bandwidth:
+        if not hasattr(self, "_bandwidth"):
+            self._bandwidth = device_bandwidth(self.target.device, self.bandwidth_gbs)
+        return self._bandwidth
 
 
 def _hf_kwargs(models: Models, params: SamplingParams) -> dict[str, Any]:
@@ -318,6 +370,12 @@ def _until_eos(tokens: list[int], eos_ids: list[int]) -> list[int]:
     return tokens
 
 
+def _cached_positions(kwargs: dict[str, Any], rows: int) -> int:
+    """Cached positions a transformers forward reads: rows x the cache's length (a padded batch reads its padding)."""
+    cache = kwargs.get("cache", kwargs.get("past_key_values"))  # transformers 5.24's name, and the older one
+    return rows * (cache.get_seq_length() if cache is not None else 0)
+
+
 def _transformers_runner(models: Models, contender: Contender) -> _Runner:
     params = contender.config.sampling
     kwargs = _hf_kwargs(models, params)
@@ -332,21 +390,39 @@ def _transformers_runner(models: Models, contender: Contender) -> _Runner:
             kwargs.update(prompt_lookup_num_tokens=spec.num_speculative_tokens,
                           max_matching_ngram_size=spec.prompt_lookup_max)
     device = models.target.device
-    total = _Measurement()
+    clock = models.clock
+    assistant = kwargs.get("assistant_model")
+    target_bytes = ForwardBytes.of(models.target)
+    draft_bytes = ForwardBytes.of(assistant) if assistant is not None else None
 
-    def on_target(seconds: float, rows: int) -> None:
-        total.profile.target_s += seconds
-        total.profile.target_rows += rows
-
-    def on_draft(seconds: float, _rows: int) -> None:
-        total.profile.draft_s += seconds
-
-    def turns(prompts: dict[str, list[int]]) -> Iterator[bool]:  # transformers' generate is one turn
+    def turns(prompts: dict[str, list[int]], into: _Measurement, max_tokens: int | None = None) -> Iterator[bool]:
+        """transformers' generate is one turn."""
         ids = list(prompts)
         torch.manual_seed(params.seed if params.seed is not None else 0)  # transformers' global stream
-        draft_hooks = _timed_forwards(models.draft, on_draft) if "assistant_model" in kwargs else nullcontext()
-        with _timed_forwards(models.target, on_target), draft_hooks, torch.no_grad():
-            start = time.perf_counter()
+        forwards: list[Any] = []  # each target forward's start mark: the first is the prefill
+        moved = [0.0]
+
+        def on_target(seconds: float, rows: int) -> None:
+            into.profile.target_s += seconds
+            into.profile.target_rows += rows
+
+        def target_forward(args: tuple, hf_kwargs: dict[str, Any]) -> None:
+            if forwards:  # a decode forward
+                moved[0] += target_bytes(_cached_positions(hf_kwargs, _rows_of(args, hf_kwargs)))
+            forwards.append(clock.mark() if len(forwards) == 1 else None)
+
+        def draft_forward(args: tuple, hf_kwargs: dict[str, Any]) -> None:
+            moved[0] += draft_bytes(_cached_positions(hf_kwargs, _rows_of(args, hf_kwargs)))
+
+        with ExitStack() as hooks, torch.no_grad():
+            hooks.enter_context(_timed_forwards(models.target, clock, on_target))
+            if assistant is not None:
+                hooks.enter_context(_timed_forwards(
+                    assistant, clock, lambda seconds, _rows: into.profile.add("draft_s", seconds)))
+                hooks.enter_context(_on_forward(assistant, draft_forward))
+            hooks.enter_context(_on_forward(models.target, target_forward))
+            generate_kwargs = {**kwargs, **({"max_new_tokens": max_tokens} if max_tokens else {})}
+            start = clock.mark()
             for first in range(0, len(ids), contender.batch_size):
                 chunk = ids[first : first + contender.batch_size]
                 width = max(len(prompts[i]) for i in chunk)
@@ -356,76 +432,124 @@ def _transformers_runner(models: Models, contender: Contender) -> _Runner:
                 for row, i in enumerate(chunk):
                     input_ids[row, width - len(prompts[i]) :] = torch.tensor(prompts[i])
                     mask[row, width - len(prompts[i]) :] = 1
+                forwards.clear()
                 out = models.target.generate(
-                    input_ids=input_ids.to(device), attention_mask=mask.to(device), **kwargs
+                    input_ids=input_ids.to(device), attention_mask=mask.to(device), **generate_kwargs
                 )
+                if len(forwards) > 1:
+                    into.decode_steps += len(forwards) - 1
+                    clock.add(forwards[1], clock.mark(), lambda seconds: into.add("decode_seconds", seconds))
                 for row, i in enumerate(chunk):
-                    total.outputs[i] = _until_eos(out[row, width:].tolist(), models.eos_ids)
-            total.seconds += time.perf_counter() - start
+                    into.outputs[i] = _until_eos(out[row, width:].tolist(), models.eos_ids)
+            clock.add(start, clock.mark(), lambda seconds: into.add("seconds", seconds))
+            into.bytes_moved += moved[0]
         yield True
 
-    return _Runner(total, turns)
+    return _Runner(turns)
 
 
 def _engine_runner(models: Models, contender: Contender) -> _Runner:
-    """One engine for all of the contender's chunks, so that what it learns (length policy) carries over."""
+    """One engine for all of the contender's chunks, so that what it learns (length policy) carries over; the
+    baseline checkout's engine for a ``baseline`` contender."""
+    package = engine_module
+    config: Any = contender.config
+    if contender.kind == "baseline":
+        if models.baseline is None:
+            raise ValueError("a baseline contender needs the baseline checkout (Models.baseline)")
+        package = models.baseline.engine
+        config = convert_model(config, models.baseline.config.Config)
     draft = models.draft if contender.method == "draft_model" else None
-    engine = Engine(contender.config, target=models.target, tokenizer=models.tokenizer, draft=draft)
-    total = _Measurement(stats=SpecDecodeStats())
-    _time_methods(engine.drafter, ("add_rows", "propose", "observe"), total.profile)
+    engine = package.Engine(config, target=models.target, tokenizer=models.tokenizer, draft=draft)
+    clock = models.clock
+    # The drafter's methods are wrapped once; their spans count for the measurement of the turn they ran in (spans
+    # settle at the end of each turn).
+    current = [_Measurement()]
+    _time_methods(engine.drafter, ("add_rows", "propose", "observe"), clock,
+                  lambda seconds: current[0].profile.add("draft_s", seconds))
+    target_bytes = ForwardBytes.of(models.target)
+    draft_model = getattr(engine.drafter, "model", None)
+    draft_bytes = ForwardBytes.of(draft_model) if draft_model is not None else None
 
-    def on_target(seconds: float, rows: int) -> None:
-        total.profile.target_s += seconds
-        total.profile.target_rows += rows
-
-    def turns(prompts: dict[str, list[int]]) -> Iterator[bool]:  # one engine step a turn (``Engine.generate``)
+    def turns(prompts: dict[str, list[int]], into: _Measurement, max_tokens: int | None = None) -> Iterator[bool]:
+        """One engine step a turn (``Engine.generate``)."""
+        current[0] = into
+        if into.stats is None:
+            into.stats = SpecDecodeStats()
+        sampling = {"max_tokens": max_tokens} if max_tokens else None
         for i, p in prompts.items():
-            engine.add_request(Request(i, prompt_token_ids=p))
-        results: list[GenerationResult] = []
+            engine.add_request(package.Request(i, prompt_token_ids=p, sampling=sampling))
+        results: list[Any] = []
+
+        def on_target(seconds: float, rows: int) -> None:
+            into.profile.target_s += seconds
+            into.profile.target_rows += rows
+
+        draft_forwards = [0]
+
+        def count_draft_forward(_args: tuple, _kwargs: dict[str, Any]) -> None:
+            draft_forwards[0] += 1
+
         while engine.has_unfinished():
-            # Hooked per step: the engine's view of the target (for_inference) is shared by the engines built on
-            # one model, and the others step between this engine's turns.
-            with _timed_forwards(engine.target, on_target):
-                start = time.perf_counter()
-                results += engine.step().finished
-                total.seconds += time.perf_counter() - start
+            current[0] = into
+            decode = not engine.waiting  # no prompt joins this step
+            positions = sum(len(s.prompt_ids) + len(s.generated) - 1 for s in engine.running)
+            draft_forwards[0] = 0
+            # Hooked per step: the engine's view of the target is shared by the engines built on one model, and
+            # the others step between this engine's turns.
+            with _timed_forwards(engine.target, clock, on_target), _on_forward(draft_model, count_draft_forward), \
+                    clock.span(lambda seconds: into.add("seconds", seconds)):
+                if decode:
+                    with clock.span(lambda seconds: into.add("decode_seconds", seconds)):
+                        out = engine.step()
+                else:
+                    out = engine.step()
+            results += out.finished
+            if decode and positions:
+                into.decode_steps += 1
+                into.drafted += out.spec_decode.num_draft_tokens
+                into.bytes_moved += target_bytes(positions) + (
+                    draft_forwards[0] * draft_bytes(positions) if draft_bytes is not None else 0)
             yield True
         errors = [r for r in results if r.finish_reason == "error"]
         if errors:
             raise RuntimeError(f"{contender.name}: prompt {errors[0].id} failed: {errors[0].error}")
         for result in results:
-            total.outputs[result.id] = result.token_ids
-            total.stats += result.stats
+            into.outputs[result.id] = result.token_ids
+            into.stats += SpecDecodeStats.of(result)
 
-    return _Runner(total, turns)
+    return _Runner(turns)
 
 
 @dataclass
 class _Runner:
-    total: _Measurement  # what the turns have measured so far
-    # Decodes one chunk of prompts, adding to ``total``, in turns: the time between two yields is the runner's.
-    turns: Callable[[dict[str, list[int]]], Iterator[bool]]
+    # Decodes one chunk of prompts, adding to the measurement it is given, in turns: the time between two yields is
+    # the runner's. ``max_tokens`` shortens the decode (a warm-up).
+    turns: Callable[..., Iterator[bool]]
+    total: _Measurement = field(default_factory=_Measurement)  # what the timed turns have measured so far
 
-    def run(self, prompts: dict[str, list[int]]) -> None:
+    def run(self, prompts: dict[str, list[int]], clock: Clock | None = None) -> None:
         """The chunk in one go."""
-        for _ in self.turns(prompts):
-            pass
+        for _ in self.turns(prompts, self.total):
+            if clock is not None:
+                clock.settle()
 
 
 def _runner(models: Models, contender: Contender) -> _Runner:
-    return (_engine_runner if contender.kind == "engine" else _transformers_runner)(models, contender)
+    return (_engine_runner if contender.is_engine else _transformers_runner)(models, contender)
 
 
 def _ratio(numerator: float, denominator: float) -> float | None:
     return numerator / denominator if denominator else None
 
 
-def _row(prompt_set: str, contender: Contender, m: _Measurement) -> BenchRow:
+def _row(prompt_set: str, contender: Contender, m: _Measurement, bandwidth: Bandwidth) -> BenchRow:
     tokens = sum(len(t) for t in m.outputs.values())
     spec = contender.config.speculative
     drafting = contender.kind != "transformers" and contender.method != "none"
     # Per-sequence target forwards: exact for the engine; for transformers, counted by the forward hooks.
     forwards = m.stats.num_target_forwards if m.stats is not None else m.profile.target_rows
+    ms_per_step = 1e3 * m.decode_seconds / m.decode_steps if m.decode_steps else None
+    bytes_per_step = m.bytes_moved / m.decode_steps if m.decode_steps else None
     return BenchRow(
         prompt_set=prompt_set, name=contender.name, batch_size=contender.batch_size, method=contender.method,
         num_candidates=spec.num_candidates if contender.speculative else None,
@@ -439,6 +563,9 @@ def _row(prompt_set: str, contender: Contender, m: _Measurement) -> BenchRow:
         target_forwards_per_token=m.profile.target_rows / tokens if tokens else 0.0,
         draft_s=m.profile.draft_s, target_s=m.profile.target_s,
         other_s=max(m.seconds - m.profile.draft_s - m.profile.target_s, 0.0),
+        decode_steps=m.decode_steps, ms_per_step=ms_per_step, bytes_per_step=bytes_per_step,
+        bandwidth_fraction=bandwidth_fraction(bytes_per_step, ms_per_step, bandwidth),
+        drafted_per_step=m.drafted / m.decode_steps if contender.is_engine and m.decode_steps else None,
     )
 
 
@@ -471,6 +598,7 @@ def environment(models: Models) -> dict[str, Any]:
     except OSError:
         pass
     device = models.target.device
+    bandwidth = models.bandwidth()
     return {
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else f"CPU: {cpu}",
         "torch_threads": torch.get_num_threads(),
@@ -478,23 +606,30 @@ def environment(models: Models) -> dict[str, Any]:
         "transformers": transformers.__version__,
         "python": platform.python_version(),
         "dtype": str(models.target.dtype).removeprefix("torch."),
+        "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+        "bandwidth_gbs": bandwidth.gbs,
+        "bandwidth_source": bandwidth.source,
+        "timer": "CUDA events" if models.clock.cuda else "perf_counter",
     }
 
 
-def _warm_up(models: Models, runs: list[Contender], prompt: list[int]) -> None:
-    """A short decode through each code path first, so one-time setup (kernels, allocator) is timed by nobody."""
-    first: dict[tuple[str, str], Contender] = {}
-    for contender in runs:
-        first.setdefault((contender.kind, contender.method), contender)
-    for contender in first.values():
-        sampling = contender.config.sampling.model_copy(update={"max_tokens": 8})
-        short = contender.config.model_copy(update={"batch_size": 1, "sampling": sampling})
-        _runner(models, Contender(contender.kind, short)).run({"warm-up": prompt})
+WARM_UP_TOKENS = 4
+
+
+def _warm_up(runners: list[_Runner], group: list[Contender], prompt: list[int], turn_done: Callable[[], None]
+             ) -> None:
+    """A short decode by every contender at its own batch size before anything is timed, so one-time setup of
+    each shape (kernels, allocator, graphs) is timed by nobody; its measurement is dropped."""
+    for runner, contender in zip(runners, group, strict=True):
+        prompts = {f"warm-up-{row}": prompt for row in range(contender.batch_size)}
+        for _ in runner.turns(prompts, _Measurement(), WARM_UP_TOKENS):
+            turn_done()
+        turn_done()
 
 
 def _interleaved(
     models: Models, group: list[Contender], prompts: dict[str, list[int]], rounds: Callable[[int, int], None],
-    turns: Literal["step", "chunk"] = "step",
+    turns: Literal["step", "chunk"] = "step", warm_up: list[int] | None = None,
 ) -> list[_Measurement]:
     """Contenders of one batch size, taking turns on each chunk (``batch_size`` prompts) before the next.
 
@@ -502,22 +637,47 @@ def _interleaved(
     same drift, where one-after-the-other runs would hand it to whoever ran during a slow spell. With ``step``
     turns every engine runs one step in turn (a second apart at batch 64): whole-chunk turns left a batch-64 pair
     with two chunks running ABBA, and one engine's two turns, four minutes back to back, measured 0.88x of the
-    other for the same target forwards (XSum, 2-core VM). The contender going first rotates by chunk, so none
-    always follows a change of prompt.
+    other for the same target forwards (XSum, 2-core VM). The contender going first rotates by chunk, and with
+    ``step`` turns by step as well (on a GPU, which of two contenders ran first changed their batch-8 figures), so
+    none always follows a change of prompt or another contender. Each turn ends with the clock settled (one
+    device synchronize), and ``warm_up`` (a prompt) runs every contender once at its batch size first.
     """
     runners = [_runner(models, contender) for contender in group]
+    clock = models.clock if models is not None else None
+
+    def turn_done() -> None:
+        if clock is not None:
+            clock.settle()
+
+    if warm_up is not None:
+        _warm_up(runners, group, warm_up, turn_done)
+
     ids = list(prompts)
     size = group[0].batch_size
     chunks = [ids[first : first + size] for first in range(0, len(ids), size)]
     for turn, chunk in enumerate(chunks):
+        before = [(r.total.decode_seconds, r.total.decode_steps) for r in runners]
         order = [runners[(turn + k) % len(runners)] for k in range(len(runners))]
         if turns == "chunk":
             for runner in order:
-                runner.run({i: prompts[i] for i in chunk})
+                for _ in runner.turns({i: prompts[i] for i in chunk}, runner.total):
+                    turn_done()
+                turn_done()
         else:
-            pending = [runner.turns({i: prompts[i] for i in chunk}) for runner in order]
+            pending = [runner.turns({i: prompts[i] for i in chunk}, runner.total) for runner in order]
+            step = 0
             while pending:
-                pending = [steps for steps in pending if next(steps, False)]  # False: chunk done
+                first = step % len(pending)
+                running = []
+                for steps in pending[first:] + pending[:first]:
+                    alive = next(steps, False)  # False: chunk done
+                    turn_done()
+                    if alive:
+                        running.append(steps)
+                pending = [steps for steps in pending if any(steps is s for s in running)]
+                step += 1
+        for runner, (seconds, steps) in zip(runners, before, strict=True):
+            runner.total.close_round(seconds, steps)
         rounds(turn + 1, len(chunks))
     return [runner.total for runner in runners]
 
@@ -528,17 +688,24 @@ def run_bench(
     grid: BenchGrid | None = None,
     models: Models | None = None,
     progress: Callable[[BenchRow], None] | None = None,
+    baseline: ModuleType | None = None,
+    bandwidth_gbs: float | None = None,
 ) -> BenchResult:
-    """Run every contender on every prompt set; ``progress`` sees each row as it is measured."""
+    """Run every contender on every prompt set; ``progress`` sees each row as it is measured. ``baseline``
+    (another checkout's ``decoding`` package, ``bench.baseline.load_baseline``) adds its engine beside each engine
+    contender; ``bandwidth_gbs`` overrides the device's memory bandwidth."""
     grid = grid or BenchGrid()
-    runs = contenders(config, grid)
+    runs = contenders(config, grid, baseline is not None)
     models = models or Models.load(config, any(c.method == "draft_model" for c in runs))
+    models.baseline = baseline or models.baseline
+    models.bandwidth_gbs = bandwidth_gbs or models.bandwidth_gbs
     encoded = {
         name: {r.id: encode_request(models.tokenizer, r)[1] for r in requests} for name, requests in prompt_sets.items()
     }
-    _warm_up(models, runs, next(iter(next(iter(encoded.values())).values())))
+    first_prompt = next(iter(next(iter(encoded.values())).values()))
+    bandwidth = models.bandwidth()
     rows: list[BenchRow] = []
-    for name, prompts in encoded.items():
+    for index, (name, prompts) in enumerate(encoded.items()):
         if len(prompts) < max(c.batch_size for c in runs):
             log.warning("prompt set %s has %d prompts: larger batch sizes decode at most that many rows at once",
                         name, len(prompts))
@@ -550,9 +717,10 @@ def run_bench(
                 log.info("%s batch %d: %d/%d chunks of prompts decoded by every contender", set_name, batch, done,
                          chunks)
 
-            measurements = _interleaved(models, group, prompts, chunk_done, grid.turns)
+            measurements = _interleaved(models, group, prompts, chunk_done, grid.turns,
+                                        warm_up=first_prompt if index == 0 else None)
             for contender, measurement in zip(group, measurements, strict=True):
-                set_rows.append(_row(name, contender, measurement))
+                set_rows.append(_row(name, contender, measurement, bandwidth))
                 set_outputs.append(measurement.outputs)
                 if progress:
                     progress(set_rows[-1])
@@ -565,14 +733,38 @@ def run_bench(
 
 
 # ---------------------------------------------------------------------------------------------- presenting
-_COLUMNS = [  # header, field, format
+Format = str | Callable[[Any], str]  # a format string for the value, or a function of it
+
+
+def megabytes(value: float) -> str:
+    return f"{value / 1e6:.1f}"
+
+
+def percent(value: float) -> str:
+    return f"{100 * value:.1f}" if value >= 0.001 else f"{100 * value:.3f}"
+
+
+_COLUMNS: list[tuple[str, str | None, Format]] = [  # header, field, format
     ("prompt set", "prompt_set", "{}"), ("contender", "name", "{}"), ("batch", "batch_size", "{}"),
     ("tok/s", "tokens_per_s", "{:.1f}"), ("x transformers", "speedup_vs_transformers", "{:.2f}"),
     ("x engine none", "speedup_vs_none", "{:.2f}"), ("accept len", "mean_acceptance_length", "{:.2f}"),
     ("tok/fwd", "tokens_per_forward", "{:.2f}"),
     ("accept rate", "acceptance_rate", "{:.2f}"), ("fwd/token", "target_forwards_per_token", "{:.3f}"),
-    ("identical", "identical", "{}"), ("draft/target/other s", None, ""),
+    ("identical", "identical", "{}"), ("ms/step", "ms_per_step", "{:.2f}"), ("MB/step", "bytes_per_step", megabytes),
+    ("bw %", "bandwidth_fraction", percent), ("draft/target/other s", None, ""),
 ]
+
+
+def cell(value: Any, fmt: Format) -> str:
+    if value is None:
+        return "-"
+    return fmt(value) if callable(fmt) else fmt.format(value)
+
+
+def aligned(lines: list[list[str]]) -> str:
+    """Rows of cells as left-aligned text columns (the first row is the header)."""
+    widths = [max(len(c) for c in column) for column in zip(*lines, strict=True)]
+    return "\n".join("  ".join(c.ljust(w) for c, w in zip(line, widths, strict=True)).rstrip() for line in lines)
 
 
 def format_table(rows: list[BenchRow]) -> str:
@@ -580,13 +772,11 @@ def format_table(rows: list[BenchRow]) -> str:
     lines = [[header for header, _, _ in _COLUMNS] + [""]]
     for row in rows:
         cells = [
-            f"{row.draft_s:.1f}/{row.target_s:.1f}/{row.other_s:.1f}" if name is None
-            else "-" if getattr(row, name) is None else fmt.format(getattr(row, name))
+            f"{row.draft_s:.1f}/{row.target_s:.1f}/{row.other_s:.1f}" if name is None else cell(getattr(row, name), fmt)
             for _, name, fmt in _COLUMNS
         ]
         lines.append([*cells, "<< slower than engine none" if row.slower_than_none else ""])
-    widths = [max(len(cell) for cell in column) for column in zip(*lines, strict=True)]
-    return "\n".join("  ".join(c.ljust(w) for c, w in zip(line, widths, strict=True)).rstrip() for line in lines)
+    return aligned(lines)
 
 
 def plot(rows: list[BenchRow], path: str) -> None:
@@ -594,6 +784,8 @@ def plot(rows: list[BenchRow], path: str) -> None:
 
     Gray: transformers, blue: engine none, green: speculative configurations, red: those slower than engine none.
     """
+    from matplotlib.figure import Figure  # only where a chart is drawn
+
     groups: dict[tuple[str, int], list[BenchRow]] = {}
     for row in rows:
         groups.setdefault((row.prompt_set, row.batch_size), []).append(row)

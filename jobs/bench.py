@@ -2,10 +2,16 @@
 
     specbatch bench --config jobs/configs/bench_cpu.yaml --input prompts.jsonl [--input more.jsonl]
         [--max-prompts N] [--output DIR] [--grid grid.yaml] [--batch-sizes 1 16] [--widths 1 2 4] ...
+        [--baseline-tree PATH]
+    specbatch bench --overhead [--rounds 3] [--steps 32] [--batch-sizes 1 64] [--baseline-tree PATH]
+    specbatch bench --shape-costs llama3-8b [--context 512] [--batch-sizes 1 8 64]
 
 Each ``--input`` is one prompt set (JSONL, Parquet or CSV with a ``prompt`` or ``messages`` column, or an
 XSum-style ``document`` column that becomes a one-sentence summarization request). Writes ``bench.csv``,
-``bench.json`` and ``bench.png`` to the output directory and prints the table.
+``bench.json`` and ``bench.png`` to the output directory and prints the table. ``--overhead`` measures the
+framework's cost per step on a model too small to cost anything (``bench/overhead.py``, writes
+``overhead.json``); ``--shape-costs`` times the engine's forwards on a model of a given shape with random weights
+(``bench/shape_costs.py``, writes ``shape_costs.json``).
 """
 
 from __future__ import annotations
@@ -23,7 +29,10 @@ import pyarrow.parquet as pq
 import torch
 import yaml
 
+from bench.baseline import load_baseline
 from bench.harness import BenchGrid, BenchRow, LengthPolicyName, format_table, plot, run_bench
+from bench.overhead import format_overhead, run_overhead
+from bench.shape_costs import SHAPES, format_shape_costs, run_shape_costs
 from decoding.engine import Request
 from jobs.common import parse_with_config, setup_logging
 
@@ -81,7 +90,8 @@ def _set_names(paths: list[str]) -> list[str]:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="specbatch bench", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--input", action="append", required=True, help="a prompt set (repeat for several)")
+    parser.add_argument("--input", action="append", help="a prompt set (repeat for several; not with --overhead "
+                        "or --shape-costs)")
     parser.add_argument("--max-prompts", type=int, help="use the first N prompts of each set")
     parser.add_argument("--from-end", action="store_true",
                         help="take the last N prompts instead (the rows a trained draft held out)")
@@ -98,6 +108,22 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--no-assisted", action="store_true", help="skip transformers assisted generation")
     parser.add_argument("--turns", choices=["step", "chunk"],
                         help="contenders alternate every engine step (default) or every chunk of prompts")
+    parser.add_argument("--baseline-tree", metavar="PATH",
+                        help="another checkout (e.g. a worktree of an earlier commit) whose engine runs beside this "
+                        "one: 'baseline engine ...' rows")
+    parser.add_argument("--bandwidth-gbs", type=float,
+                        help="the device's memory bandwidth in GB/s (default: a table of known GPUs, else a copy "
+                        "measured here)")
+    modes = parser.add_mutually_exclusive_group()
+    modes.add_argument("--overhead", action="store_true",
+                       help="ms per step on a SmolLM2-shaped model of hidden size 64, against transformers")
+    modes.add_argument("--shape-costs", choices=sorted(SHAPES),
+                       help="time the engine's forwards on a model of this shape with random weights")
+    parser.add_argument("--rounds", type=int, default=3, help="--overhead: rounds (the minimum is reported)")
+    parser.add_argument("--steps", type=int, default=32, help="--overhead: decode steps per round")
+    parser.add_argument("--context", type=int, default=512, help="--shape-costs: cached positions per row")
+    parser.add_argument("--repeats", type=int, default=20, help="--shape-costs: timed forwards per figure")
+    parser.add_argument("--device", help="--overhead, --shape-costs: torch device (default: cuda if present)")
     return parser
 
 
@@ -124,10 +150,53 @@ def write_outputs(rows: list[BenchRow], result_json: str, output: Path) -> None:
     plot(rows, str(output / "bench.png"))
 
 
+def _write_json(output: Path, name: str, text: str) -> None:
+    output.mkdir(parents=True, exist_ok=True)
+    (output / name).write_text(text)
+    print(f"wrote {output / name}")
+
+
+def overhead_main(args: argparse.Namespace, baseline: Any) -> int:
+    depth = args.depths[0] if args.depths else 5
+    result = run_overhead(args.rounds, args.steps, args.batch_sizes, depth, baseline,
+                          torch.device(args.device) if args.device else None, args.bandwidth_gbs)
+    env = result.environment
+    print(f"{env['device']} ({env['cpu_capability']}), {env['torch_threads']} threads, {env['dtype']}, "
+          f"{env['timer']}, compiled forward: {env['compiled_forward']}; bandwidth {env['bandwidth_gbs']} GB/s "
+          f"({env['bandwidth_source']}); {result.rounds} rounds of {result.steps} decode steps, minimum over rounds")
+    print(format_overhead(result))
+    _write_json(Path(args.output), "overhead.json", result.model_dump_json(indent=2))
+    return 0
+
+
+def shape_costs_main(args: argparse.Namespace) -> int:
+    depth = args.depths[0] if args.depths else 5
+    result = run_shape_costs(args.shape_costs, torch.device(args.device) if args.device else None, None,
+                             args.batch_sizes, args.context, depth, args.repeats, args.bandwidth_gbs)
+    print(f"{result.shape} on {result.device} ({result.dtype}); bandwidth {result.bandwidth_gbs} GB/s "
+          f"({result.bandwidth_source}); weights: target {result.weight_bytes['target'] / 1e9:.2f} GB, "
+          f"int4 self-draft {result.weight_bytes['draft'] / 1e9:.2f} GB")
+    print(format_shape_costs(result))
+    _write_json(Path(args.output), "shape_costs.json", result.model_dump_json(indent=2))
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     setup_logging()
     parser = build_parser()
     args, config = parse_with_config(parser, sys.argv[1:] if argv is None else argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    try:
+        baseline = load_baseline(args.baseline_tree) if args.baseline_tree else None
+    except (OSError, ValueError, ImportError) as exc:
+        parser.exit(2, f"{parser.prog}: error: --baseline-tree: {exc}\n")
+    if args.shape_costs:
+        return shape_costs_main(args)
+    if args.overhead:
+        return overhead_main(args, baseline)
+    if not args.input:
+        parser.error("--input is required (or --overhead, or --shape-costs)")
     try:
         grid = load_grid(args)
         paths = dict(zip(_set_names(args.input), args.input, strict=True))
@@ -135,19 +204,18 @@ def main(argv: list[str] | None = None) -> int:
     except (OSError, ValueError) as exc:  # pydantic's ValidationError is a ValueError
         parser.exit(2, f"{parser.prog}: error: {exc}\n")
 
-    if args.threads:
-        torch.set_num_threads(args.threads)
-
     def progress(row: BenchRow) -> None:
         log.info("%s | %s batch %d: %.1f tok/s", row.prompt_set, row.name, row.batch_size, row.tokens_per_s)
 
     try:
-        result = run_bench(config, prompt_sets, grid, progress=progress)
+        result = run_bench(config, prompt_sets, grid, progress=progress, baseline=baseline,
+                           bandwidth_gbs=args.bandwidth_gbs)
     except FileNotFoundError as exc:  # e.g. the draft alias before `specbatch train-draft` ran
         parser.exit(2, f"{parser.prog}: error: {exc}\n")
     write_outputs(result.rows, result.model_dump_json(indent=2), Path(args.output))
-    print(f"{result.environment['device']}, {result.environment['torch_threads']} threads, "
-          f"{result.environment['dtype']}; prompts per set: {result.prompt_sets}; "
+    env = result.environment
+    print(f"{env['device']}, {env['torch_threads']} threads, {env['dtype']}, {env['timer']}; bandwidth "
+          f"{env['bandwidth_gbs']} GB/s ({env['bandwidth_source']}); prompts per set: {result.prompt_sets}; "
           f"max_tokens {config.sampling.max_tokens}")
     print(format_table(result.rows))
     slower = sum(row.slower_than_none for row in result.rows)

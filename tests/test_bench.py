@@ -205,26 +205,28 @@ def test_contenders_take_turns_chunk_by_chunk(monkeypatch, tiny_dirs):
     calls = []
 
     def recording_runner(_models, contender):
-        total = benchmark._Measurement()
-
-        def turns(prompts):
+        def turns(prompts, into, max_tokens=None):
             for step in range(2):  # two turns per chunk
                 calls.append((contender.name, list(prompts), step))
                 yield True
-            total.outputs.update(prompts)
+            into.outputs.update(prompts)
 
-        return benchmark._Runner(total, turns)
+        return benchmark._Runner(turns)
 
     monkeypatch.setattr(benchmark, "_runner", recording_runner)
     group = [c for c in contenders(_config(tiny_dirs["draft"]), GRID) if c.batch_size == 2]
     names = [c.name for c in group]
     prompts = {f"p{i}": [i] for i in range(5)}
+
+    def rotated(order: list[str], by: int) -> list[str]:
+        return order[by % len(order):] + order[: by % len(order)]
+
     # Every contender decodes chunk k before anyone starts chunk k + 1, starting with a different contender each
-    # time; by steps, each takes one step in turn.
-    rotations = [names, names[1:] + names[:1], names[2:] + names[:2]]
+    # time; by steps, each takes one step in turn, and who goes first rotates every step as well.
+    rotations = [rotated(names, k) for k in range(3)]
     chunks = []
     for turns, order in (("chunk", [n for r in rotations for n in r for _ in range(2)]),
-                         ("step", [n for r in rotations for _ in range(2) for n in r])):
+                         ("step", [n for r in rotations for step in range(2) for n in rotated(r, step)])):
         calls.clear()
         chunks.clear()
         totals = benchmark._interleaved(None, group, prompts, lambda done, count: chunks.append((done, count)),
