@@ -15,6 +15,8 @@ bytes they move (weights and cached keys and values read) and the share of the d
 
 from __future__ import annotations
 
+import dataclasses
+import importlib
 import itertools
 import logging
 import platform
@@ -32,6 +34,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 from bench.baseline import convert_model
 from bench.measure import Bandwidth, Clock, ForwardBytes, bandwidth_fraction, device_bandwidth
 from decoding import engine as engine_module
+from decoding import stats as stats_module
 from decoding.config import Config, SamplingParams
 from decoding.engine import Request, encode_request, eos_token_ids
 from decoding.models import SELF_DRAFT, load_draft, load_model, load_tokenizer
@@ -448,15 +451,24 @@ def _transformers_runner(models: Models, contender: Contender) -> _Runner:
     return _Runner(turns)
 
 
+def result_stats(stats: ModuleType, result: Any) -> SpecDecodeStats:
+    """A finished result's statistics, computed by the ``stats`` module of the engine that produced it, as this
+    checkout's ``SpecDecodeStats`` (a field that engine does not count stays zero)."""
+    theirs = stats.SpecDecodeStats.of(result)
+    return SpecDecodeStats(**{f.name: getattr(theirs, f.name) for f in dataclasses.fields(SpecDecodeStats)
+                              if hasattr(theirs, f.name)})
+
+
 def _engine_runner(models: Models, contender: Contender) -> _Runner:
     """One engine for all of the contender's chunks, so that what it learns (length policy) carries over; the
     baseline checkout's engine for a ``baseline`` contender."""
-    package = engine_module
+    package, stats = engine_module, stats_module
     config: Any = contender.config
     if contender.kind == "baseline":
         if models.baseline is None:
             raise ValueError("a baseline contender needs the baseline checkout (Models.baseline)")
         package = models.baseline.engine
+        stats = importlib.import_module(models.baseline.__name__ + ".stats")
         config = convert_model(config, models.baseline.config.Config)
     draft = models.draft if contender.method == "draft_model" else None
     engine = package.Engine(config, target=models.target, tokenizer=models.tokenizer, draft=draft)
@@ -515,7 +527,7 @@ def _engine_runner(models: Models, contender: Contender) -> _Runner:
             raise RuntimeError(f"{contender.name}: prompt {errors[0].id} failed: {errors[0].error}")
         for result in results:
             into.outputs[result.id] = result.token_ids
-            into.stats += SpecDecodeStats.of(result)
+            into.stats += result_stats(stats, result)
 
     return _Runner(turns)
 

@@ -7,6 +7,7 @@ import json
 import shutil
 import statistics
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -109,6 +110,29 @@ def test_baseline_rows_follow_each_engine_and_decode_the_same(baseline, target, 
     from decoding import attention
 
     assert baseline.attention._kernel_state.get("loaded") == attention._kernel_state.get("loaded")
+
+
+def test_results_of_an_engine_without_a_counter_convert_to_this_ones_stats():
+    from types import SimpleNamespace
+
+    from decoding import stats
+    from decoding.stats import SpecDecodeStats
+
+    class OlderStats:  # an older engine's counters: no grammar-forced tokens
+        @dataclass(frozen=True)
+        class SpecDecodeStats:
+            num_spec_steps: int
+            num_draft_tokens: int
+
+            @classmethod
+            def of(cls, result):
+                return cls(len(result.per_step_drafted), sum(result.per_step_drafted))
+
+    older = SimpleNamespace(per_step_drafted=[3, 2])
+    assert benchmark.result_stats(OlderStats, older) == SpecDecodeStats(num_spec_steps=2, num_draft_tokens=5)
+    current = SimpleNamespace(token_ids=[5, 6, 7], per_step_drafted=[2], per_step_accepted=[1], num_target_forwards=2,
+                              acceptance_histogram=[0, 1, 0], num_grammar_forced_tokens=1)
+    assert benchmark.result_stats(stats, current) == SpecDecodeStats.of(current)
 
 
 # ----------------------------------------------------------------------------------------- device accounting
