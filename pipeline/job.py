@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import time
+import warnings
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager, nullcontext
 from typing import Any
@@ -114,7 +115,9 @@ def run(config: Config, input_path: str, output_dir: str, *, progress: Callable[
             # Blocks go to the least busy actor, not the one beside the block's data (a few kilobytes, against
             # seconds of generation): with locality, two one-CPU nodes' actors got 6 blocks of 4 rows, all on the
             # node that read them.
-            ds.context.execution_options.actor_locality_enabled = False
+            with warnings.catch_warnings():  # deprecated in Ray 2.60 with no replacement yet; pinned below 2.61
+                warnings.simplefilter("ignore", DeprecationWarning)
+                ds.context.execution_options.actor_locality_enabled = False
             if config.concurrency_range[0] > 1:
                 # Blocks start flowing once the pool's first actors (its minimum, Ray Data's initial size) are all
                 # up: otherwise the first actor ready takes every block its calls in flight hold (concurrency 2 ran
