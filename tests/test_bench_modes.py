@@ -36,7 +36,7 @@ from jobs import bench
 REPO = Path(__file__).resolve().parents[1]
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def baseline_tree(tmp_path_factory) -> Path:
     """A copy of this checkout's engine, as another checkout would hold it."""
     tree = tmp_path_factory.mktemp("baseline")
@@ -44,7 +44,7 @@ def baseline_tree(tmp_path_factory) -> Path:
     return tree
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def baseline(baseline_tree):
     return load_baseline(baseline_tree)
 
