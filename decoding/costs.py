@@ -14,7 +14,6 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-import os
 import statistics
 import time
 from collections.abc import Callable
@@ -23,6 +22,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from decoding.cuda_graphs import graph_mode
 from decoding.forward import forward_tree
 from decoding.kv_cache import CacheShape, PagedKVCache
 from decoding.models import cache_dir
@@ -114,7 +114,7 @@ def calibrate(model: torch.nn.Module, max_tokens: int, batch: int = 1, disk_key:
     device = next(model.parameters()).device
     dtype = next(model.parameters()).dtype
     setting = (str(device), str(dtype), torch.get_num_threads(), max_tokens, batch,
-               graphs and device.type == "cuda" and os.environ.get("SPECBATCH_CUDA_GRAPHS", "decode"))
+               graphs and device.type == "cuda" and graph_mode())
     memo_key = (id(model), *setting)
     if memo_key in _memo:
         return CostTable(_memo[memo_key])

@@ -32,9 +32,14 @@ ROW_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
 MIN_KEYS = 256
 
 
+def graph_mode() -> str:
+    """``SPECBATCH_CUDA_GRAPHS``: decode (default), all, or 0 / off."""
+    return os.environ.get("SPECBATCH_CUDA_GRAPHS", "decode")
+
+
 def graphs_enabled(per_row: int = 1) -> bool:
     """Whether a forward of ``per_row`` tokens per row (that its caller allows to be graphed) replays a graph."""
-    mode = os.environ.get("SPECBATCH_CUDA_GRAPHS", "decode")
+    mode = graph_mode()
     if mode in ("0", "off"):
         return False
     return per_row == 1 if mode == "decode" else True
