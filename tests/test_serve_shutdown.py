@@ -22,13 +22,29 @@ KEY = "sk-drain-test"
 AUTH = {"Authorization": f"Bearer {KEY}"}
 
 
+# Long requests: enough tokens that ten of them, one at a time, outlast the grace period on any machine (the
+# tiny test model decodes a few thousand tokens a second on a fast CPU).
+LONG_TOKENS = 2000
+
+
+@pytest.fixture(scope="module")
+def long_context_model(tmp_path_factory, tokenizer, target) -> str:
+    """The tiny target with room for ``LONG_TOKENS`` (rotary positions need no weights)."""
+    path = tmp_path_factory.mktemp("long-context") / "target"
+    target.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    config = json.loads((path / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps({**config, "max_position_embeddings": 4096}))
+    return str(path)
+
+
 @pytest.fixture
-def serve_process(tiny_dirs, tmp_path):
+def serve_process(long_context_model, tmp_path):
     """`python -m jobs.serve` on its own local Ray cluster, one engine row (requests queue behind each other),
     a one-second grace period, the API key from the environment."""
     config = tmp_path / "serve.yaml"
     config.write_text(yaml.safe_dump({
-        "model": tiny_dirs["target"], "speculative": {"method": "none"}, "batch_size": 1,
+        "model": long_context_model, "speculative": {"method": "none"}, "batch_size": 1,
         "sampling": {"max_tokens": 8}, "graceful_shutdown_timeout_s": 1.0,
     }))
     port = unused_ports(1)[0]
@@ -93,15 +109,15 @@ def test_sigterm_drains_requests_in_flight_and_leaves_no_process_behind(serve_pr
                 stream = i % 2 == 0
                 body: dict[str, Any] = {"prompt": "the cat", "stream": stream}
                 if i % 4 >= 2:
-                    body.update(max_tokens=240, ignore_eos=True)
+                    body.update(max_tokens=LONG_TOKENS, ignore_eos=True)
                 async with client.stream("POST", "/v1/completions", json=body) as response:
                     lines = [line async for line in response.aiter_lines() if line]
                     return _outcome(response.status_code, dict(response.headers), lines, stream)
 
             tasks = [asyncio.create_task(request(i)) for i in range(20)]
-            for _ in range(600):  # all 20 held by the replica (one running, the rest in its queue)
+            for _ in range(600):  # all 20 answered or held by the replica (one running, the rest in its queue)
                 health = (await client.get("/health")).json()
-                if health["running"] + health["waiting"] >= 18 or all(t.done() for t in tasks):
+                if health["running"] + health["waiting"] + sum(t.done() for t in tasks) >= 20:
                     break
                 await asyncio.sleep(0.02)
             process.send_signal(signal.SIGTERM)
@@ -123,7 +139,7 @@ def test_sigterm_drains_requests_in_flight_and_leaves_no_process_behind(serve_pr
     summary = {kind: outcomes.count(kind) for kind in ("done", "ended", "refused")}
     print("outcomes after SIGTERM:", summary)
     assert sum(summary.values()) == 20
-    # One engine row and 240-token requests: the queue cannot empty within the one-second grace period.
+    # One engine row and long requests: the queue cannot empty within the one-second grace period.
     assert summary["ended"] + summary["refused"] >= 1, summary
     left = [p for p in descendants if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
     assert not left, [(p.pid, p.name()) for p in left]
