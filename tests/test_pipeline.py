@@ -266,6 +266,21 @@ def test_20000_short_rows_commit_their_first_part_within_the_first_fifth_of_the_
     assert first <= 0.2 * last, (first, last)
 
 
+def test_parts_are_bounded_by_generated_tokens_as_well_as_rows(tiny_dirs):
+    """A part's time grows with its rows' max_tokens: long outputs get fewer rows a part, down to half a batch."""
+    from pipeline.job import PART_TOKENS, rows_per_part
+
+    def size(batch_size: int, max_tokens: int) -> int:
+        return rows_per_part(Config.model_validate({"model": tiny_dirs["target"], "batch_size": batch_size,
+                                                    "sampling": {"max_tokens": max_tokens}}))
+
+    assert size(16, 256) == 64 == 4 * 16  # the defaults: four batches, 16,384 tokens
+    assert size(64, 16) == 256  # short outputs: four batches
+    assert size(64, 256) == PART_TOKENS // 256 == 64
+    assert size(64, 1024) == 32  # half a batch at least, so the engine stays full
+    assert all(size(b, t) * t <= PART_TOKENS or size(b, t) == b // 2 for b in (8, 32, 64) for t in (64, 512, 4096))
+
+
 def test_parts_hold_one_files_rows_with_its_types(ray_cluster, tiny_dirs, tmp_path):
     """Ten files of 200 rows whose `extra` column is int in some and text in others: each part holds one file's
     rows and keeps that file's type. Before, a read task's files were joined into one block (a part held three
