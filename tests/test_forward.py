@@ -133,12 +133,13 @@ def test_another_architecture_runs_transformers_forward_with_the_same_semantics(
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_the_cpu_kernel_computes_what_the_reference_computes(dtype) -> None:
     """Random rows of random trees (padding queries, chains, several mask words, grouped-query heads) over a
-    shuffled pool: the kernel's outputs and the entries it writes equal the reference's."""
+    shuffled pool, prefills (a causal triangle of tree bits over three words): the kernel's outputs and the entries
+    it writes equal the reference's."""
     if not cpu_kernel():
         pytest.skip("no C++ compiler: the reference runs instead of the kernel")
     generator = torch.Generator().manual_seed(0)
     heads, kv_heads, dim, block = 6, 2, 32, 16
-    for tokens_per_row, words in ((1, 1), (6, 1), (70, 2), (20, 1)):
+    for tokens_per_row, words in ((1, 1), (6, 1), (70, 2), (20, 1), (150, 3)):
         rows = 5
         lengths = torch.randint(0, 90, (rows,), generator=generator)
         blocks = -(-(lengths + tokens_per_row) // block)
@@ -157,6 +158,8 @@ def test_the_cpu_kernel_computes_what_the_reference_computes(dtype) -> None:
         # Tree bits: a random subset of the row's tentative positions, always the query's own.
         bits = (torch.rand(n, tokens_per_row, generator=generator) < 0.5) | (
             torch.arange(tokens_per_row)[None] == torch.arange(tokens_per_row).repeat(rows)[:, None])
+        if tokens_per_row == 150:  # a prefill: each query sees the cached prefix and the tree keys up to its own
+            bits = torch.arange(tokens_per_row)[None] <= torch.arange(tokens_per_row).repeat(rows)[:, None]
         mask = torch.zeros(n, words, dtype=torch.int64)
         for word in range(words):
             chunk = bits[:, 64 * word : 64 * (word + 1)].long()

@@ -52,10 +52,13 @@ inline void score_tile(const float* query, int64_t dim, const T* keys_t, int64_t
   }
 }
 
+// Tiles whose vectors see no key at or after p0 (vector_upto: one past each vector's last visible key) are not
+// scored: a prefill's queries see a causal triangle, so about half of the blocks are skipped.
 template <typename T>
 inline void score(const float* query, int64_t count, int64_t dim, const T* keys_t, int64_t block_size,
-                  float* scores) {
+                  float* scores, const int64_t* vector_upto, int64_t p0) {
   for (int64_t v0 = 0; v0 < count; v0 += kTile) {
+    if (*std::max_element(vector_upto + v0, vector_upto + std::min(count, v0 + kTile)) <= p0) continue;
     const float* q = query + v0 * dim;
     float* s = scores + v0 * block_size;
     switch (std::min<int64_t>(kTile, count - v0)) {
@@ -93,6 +96,8 @@ void attend(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache, con
 
   at::parallel_for(0, rows * kv_heads, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> query, acc, scores, running_max, running_sum;
+    std::vector<int64_t> vector_upto, vector_full;  // per query vector: one past its last visible key; keys
+                                                    // [0, full) all visible (no per-key mask needed there)
     for (int64_t item = begin; item < end; ++item) {
       const int64_t r = item / kv_heads, h = item % kv_heads;
       const int64_t first = starts[r], tokens = starts[r + 1] - first;
@@ -103,17 +108,32 @@ void attend(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache, con
       scores.resize(vectors * block_size);
       running_max.assign(vectors, neg_inf);
       running_sum.assign(vectors, 0.f);
-      int64_t common = std::numeric_limits<int64_t>::max(), upto = 0;  // keys every query sees; keys any sees
+      vector_upto.resize(vectors);
+      vector_full.resize(vectors);
+      int64_t upto = 0;  // keys any query of the row sees
       for (int64_t t = 0; t < tokens; ++t) {
         const int64_t n = first + t, prefix = prefixes[n];
-        common = std::min(common, prefix);
-        upto = std::max(upto, prefix);
+        int64_t last = prefix, full = prefix;
         for (int64_t w = words - 1; w >= 0; --w) {
           const uint64_t bits = static_cast<uint64_t>(masks[n * mask_stride + w]);
           if (bits) {
-            upto = std::max(upto, prefix + 64 * w + 64 - __builtin_clzll(bits));
+            last = prefix + 64 * w + 64 - __builtin_clzll(bits);
             break;
           }
+        }
+        for (int64_t w = 0; w < words; ++w) {  // the run of visible tree keys from the first: a chain's ancestors
+          const uint64_t bits = static_cast<uint64_t>(masks[n * mask_stride + w]);
+          if (~bits == 0) {
+            full += 64;
+            continue;
+          }
+          full += __builtin_ctzll(~bits);
+          break;
+        }
+        upto = std::max(upto, last);
+        for (int64_t i = 0; i < group; ++i) {
+          vector_upto[t * group + i] = last;
+          vector_full[t * group + i] = full;
         }
         for (int64_t i = 0; i < group; ++i) {
           const T* src = qp + n * q.stride(0) + (h * group + i) * q.stride(1);
@@ -127,11 +147,11 @@ void attend(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache, con
         const int64_t block = table[p0 / block_size];
         const T* values = vp + block * v_block_stride + h * v_head_stride;
         score(query.data(), vectors, dim, kp + block * k_block_stride + h * k_head_stride, block_size,
-              scores.data());
-        const bool masked = p0 + block_size > common;
+              scores.data(), vector_upto.data(), p0);
         for (int64_t vector = 0; vector < vectors; ++vector) {
+          if (vector_upto[vector] <= p0) continue;  // nothing visible from here on (its tile may be unscored)
           float* s = scores.data() + vector * block_size;
-          if (masked) {
+          if (p0 + block_size > vector_full[vector]) {
             const int64_t n = first + vector / group, prefix = prefixes[n];
             const int64_t* bits = masks + n * mask_stride;
             for (int64_t j = 0; j < block_size; ++j) {
