@@ -325,8 +325,11 @@ class Step:
         paths = verdict.paths
         keep, counts = pad_rows([[int(verdict.slot_of[n]) for n in path] for path in paths], fill=0)
         self.cache.commit(plan.rows, keep, counts)
-        target_probs, draft_probs = self.to_host(torch.stack(
-            [verdict.batch.token_probs, self._to_device(drafted.draft.token_probs)]), stats=True).tolist()
+        drafted_nodes = [row.nonzero().flatten().tolist() for row in verdict.drafted_nodes] \
+            if bool(verdict.drafted_nodes.any()) else [[] for _ in seqs]
+        if any(drafted_nodes):  # a plain step has no statistics to read back
+            target_probs, draft_probs = self.to_host(torch.stack(
+                [verdict.batch.token_probs, self._to_device(drafted.draft.token_probs)]), stats=True).tolist()
         self.steps += 1
         node_depths = self.topology.depths.tolist()
         node_candidates = self.topology.candidate_index.tolist()
@@ -347,11 +350,11 @@ class Step:
             kept_nodes = set(accepted_nodes[:kept])  # a stop inside the accepted run drops the rest
             if forced is not None:
                 seq.grammar_forced += sum(forced[row][node] for node in kept_nodes)
-            drafted = verdict.drafted_nodes[row].nonzero().flatten().tolist()
-            seq.per_step_drafted.append(len(drafted))
+            row_drafted = drafted_nodes[row]
+            seq.per_step_drafted.append(len(row_drafted))
             seq.per_step_accepted.append(len(kept_nodes))
             all_kept.append(len(kept_nodes))
-            for node in drafted:
+            for node in row_drafted:
                 seq.token_stats.append((
                     self.steps, node_depths[node], node_candidates[node], verdict.draft_tokens[row][node],
                     draft_probs[row][node], target_probs[row][node], node in kept_nodes,
