@@ -22,6 +22,7 @@ import ray
 log = logging.getLogger(__name__)
 
 NAMESPACE = "specbatch"
+PROXY_FLUSH_S = 1.0  # after the last request held is answered, before the replica reports it has drained
 
 
 def signal_name(app: str) -> str:
@@ -87,6 +88,10 @@ def watch(app: str, replica: str, start: Callable[[], None], busy: Callable[[], 
             if busy() and seconds == grace:
                 log.warning("draining: %d requests did not finish within %.0f s; ending them", busy(), grace)
                 end(grace)
+        # A request counts as done once its handler returns, but the proxy may still be forwarding its last chunks
+        # (an error event and [DONE]); Serve's shutdown would cut them off (a client saw a truncated stream when
+        # the proxy was stopped 0.12 s after the replica's last answer).
+        time.sleep(PROXY_FLUSH_S)
         with contextlib.suppress(ray.exceptions.RayError):
             ray.get(signal.done.remote(replica))
 
