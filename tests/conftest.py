@@ -14,7 +14,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 # the compiled forward has tests of its own that turn this on.
 os.environ.setdefault("SPECBATCH_COMPILE", "0")
 
-from engine_cases import MAX_TOKENS, PROMPTS  # noqa: E402
+from engine_cases import MAX_TOKENS, PROMPTS, SMALL_VOCAB  # noqa: E402
 from tiny import noisy_copy, tiny_model, tiny_tokenizer  # noqa: E402
 
 SHARED = Path(__file__).resolve().parents[1].parent / "shared"
@@ -55,6 +55,13 @@ def reference(tokenizer, target) -> list[list[int]]:
         )
         outputs.append(generated[0, ids.shape[1] :].tolist())
     return outputs
+
+
+@pytest.fixture(scope="module")
+def small_models():
+    """A target over a 6-token vocabulary (id 2 is EOS) and a noisy draft: small enough to enumerate exact laws."""
+    target = tiny_model(seed=3, vocab_size=SMALL_VOCAB)
+    return target, noisy_copy(target, 0.6, seed=4)
 
 
 @pytest.fixture(scope="session")

@@ -4,6 +4,7 @@ reference of a sampled law (transformers' warpers transcribed) with its chi-squa
 from __future__ import annotations
 
 import copy
+from collections.abc import Callable, Iterator
 
 import torch
 from scipy.stats import chi2
@@ -78,6 +79,27 @@ def reference_warp(logits: torch.Tensor, temperature: float, top_k: int, top_p: 
             break
     probs = probs * keep
     return probs / probs.sum()
+
+
+def sequence_law(model, prompt: list[int], warp: dict, length: int,
+                 mask: Callable[[list[int], torch.Tensor], None] | None = None) -> Iterator[tuple[list[int], float]]:
+    """Every sequence of ``length`` generated tokens (END after EOS) with its exact probability under the target's
+    warped law, by enumerating prefixes; ``mask(prefix, logits)`` may constrain each prefix's logits in place."""
+
+    def extend(prefix: list[int], weight: float) -> Iterator[tuple[list[int], float]]:
+        if len(prefix) == length or (prefix and prefix[-1] == 2):
+            yield prefix + [END] * (length - len(prefix)), weight
+            return
+        with torch.no_grad():
+            logits = model(torch.tensor([prompt + prefix])).logits[0, -1].float()
+        if mask is not None:
+            mask(prefix, logits)
+        law = reference_warp(logits, **warp)
+        for token in range(len(law)):
+            if law[token] > 0:
+                yield from extend(prefix + [token], weight * float(law[token]))
+
+    return extend([], 1.0)
 
 
 def chi_square_pvalue(counts: torch.Tensor, law: torch.Tensor) -> float:

@@ -12,7 +12,7 @@ import jsonschema
 import pytest
 import torch
 import xgrammar as xgr
-from test_engine import PROMPTS, chi_square_pvalue, make_config, on_device, reference_warp
+from engine_cases import END, PROMPTS, SMALL_VOCAB, chi_square_pvalue, make_config, on_device, sequence_law
 from test_grammar import LIST_SCHEMA, RECORD_SCHEMA
 from tiny import noisy_copy, tiny_model
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
@@ -263,7 +263,7 @@ def test_json_greedy_equals_plain_constrained_decoding(smollm2, json_models) -> 
 
 # ----------------------------------------------------------------------------------------------------- sampling
 SMALL = ["<pad>", "<s>", "</s>", "a", "b", "c"]  # the small models' vocabulary; id 2 is EOS
-END = len(SMALL)  # "no token": the sequence already ended
+assert len(SMALL) == SMALL_VOCAB  # the conftest's small models, and END (= SMALL_VOCAB) in the laws
 SMALL_REGEX = "(ab|c)[ac]?b?c?"  # "b" forced after "a"; EOS allowed once "ab" or "c" is out
 
 
@@ -280,30 +280,16 @@ def constrained_joint_law(model, tokenizer, prompt: list[int], warp: dict, regex
     compiled = compiler_for(tokenizer, len(SMALL)).compile(StructuredOutputs(regex=regex).constraint)
     joint = torch.zeros((END + 1,) * length, dtype=torch.float64)
 
-    def extend(prefix: list[int], weight: float) -> None:
-        if len(prefix) == length or (prefix and prefix[-1] == 2):
-            joint[tuple(prefix + [END] * (length - len(prefix)))] += weight
-            return
+    def grammar_mask(prefix: list[int], logits: torch.Tensor) -> None:
         matcher = xgr.GrammarMatcher(compiled, override_stop_tokens=[2])
         assert all(matcher.accept_token(t) for t in prefix)
         mask = xgr.allocate_token_bitmask(1, len(SMALL))
         matcher.fill_next_token_bitmask(mask)
-        with torch.no_grad():
-            logits = model(torch.tensor([prompt + prefix])).logits[0, -1].float()
         xgr.apply_token_bitmask_inplace(logits, mask[0])
-        law = reference_warp(logits, **warp)
-        for token in range(len(SMALL)):
-            if law[token] > 0:
-                extend(prefix + [token], weight * float(law[token]))
 
-    extend([], 1.0)
+    for tokens, weight in sequence_law(model, prompt, warp, length, grammar_mask):
+        joint[tuple(tokens)] += weight
     return joint
-
-
-@pytest.fixture(scope="module")
-def small_models():
-    target = tiny_model(seed=3, vocab_size=len(SMALL))
-    return target, noisy_copy(target, 0.6, seed=4)
 
 
 FREE = {"temperature": 1.0, "top_k": 0, "top_p": 1.0}

@@ -16,10 +16,10 @@ from engine_cases import (
     chi_square_pvalue,
     make_config,
     on_device,
-    reference_warp,
     run,
+    sequence_law,
 )
-from tiny import noisy_copy, tiny_model
+from tiny import tiny_model
 
 from decoding import Engine, Request
 from decoding.engine import prefill_groups
@@ -138,28 +138,9 @@ def test_self_draft_and_lookup_siblings_greedy_match_transformers(
 def exact_joint_law(model, prompt: list[int], warp: dict, positions: tuple[int, int]) -> torch.Tensor:
     """Exact law of generated tokens at ``positions`` (0-based), END after EOS, by enumerating prefixes."""
     joint = torch.zeros(SMALL_VOCAB + 1, SMALL_VOCAB + 1, dtype=torch.float64)
-    last = max(positions)
-
-    def extend(prefix: list[int], weight: float) -> None:
-        if len(prefix) == last + 1 or (prefix and prefix[-1] == 2):
-            tokens = prefix + [END] * (last + 1 - len(prefix))
-            joint[tokens[positions[0]], tokens[positions[1]]] += weight
-            return
-        with torch.no_grad():
-            logits = model(torch.tensor([prompt + prefix])).logits[0, -1]
-        law = reference_warp(logits, **warp)
-        for token in range(SMALL_VOCAB):
-            if law[token] > 0:
-                extend(prefix + [token], weight * float(law[token]))
-
-    extend([], 1.0)
+    for tokens, weight in sequence_law(model, prompt, warp, max(positions) + 1):
+        joint[tokens[positions[0]], tokens[positions[1]]] += weight
     return joint
-
-
-@pytest.fixture(scope="module")
-def small_models():
-    target = tiny_model(seed=3, vocab_size=SMALL_VOCAB)
-    return target, noisy_copy(target, 0.6, seed=4)
 
 
 SAMPLING_GRID = [
