@@ -134,8 +134,6 @@ void attend(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache, con
         for (int64_t i = 0; i < group; ++i) {
           vector_upto[t * group + i] = last;
           vector_full[t * group + i] = full;
-        }
-        for (int64_t i = 0; i < group; ++i) {
           const T* src = qp + n * q.stride(0) + (h * group + i) * q.stride(1);
           float* dst = query.data() + (t * group + i) * dim;
           for (int64_t d = 0; d < dim; ++d) dst[d] = static_cast<float>(src[d]) * static_cast<float>(scale);
