@@ -242,7 +242,9 @@ class LeanCausalLM(nn.Module):
         self._compile_tried = False
         self._graphs: GraphedForward | None = None
         head = model.get_output_embeddings()
-        self.head_weight = head.weight if type(head) is nn.Linear else None  # a float head (not a quantized one's)
+        # A float head (a quantized twin's head keeps its own forward: int4 with its top logits exact).
+        float_head = type(head) is nn.Linear and "forward" not in vars(head)
+        self.head_weight = head.weight if float_head else None
         if self.device.type == "cpu":
             cpu_kernel()  # the attention kernel, built or loaded once per process
             float_weights = [w for spec_weights in self._float_weights() for w in spec_weights]

@@ -106,6 +106,16 @@ def test_the_lean_forward_runs_a_quantized_twin_through_its_fused_kernels() -> N
         torch.testing.assert_close(lean_hidden, hidden, atol=0.05, rtol=0.01)
 
 
+def test_the_lean_forward_reads_a_quantized_twins_own_head() -> None:
+    """A twin's LM head is its int4 kernel with the top logits recomputed in float, a third of a float head's cost
+    at SmolLM2's size: the lean forward computes its logits through it, not through the float weight it shares."""
+    twin = quantized(tiny_model(), "int4")
+    lean = lean_view(twin)
+    for logits, hidden in _tree_forwards(lean, twin.config):
+        torch.testing.assert_close(logits, twin.lm_head(hidden), atol=0, rtol=0)
+        assert not torch.allclose(logits, hidden @ twin.lm_head.weight.T, atol=1e-3)
+
+
 def test_another_architecture_runs_transformers_forward_with_the_same_semantics() -> None:
     """Gemma's decoder is not the Llama family's: the engine runs transformers' own forward over the paged cache,
     and greedy outputs are transformers' generate, plain and speculative."""
