@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
+from decoding.attention import kernel_loaded
 from decoding.config import GREEDY_TEMPERATURE, SamplingParams
 
 
@@ -227,6 +228,15 @@ def warp_probs(logits: torch.Tensor, params: WarpParams) -> torch.Tensor:
     if probs.device.type != "cpu" or bool(empty.any()):  # a device fills without reading the mask back
         probs = probs.masked_fill(empty, 1.0 / shape[-1])
     return probs.reshape(shape)
+
+
+def argmax_logsumexp(logits: torch.Tensor, with_logsumexp: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(argmax, float32 log-sum-exp or None) over the last dimension of ``logits``; on a CPU one pass of the
+    kernel per row (``specbatch::argmax_logsumexp``) where it is loaded, the same answers as torch's."""
+    if logits.device.type == "cpu" and logits.dtype == torch.float32 and logits.shape[-1] and kernel_loaded():
+        index, lse = torch.ops.specbatch.argmax_logsumexp(logits.reshape(-1, logits.shape[-1]), with_logsumexp)
+        return index.view(logits.shape[:-1]), lse.view(logits.shape[:-1]) if with_logsumexp else None
+    return logits.argmax(-1), logits.float().logsumexp(-1) if with_logsumexp else None
 
 
 def row_uniforms(generators: Sequence[torch.Generator], rows: Sequence[int], count: int) -> torch.Tensor:

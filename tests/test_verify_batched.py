@@ -14,7 +14,8 @@ import pytest
 import torch
 
 import decoding.acceptance as acceptance
-from decoding.sampling import WarpParams, warp_probs
+from decoding.attention import cpu_kernel
+from decoding.sampling import WarpParams, argmax_logsumexp, warp_probs
 from decoding.tree import TreeTopology
 from decoding.verify_batched import sample_from, sample_siblings, sample_tokens, verify_batch
 
@@ -144,6 +145,24 @@ def test_greedy_rows_match_the_reference_exactly(topology) -> None:
             expected_probs = torch.softmax(logits[row], -1)[parent_index, tokens[row]]
             assert torch.allclose(verdict.token_probs[row], expected_probs, atol=1e-6)
     assert int(verdict.path_length.max()) == topology.max_depth + 1  # some rows walked to the bottom
+
+
+@pytest.mark.parametrize("vocab", [5, 49152])
+def test_the_cpu_kernel_gives_torchs_argmax_and_logsumexp(vocab) -> None:
+    """First index of the largest value (ties, NaN as largest, a row of -inf) and the log-sum-exp, as torch's."""
+    assert cpu_kernel()
+    generator = torch.Generator().manual_seed(0)
+    logits = torch.randn(2, 6, vocab, generator=generator) * 4
+    logits[0, 1, 1:4] = logits[0, 1].max() + 1  # a tie: the first index wins
+    logits[0, 2] = float("-inf")
+    logits[0, 3, 2] = float("nan")
+    logits[1, 0, 0] = float("-inf")
+    logits[1, 1] = logits[1, 1].round()  # many ties
+    index, lse = argmax_logsumexp(logits)
+    assert torch.equal(index, logits.argmax(-1))
+    torch.testing.assert_close(lse, logits.logsumexp(-1), equal_nan=True, atol=1e-5, rtol=1e-6)
+    alone, none = argmax_logsumexp(logits[1], with_logsumexp=False)
+    assert none is None and torch.equal(alone, logits[1].argmax(-1))
 
 
 def test_inverse_cdf_sampling_is_exact_on_a_grid() -> None:

@@ -265,6 +265,48 @@ at::Tensor packed_linear(at::Tensor x, at::Tensor weight, std::optional<at::Tens
   return out.view(shape);
 }
 
+// Each row's first largest value's index (torch.argmax's answer, NaN counting as largest) and, where asked, its
+// log-sum-exp, over logits [M, V] float32 (exp to within 20 ulp, as torch's CPU softmax: a statistic's precision).
+// One op where torch runs argmax and logsumexp as several passes: 6 tree nodes x 49152 logits, 2 threads, 85 + 133 us
+// in torch.
+std::tuple<at::Tensor, at::Tensor> argmax_logsumexp(at::Tensor logits, bool with_logsumexp) {
+  TORCH_CHECK(logits.dim() == 2 && logits.scalar_type() == at::kFloat, "argmax_logsumexp: logits [M, V] float32");
+  auto x = logits.contiguous();
+  const int64_t rows = x.size(0), vocab = x.size(1);
+  TORCH_CHECK(vocab > 0, "argmax_logsumexp: an empty vocabulary");
+  auto index = at::empty({rows}, x.options().dtype(at::kLong));
+  auto lse = at::empty({with_logsumexp ? rows : 0}, x.options());
+  const float* data = x.data_ptr<float>();
+  int64_t* index_out = index.data_ptr<int64_t>();
+  float* lse_out = lse.data_ptr<float>();
+  at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const float* row = data + r * vocab;
+      const float top = at::vec::reduce_all<float>(
+          [](Vec& a, Vec& b) { return at::vec::maximum(a, b); }, row, vocab);
+      int64_t at = 0;
+      if (std::isnan(top)) {
+        while (!std::isnan(row[at])) ++at;
+      } else {  // whole vectors first: the first holding the largest value, then its lane
+        const Vec wanted(top);
+        const int none = (1 << Vec::size()) - 1;  // zero_mask: a bit per lane that compares unequal
+        while (at + Vec::size() <= vocab && (Vec::loadu(row + at) == wanted).zero_mask() == none) at += Vec::size();
+        while (row[at] != top) ++at;
+      }
+      index_out[r] = at;
+      if (!with_logsumexp) continue;
+      if (std::isnan(top) || std::isinf(top)) {  // -inf: an empty law; +inf, NaN: what torch returns
+        lse_out[r] = top;
+        continue;
+      }
+      const float sum = at::vec::map_reduce_all<float>(
+          [top](Vec v) { return (v - Vec(top)).exp_u20(); }, [](Vec& a, Vec& b) { return a + b; }, row, vocab);
+      lse_out[r] = top + std::log(sum);
+    }
+  });
+  return {index, lse};
+}
+
 // Declared without mutation annotations although it writes the new entries into the caches: a compiled graph reads
 // the caches only through this op, each layer's slice once, so nothing can observe the write out of order. Declared
 // (a!), AOTInductor's exported layer stack read a stale copy of the cache (logits off by ~1 once entries from an
@@ -275,9 +317,11 @@ TORCH_LIBRARY(specbatch, m) {
   m.def("remember_packed(Tensor dense, Tensor packed) -> ()", &remember_packed);  // any layout: a catch-all
   m.def("forget_packed(Tensor dense) -> ()", &forget_packed);
   m.def("packed_linear(Tensor x, Tensor weight, Tensor? bias) -> Tensor");
+  m.def("argmax_logsumexp(Tensor logits, bool with_logsumexp) -> (Tensor, Tensor)");
 }
 
 TORCH_LIBRARY_IMPL(specbatch, CPU, m) {
   m.impl("paged_attention", &paged_attention);
   m.impl("packed_linear", &packed_linear);
+  m.impl("argmax_logsumexp", &argmax_logsumexp);
 }
