@@ -32,6 +32,7 @@ from decoding.attention import (
     forget_linear_weights,
     kernel_loaded,
     pack_linear_weights,
+    packs,
     paged_attention,
 )
 from decoding.compiled_forward import compiled_stack
@@ -104,7 +105,7 @@ class Projection:
     def apply(self, x: torch.Tensor, tensors: list[torch.Tensor]) -> torch.Tensor:
         bias = tensors[-1] if self.bias else None
         if self.kind == "float":
-            if x.device.type == "cpu" and kernel_loaded():  # the weight's oneDNN-packed copy, where it has one
+            if kernel_loaded() and packs(tensors[0]):  # the weight's oneDNN-packed copy
                 return torch.ops.specbatch.packed_linear(x, tensors[0], bias)
             return nn.functional.linear(x, tensors[0], bias)
         out = (int4_matmul(x, tensors[0], tensors[1], self.groupsize) if self.kind == "int4"

@@ -38,6 +38,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
+from decoding.attention import PACK_ROWS_HINT, packs
 from decoding.config import SpeculativeConfig
 from decoding.feature_draft import FeatureDraft
 
@@ -149,8 +150,6 @@ def use_torch_threads(count: int | None) -> None:
 
 
 _GQA_SDPA = "specbatch_grouped_query_sdpa"
-# Rows the prepacked layout is tuned for: a verify forward of a few rows of a few tree nodes.
-_PACK_ROWS_HINT = 8
 _GQA_KERNEL_MAX_QUERIES = 8  # see _grouped_query_sdpa
 # One prepacked view per model: engines built on the same model share its packed weights and cost calibration.
 _inference_views: weakref.WeakKeyDictionary[torch.nn.Module, torch.nn.Module] = weakref.WeakKeyDictionary()
@@ -225,8 +224,9 @@ def for_inference(model: torch.nn.Module) -> torch.nn.Module:
         shared.update({id(t): t for t in _partial_tensors(module.forward)})
     fast = copy.deepcopy(model, shared)
     for module in fast.modules():
-        if isinstance(module, torch.nn.Linear) and "forward" not in vars(module):  # quantized ones keep theirs
-            packed = torch.ops.mkldnn._reorder_linear_weight(module.weight.detach(), _PACK_ROWS_HINT)
+        # Quantized linears keep their kernels; small weights stay dense (attention.PACK_MIN_WEIGHTS).
+        if isinstance(module, torch.nn.Linear) and "forward" not in vars(module) and packs(module.weight):
+            packed = torch.ops.mkldnn._reorder_linear_weight(module.weight.detach(), PACK_ROWS_HINT)
             module.forward = functools.partial(_prepacked_linear, packed, module.bias)
     if getattr(fast.config, "_attn_implementation", None) == "sdpa":
         fast.config._attn_implementation = _GQA_SDPA

@@ -65,6 +65,8 @@ def greedy_path(argmax: torch.Tensor, tokens: torch.Tensor, valid: torch.Tensor,
     of a small model on a CPU). ``parents`` [N]: each node's parent on the tokens' device (roots: 0)."""
     size = tokens.shape[1]
     device = tokens.device
+    if size == 1:  # a plain step: the path is node 0
+        return torch.zeros_like(tokens), torch.ones_like(tokens[:, 0])
     is_child = torch.tensor([p >= 0 for p in topology.parents[:size]]).to(device, non_blocking=True)
     earlier = earlier_siblings(topology)[:size, :size].to(device, non_blocking=True)
     ancestors = topology.ancestors[:size, :size].to(device, non_blocking=True)
@@ -206,7 +208,7 @@ def verify_batch(
         token_probs = (logits[rows[:, None], parents[None], tokens].float() - logsumexp[:, parents]).exp()
     if not sampling:
         path, length = greedy_path(argmax, tokens, valid, topology, parents)
-        cur = path.gather(1, (length - 1)[:, None])[:, 0]
+        cur = path.gather(1, (length - 1)[:, None])[:, 0] if size > 1 else path[:, 0]
         return BatchVerdict(path, length, argmax[rows, cur], logits[rows, cur].float(), token_probs)
 
     cur = torch.zeros(batch, dtype=torch.long, device=device)

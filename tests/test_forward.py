@@ -5,6 +5,8 @@ forwards agreeing on trees."""
 
 from __future__ import annotations
 
+import weakref
+
 import pytest
 import torch
 from tiny import tiny_model, tiny_tokenizer
@@ -21,8 +23,8 @@ from transformers import (
     Qwen3ForCausalLM,
 )
 
-from decoding import Config, Engine, Request
-from decoding.attention import AttentionMetadata, cpu_kernel, reference_attention
+from decoding import Config, Engine, Request, attention, models
+from decoding.attention import AttentionMetadata, cpu_kernel, packs, reference_attention
 from decoding.forward import forward_tree
 from decoding.kv_cache import CacheShape, PagedKVCache
 from decoding.lean_forward import LeanCausalLM, lean_view, supports_lean_forward
@@ -267,7 +269,10 @@ def test_rows_padded_for_a_cuda_graph_compute_what_the_real_rows_compute() -> No
     assert gathered.shape[2] == keys
 
 
-def test_prepacked_inference_model_matches_and_leaves_the_original(target) -> None:
+def test_prepacked_inference_model_matches_and_leaves_the_original(target, monkeypatch) -> None:
+    assert packs(torch.zeros(576, 576)) and not packs(torch.zeros(192, 64))  # a small weight's GEMM stays dense
+    monkeypatch.setattr(attention, "PACK_MIN_WEIGHTS", 0)  # the tiny model's weights are all small
+    monkeypatch.setattr(models, "_inference_views", weakref.WeakKeyDictionary())
     fast = for_inference(target)
     ids = torch.randint(3, target.config.vocab_size, (3, 17), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():

@@ -73,6 +73,7 @@ def test_tree_metadata_describes_each_query_s_keys_and_slots() -> None:
     topology = TreeTopology(num_candidates=3, max_depth=3, root_width=1)
     cases = [  # (ancestors, start, end)
         (chain_ancestors(9), 0, 9),  # a prefill
+        (chain_ancestors(1), 0, 1),  # a decode step
         (topology.sliced_ancestors(3), 0, topology.size(3)),  # a verification
         (topology.sliced_ancestors(3), topology.size(1), topology.size(2)),  # a draft level
         (with_prefix_chain(topology.sliced_ancestors(2), 2), 2, 2 + topology.size(2)),  # after catch-up tokens

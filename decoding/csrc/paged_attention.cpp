@@ -164,7 +164,8 @@ void attend(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache, con
                                                              s, block_size);
           if (block_max == neg_inf) continue;  // nothing visible in this block for this query
           const float new_max = std::max(running_max[vector], block_max);
-          const float correction = std::exp(running_max[vector] - new_max);
+          // Most blocks after the first raise no maximum: their correction is exactly 1.
+          const float correction = new_max == running_max[vector] ? 1.f : std::exp(running_max[vector] - new_max);
           at::vec::map([new_max](Vec x) { return (x - Vec(new_max)).exp(); }, s, s, block_size);
           running_sum[vector] = running_sum[vector] * correction +
                                 at::vec::reduce_all<float>([](Vec& a, Vec& b) { return a + b; }, s, block_size);
