@@ -74,6 +74,24 @@ inline void score(const float* query, int64_t count, int64_t dim, const T* keys_
   }
 }
 
+// acc = acc * correction + sum over keys j of weights[j] * values[j] for one query vector (kChunks vectors of a
+// head). Keys outer, the head's vectors inner: each vector's sum is taken in key order as before, and its
+// multiply-adds interleave with the other vectors' instead of waiting on their own latency (at a head of 64, a
+// prefill's attention took ~4x the cycles of its multiply-adds' throughput).
+template <typename T, int kChunks>
+inline void accumulate(float* acc, const float* weights, const T* values, int64_t keys, float correction) {
+  constexpr int64_t dim = kChunks * Vec::size();
+  Vec sums[kChunks];
+  for (int c = 0; c < kChunks; ++c) sums[c] = Vec::loadu(acc + c * Vec::size()) * Vec(correction);
+  for (int64_t j = 0; j < keys; ++j) {
+    const Vec weight(weights[j]);
+    for (int c = 0; c < kChunks; ++c) {
+      sums[c] = at::vec::fmadd(weight, load_floats(values + j * dim + c * Vec::size()), sums[c]);
+    }
+  }
+  for (int c = 0; c < kChunks; ++c) sums[c].store(acc + c * Vec::size());
+}
+
 template <typename T>
 void attend(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
             const at::Tensor& block_tables, const at::Tensor& row_starts, const at::Tensor& prefix_len,
@@ -171,10 +189,17 @@ void attend(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache, con
                                 at::vec::reduce_all<float>([](Vec& a, Vec& b) { return a + b; }, s, block_size);
           running_max[vector] = new_max;
           float* a = acc.data() + vector * dim;
-          for (int64_t d = 0; d < dim; d += Vec::size()) {
-            Vec sum = Vec::loadu(a + d) * Vec(correction);
-            for (int64_t j = 0; j < keys; ++j) sum = at::vec::fmadd(Vec(s[j]), load_floats(values + j * dim + d), sum);
-            sum.store(a + d);
+          switch (dim / Vec::size()) {
+            case 1: accumulate<T, 1>(a, s, values, keys, correction); break;
+            case 2: accumulate<T, 2>(a, s, values, keys, correction); break;
+            case 4: accumulate<T, 4>(a, s, values, keys, correction); break;
+            case 8: accumulate<T, 8>(a, s, values, keys, correction); break;
+            default:
+              for (int64_t d = 0; d < dim; d += Vec::size()) {
+                Vec sum = Vec::loadu(a + d) * Vec(correction);
+                for (int64_t j = 0; j < keys; ++j) sum = at::vec::fmadd(Vec(s[j]), load_floats(values + j * dim + d), sum);
+                sum.store(a + d);
+              }
           }
         }
       }
