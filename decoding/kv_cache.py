@@ -182,24 +182,20 @@ class PagedKVCache:
         batch, count = len(row_ids), end - start
         lengths = torch.tensor(host_lengths, dtype=torch.long).to(device, non_blocking=True)
         tree = ancestors[start:end, :end]
-        # Tree bits: a query's visible nodes past its run of visible nodes from node 0. A row has every ancestor of
-        # each node it has, so its real queries' runs are the tree's: the bits span at most the tree's widest gap
-        # between a run and the last visible node (none in a chain: a decode step, a prefill).
-        run = tree.long().cumprod(-1).sum(-1)  # [T]
-        last = end - tree.flip(-1).long().argmax(-1)  # [T]: one past each query's last visible node
-        span = int((last - run).max()) if count else 0
-        words = max(1, -(-span // 64))
+        # Words of tree bits: beyond the nodes every query sees in a chain from node 0 (a prefill sees them all).
+        static_chain = int(tree.long().cumprod(-1).sum(-1).min()) if count else 0
+        words = max(1, -(-(end - static_chain) // 64))
         real = valid[:, start:end]  # [B, T]
         visible = tree.to(device, non_blocking=True)[None] & valid[:, None, :end]  # [B, T, end]
         positions = lengths[:, None] + (visible.sum(-1) - 1).clamp(min=0)  # depth: strict ancestors
         chain = visible.long().cumprod(-1).sum(-1)  # [B, T]: leading nodes all visible
-        if span:
+        if end > 1:
             offsets = torch.arange(end, device=device)[None, None] - chain[..., None]  # [B, T, end]
             in_tree = visible & (offsets >= 0) & real[..., None]
             bit = torch.where(in_tree, torch.ones_like(offsets) << (offsets.clamp(min=0) % 64), 0)
             word_of = offsets.clamp(min=0) // 64
             bits = torch.stack([torch.where(word_of == w, bit, 0).sum(-1) for w in range(words)], -1)  # [B, T, W]
-        else:
+        else:  # one node a row (a decode step): it sees its row's prefix and itself, no tree bit
             bits = torch.zeros(batch, count, 1, dtype=torch.long, device=device)
         prefix = torch.where(real, lengths[:, None] + chain, 1)
         picked = rows if isinstance(rows, slice) else torch.tensor(row_ids).to(self.device, non_blocking=True)

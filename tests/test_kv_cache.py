@@ -78,15 +78,20 @@ def test_tree_metadata_describes_each_query_s_keys_and_slots() -> None:
         (topology.sliced_ancestors(3), topology.size(1), topology.size(2)),  # a draft level
         (with_prefix_chain(topology.sliced_ancestors(2), 2), 2, 2 + topology.size(2)),  # after catch-up tokens
         (TreeTopology(16, 5, 1).ancestors, 0, 81),  # more than 64 tree nodes: several mask words
+        # A row with fewer catch-up tokens than the prefix holds before a chain: its first prefix nodes are
+        # padding, so its real queries miss ancestors the tree gives them and see the rest as tree bits.
+        (with_prefix_chain(TreeTopology(1, 3, 1).sliced_ancestors(3), 3), 3, 7),
     ]
     generator = torch.Generator().manual_seed(0)
-    for ancestors, start, end in cases:
+    for case, (ancestors, start, end) in enumerate(cases):
         cache = PagedKVCache(SHAPE, num_blocks=64, max_rows=3, max_positions=160, block_size=16)
         rows = cache.add_rows([150, 150, 150])
         cache.advance(rows, [0, 17, 33])
         valid = torch.rand(3, end, generator=generator) < 0.8
         valid[:, 0] = True
         valid &= (ancestors[:end, :end] <= valid[:, None, :end]).all(-1)  # a node's ancestors are valid
+        if case == len(cases) - 1:
+            valid[1, :2] = False
         meta, positions = cache.tree_metadata(rows, ancestors, valid, start, end)
         keys = meta.max_keys
         assert keys == 33 + end
