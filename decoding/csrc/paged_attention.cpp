@@ -158,9 +158,21 @@ void attend(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache, con
         }
       }
       const int32_t* table = tables + r * table_stride;
+      const int64_t block_bytes = dim * block_size * static_cast<int64_t>(sizeof(T));  // one head's keys (or values)
       for (int64_t p0 = 0; p0 < upto; p0 += block_size) {
         const int64_t keys = std::min(block_size, upto - p0);
         const int64_t block = table[p0 / block_size];
+        if (p0 + block_size < upto) {
+          // The next block's keys and values, requested while this one is scored: blocks lie anywhere in the pool
+          // (a page apart or more), where the hardware prefetcher does not follow.
+          const int64_t next = table[p0 / block_size + 1];
+          const char* next_keys = reinterpret_cast<const char*>(kp + next * k_block_stride + h * k_head_stride);
+          const char* next_values = reinterpret_cast<const char*>(vp + next * v_block_stride + h * v_head_stride);
+          for (int64_t offset = 0; offset < block_bytes; offset += 64) {
+            __builtin_prefetch(next_keys + offset);
+            __builtin_prefetch(next_values + offset);
+          }
+        }
         const T* values = vp + block * v_block_stride + h * v_head_stride;
         score(query.data(), vectors, dim, kp + block * k_block_stride + h * k_head_stride, block_size,
               scores.data(), vector_upto.data(), p0);
