@@ -25,6 +25,7 @@ namespace {
 
 using Vec = at::vec::Vectorized<float>;
 constexpr int64_t kTile = 8;  // query vectors scored together against one loaded key chunk
+constexpr int64_t kPieceTokens = 32;  // query tokens of one work item: a multiple of kTile vectors at any group
 
 template <typename T>
 inline Vec load_floats(const T* p) {
@@ -112,14 +113,25 @@ void attend(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache, con
   const int64_t words = tree_mask.size(1), mask_stride = tree_mask.stride(0);
   const float neg_inf = -std::numeric_limits<float>::infinity();
 
-  at::parallel_for(0, rows * kv_heads, 1, [&](int64_t begin, int64_t end) {
+  // Work items: a row's queries in pieces of kPieceTokens tokens, for each key/value head. A piece's running
+  // sums and scores stay in cache while its keys stream past (a whole long prefill row's did not: 1,500 tokens'
+  // accumulators are over a megabyte); a piece's vectors are a whole number of tiles, so they are scored exactly
+  // as in one pass over the row.
+  std::vector<int64_t> piece_row, piece_first;
+  for (int64_t r = 0; r < rows; ++r) {
+    for (int64_t t = starts[r]; t < starts[r + 1]; t += kPieceTokens) {
+      piece_row.push_back(r);
+      piece_first.push_back(t);
+    }
+  }
+  const int64_t pieces = static_cast<int64_t>(piece_row.size());
+  at::parallel_for(0, pieces * kv_heads, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> query, acc, scores, running_max, running_sum;
     std::vector<int64_t> vector_upto, vector_full;  // per query vector: one past its last visible key; keys
                                                     // [0, full) all visible (no per-key mask needed there)
     for (int64_t item = begin; item < end; ++item) {
-      const int64_t r = item / kv_heads, h = item % kv_heads;
-      const int64_t first = starts[r], tokens = starts[r + 1] - first;
-      if (tokens == 0) continue;
+      const int64_t piece = item / kv_heads, h = item % kv_heads, r = piece_row[piece];
+      const int64_t first = piece_first[piece], tokens = std::min<int64_t>(kPieceTokens, starts[r + 1] - first);
       const int64_t vectors = tokens * group;  // query vectors: (token, query head of the group)
       query.resize(vectors * dim);
       acc.assign(vectors * dim, 0.f);
