@@ -208,7 +208,7 @@ def verify_batch(
         token_probs = (logits[rows[:, None], parents[None], tokens].float() - logsumexp[:, parents]).exp()
     if not sampling:
         path, length = greedy_path(argmax, tokens, valid, topology, parents)
-        cur = path.gather(1, (length - 1)[:, None])[:, 0] if size > 1 else path[:, 0]
+        cur = path.gather(1, (length - 1)[:, None])[:, 0]
         return BatchVerdict(path, length, argmax[rows, cur], logits[rows, cur].float(), token_probs)
 
     cur = torch.zeros(batch, dtype=torch.long, device=device)
@@ -270,8 +270,6 @@ def verify_batch(
     length = (path >= 0).sum(-1)
     best = argmax[rows, cur]
     greedy_law = logits[rows, cur].float()
-    if probs is None:
-        return BatchVerdict(path, length, best, greedy_law, token_probs)
     law = torch.where(alive[:, None], probs[rows, cur], law)
     drawn = sample_from(law, uniforms[:, -1])
     return BatchVerdict(
