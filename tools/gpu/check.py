@@ -10,7 +10,9 @@
    int4 self-draft's forward against it; trees' verification costs; and the speedups those costs give with the
    acceptance measured on the real model in part 1 (a projection: random weights accept nothing).
 
-Writes gpu_check.json and gpu_check.md to --output. Each part catches its own failure and records it.
+Writes gpu_check.json and gpu_check.md to --output after each batch, so a run cut short keeps what it measured;
+a contender or part that fails is recorded and the rest go on. The parts can run in separate calls (``--skip``) and
+their reports be merged afterwards (``--merge``): the projections need both.
 """
 
 from __future__ import annotations
@@ -54,7 +56,7 @@ def peak_bandwidth(name: str) -> float | None:
 class Contender:
     name: str
     speculative: dict[str, Any]
-    eager: bool = False  # SPECBATCH_CUDA_GRAPHS=0 (else the engine's default mode)
+    graphs: str | None = None  # SPECBATCH_CUDA_GRAPHS for this contender ("0" eager, "all"); None: the default
     temperature: float = 0.0
 
 
@@ -68,14 +70,15 @@ class Tally:
 
 
 @contextlib.contextmanager
-def eager_if(eager: bool) -> Iterator[None]:
+def graph_mode(mode: str | None) -> Iterator[None]:
+    """``SPECBATCH_CUDA_GRAPHS`` set to ``mode`` for the block (None: left as it is)."""
     previous = os.environ.get("SPECBATCH_CUDA_GRAPHS")
-    if eager:
-        os.environ["SPECBATCH_CUDA_GRAPHS"] = "0"
+    if mode is not None:
+        os.environ["SPECBATCH_CUDA_GRAPHS"] = mode
     try:
         yield
     finally:
-        if eager:
+        if mode is not None:
             if previous is None:
                 os.environ.pop("SPECBATCH_CUDA_GRAPHS", None)
             else:
@@ -119,22 +122,33 @@ def build(contender: Contender, batch: int, target: torch.nn.Module, tokenizer: 
         # A pool of its own per engine, sized to the work (the default takes most of the card).
         "num_kv_blocks": batch * (max_positions // 16 + 4),
     })
-    with eager_if(contender.eager):
+    with graph_mode(contender.graphs):
         return Engine(config, target=target, tokenizer=tokenizer)
 
 
 def compare(engines: dict[str, Engine], contenders: list[Contender], batches: dict[str, list[Request]],
-            rounds: int) -> dict[str, Tally]:
+            rounds: int, failures: dict[str, str]) -> dict[str, Tally]:
+    """Tallies of the contenders that ran every round; a contender that fails is dropped, its error in
+    ``failures``, and the others go on."""
     tallies = {c.name: Tally() for c in contenders}
-    for c in contenders:  # untimed: captures, warm-up
-        with eager_if(c.eager):
-            run_once(engines[c.name], batches[c.name], None)
+    live = list(contenders)
+
+    def attempt(c: Contender, tally: Tally | None) -> None:
+        try:
+            with graph_mode(c.graphs):
+                run_once(engines[c.name], batches[c.name], tally)
+        except Exception as exc:
+            log.error("%s failed: %s", c.name, traceback.format_exc())
+            failures[c.name] = f"{type(exc).__name__}: {exc}"
+            live.remove(c)
+
+    for c in list(live):  # untimed: captures, warm-up
+        attempt(c, None)
     for r in range(rounds):
-        order = contenders[r % len(contenders):] + contenders[: r % len(contenders)]
+        order = live[r % max(len(live), 1):] + live[: r % max(len(live), 1)]
         for c in order:
-            with eager_if(c.eager):
-                run_once(engines[c.name], batches[c.name], tallies[c.name])
-    return tallies
+            attempt(c, tallies[c.name])
+    return {c.name: tallies[c.name] for c in live}
 
 
 def tokens_per_step_by_depth(tally: Tally, depth: int) -> dict[int, float]:
@@ -143,70 +157,79 @@ def tokens_per_step_by_depth(tally: Tally, depth: int) -> dict[int, float]:
     return {d: 1 + sum(min(a, d) for a in steps) / len(steps) for d in range(1, depth + 1)}
 
 
-def part_smollm2(args: argparse.Namespace, device: torch.device, report: dict[str, Any]) -> None:
+def smollm2_contenders(batch: int) -> list[Contender]:
+    plain = {"method": "none"}
+    greedy = [Contender("plain", plain), Contender("plain-eager", plain, graphs="0"), Contender("default", {}),
+              Contender("default-graphs-all", {}, graphs="all"), Contender("ngram", {"method": "ngram"}),
+              Contender("ngram-graphs-all", {"method": "ngram"}, graphs="all")]
+    if batch != 1:
+        return greedy
+    self_draft = {"method": "draft_model", "model": "target", "num_speculative_tokens": 4, "length_policy": "static"}
+    sampled = [Contender("plain-t1", plain, temperature=1.0)] + [
+        Contender(f"width{w}-t1", {**self_draft, "num_candidates": w}, temperature=1.0) for w in (1, 2, 4)]
+    return greedy + sampled + [Contender("chain5", {**self_draft, "num_speculative_tokens": 5})]
+
+
+def part_smollm2(args: argparse.Namespace, device: torch.device, report: dict[str, Any], save: Any) -> None:
     tokenizer = load_tokenizer("smollm2-135m-instruct")
     target = load_model("smollm2-135m-instruct", "auto", device)
     chat = [json.loads(line) for line in CHAT.read_text().splitlines() if line.strip()]
     code = [{"prompt": json.loads(line)["prompt"]} for line in Path(args.code).read_text().splitlines()
             if line.strip()] if args.code else []
     prompt_sets = {"chat": chat, **({"code": code} if code else {})}
-    plain = {"method": "none"}
-    greedy = [Contender("plain", plain), Contender("plain-eager", plain, eager=True), Contender("default", {}),
-              Contender("ngram", {"method": "ngram"})]
-    self_draft = {"method": "draft_model", "model": "target", "num_speculative_tokens": 4, "length_policy": "static"}
-    sampled = [Contender("plain-t1", plain, temperature=1.0)] + [
-        Contender(f"width{w}-t1", {**self_draft, "num_candidates": w}, temperature=1.0) for w in (1, 2, 4)]
-    chain = Contender("chain5", {**self_draft, "num_speculative_tokens": 5})
     rows = report.setdefault("smollm2", [])
     for batch in args.batches:
         if time.monotonic() > args.deadline:
             log.warning("out of time before batch %d", batch)
+            report.setdefault("errors", []).append(f"smollm2: out of time before batch {batch}")
             break
-        contenders = greedy + (sampled + [chain] if batch == 1 else [])
+        contenders = smollm2_contenders(batch)
         engines: dict[str, Engine] = {}
         for c in contenders:
             try:
                 engines[c.name] = build(c, batch, target, tokenizer, args.max_positions)
             except Exception as exc:  # recorded; the others still run
-                log.error("%s at batch %d did not build: %s", c.name, batch, exc)
-                rows.append({"batch": batch, "contender": c.name, "error": f"build: {exc}"})
+                log.error("%s at batch %d did not build: %s", c.name, batch, traceback.format_exc())
+                rows.append({"batch": batch, "contender": c.name, "error": f"build: {type(exc).__name__}: {exc}"})
         contenders = [c for c in contenders if c.name in engines]
         for set_name, prompts in prompt_sets.items():
             take = batch * args.prompt_batches
             chosen = (prompts * (take // len(prompts) + 1))[:take]
             batches = {c.name: requests(chosen, args.max_tokens, c.temperature, f"{set_name}{batch}")
                        for c in contenders}
-            try:
-                tallies = compare(engines, contenders, batches, args.rounds)
-            except Exception as exc:
-                log.error("batch %d %s failed: %s", batch, set_name, traceback.format_exc())
-                rows.append({"batch": batch, "prompts": set_name, "error": str(exc)})
-                continue
+            failures: dict[str, str] = {}
+            tallies = compare(engines, contenders, batches, args.rounds, failures)
+            rows += [{"batch": batch, "prompts": set_name, "contender": name, "error": error}
+                     for name, error in failures.items()]
             for c in contenders:
+                base = tallies.get("plain-t1" if c.temperature else "plain")
+                if c.name not in tallies or base is None:
+                    continue
                 t = tallies[c.name]
-                base = tallies["plain-t1" if c.temperature else "plain"]
                 rows.append({
                     "batch": batch, "prompts": set_name, "contender": c.name, "temperature": c.temperature,
+                    "graphs": c.graphs or "default",
                     "tokens": t.tokens, "steps": t.steps, "seconds": round(t.seconds, 4),
                     "tok_per_s": round(t.tokens / t.seconds, 1), "ms_per_step": round(1e3 * t.seconds / t.steps, 3),
                     "tokens_per_step": round(t.tokens / t.steps / batch, 3),
                     "vs_plain": round((t.tokens / t.seconds) / (base.tokens / base.seconds), 3),
                 })
                 log.info("batch %d %s %s: %s", batch, set_name, c.name, rows[-1])
-            if batch == 1 and "chain5" in tallies and set_name == "chat":
-                report["chain_tokens_per_step"] = tokens_per_step_by_depth(tallies["chain5"], 5)
-            for c in sampled[1:]:
-                if batch == 1 and set_name == "chat" and c.name in tallies:
-                    t = tallies[c.name]
-                    report.setdefault("width_tokens_per_step", {})[c.name] = t.tokens / t.steps
+            if batch == 1 and set_name == "chat":
+                if "chain5" in tallies:
+                    report["chain_tokens_per_step"] = tokens_per_step_by_depth(tallies["chain5"], 5)
+                for name, t in tallies.items():
+                    if name.startswith("width"):
+                        report.setdefault("width_tokens_per_step", {})[name] = t.tokens / t.steps
+            save()
         del engines
         torch.cuda.empty_cache() if device.type == "cuda" else None
 
 
-def part_shape_costs(args: argparse.Namespace, device: torch.device, report: dict[str, Any]) -> None:
+def part_shape_costs(args: argparse.Namespace, device: torch.device, report: dict[str, Any], save: Any) -> None:
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    vocab = len(load_tokenizer("smollm2-135m-instruct"))
+    vocab = args.vocab or len(load_tokenizer("smollm2-135m-instruct"))
     shape = dict(LLAMA3_8B) if not args.tiny_shape else dict(
         hidden_size=256, intermediate_size=512, num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=2,
         max_position_embeddings=2048, rope_theta=500000.0)
@@ -237,39 +260,54 @@ def part_shape_costs(args: argparse.Namespace, device: torch.device, report: dic
     report["shape_costs"] = costs
 
     def timed(model: torch.nn.Module, batch: int, tokens: int, graphs: bool = False) -> float:
-        with eager_if(not graphs):
+        with graph_mode(None if graphs else "0"):
             timer = forward_timer(model, device, batch, tokens, cached, graphs=graphs)
             return min(timer() for _ in range(args.repeats))
 
     topologies = {w: TreeTopology(w, 4) for w in (1, 2, 4)}
     for batch in args.batches:
         if time.monotonic() > args.deadline:
+            report.setdefault("errors", []).append(f"shape: out of time before batch {batch}")
             break
-        captured = timed(target, batch, 1, graphs=True)
         plain = timed(target, batch, 1)
         moved = weight_bytes + batch * (cached + 1) * kv_per_token
-        row: dict[str, Any] = {"batch": batch, "target_ms": round(captured * 1e3, 3),
-                               "target_eager_ms": round(plain * 1e3, 3),
-                               "bytes_per_step": moved, "bandwidth": round(moved / captured / 1e9, 1)}
+        row: dict[str, Any] = {"batch": batch, "target_eager_ms": round(plain * 1e3, 3), "bytes_per_step": moved}
+        costs["rows"].append(row)
+        try:
+            captured = timed(target, batch, 1, graphs=True)
+        except Exception as exc:
+            log.error("captured target forward failed: %s", traceback.format_exc())
+            report.setdefault("errors", []).append(f"shape: captured forward: {type(exc).__name__}: {exc}")
+            captured = plain
+        row.update({"target_ms": round(captured * 1e3, 3), "bandwidth": round(moved / captured / 1e9, 1)})
         if peak:
             row["bandwidth_fraction"] = round(moved / captured / peak, 3)
-        draft_costs = {w: timed(draft, batch, w) for w in (1, 2, 4)}
-        row["draft_ms"] = {w: round(s * 1e3, 3) for w, s in draft_costs.items()}
-        row["draft_over_target"] = round(draft_costs[1] / plain, 3)
-        verify = {d: timed(target, batch, d + 1) for d in range(1, 6)}
-        row["verify_ms"] = {d: round(s * 1e3, 3) for d, s in verify.items()}
-        trees = {w: timed(target, batch, t.size(4)) for w, t in topologies.items()}
-        row["tree_verify_ms"] = {w: round(s * 1e3, 3) for w, s in trees.items()}
-        # Projections with the real model's acceptance: tokens per step over the step's forwards.
-        chain = report.get("chain_tokens_per_step", {})
-        row["projected_chain"] = {d: round(tau * plain / (d * draft_costs[1] + verify[d]), 3)
-                                  for d, tau in chain.items()}
-        widths = report.get("width_tokens_per_step", {})
-        row["projected_width_t1"] = {
-            name: round(tau * plain / (4 * draft_costs[w] + trees[w]), 3)
-            for w in (1, 2, 4) if (name := f"width{w}-t1") in widths for tau in [widths[name]]}
-        costs["rows"].append(row)
+        row["draft_ms"] = {w: round(timed(draft, batch, w) * 1e3, 3) for w in (1, 2, 4)}
+        with contextlib.suppress(Exception):
+            row["draft_graph_ms"] = round(timed(draft, batch, 1, graphs=True) * 1e3, 3)
+        row["draft_over_target"] = round(row["draft_ms"][1] / row["target_eager_ms"], 3)
+        row["verify_ms"] = {d: round(timed(target, batch, d + 1) * 1e3, 3) for d in range(1, 6)}
+        row["tree_verify_ms"] = {w: round(timed(target, batch, t.size(4)) * 1e3, 3) for w, t in topologies.items()}
         log.info("shape costs at batch %d: %s", batch, row)
+        save()
+
+
+def project(report: dict[str, Any]) -> None:
+    """The speedups the shape's step costs give with the real model's acceptance: tokens per step over the
+    step's forwards (eager draft levels, eager verification) against eager plain decoding."""
+    chain = report.get("chain_tokens_per_step", {})
+    widths = report.get("width_tokens_per_step", {})
+    for row in report.get("shape_costs", {}).get("rows", []):
+        if "verify_ms" not in row:
+            continue
+        plain, draft = row["target_eager_ms"], {int(w): v for w, v in row["draft_ms"].items()}
+        verify = {int(d): v for d, v in row["verify_ms"].items()}
+        trees = {int(w): v for w, v in row["tree_verify_ms"].items()}
+        row["projected_chain"] = {int(d): round(tau * plain / (int(d) * draft[1] + verify[int(d)]), 3)
+                                  for d, tau in chain.items()}
+        row["projected_width_t1"] = {
+            name: round(tau * plain / (4 * draft[w] + trees[w]), 3)
+            for w in (1, 2, 4) if (name := f"width{w}-t1") in widths for tau in [widths[name]]}
 
 
 def markdown(report: dict[str, Any]) -> str:
@@ -280,28 +318,51 @@ def markdown(report: dict[str, Any]) -> str:
     rows = [r for r in report.get("smollm2", []) if "tok_per_s" in r]
     if rows:
         lines += ["## SmolLM2-135M-Instruct, bf16", "",
-                  "| batch | prompts | contender | T | tok/s | ms/step | tokens/step/row | vs plain |",
-                  "|---|---|---|---|---|---|---|---|"]
-        lines += [f"| {r['batch']} | {r['prompts']} | {r['contender']} | {r['temperature']:g} | {r['tok_per_s']} | "
-                  f"{r['ms_per_step']} | {r['tokens_per_step']} | {r['vs_plain']}x |" for r in rows]
+                  "| batch | prompts | contender | T | graphs | tok/s | ms/step | tokens/step/row | vs plain |",
+                  "|---|---|---|---|---|---|---|---|---|"]
+        lines += [f"| {r['batch']} | {r['prompts']} | {r['contender']} | {r['temperature']:g} | "
+                  f"{r.get('graphs', '-')} | {r['tok_per_s']} | {r['ms_per_step']} | {r['tokens_per_step']} | "
+                  f"{r['vs_plain']}x |" for r in rows]
         lines.append("")
-    errors = [r for r in report.get("smollm2", []) if "error" in r] + report.get("errors", [])
+    errors = [f"{r.get('batch')} {r.get('prompts', '')} {r.get('contender', '')}: {r['error']}"
+              for r in report.get("smollm2", []) if "error" in r] + report.get("errors", [])
     costs = report.get("shape_costs")
     if costs and costs.get("rows"):
         lines += ["## Llama-3-8B shape, random bf16 weights: one forward after "
                   f"{costs['cached']} cached tokens", "",
-                  "| batch | target ms (graph) | eager | GB/s | of peak | int4 draft / target (eager) | "
-                  "projected depth 1..5 | projected widths 1/2/4, T=1 |", "|---|---|---|---|---|---|---|---|"]
+                  "| batch | target ms (graph) | eager | GB/s | of peak | int4 draft ms (eager / graph) | "
+                  "draft / target (eager) | projected depth 1..5 | projected widths 1/2/4, T=1 |",
+                  "|---|---|---|---|---|---|---|---|---|"]
         for r in costs["rows"]:
-            chain = " / ".join(f"{v}x" for v in r["projected_chain"].values()) or "-"
-            widths = " / ".join(f"{v}x" for v in r["projected_width_t1"].values()) or "-"
-            lines.append(f"| {r['batch']} | {r['target_ms']} | {r['target_eager_ms']} | {r['bandwidth']} | "
-                         f"{r.get('bandwidth_fraction', '-')} "
-                         f"| {r['draft_over_target']} | {chain} | {widths} |")
+            chain = " / ".join(f"{v}x" for v in r.get("projected_chain", {}).values()) or "-"
+            widths = " / ".join(f"{v}x" for v in r.get("projected_width_t1", {}).values()) or "-"
+            draft = r.get("draft_ms", {})
+            draft_1 = draft.get(1, draft.get("1", "-"))
+            lines.append(f"| {r['batch']} | {r.get('target_ms', '-')} | {r['target_eager_ms']} | "
+                         f"{r.get('bandwidth', '-')} | {r.get('bandwidth_fraction', '-')} | "
+                         f"{draft_1} / {r.get('draft_graph_ms', '-')} | {r.get('draft_over_target', '-')} | "
+                         f"{chain} | {widths} |")
         lines.append("")
     if errors:
         lines += ["## Failures", ""] + [f"- {e}" for e in errors] + [""]
     return "\n".join(lines)
+
+
+def write(report: dict[str, Any], output: Path) -> None:
+    project(report)
+    (output / "gpu_check.json").write_text(json.dumps(report, indent=1, default=str))
+    (output / "gpu_check.md").write_text(markdown(report))
+
+
+def merge(paths: list[str]) -> dict[str, Any]:
+    """Reports of separate calls (each ran some parts) as one: later files add to and override earlier ones."""
+    report: dict[str, Any] = {}
+    for path in paths:
+        part = json.loads(Path(path).read_text())
+        report["errors"] = report.get("errors", []) + part.pop("errors", [])
+        report["smollm2"] = report.get("smollm2", []) + part.pop("smollm2", [])
+        report.update(part)
+    return report
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -318,32 +379,42 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--budget", type=float, default=400.0, help="seconds; parts stop starting work after it")
     parser.add_argument("--tiny-shape", action="store_true", help="a small stand-in for the 8B shape (CPU tests)")
+    parser.add_argument("--vocab", type=int, help="the shape's vocabulary (default: SmolLM2's tokenizer's)")
     parser.add_argument("--skip", nargs="*", default=[], choices=["smollm2", "shape"])
+    parser.add_argument("--merge", nargs="+", help="merge these gpu_check.json files into --output and stop")
     args = parser.parse_args(argv)
+    output = Path(args.output)
+    output.mkdir(parents=True, exist_ok=True)
+    if args.merge:
+        report = merge(args.merge)
+        write(report, output)
+        print(markdown(report))
+        return 0
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     started = time.monotonic()
     device = torch.device(args.device)
-    output = Path(args.output)
-    output.mkdir(parents=True, exist_ok=True)
     import transformers
 
     report: dict[str, Any] = {"environment": {
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor(),
         "torch": torch.__version__, "transformers": transformers.__version__, "python": platform.python_version(),
     }}
-    parts = [("smollm2", part_smollm2, 0.6), ("shape", part_shape_costs, 1.0)]
-    for name, part, share in parts:
-        if name in args.skip:
-            continue
-        args.deadline = started + args.budget * share
+
+    def save() -> None:
+        report["seconds"] = time.monotonic() - started
+        write(report, output)
+
+    parts = [(name, part) for name, part in (("smollm2", part_smollm2), ("shape", part_shape_costs))
+             if name not in args.skip]
+    for index, (name, part) in enumerate(parts):
+        # Each part may use its share of what is left of the budget.
+        args.deadline = time.monotonic() + (started + args.budget - time.monotonic()) / (len(parts) - index) * 0.8
         try:
-            part(args, device, report)
+            part(args, device, report, save)
         except Exception as exc:
             log.error("%s failed: %s", name, traceback.format_exc())
             report.setdefault("errors", []).append(f"{name}: {type(exc).__name__}: {exc}")
-        report["seconds"] = time.monotonic() - started
-        (output / "gpu_check.json").write_text(json.dumps(report, indent=1, default=str))
-        (output / "gpu_check.md").write_text(markdown(report))
+        save()
     print(markdown(report))
     return 0
 
