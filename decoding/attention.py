@@ -157,38 +157,72 @@ PACK_ROWS_HINT = 8
 PACK_MIN_WEIGHTS = 1 << 16
 
 
+def pools_zero_filled(device: torch.device) -> bool:
+    """Whether KV pools on ``device`` are zero-filled when allocated (``kv_cache.py``): then every slot holds a
+    finite value. On a CPU they are not (pages are committed as blocks are first written)."""
+    return device.type != "cpu"
+
+
+def uses_kernel(device: torch.device) -> bool:
+    """Whether ``paged_attention`` runs the CPU kernel on ``device`` (else the reference)."""
+    return device.type == "cpu" and bool(_kernel_state.get("loaded"))  # loaded by cpu_kernel() before any forward
+
+
 def paged_attention(
     k_cache: torch.Tensor, v_cache: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-    meta: AttentionMetadata, scale: float,
+    meta: AttentionMetadata, scale: float, layout: DenseLayout | None = None,
 ) -> torch.Tensor:
     """Write ``k``, ``v`` [N, kv_heads, D] into their slots, then attend ``q`` [N, heads, D] over each row's
     visible keys; returns [N, heads, D]. Caches: keys [blocks, kv_heads, D, block_size], values
-    [blocks, kv_heads, block_size, D]."""
-    if q.device.type == "cpu" and _kernel_state.get("loaded"):  # loaded by cpu_kernel() before any forward
+    [blocks, kv_heads, block_size, D]. ``layout``: the reference's per-forward part, shared by the layers."""
+    if uses_kernel(q.device):
         return torch.ops.specbatch.paged_attention(
             k_cache, v_cache, q, k, v, meta.slots, meta.block_tables, meta.row_starts, meta.prefix_len,
             meta.tree_mask, scale,
         )
-    return reference_attention(k_cache, v_cache, q, k, v, meta, scale)
+    return reference_attention(k_cache, v_cache, q, k, v, meta, scale, layout)
+
+
+@dataclass(frozen=True)
+class DenseLayout:
+    """What every layer's reference attention shares within one forward, computed once from the metadata (per
+    layer it was ~25 of a layer's ~75 kernel launches on a GPU)."""
+
+    write_blocks: torch.Tensor  # [N] long: each new key's block
+    write_offsets: torch.Tensor  # [N] long: its offset in the block
+    blocks: torch.Tensor  # [R, ceil(keys / block_size)] long: the blocks gathered per row
+    keys: int  # positions gathered per row (padded)
+    allowed: torch.Tensor  # [R, 1, T, keys] bool: the SDPA mask
+    seen: torch.Tensor | None  # [R, 1, keys, 1] bool: positions any query of the row sees; None: no zeroing needed
+
+
+def dense_layout(meta: AttentionMetadata, block_size: int, zero_filled: bool) -> DenseLayout:
+    """``meta`` as the reference reads it. ``zero_filled``: the pool was zero-filled when allocated, so every slot
+    holds a finite value and unseen positions need no zeroing (a masked weight times a NaN is still NaN)."""
+    rows = meta.block_tables.shape[0]
+    keys = max(meta.max_keys, 1)
+    needed = -(-keys // block_size)
+    tables = meta.block_tables
+    if tables.shape[1] < needed:  # keys past the table: the scratch block, masked by every caller
+        tables = torch.nn.functional.pad(tables, (0, needed - tables.shape[1]))
+    allowed = visibility(meta, keys).view(rows, 1, -1, keys)
+    return DenseLayout(
+        write_blocks=meta.slots // block_size, write_offsets=meta.slots % block_size,
+        blocks=tables[:, :needed].long(), keys=keys, allowed=allowed,
+        seen=None if zero_filled else allowed.any(2)[..., None],
+    )
 
 
 def write_slots(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                slots: torch.Tensor) -> None:
-    """Keys and values [N, kv_heads, D] into their slots (slot = block * block_size + offset)."""
-    block_size = k_cache.shape[-1]
-    blocks, offsets = slots // block_size, slots % block_size
+                blocks: torch.Tensor, offsets: torch.Tensor) -> None:
+    """Keys and values [N, kv_heads, D] into their slots (``blocks`` and ``offsets`` [N])."""
     k_cache[blocks, :, :, offsets] = k.to(k_cache.dtype)
     v_cache[blocks, :, offsets] = v.to(v_cache.dtype)
 
 
-def gather_rows(k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor, keys: int
+def gather_rows(k_cache: torch.Tensor, v_cache: torch.Tensor, blocks: torch.Tensor, keys: int
                 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Positions [0, keys) of each row as dense [R, kv_heads, keys, D] keys and values (a copy)."""
-    block_size = k_cache.shape[-1]
-    needed = -(-keys // block_size)
-    if block_tables.shape[1] < needed:  # keys past the table: the scratch block, masked by every caller
-        block_tables = torch.nn.functional.pad(block_tables, (0, needed - block_tables.shape[1]))
-    blocks = block_tables[:, :needed].long()  # [R, nb]
+    """Positions [0, keys) of each row (``blocks`` [R, nb]) as dense [R, kv_heads, keys, D] keys and values."""
     k = k_cache[blocks].permute(0, 2, 1, 4, 3).flatten(2, 3)  # [R, H, nb * bs, D]
     v = v_cache[blocks].transpose(1, 2).flatten(2, 3)
     # Contiguous: CUDA's memory-efficient SDPA refuses keys whose sequence stride is not aligned.
@@ -209,24 +243,21 @@ def visibility(meta: AttentionMetadata, keys: int) -> torch.Tensor:
 
 def reference_attention(
     k_cache: torch.Tensor, v_cache: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-    meta: AttentionMetadata, scale: float,
+    meta: AttentionMetadata, scale: float, layout: DenseLayout | None = None,
 ) -> torch.Tensor:
     """``paged_attention`` with torch operations: the rows' blocks gathered, padded to ``max_keys``, one SDPA. Rows
     have equally many queries (as every tree forward lays them out); nothing is read back from the device, so a
-    CUDA graph can capture it."""
-    write_slots(k_cache, v_cache, k, v, meta.slots)
-    rows = meta.block_tables.shape[0]
+    CUDA graph can capture it. ``layout``: ``dense_layout(meta, ...)`` when the caller shares it across layers."""
+    if layout is None:
+        layout = dense_layout(meta, k_cache.shape[-1], zero_filled=False)
+    write_slots(k_cache, v_cache, k, v, layout.write_blocks, layout.write_offsets)
+    rows = layout.blocks.shape[0]
     tokens, heads, dim = q.shape
-    keys = max(meta.max_keys, 1)
-    dense_k, dense_v = gather_rows(k_cache, v_cache, meta.block_tables, keys)  # [R, Hkv, L, D]
-    allowed = visibility(meta, keys).view(rows, tokens // rows, keys)
-    # Positions no query of a row sees may never have been written (a shorter row's tail): zero them, since a
-    # masked weight times a NaN value is still NaN.
-    seen = allowed.any(1)[:, None, :, None]  # [R, 1, L, 1]
-    dense_k = torch.where(seen, dense_k, 0).to(q.dtype).contiguous()
-    dense_v = torch.where(seen, dense_v, 0).to(q.dtype).contiguous()
+    dense_k, dense_v = gather_rows(k_cache, v_cache, layout.blocks, layout.keys)  # [R, Hkv, L, D]
+    if layout.seen is not None:  # positions no query of a row sees may never have been written
+        dense_k, dense_v = torch.where(layout.seen, dense_k, 0), torch.where(layout.seen, dense_v, 0)
     out = torch.nn.functional.scaled_dot_product_attention(
-        q.view(rows, tokens // rows, heads, dim).transpose(1, 2), dense_k, dense_v, attn_mask=allowed[:, None],
-        scale=scale, enable_gqa=True,
+        q.view(rows, tokens // rows, heads, dim).transpose(1, 2), dense_k.to(q.dtype), dense_v.to(q.dtype),
+        attn_mask=layout.allowed, scale=scale, enable_gqa=True,
     )
     return out.transpose(1, 2).reshape(tokens, heads, dim)

