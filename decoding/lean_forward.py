@@ -195,16 +195,13 @@ def decoder_layer(
     tokens, dtype = hidden.shape[0], spec.kernel_dtype or hidden.dtype
     x = _rms_norm(hidden, norm1, spec.eps).to(dtype)
     qkv = spec.qkv.apply(x, qkv_w).to(hidden.dtype).view(tokens, -1, spec.head_dim)
+    q, k, v = qkv.split([spec.q_heads, spec.kv_heads, spec.kv_heads], 1)
     if q_norm is not None:
-        q, k, v = qkv.split([spec.q_heads, spec.kv_heads, spec.kv_heads], 1)
-        qk = torch.cat([_rms_norm(q, q_norm, spec.eps), _rms_norm(k, k_norm, spec.eps)], 1)
-    else:
-        qk, v = qkv.split([spec.q_heads + spec.kv_heads, spec.kv_heads], 1)
-    qk = qk * cos + _rotate_half(qk) * sin  # the rotary on queries and keys at once
-    q, k = qk.split([spec.q_heads, spec.kv_heads], 1)
+        q, k = _rms_norm(q, q_norm, spec.eps), _rms_norm(k, k_norm, spec.eps)
+    q = q * cos + _rotate_half(q) * sin
+    k = k * cos + _rotate_half(k) * sin
     meta = AttentionMetadata(slots, block_tables, row_starts, prefix_len, tree_mask, max_keys)
-    attended = paged_attention(keys, values, q.contiguous(), k.contiguous(), v.contiguous(), meta, spec.scale,
-                               layout)
+    attended = paged_attention(keys, values, q, k, v.contiguous(), meta, spec.scale, layout)
     hidden = hidden + spec.o.apply(attended.reshape(tokens, -1).to(dtype), o_w).to(hidden.dtype)
     x = _rms_norm(hidden, norm2, spec.eps).to(dtype)
     gate, up = spec.gate_up.apply(x, gate_up_w).chunk(2, -1)
