@@ -55,6 +55,18 @@ def earlier_siblings(topology: TreeTopology) -> torch.Tensor:
                          for n, parent in enumerate(parents)], dtype=torch.bool)
 
 
+@cache
+def _greedy_tables(topology: TreeTopology, size: int, device: torch.device
+                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``greedy_path``'s constants for a tree of ``size`` nodes, on ``device`` (built once, not copied every step):
+    which nodes are children [N], earlier siblings [N, N], ancestors [N, N], each node's depth one-hot [N, D + 1]."""
+    depths = topology.depths[:size]
+    is_child = torch.tensor([p >= 0 for p in topology.parents[:size]])
+    at_depth = depths[:, None] == torch.arange(int(depths[-1]) + 1)[None]
+    return (is_child.to(device), earlier_siblings(topology)[:size, :size].to(device),
+            topology.ancestors[:size, :size].to(device), at_depth.to(device))
+
+
 def greedy_path(argmax: torch.Tensor, tokens: torch.Tensor, valid: torch.Tensor, topology: TreeTopology,
                 parents: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """The level-by-level walk for rows that all decode greedily, without the walk: (path [B, D + 1], its length).
@@ -64,19 +76,13 @@ def greedy_path(argmax: torch.Tensor, tokens: torch.Tensor, valid: torch.Tensor,
     of operations whatever the depth, where the walk runs a dozen per level and sibling (0.3 ms of a depth-5 step
     of a small model on a CPU). ``parents`` [N]: each node's parent on the tokens' device (roots: 0)."""
     size = tokens.shape[1]
-    device = tokens.device
     if size == 1:  # a plain step: the path is node 0
         return torch.zeros_like(tokens), torch.ones_like(tokens[:, 0])
-    is_child = torch.tensor([p >= 0 for p in topology.parents[:size]]).to(device, non_blocking=True)
-    earlier = earlier_siblings(topology)[:size, :size].to(device, non_blocking=True)
-    ancestors = topology.ancestors[:size, :size].to(device, non_blocking=True)
-    depths = topology.depths[:size]
-    levels = int(depths[-1])
+    is_child, earlier, ancestors, at_depth = _greedy_tables(topology, size, tokens.device)
     match = (tokens == argmax.gather(1, parents[None].expand_as(tokens))) & valid & is_child
     match[:, 0] = True
     taken = match & ~(match[:, None, :] & earlier[None]).any(-1)
     on_path = ~((~taken)[:, None, :] & ancestors[None]).any(-1)  # [B, N]
-    at_depth = (depths[:, None] == torch.arange(levels + 1)[None]).to(device, non_blocking=True)  # [N, D + 1]
     placed = on_path[:, :, None] & at_depth[None]  # [B, N, D + 1]
     has = placed.any(1)
     path = torch.where(has, placed.to(torch.int8).argmax(1), -1)
@@ -215,13 +221,12 @@ def verify_batch(
     alive = torch.ones(batch, dtype=torch.bool, device=device)
     path = torch.full((batch, levels + 1), -1, dtype=torch.long, device=device)
     path[:, 0] = 0
-    law = probs[:, 0] if probs is not None else None  # [B, V]: p at each row's current node, then its residual
+    law = probs[:, 0]  # [B, V]: p at each row's current node, then its residual
     for level in range(1, levels + 1):
         best = argmax[rows, cur]
-        if probs is not None:
-            law = torch.where(alive[:, None], probs[rows, cur], law)
-            q_base = draft_probs[rows, cur].float() if draft_probs is not None else None
-            removed = torch.zeros(batch, vocab, dtype=torch.bool, device=device)
+        law = torch.where(alive[:, None], probs[rows, cur], law)
+        q_base = draft_probs[rows, cur].float() if draft_probs is not None else None
+        removed = torch.zeros(batch, vocab, dtype=torch.bool, device=device)
         chosen = torch.full_like(cur, -1)
         for rank in range(kids.shape[1]):
             kid = kids[cur, rank]
@@ -230,39 +235,35 @@ def verify_batch(
             tried = alive & (chosen < 0) & (kid >= 0) & valid[rows, safe]
             x = tokens[rows, safe]
             accept = (x == best).float()
-            if probs is not None:
-                one_hot = None if q_base is not None and point_mass is None else (
-                    law.new_zeros(batch, vocab).scatter_(1, x[:, None], 1.0))
-                if q_base is None:
-                    q = one_hot
-                elif point_mass is None:
-                    q = q_base
-                else:
-                    q = torch.where(point_mass[rows, safe][:, None], one_hot, q_base)
-                if not replacement:
-                    q = q.masked_fill(removed, 0.0)
-                    total = q.sum(-1, keepdim=True)
-                    q = torch.where(total > 0, q / total, torch.zeros_like(q))
-                q_x = q[rows, x]
-                ratio = (law[rows, x] / q_x).clamp(max=1.0)
-                ratio = torch.where(q_x > 0, ratio, torch.zeros_like(ratio))
-                accept = torch.where(greedy, accept, ratio)
-                u = uniforms[rows, safe]
+            one_hot = None if q_base is not None and point_mass is None else (
+                law.new_zeros(batch, vocab).scatter_(1, x[:, None], 1.0))
+            if q_base is None:
+                q = one_hot
+            elif point_mass is None:
+                q = q_base
             else:
-                u = torch.zeros(batch, device=device)
+                q = torch.where(point_mass[rows, safe][:, None], one_hot, q_base)
+            if not replacement:
+                q = q.masked_fill(removed, 0.0)
+                total = q.sum(-1, keepdim=True)
+                q = torch.where(total > 0, q / total, torch.zeros_like(q))
+            q_x = q[rows, x]
+            ratio = (law[rows, x] / q_x).clamp(max=1.0)
+            ratio = torch.where(q_x > 0, ratio, torch.zeros_like(ratio))
+            accept = torch.where(greedy, accept, ratio)
+            u = uniforms[rows, safe]
             take = tried & (u < accept)
             chosen = torch.where(take, kid, chosen)
-            if probs is not None:
-                # The residual after a rejection (a skipped repeat, q(x) = 0, leaves p as it is). Where p - q has
-                # no positive mass left, the reference drops x from p instead.
-                update = tried & ~take & ~greedy & (q_x > 0)
-                shrunk = (law - q).clamp_(min=0.0)
-                mass = shrunk.sum(-1, keepdim=True)
-                spent = update & (mass[:, 0] <= 0)
-                law = torch.where((update & ~spent)[:, None], shrunk.div_(mass), law)
-                law[rows, x] = torch.where(spent, 0.0, law[rows, x])
-                if not replacement:
-                    removed[rows, x] |= update
+            # The residual after a rejection (a skipped repeat, q(x) = 0, leaves p as it is). Where p - q has
+            # no positive mass left, the reference drops x from p instead.
+            update = tried & ~take & ~greedy & (q_x > 0)
+            shrunk = (law - q).clamp_(min=0.0)
+            mass = shrunk.sum(-1, keepdim=True)
+            spent = update & (mass[:, 0] <= 0)
+            law = torch.where((update & ~spent)[:, None], shrunk.div_(mass), law)
+            law[rows, x] = torch.where(spent, 0.0, law[rows, x])
+            if not replacement:
+                removed[rows, x] |= update
         accepted = chosen >= 0
         cur = torch.where(accepted, chosen, cur)
         path[:, level] = torch.where(accepted, chosen, path[:, level])
