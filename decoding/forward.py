@@ -11,7 +11,14 @@ from __future__ import annotations
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
-from decoding.attention import AttentionMetadata, DenseLayout, dense_layout, gather_rows, write_slots
+from decoding.attention import (
+    AttentionMetadata,
+    DenseLayout,
+    dense_layout,
+    gather_rows,
+    pools_zero_filled,
+    write_slots,
+)
 from decoding.kv_cache import PagedKVCache, Rows
 from decoding.lean_forward import LeanCausalLM
 
@@ -94,7 +101,7 @@ def forward_tree(
                                cache.max_blocks_per_row * cache.block_size, at, hidden_nodes, graphs=graphs)
         hidden = hidden.view(batch, len(hidden_nodes), -1) if hidden is not None else None
         return logits.view(batch, len(at), -1), hidden
-    layout = dense_layout(meta, cache.block_size, cache.zero_filled)
+    layout = dense_layout(meta, cache.block_size, pools_zero_filled(cache.device))
     dtype = next(model.parameters()).dtype
     mask = torch.zeros(layout.allowed.shape, dtype=dtype, device=device).masked_fill(~layout.allowed,
                                                                                     torch.finfo(dtype).min)

@@ -65,8 +65,7 @@ class PagedKVCache:
         # positions a row never wrote (``attention.dense_layout``).
         # One tensor for all layers: a compiled forward takes two inputs, not two per layer. Block 0 is scratch,
         # never handed out: the padding rows of a CUDA graph write there.
-        self.zero_filled = pools_zero_filled(self.device)
-        allocate = torch.zeros if self.zero_filled else torch.empty
+        allocate = torch.zeros if pools_zero_filled(self.device) else torch.empty
         self.keys = allocate(shape.num_layers, num_blocks + 1, shape.kv_heads, shape.head_dim, block_size,
                              dtype=dtype, device=self.device)
         self.values = allocate(shape.num_layers, num_blocks + 1, shape.kv_heads, block_size, shape.head_dim,

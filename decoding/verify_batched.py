@@ -207,10 +207,8 @@ def verify_batch(
         probs = warp_probs(logits, neutral)  # [B, N, V] float32
         token_probs = probs[rows[:, None], parents[None], tokens]
     elif size == 1:  # a plain step: no drafted node, no statistic (a vocabulary-wide logsumexp per row saved)
-        probs = None
         token_probs = logits.new_zeros(batch, 1, dtype=torch.float32)
     else:
-        probs = None
         token_probs = (logits[rows[:, None], parents[None], tokens].float() - logsumexp[:, parents]).exp()
     if not sampling:
         path, length = greedy_path(argmax, tokens, valid, topology, parents)
