@@ -7,11 +7,14 @@ ms per token, all contenders taking turns step by step (``harness._interleaved``
 of prompts each); a row's figure is the minimum over rounds (the round least disturbed by the rest of the
 machine), its median is shown too.
 
-Rows: plain decoding (``method: none``) at each batch size, and a speculative step (n-gram lookup, a static
-depth) at batch 1. For that step to draft at full depth, the random weights are set so that greedy decoding
-continues a cycle of tokens: the prompts are the cycle repeated, lookup finds the next tokens one period back,
-and every draft is accepted (drafted and accepted tokens per step are reported). With another checkout
-(``--baseline-tree``) its engine runs beside this one in the same turns.
+Rows: plain decoding (``method: none``) and the default configuration at each batch size, and a speculative step
+(n-gram lookup, a static depth) at batch 1. On this model a draft forward costs what the target's does, as on a
+GPU where a small model's every forward is launch-bound, so the default's online policy should decode plainly:
+its ms per step over plain decoding's is what the policy and the drafter cost a step there. For the n-gram step
+to draft at full depth, the random weights are set so that greedy decoding continues a cycle of tokens: the
+prompts are the cycle repeated, lookup finds the next tokens one period back, and every draft is accepted
+(drafted and accepted tokens per step are reported). With another checkout (``--baseline-tree``) its engine runs
+beside this one in the same turns.
 """
 
 from __future__ import annotations
@@ -121,7 +124,8 @@ class OverheadRow(BaseModel):
     bytes_per_step: float | None
     bandwidth_fraction: float | None
     x_transformers: float | None  # ms_per_step over transformers generate's (its ms per token), at batch 1 for
-    # a speculative row, else at the row's batch size
+    # the n-gram row, else at the row's batch size
+    x_engine_none: float | None  # the default configuration's ms_per_step over engine none's at its batch size
     target: float | None  # the ratio this engine row must not exceed
     meets_target: bool | None
 
@@ -134,21 +138,28 @@ class OverheadResult(BaseModel):
     rows: list[OverheadRow]
 
 
-def _engine_config(batch_size: int, max_tokens: int, method: str = "none", depth: int = 1) -> Config:
-    speculative: dict[str, Any] = {"method": method}
-    if method != "none":
+def _engine_config(batch_size: int, max_tokens: int, method: str | None = "none", depth: int = 1) -> Config:
+    """``method`` None: the engine's default speculative configuration."""
+    speculative: dict[str, Any] = {} if method is None else {"method": method}
+    if method not in (None, "none"):
         speculative.update(num_speculative_tokens=depth, num_candidates=1, length_policy="static")
     return Config(model="overhead", batch_size=batch_size, max_model_len=1024,
                   sampling={"max_tokens": max_tokens}, speculative=speculative)
 
 
-def overhead_contenders(steps: int, batch_sizes: list[int], depth: int, baseline: bool) -> list[Contender]:
-    """Per batch size: transformers generate, engine none (and the baseline's); at batch 1 also the depth-``depth``
-    n-gram step, given enough tokens to take ``steps`` steps when every draft is accepted."""
+def overhead_contenders(steps: int, batch_sizes: list[int], depth: int, baseline: bool,
+                        default: bool = True) -> list[Contender]:
+    """Per batch size: transformers generate, engine none (and the baseline's), and the engine's default
+    configuration: on this model a draft forward costs what the target's does, so its policy should decode plainly
+    and its row shows what planning and observing cost a step (the regime of a small model on a GPU). At batch 1
+    also the depth-``depth`` n-gram step, given enough tokens to take ``steps`` steps when every draft is
+    accepted."""
     runs = []
     for batch in sorted(batch_sizes):
         plain = _engine_config(batch, steps + 2)  # the step admitting a prompt may emit two tokens
         engines = [plain]
+        if default:
+            engines.append(_engine_config(batch, steps + 2, None))
         if batch == 1 and depth:
             engines.append(_engine_config(1, steps * (depth + 1) + 1, "ngram", depth))
         runs.append(Contender("transformers", plain))
@@ -202,7 +213,7 @@ def run_overhead(
                 if contender.speculative else None,
                 bytes_per_step=bytes_per_step,
                 bandwidth_fraction=bandwidth_fraction(bytes_per_step, best, bandwidth),
-                x_transformers=None, target=None, meets_target=None,
+                x_transformers=None, x_engine_none=None, target=None, meets_target=None,
             ))
     _compare_to_transformers(rows)
     env = environment(models) | {"compile_enabled": compile_enabled(), "compiled_forward": compiled}
@@ -215,13 +226,17 @@ def run_overhead(
 
 def _compare_to_transformers(rows: list[OverheadRow]) -> None:
     transformers = {r.batch_size: r.ms_per_step for r in rows if r.name == "transformers generate"}
+    plain = {r.batch_size: r.ms_per_step for r in rows if r.name == "engine none"}
     for row in rows:
         if row.name == "transformers generate":
             continue
-        speculative = row.accepted_per_step is not None
+        speculative = row.name.startswith("engine ngram")
         reference = transformers.get(1 if speculative else row.batch_size)
         if reference:
             row.x_transformers = row.ms_per_step / reference
+        if row.name.startswith("engine draft_model") and row.batch_size in plain:
+            row.x_engine_none = row.ms_per_step / plain[row.batch_size]
+            continue
         if row.name.startswith("engine ") and row.x_transformers is not None:
             row.target = (SPECULATIVE_TARGET_BATCH_1 if speculative
                           else PLAIN_TARGET_BATCH_1 if row.batch_size == 1 else PLAIN_TARGET)
@@ -231,6 +246,7 @@ def _compare_to_transformers(rows: list[OverheadRow]) -> None:
 _COLUMNS = [  # header, field, format
     ("contender", "name", "{}"), ("batch", "batch_size", "{}"), ("ms/step", "ms_per_step", "{:.2f}"),
     ("median", "median_ms_per_step", "{:.2f}"), ("x transformers", "x_transformers", "{:.2f}"),
+    ("x engine none", "x_engine_none", "{:.2f}"),
     ("target", "target", "<= {:.2f}"), ("met", "meets_target", "{}"), ("drafted/step", "drafted_per_step", "{:.2f}"),
     ("accepted/step", "accepted_per_step", "{:.2f}"), ("MB/step", "bytes_per_step", megabytes),
     ("bw %", "bandwidth_fraction", percent), ("rounds ms", "rounds_ms", lambda v: " ".join(f"{x:.2f}" for x in v)),

@@ -19,7 +19,6 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 
 from decoding.cuda_graphs import graph_mode
@@ -45,17 +44,18 @@ class CostTable:
     points: list[tuple[int, float]]
 
     def __call__(self, tokens: float) -> float:
-        if not self.points:
+        points = self.points
+        if not points:
             return 0.0
-        xs = [x for x, _ in self.points]
-        ys = [y for _, y in self.points]
-        if tokens <= xs[0]:
-            return ys[0]
-        for (x0, y0), (x1, y1) in zip(self.points, self.points[1:]):
+        if tokens <= points[0][0]:
+            return points[0][1]
+        for (x0, y0), (x1, y1) in zip(points, points[1:]):
             if tokens <= x1:
                 return y0 + (y1 - y0) * (tokens - x0) / (x1 - x0)
-        slope = (ys[-1] - ys[-2]) / (xs[-1] - xs[-2]) if len(xs) > 1 else 0.0
-        return ys[-1] + max(slope, 0.0) * (tokens - xs[-1])
+        if len(points) == 1:
+            return points[0][1]
+        (x0, y0), (x1, y1) = points[-2], points[-1]
+        return y1 + max((y1 - y0) / (x1 - x0), 0.0) * (tokens - x1)
 
 
 def _features(model: torch.nn.Module, batch: int, tokens: int, device: torch.device) -> torch.Tensor | None:
@@ -190,43 +190,48 @@ class LearnedCosts:
     ) -> None:
         self.prior = prior
         self.until_timed = until_timed
-        # numpy, not torch: three numbers, priced for every row and option at every step (torch's per-op
-        # overhead made the online policy cost 5-8% of a batch-16 step).
-        self.theta = np.array([1.0, 0.0, 0.0])
-        self.covariance = np.diag([0.1, 0.01, 0.001])
+        # Plain floats, neither torch nor numpy: three numbers, priced for every row and option and updated at
+        # every step (numpy's per-call cost made observing a plain step ~0.1 ms, 7% of a launch-bound step).
+        self.theta = [1.0, 0.0, 0.0]
+        self.covariance = [[0.1, 0.0, 0.0], [0.0, 0.01, 0.0], [0.0, 0.0, 0.001]]
         self.noise = noise**2
         self.drift = drift
         self.observations = 0
+        self._unit = prior(1, 1)
 
     def _prior_and_cache(self, rows: float, tokens: float, context: float) -> tuple[float, float]:
         """The prior's seconds, and the cache-reading unit relative to them."""
         prior = self.prior(rows, tokens)
-        return prior, self.prior(1, 1) * rows * context / 1024 / max(prior, 1e-12)
-
-    def _features(self, rows: float, tokens: float, context: float) -> np.ndarray:
-        """Seconds per unit of each parameter, relative to the prior's prediction."""
-        _, cache = self._prior_and_cache(rows, tokens, context)
-        return np.array([1.0, cache, cache * tokens])
+        return prior, self._unit * rows * context / 1024 / max(prior, 1e-12)
 
     def __call__(self, rows: int, tokens: float, context: float = 0.0) -> float:
         if not self.observations and self.until_timed is not None:
             other = self.until_timed
             return other(rows, tokens, context) * self.prior(rows, tokens) / max(other.prior(rows, tokens), 1e-12)
         prior, cache = self._prior_and_cache(rows, tokens, context)
-        a, b, c = self.theta.tolist()  # theta @ features without building an array: called per row and option
+        a, b, c = self.theta
         return prior * max(a + cache * (b + c * tokens), 0.05)
 
     def observe(self, forwards: list[tuple[int, float, float]], seconds: float) -> None:
         """``forwards`` (rows, tokens per row, context) timed together took ``seconds``."""
-        priors = [self.prior(rows, tokens) for rows, tokens, _ in forwards]
-        expected = sum(priors)
+        priors = [self._prior_and_cache(rows, tokens, context) for rows, tokens, context in forwards]
+        expected = sum(prior for prior, _ in priors)
         if not forwards or expected <= 0 or seconds <= 0:
             return
-        # Relative units: each forward's features weighted by its share of the prior's time.
-        features = sum(p / expected * self._features(*f) for p, f in zip(priors, forwards))
-        error = seconds / expected - float(self.theta @ features)
-        spread = self.covariance @ features
-        gain = spread / (self.noise + float(features @ spread))
-        self.theta = self.theta + gain * error
-        self.covariance = self.covariance - np.outer(gain, spread) + self.drift * np.eye(3)
+        # Relative units: each forward's features (seconds per unit of each parameter, relative to the prior's
+        # prediction: 1, cache, cache x tokens) weighted by its share of the prior's time.
+        features = [0.0, 0.0, 0.0]
+        for (prior, cache), (_, tokens, _) in zip(priors, forwards):
+            share = prior / expected
+            features[0] += share
+            features[1] += share * cache
+            features[2] += share * cache * tokens
+        theta, covariance = self.theta, self.covariance
+        error = seconds / expected - sum(t * f for t, f in zip(theta, features))
+        spread = [sum(c * f for c, f in zip(row, features)) for row in covariance]
+        denominator = self.noise + sum(f * s for f, s in zip(features, spread))
+        gain = [s / denominator for s in spread]
+        self.theta = [t + g * error for t, g in zip(theta, gain)]
+        self.covariance = [[c - g * s + (self.drift if i == j else 0.0) for j, (c, s) in enumerate(zip(row, spread))]
+                           for i, (row, g) in enumerate(zip(covariance, gain))]
         self.observations += 1

@@ -242,8 +242,9 @@ def test_overhead_rows_ratios_and_full_depth_drafts(device):
                           config=overhead_config(layers=2, vocab_size=512))
     rows = {(r.name, r.batch_size): r for r in result.rows}
     speculative = "engine ngram w1 d3 init=draft static"
-    assert set(rows) == {("transformers generate", 1), ("engine none", 1), (speculative, 1),
-                         ("transformers generate", 2), ("engine none", 2)}
+    default = "engine draft_model self-int4 w1 d5 init=draft online"
+    assert set(rows) == {("transformers generate", 1), ("engine none", 1), (default, 1), (speculative, 1),
+                         ("transformers generate", 2), ("engine none", 2), (default, 2)}
     for (name, batch), row in rows.items():
         assert len(row.rounds_ms) == 2 and row.ms_per_step == min(row.rounds_ms) > 0
         assert row.median_ms_per_step == statistics.median(row.rounds_ms) and row.bytes_per_step > 0
@@ -253,6 +254,11 @@ def test_overhead_rows_ratios_and_full_depth_drafts(device):
             continue
         reference = rows["transformers generate", 1 if name == speculative else batch]
         assert row.x_transformers == pytest.approx(row.ms_per_step / reference.ms_per_step)
+        if name == default:  # measured against plain decoding, not held to a target
+            assert row.x_engine_none == pytest.approx(row.ms_per_step / rows["engine none", batch].ms_per_step)
+            assert row.target is None and row.meets_target is None
+            continue
+        assert row.x_engine_none is None
         assert row.target == (0.7 if name == speculative else 0.35 if batch == 1 else 0.7)
         assert row.meets_target == (row.x_transformers <= row.target)
     # The cycle makes lookup draft at full depth, and every draft is accepted.
@@ -272,7 +278,8 @@ def test_overhead_cli_with_a_baseline_tree_writes_its_json(baseline_tree, baseli
     printed = capsys.readouterr().out
     result = json.loads((out / "overhead.json").read_text())
     names = [row["name"] for row in result["rows"]]
-    assert names == ["transformers generate", "engine none", "baseline engine none",
+    default = "engine draft_model self-int4 w1 d5 init=draft online"
+    assert names == ["transformers generate", "engine none", "baseline engine none", default, f"baseline {default}",
                      "engine ngram w1 d2 init=draft static", "baseline engine ngram w1 d2 init=draft static"]
     assert result["environment"]["compile_enabled"] is False  # the tests' setting: eager
     assert result["model"]["layers"] == 30
