@@ -20,6 +20,7 @@ from decoding.batch_state import BatchState
 from decoding.config import Config, SamplingParams, format_validation_error
 from decoding.constrained import Constraints
 from decoding.costs import BatchCosts, calibrate_batch
+from decoding.cuda_graphs import build_shapes, captures_at_build, graph_memory_budget
 from decoding.drafters import Drafter, DraftModelDrafter, NgramDrafter, model_view
 from decoding.kv_cache import CacheShape, PagedKVCache
 from decoding.lean_forward import LeanCausalLM
@@ -111,6 +112,8 @@ class Engine:
         )
         self.drafter.uses_hidden_states = policy.needs_hidden_states
         policy.to(self.device)  # a trained stop head reads the draft's states where they are
+        if self._captures_graphs():
+            self._capture_graphs()
         self.eos_ids = eos_token_ids(self.tokenizer, target)
         self.run_seed = run_seed(config.sampling.seed)
         self.state = BatchState(self.capacity, config.sampling, self.device)
@@ -165,11 +168,27 @@ class Engine:
             if budget is None and self.device.type == "cuda":
                 total = torch.cuda.get_device_properties(self.device).total_memory
                 budget = int(total * config.gpu_memory_utilization) - torch.cuda.memory_allocated(self.device)
+                if self._captures_graphs():  # captured after the pool is made: their memory is set aside first
+                    budget -= graph_memory_budget()
             budget = budget if budget is not None else CPU_KV_BYTES
             blocks = max(1, min(blocks_needed, budget // bytes_per_block))
         cache = PagedKVCache(shape, blocks, self.capacity, positions, block_size=config.block_size, dtype=dtype,
                              device=self.device)
         return cache
+
+    def _captures_graphs(self) -> bool:
+        return captures_at_build() and self.device.type == "cuda" and isinstance(self.target, LeanCausalLM)
+
+    def _capture_graphs(self) -> None:
+        """The target's decode and verification forwards as CUDA graphs, for every row and key bucket, captured
+        now within the graph memory budget (``cuda_graphs.py``)."""
+        cache = self.cache
+        positions = cache.max_blocks_per_row * cache.block_size
+        tokens = sorted({1, *(self.topology.size(depth) for depth in range(self.topology.max_depth + 1))})
+        shapes = build_shapes(cache.keys.data_ptr(), self.capacity, positions, tokens,
+                              self.drafter.reads_target_states)
+        self.target.graphed(positions).capture(shapes, cache.keys, cache.values, graph_memory_budget(),
+                                               lambda: torch.cuda.memory_reserved(self.device))
 
     def _calibrate(self, target_from_path: bool, draft_from_path: bool) -> tuple[BatchCosts, BatchCosts | None]:
         """Measured forward costs (cached on disk for models loaded by path) for the online policy."""

@@ -309,9 +309,10 @@ class LeanCausalLM(nn.Module):
         CUDA graphs where ``graphs`` and the mode allow (``cuda_graphs.py``); ``max_positions``: the cache's
         positions per row."""
         if graphs and input_ids.is_cuda and graphs_enabled(input_ids.shape[1]):
-            if self._graphs is None:
-                self._graphs = GraphedForward(self.flat_forward, max_positions)
-            return self._graphs(input_ids, positions, meta, keys, values, logits_nodes, hidden_nodes)
+            replayed = self.graphed(max_positions)(input_ids, positions, meta, keys, values, logits_nodes,
+                                                   hidden_nodes)
+            if replayed is not None:  # None: a shape not captured at build runs eagerly
+                return replayed
         batch, per_row = input_ids.shape
         device = input_ids.device
         flat = torch.arange(batch)[:, None] * per_row
@@ -319,6 +320,12 @@ class LeanCausalLM(nn.Module):
                     (flat + logits_nodes[None]).flatten().to(device, non_blocking=True),
                     (flat + hidden_nodes[None]).flatten().to(device, non_blocking=True)
                     if hidden_nodes is not None else None)
+
+    def graphed(self, max_positions: int) -> GraphedForward:
+        """This forward's CUDA graphs over caches of ``max_positions`` positions per row."""
+        if self._graphs is None:
+            self._graphs = GraphedForward(self.flat_forward, max_positions)
+        return self._graphs
 
     @torch.no_grad()
     def flat_forward(

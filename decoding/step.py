@@ -26,6 +26,7 @@ from transformers import PreTrainedTokenizerBase
 from decoding.batch_state import BatchState
 from decoding.config import SpeculativeConfig
 from decoding.constrained import StepGrammar, advance, apply_masks, grammar_drafts
+from decoding.cuda_graphs import captures_at_build
 from decoding.drafters import Draft, Drafter, DraftInputs
 from decoding.forward import forward_tree
 from decoding.grammar import committed_masks
@@ -102,6 +103,7 @@ class Step:
         self.topology, self.sources, self.state, self.speculative = topology, sources, state, speculative
         self.tokenizer, self.max_context, self.run_seeded, self.to_host = tokenizer, max_context, run_seeded, reads
         self.device = cache.device
+        self.whole_trees = captures_at_build() and self.device.type == "cuda"
         self.steps = 0
         self.encode = lambda text: tokenizer.encode(text, add_special_tokens=False)  # grammar drafts' text
 
@@ -257,12 +259,13 @@ class Step:
         without a match) is left out of the forward rather than padded: on a CPU each extra token of a small
         verify costs ~5% of a plain step. A node's ancestors are live wherever it is, so the live nodes form a
         tree of their own. A device draft's tree runs whole (its dead nodes as padding queries), so nothing is
-        read back before the forward.
+        read back before the forward; so does every tree where verifications replay graphs captured at build
+        (``whole_trees``): those are captured for whole trees only.
         """
         size = draft.tokens.shape[1]
         want = self.drafter.reads_target_states
         slot_of = torch.arange(size)
-        if draft.valid.device.type == "cpu":
+        if draft.valid.device.type == "cpu" and not self.whole_trees:
             nodes = draft.valid.any(0).nonzero().flatten()
             if len(nodes) < size:
                 slot_of = torch.zeros(size, dtype=torch.long)

@@ -271,6 +271,147 @@ def test_rows_padded_for_a_cuda_graph_compute_what_the_real_rows_compute() -> No
     assert layout.blocks.shape[1] * cache.block_size >= keys and layout.allowed.shape[-1] == keys
 
 
+def _graph_case(cache: PagedKVCache, rows, depth: int, seed: int) -> tuple[torch.Tensor, ...]:
+    """A verification forward's inputs over ``rows`` of ``cache``: a width-2 tree of ``depth``."""
+    topology = TreeTopology(num_candidates=2, max_depth=depth)
+    count = len(range(rows.start, rows.stop))
+    tokens = torch.randint(3, 30, (count, topology.size(depth)), generator=torch.Generator().manual_seed(seed))
+    meta, positions = cache.tree_metadata(rows, topology.ancestors, torch.ones_like(tokens, dtype=torch.bool), 0,
+                                          topology.size(depth))
+    return tokens, positions, meta, torch.arange(topology.size(depth))
+
+
+def test_graphed_forward_replays_what_the_eager_forward_computes_with_fresh_inputs_each_call() -> None:
+    """The graph machinery (persistent buffers, padded rows, one graph per shape) with the eager stand-in
+    recorder: every replay computes the eager forward of its own inputs, a shape met again reuses its graph."""
+    from decoding.cuda_graphs import GraphedForward, record_eagerly
+
+    model = tiny_model()
+    lean = lean_view(model)
+    cache = PagedKVCache(CacheShape.of(model.config), 24, 3, 64)
+    rows = cache.add_rows([60, 60, 60])
+    prompts = torch.randint(3, 30, (3, 6), generator=torch.Generator().manual_seed(0))
+    forward_tree(lean, cache, rows, prompts, chain_ancestors(6), torch.ones(3, 6, dtype=torch.bool))
+    cache.advance(rows, [6, 6, 6])
+    graphed = GraphedForward(lean.flat_forward, 64, record=record_eagerly)
+    for call, (batch, depth) in enumerate([(3, 2), (3, 2), (2, 1), (3, 2), (1, 2)]):
+        tokens, positions, meta, nodes = _graph_case(cache, slice(0, batch), depth, seed=call)
+        expected = lean(tokens, positions, meta, cache.keys, cache.values, 64, nodes, nodes)
+        logits, hidden = graphed(tokens, positions, meta, cache.keys, cache.values, nodes, nodes)
+        torch.testing.assert_close(logits, expected[0])
+        torch.testing.assert_close(hidden, expected[1])
+    # (3 rows -> bucket 4, depth 2), (2 rows, depth 1), (1 row, depth 2): three shapes for five calls.
+    assert sorted((shape.rows, shape.per_row) for shape in graphed.graphs) == [(1, 5), (2, 3), (4, 5)]
+
+
+def test_graphs_captured_at_build_follow_the_plan_and_budget_then_uncaptured_shapes_run_eagerly(caplog) -> None:
+    from decoding.cuda_graphs import (
+        GraphedForward,
+        build_shapes,
+        key_buckets,
+        record_eagerly,
+        row_bucket,
+        tree_words,
+    )
+
+    assert key_buckets(64) == [64] and key_buckets(1000) == [256, 512, 1000]
+    assert key_buckets(8224) == [256, 512, 1024, 2048, 4096, 8192, 8224]
+    assert tree_words(1) == tree_words(65) == 1 and tree_words(66) == 2
+    plan = build_shapes(7, 5, 1000, [3, 1, 3], hidden=False)
+    assert len(plan) == 3 * 2 * 4  # key buckets x tokens per row x row buckets 1, 2, 4, 8
+    assert [(s.keys, s.per_row, s.rows) for s in plan[:5]] == [(256, 1, 1), (256, 1, 2), (256, 1, 4), (256, 1, 8),
+                                                               (256, 3, 1)]
+    assert {(s.cache, s.words, s.logits_per_row == s.per_row, s.hidden_per_row) for s in plan} == {(7, 1, True, 0)}
+    assert {s.hidden_per_row for s in build_shapes(7, 1, 64, [1, 3], hidden=True)} == {1, 3}
+
+    model = tiny_model()
+    lean = lean_view(model)
+    cache = PagedKVCache(CacheShape.of(model.config), 24, 3, 64)
+    rows = cache.add_rows([60, 60, 60])
+    prompts = torch.randint(3, 30, (3, 6), generator=torch.Generator().manual_seed(0))
+    forward_tree(lean, cache, rows, prompts, chain_ancestors(6), torch.ones(3, 6, dtype=torch.bool))
+    cache.advance(rows, [6, 6, 6])
+    sizes = [1, TreeTopology(2, 1).size(1), TreeTopology(2, 2).size(2)]
+    shapes = build_shapes(cache.keys.data_ptr(), 3, 64, sizes, hidden=True)
+    assert len(shapes) == 3 * 3  # one key bucket (64 positions a row), rows 1, 2, 4
+    taken = iter(range(0, 10**9, 100 << 20))  # a stand-in for the device's memory: each graph takes 100 MiB
+    graphed = GraphedForward(lean.flat_forward, 64, record=record_eagerly)
+    with caplog.at_level("INFO", logger="decoding.cuda_graphs"):
+        captured = graphed.capture(shapes, cache.keys, cache.values, budget=500 << 20, memory=lambda: next(taken))
+    assert captured == 5 and list(graphed.graphs) == shapes[:5]  # the budget stops it at the fifth
+    assert "captured 5/9 CUDA graphs" in caplog.text and "budget (500 MiB) reached" in caplog.text
+    # Captured shapes replay what the eager forward computes; the rest of the plan runs eagerly (None).
+    for batch, depth, replayed in [(3, 0, True), (1, 1, True), (2, 1, True), (3, 1, False), (1, 2, False)]:
+        if depth:
+            tokens, positions, meta, nodes = _graph_case(cache, slice(0, batch), depth, seed=batch)
+        else:
+            tokens = torch.randint(3, 30, (batch, 1), generator=torch.Generator().manual_seed(5))
+            meta, positions = cache.tree_metadata(slice(0, batch), chain_ancestors(1),
+                                                  torch.ones(batch, 1, dtype=torch.bool), 0, 1)
+            nodes = torch.arange(1)
+        assert (row_bucket(batch), tokens.shape[1]) in {(s.rows, s.per_row) for s in shapes}
+        out = graphed(tokens, positions, meta, cache.keys, cache.values, nodes, nodes)
+        assert (out is not None) == replayed
+        if replayed:
+            expected = lean(tokens, positions, meta, cache.keys, cache.values, 64, nodes, nodes)
+            torch.testing.assert_close(out[0], expected[0])
+            torch.testing.assert_close(out[1], expected[1])
+    assert len(graphed.graphs) == 5  # nothing captured mid-run over the frozen pool
+    # Another pool (a cost calibration's) is still captured when first met.
+    other = PagedKVCache(CacheShape.of(model.config), 8, 1, 64)
+    other_rows = other.add_rows([20])
+    forward_tree(lean, other, other_rows, prompts[:1], chain_ancestors(6), torch.ones(1, 6, dtype=torch.bool))
+    other.advance(other_rows, [6])
+    tokens, positions, meta, nodes = _graph_case(other, other_rows, 1, seed=9)
+    assert graphed(tokens, positions, meta, other.keys, other.values, nodes, nodes) is not None
+    assert len(graphed.graphs) == 6
+
+
+def test_an_engine_capturing_at_build_plans_its_shapes_and_verifies_whole_trees(tokenizer, target, monkeypatch
+                                                                                 ) -> None:
+    """With graphs captured at build (mode ``all``): the engine plans the target's decode and whole-tree
+    verification shapes for its rows and cache and captures them (the eager stand-in recorder here), and
+    verifications carry whole trees, a host draft's dead nodes as padding queries rather than pruned (only whole
+    trees are captured), emitting the tokens the pruned forwards emit."""
+    from decoding import cuda_graphs, step
+    from decoding.cuda_graphs import key_buckets, record_eagerly
+
+    config = Config.model_validate({
+        "model": "in-memory", "batch_size": 3, "sampling": {"max_tokens": 16},
+        "speculative": {"method": "ngram", "num_candidates": 2, "num_speculative_tokens": 3,
+                        "length_policy": "static"}})
+    requests = [Request(id=str(i), prompt_token_ids=p) for i, p in enumerate(
+        [[3, 4, 5, 3, 4, 5, 3], [5, 4, 3, 5, 1, 4, 3], [7, 8, 9, 10, 7, 8]])]
+    widths: list[int] = []
+    forward = step.forward_tree
+
+    def recording(*args, **kwargs):
+        if kwargs.get("graphs"):  # the verification forward
+            widths.append(args[3].shape[1])
+        return forward(*args, **kwargs)
+
+    monkeypatch.setattr(step, "forward_tree", recording)
+    expected = [r.token_ids for r in Engine(config, target=target, tokenizer=tokenizer).generate(requests)]
+    assert set(widths) - {1, 3, 5, 7}, widths  # pruned: dead nodes left out of some forwards
+
+    lean = lean_view(target)
+    monkeypatch.setattr(lean, "_graphs", None)
+    monkeypatch.setattr(cuda_graphs.GraphedForward.__init__, "__defaults__", (record_eagerly,))
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device=None: 0)
+    monkeypatch.setenv("SPECBATCH_CUDA_GRAPHS", "all")
+    monkeypatch.setattr(Engine, "_captures_graphs", lambda self: True)  # a CUDA engine's choice, on this CPU
+    engine = Engine(config, target=target, tokenizer=tokenizer)
+    positions = engine.cache.max_blocks_per_row * engine.cache.block_size
+    sizes = [1, *(engine.topology.size(depth) for depth in range(1, 4))]  # size(0) is 1: one root
+    assert sorted((s.keys, s.per_row, s.rows) for s in lean._graphs.graphs) == sorted(
+        (keys, per_row, rows) for keys in key_buckets(positions) for per_row in sizes for rows in (1, 2, 4))
+    assert lean._graphs.frozen == {engine.cache.keys.data_ptr()}
+    engine.stepper.whole_trees = True  # set from the device type: a CUDA engine's choice
+    widths.clear()
+    assert [r.token_ids for r in engine.generate(requests)] == expected
+    assert set(widths) <= set(sizes) and max(widths) == sizes[-1]
+
+
 def test_prepacked_inference_model_matches_and_leaves_the_original(target, monkeypatch) -> None:
     assert packs(torch.zeros(576, 576)) and not packs(torch.zeros(192, 64))  # a small weight's GEMM stays dense
     monkeypatch.setattr(attention, "PACK_MIN_WEIGHTS", 0)  # the tiny model's weights are all small
