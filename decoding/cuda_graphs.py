@@ -5,16 +5,16 @@ One graph per padded shape: rows padded up to a bucket (1, 2, 4, ..., 1024), the
 a power of two (at least 256), and how many logits and hidden states per row come back. Each graph reads persistent
 input buffers; a call copies its inputs into them (padding rows write their entries to the cache's scratch block 0
 and read its first position only), replays, and copies the outputs out. Weights and the KV pool never move, so the
-addresses a graph captured stay valid. Graphs share one memory pool; a shape is captured the first time a run meets
-it (milliseconds).
+addresses a graph captured stay valid. Graphs share one memory pool per model.
 
 Which forwards replay as graphs (``SPECBATCH_CUDA_GRAPHS``): ``decode`` (the default) the target's forwards of one
 token per row (a plain decoding step, a speculative step at depth 0), the shape the CUDA tests have passed with
-graphs, each captured when a run first meets it; ``all`` every forward its caller allows (tree verifications too),
-captured at build: the target's decode and verification shapes for every row bucket up to the batch size and every
-key bucket, in that order, until ``SPECBATCH_CUDA_GRAPH_MEMORY_MB`` (default 1024) of device memory is taken (the KV
-pool is sized without it); a shape not captured then runs eagerly, so nothing is captured mid-run. ``0`` none, the
-same function launch by launch.
+graphs, each captured the first time a run meets it (milliseconds); ``all`` every forward its caller allows (tree
+verifications, a self-draft's levels), captured at build: the decode and verification shapes (and draft levels)
+for every row bucket up to the batch size and every key bucket, smallest keys first, until
+``SPECBATCH_CUDA_GRAPH_MEMORY_MB`` (default 1024) of device memory is taken (the KV pool is sized without it); a
+shape not captured then runs eagerly, so nothing is captured mid-run. ``0`` none, the same function launch by
+launch.
 
 Recording is a function (``record_cuda_graph``); ``record_eagerly`` stands in for it where there is no GPU, so the
 buffers, padding, bucketing, capture plan and budget are tested on a CPU.
@@ -263,23 +263,22 @@ class GraphedForward:
         (``memory()``'s growth: the graphs' pool and outputs) reaches ``budget`` bytes; then freeze the pool:
         shapes over it not captured run eagerly (other pools', e.g. a cost calibration's, are still captured
         when first met). Progress is logged; returns how many were captured."""
-        started, used = memory(), 0
+        started = memory()
         block_size = keys.shape[-1]
         step = max(1, len(shapes) // 10)
-        log.info("capturing up to %d CUDA graphs within %d MiB", len(shapes), budget >> 20)
+        log.info("capturing up to %d CUDA graphs within %d MiB", len(shapes), max(budget, 0) >> 20)
         done = 0
-        for index, shape in enumerate(shapes, 1):
+        for shape in shapes:
+            if memory() - started >= budget:
+                log.warning("CUDA graph memory budget (%d MiB) reached after %d of %d shapes: the rest run eagerly",
+                            max(budget, 0) >> 20, done, len(shapes))
+                break
             if shape not in self.graphs:
                 self._capture(shape, example_inputs(shape, block_size, keys.device), keys, values)
-            used = memory() - started
-            done = index
-            if index % step == 0 or index == len(shapes):
-                log.info("captured %d/%d CUDA graphs (%.0f MiB, %.1f s)", index, len(shapes), used / (1 << 20),
-                         self.capture_seconds)
-            if used >= budget:
-                log.warning("CUDA graph memory budget (%d MiB) reached after %d of %d shapes: the rest run eagerly",
-                            budget >> 20, index, len(shapes))
-                break
+            done += 1
+            if done % step == 0 or done == len(shapes):
+                log.info("captured %d/%d CUDA graphs (%.0f MiB, %.1f s)", done, len(shapes),
+                         (memory() - started) / (1 << 20), self.capture_seconds)
         self.frozen.add(keys.data_ptr())
         return done
 

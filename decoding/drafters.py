@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Protocol
 import numpy as np
 import torch
 
+from decoding.cuda_graphs import captures_at_build
 from decoding.forward import forward_tree
 from decoding.kv_cache import CacheShape, PagedKVCache, Rows
 from decoding.lean_forward import lean_view, supports_lean_forward
@@ -147,6 +148,7 @@ class Drafter:
     host_roots = False  # whether ``propose`` reads the root-level tokens on the host (else they stay on the device)
     takes_grammar_drafts = False  # whether ``propose`` puts DraftInputs.grammar_drafts in a lookup candidate
     target_cache: PagedKVCache | None = None  # a self-draft's: it drafts in the target's cache (no catch-up tokens)
+    graphs = False  # whether its model's forwards may replay CUDA graphs (``cuda_graphs.py``)
 
     def add_rows(self, rows: slice, prompts: list[list[int]], positions: list[int],
                  target_states: torch.Tensor | None = None) -> None:
@@ -298,6 +300,9 @@ class DraftModelDrafter(Drafter):
         # forward overwrites, and nothing is committed but the target's. No prefill, no catch-up of tokens
         # committed while it did not draft, no second cache.
         self.shares_target_cache = shares_target_cache
+        # Draft levels replay CUDA graphs where verifications do (mode ``all``), for a self-draft only: its levels
+        # have fixed shapes (no catch-up prefix), captured at build beside the target's.
+        self.graphs = shares_target_cache and captures_at_build()
         self.vocab_size = model.config.vocab_size
         self.reads_target_states = bool(getattr(model, "reads_features", False))
         # Heterogeneous tree: the last ``lookup_candidates`` candidates of every level are n-gram continuations.
@@ -501,7 +506,7 @@ class DraftModelDrafter(Drafter):
                 self.model, self.cache, rows, tokens[:, start:end], ancestors, valid, start,
                 logits_at=torch.arange(max(start, prefix), end) - start,
                 want_hidden=self.uses_hidden_states or states is not None,
-                features=states[:, start:end] if states is not None else None,
+                features=states[:, start:end] if states is not None else None, graphs=self.graphs,
             )
             forwarded = level
             parents = slice(max(start, prefix), end)

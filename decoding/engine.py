@@ -184,11 +184,20 @@ class Engine:
         now within the graph memory budget (``cuda_graphs.py``)."""
         cache = self.cache
         positions = cache.max_blocks_per_row * cache.block_size
-        tokens = sorted({1, *(self.topology.size(depth) for depth in range(self.topology.max_depth + 1))})
-        shapes = build_shapes(cache.keys.data_ptr(), self.capacity, positions, tokens,
-                              self.drafter.reads_target_states)
-        self.target.graphed(positions).capture(shapes, cache.keys, cache.values, graph_memory_budget(),
-                                               lambda: torch.cuda.memory_reserved(self.device))
+        topology = self.topology
+        tokens = sorted({1, *(topology.size(depth) for depth in range(topology.max_depth + 1))})
+        captures = [(self.target, tokens, self.drafter.reads_target_states)]
+        draft = getattr(self.drafter, "model", None)
+        if self.drafter.graphs and isinstance(draft, LeanCausalLM):  # a self-draft's levels: its roots, then widths
+            captures.append((draft, sorted({topology.root_width, topology.num_candidates}),
+                             self.drafter.uses_hidden_states))
+        budget = graph_memory_budget()
+        for model, per_row, hidden in captures:
+            before = torch.cuda.memory_reserved(self.device)
+            shapes = build_shapes(cache.keys.data_ptr(), self.capacity, positions, per_row, hidden)
+            model.graphed(positions).capture(shapes, cache.keys, cache.values, budget,
+                                             lambda: torch.cuda.memory_reserved(self.device))
+            budget -= torch.cuda.memory_reserved(self.device) - before
 
     def _calibrate(self, target_from_path: bool, draft_from_path: bool) -> tuple[BatchCosts, BatchCosts | None]:
         """Measured forward costs (cached on disk for models loaded by path) for the online policy."""
@@ -204,7 +213,8 @@ class Engine:
             draft_key = f"{resolve_model_path(self.config.model)}|self-draft|{spec.quantization}"
         elif draft_from_path and spec.model and spec.model != SELF_DRAFT:
             draft_key = f"{resolve_model_path(spec.model)}|{spec.quantization}"
-        return verify, calibrate_batch(self.drafter.model, self.topology.root_width + 1, self.capacity, draft_key)
+        return verify, calibrate_batch(self.drafter.model, self.topology.root_width + 1, self.capacity, draft_key,
+                                       graphs=self.drafter.graphs)
 
     def _positions(self, seq: Sequence) -> int:
         """KV positions a sequence may reach: its prompt, its generation, and one draft tree past it."""

@@ -24,7 +24,9 @@ from transformers import (
 )
 
 from decoding import Config, Engine, Request, attention, models
+from decoding import engine as engine_module
 from decoding.attention import AttentionMetadata, cpu_kernel, packs, reference_attention
+from decoding.costs import BatchCosts, CostTable
 from decoding.forward import forward_tree
 from decoding.kv_cache import CacheShape, PagedKVCache
 from decoding.lean_forward import LeanCausalLM, lean_view, supports_lean_forward
@@ -334,12 +336,12 @@ def test_graphs_captured_at_build_follow_the_plan_and_budget_then_uncaptured_sha
     sizes = [1, TreeTopology(2, 1).size(1), TreeTopology(2, 2).size(2)]
     shapes = build_shapes(cache.keys.data_ptr(), 3, 64, sizes, hidden=True)
     assert len(shapes) == 3 * 3  # one key bucket (64 positions a row), rows 1, 2, 4
-    taken = iter(range(0, 10**9, 100 << 20))  # a stand-in for the device's memory: each graph takes 100 MiB
     graphed = GraphedForward(lean.flat_forward, 64, record=record_eagerly)
-    with caplog.at_level("INFO", logger="decoding.cuda_graphs"):
-        captured = graphed.capture(shapes, cache.keys, cache.values, budget=500 << 20, memory=lambda: next(taken))
-    assert captured == 5 and list(graphed.graphs) == shapes[:5]  # the budget stops it at the fifth
-    assert "captured 5/9 CUDA graphs" in caplog.text and "budget (500 MiB) reached" in caplog.text
+    with caplog.at_level("INFO", logger="decoding.cuda_graphs"):  # a stand-in for the device's memory: 100 MiB each
+        captured = graphed.capture(shapes, cache.keys, cache.values, budget=500 << 20,
+                                   memory=lambda: len(graphed.graphs) * (100 << 20))
+    assert captured == 5 and list(graphed.graphs) == shapes[:5]  # the budget stops it after the fifth
+    assert "captured 5/9 CUDA graphs" in caplog.text and "budget (500 MiB) reached after 5 of 9" in caplog.text
     # Captured shapes replay what the eager forward computes; the rest of the plan runs eagerly (None).
     for batch, depth, replayed in [(3, 0, True), (1, 1, True), (2, 1, True), (3, 1, False), (1, 2, False)]:
         if depth:
@@ -410,6 +412,40 @@ def test_an_engine_capturing_at_build_plans_its_shapes_and_verifies_whole_trees(
     widths.clear()
     assert [r.token_ids for r in engine.generate(requests)] == expected
     assert set(widths) <= set(sizes) and max(widths) == sizes[-1]
+
+
+def test_a_self_draft_captures_its_levels_at_build_beside_the_target(tokenizer, target, monkeypatch) -> None:
+    """Mode ``all``: the self-draft's levels (one token per row in the default chain) are captured at build for
+    every row and key bucket beside the target's shapes, over the same pool, and its cost calibration times them as
+    they will run; other drafters and modes leave draft levels eager."""
+    from decoding import cuda_graphs
+    from decoding.cuda_graphs import key_buckets, record_eagerly
+
+    config = Config.model_validate({"model": "in-memory", "batch_size": 2, "sampling": {"max_tokens": 8}})
+    assert not Engine(config, target=target, tokenizer=tokenizer).drafter.graphs  # mode decode: eager levels
+    lean = lean_view(target)
+    monkeypatch.setattr(lean, "_graphs", None)
+    monkeypatch.setattr(cuda_graphs.GraphedForward.__init__, "__defaults__", (record_eagerly,))
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device=None: 0)
+    monkeypatch.setenv("SPECBATCH_CUDA_GRAPHS", "all")
+    monkeypatch.setattr(Engine, "_captures_graphs", lambda self: True)
+    calibrated = []
+    costs = BatchCosts(one_row=CostTable([(1, 0.01), (8, 0.012)]), full=CostTable([(1, 0.02), (8, 0.03)]),
+                       full_rows=2)
+    monkeypatch.setattr(engine_module, "calibrate_batch", lambda model, *args, graphs=False, **kwargs: (
+        calibrated.append((model, graphs)) or costs))
+    engine = Engine(config, target=target, tokenizer=tokenizer)
+    draft = engine.drafter.model
+    assert engine.drafter.graphs and isinstance(draft, LeanCausalLM) and draft is not lean
+    assert calibrated == [(lean, True), (draft, True)]
+    positions = engine.cache.max_blocks_per_row * engine.cache.block_size
+    pool = engine.cache.keys.data_ptr()
+    assert sorted((s.keys, s.per_row, s.rows, s.cache) for s in draft._graphs.graphs) == sorted(
+        (keys, 1, rows, pool) for keys in key_buckets(positions) for rows in (1, 2))
+    assert draft._graphs.frozen == lean._graphs.frozen == {pool}
+    assert {s.per_row for s in lean._graphs.graphs} == {1, *(engine.topology.size(d) for d in range(1, 6))}
+    results = engine.generate([Request(id="0", prompt_token_ids=[3, 4, 5, 3, 4, 5, 3])])
+    assert results[0].error is None and results[0].token_ids
 
 
 def test_prepacked_inference_model_matches_and_leaves_the_original(target, monkeypatch) -> None:
