@@ -312,6 +312,7 @@ class _Measurement:
     decode_steps: int = 0
     bytes_moved: float = 0.0  # by the decode steps
     drafted: int = 0  # draft tokens of the decode steps (engine)
+    decode_tokens: int = 0  # tokens the decode steps emitted (engine)
     rounds: list[tuple[float, int]] = field(default_factory=list)  # (decode seconds, decode steps) per chunk
 
     def add(self, name: str, value: float) -> None:
@@ -519,6 +520,7 @@ def _engine_runner(models: Models, contender: Contender) -> _Runner:
             if decode and positions:
                 into.decode_steps += 1
                 into.drafted += out.spec_decode.num_draft_tokens
+                into.decode_tokens += sum(len(tokens) for tokens in out.new_tokens.values())
                 into.bytes_moved += target_bytes(positions) + (
                     draft_forwards[0] * draft_bytes(positions) if draft_bytes is not None else 0)
             yield True

@@ -10,7 +10,8 @@ machine), its median is shown too.
 Rows: plain decoding (``method: none``) and the default configuration at each batch size, and a speculative step
 (n-gram lookup, a static depth) at batch 1. On this model a draft forward costs what the target's does, as on a
 GPU where a small model's every forward is launch-bound, so the default's online policy should decode plainly:
-its ms per step over plain decoding's is what the policy and the drafter cost a step there. For the n-gram step
+its ms per emitted token over plain decoding's is what the policy and the drafter cost there (where it drafts
+after all, the tokens its steps emit count). For the n-gram step
 to draft at full depth, the random weights are set so that greedy decoding continues a cycle of tokens: the
 prompts are the cycle repeated, lookup finds the next tokens one period back, and every draft is accepted
 (drafted and accepted tokens per step are reported). With another checkout (``--baseline-tree``) its engine runs
@@ -125,7 +126,8 @@ class OverheadRow(BaseModel):
     bandwidth_fraction: float | None
     x_transformers: float | None  # ms_per_step over transformers generate's (its ms per token), at batch 1 for
     # the n-gram row, else at the row's batch size
-    x_engine_none: float | None  # the default configuration's ms_per_step over engine none's at its batch size
+    tokens_per_step: float | None  # tokens a decode step emitted, all rows (engine rows)
+    x_engine_none: float | None  # the default configuration's ms per emitted token over engine none's, same batch
     target: float | None  # the ratio this engine row must not exceed
     meets_target: bool | None
 
@@ -209,6 +211,7 @@ def run_overhead(
                 median_ms_per_step=statistics.median(per_round),
                 rounds_ms=per_round, decode_steps=m.decode_steps,
                 drafted_per_step=m.drafted / m.decode_steps if contender.is_engine else None,
+                tokens_per_step=m.decode_tokens / m.decode_steps if contender.is_engine else None,
                 accepted_per_step=(m.stats.num_accepted_draft_tokens / spec_steps if spec_steps else 0.0)
                 if contender.speculative else None,
                 bytes_per_step=bytes_per_step,
@@ -226,7 +229,8 @@ def run_overhead(
 
 def _compare_to_transformers(rows: list[OverheadRow]) -> None:
     transformers = {r.batch_size: r.ms_per_step for r in rows if r.name == "transformers generate"}
-    plain = {r.batch_size: r.ms_per_step for r in rows if r.name == "engine none"}
+    plain = {r.batch_size: r.ms_per_step / r.tokens_per_step for r in rows if r.name == "engine none"
+             and r.tokens_per_step}
     for row in rows:
         if row.name == "transformers generate":
             continue
@@ -234,8 +238,8 @@ def _compare_to_transformers(rows: list[OverheadRow]) -> None:
         reference = transformers.get(1 if speculative else row.batch_size)
         if reference:
             row.x_transformers = row.ms_per_step / reference
-        if row.name.startswith("engine draft_model") and row.batch_size in plain:
-            row.x_engine_none = row.ms_per_step / plain[row.batch_size]
+        if row.name.startswith("engine draft_model") and row.batch_size in plain and row.tokens_per_step:
+            row.x_engine_none = row.ms_per_step / row.tokens_per_step / plain[row.batch_size]
             continue
         if row.name.startswith("engine ") and row.x_transformers is not None:
             row.target = (SPECULATIVE_TARGET_BATCH_1 if speculative
@@ -246,7 +250,7 @@ def _compare_to_transformers(rows: list[OverheadRow]) -> None:
 _COLUMNS = [  # header, field, format
     ("contender", "name", "{}"), ("batch", "batch_size", "{}"), ("ms/step", "ms_per_step", "{:.2f}"),
     ("median", "median_ms_per_step", "{:.2f}"), ("x transformers", "x_transformers", "{:.2f}"),
-    ("x engine none", "x_engine_none", "{:.2f}"),
+    ("x engine none", "x_engine_none", "{:.2f}"), ("tokens/step", "tokens_per_step", "{:.2f}"),
     ("target", "target", "<= {:.2f}"), ("met", "meets_target", "{}"), ("drafted/step", "drafted_per_step", "{:.2f}"),
     ("accepted/step", "accepted_per_step", "{:.2f}"), ("MB/step", "bytes_per_step", megabytes),
     ("bw %", "bandwidth_fraction", percent), ("rounds ms", "rounds_ms", lambda v: " ".join(f"{x:.2f}" for x in v)),

@@ -254,8 +254,11 @@ def test_overhead_rows_ratios_and_full_depth_drafts(device):
             continue
         reference = rows["transformers generate", 1 if name == speculative else batch]
         assert row.x_transformers == pytest.approx(row.ms_per_step / reference.ms_per_step)
-        if name == default:  # measured against plain decoding, not held to a target
-            assert row.x_engine_none == pytest.approx(row.ms_per_step / rows["engine none", batch].ms_per_step)
+        if name == default:  # measured per emitted token against plain decoding, not held to a target
+            plain = rows["engine none", batch]
+            assert row.tokens_per_step >= batch and plain.tokens_per_step == batch  # every row emits a token a step
+            assert row.x_engine_none == pytest.approx(
+                row.ms_per_step / row.tokens_per_step / (plain.ms_per_step / plain.tokens_per_step))
             assert row.target is None and row.meets_target is None
             continue
         assert row.x_engine_none is None
