@@ -252,6 +252,7 @@ def test_rows_padded_for_a_cuda_graph_compute_what_the_real_rows_compute() -> No
     valid = torch.ones_like(tokens, dtype=torch.bool)
     meta, positions = cache.tree_metadata(rows, topology.ancestors, valid, 0, topology.size(2))
     nodes = torch.arange(topology.size(2))
+    cache.keys[:, 0] = 7.0  # a padding row's token (id 0, the padding embedding) may write zeros: not what is there
     scratch = cache.keys[:, 0].clone()
     expected = lean(tokens, positions, meta, cache.keys, cache.values, 64, nodes, nodes)
     keys = key_bucket(meta.max_keys, 64)  # past the rows' tables: the graph's tables are padded with scratch
