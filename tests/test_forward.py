@@ -231,6 +231,18 @@ def test_the_compiled_stack_computes_what_the_eager_stack_computes(monkeypatch, 
     assert torch.isfinite(logits).all()
 
 
+def _prefilled(blocks: int, positions: int) -> tuple[LeanCausalLM, PagedKVCache, slice, torch.Tensor]:
+    """A tiny model's lean forward and a cache of 64 positions a row holding three rows of a 6-token prompt each
+    (``positions`` reserved per row)."""
+    lean = lean_view(tiny_model())
+    cache = PagedKVCache(CacheShape.of(lean.config), blocks, 3, 64)
+    rows = cache.add_rows([positions] * 3)
+    prompts = torch.randint(3, 30, (3, 6), generator=torch.Generator().manual_seed(0))
+    forward_tree(lean, cache, rows, prompts, chain_ancestors(6), torch.ones(3, 6, dtype=torch.bool))
+    cache.advance(rows, [6, 6, 6])
+    return lean, cache, rows, prompts
+
+
 def test_rows_padded_for_a_cuda_graph_compute_what_the_real_rows_compute() -> None:
     """A CUDA graph runs a bucket of rows: the padding rows write the scratch block and see one position, and
     the real rows' logits and hidden states are those of the unpadded forward (checked on the eager forward, on
@@ -240,13 +252,7 @@ def test_rows_padded_for_a_cuda_graph_compute_what_the_real_rows_compute() -> No
 
     assert [row_bucket(n) for n in (1, 2, 3, 5, 9, 64, 65)] == [1, 2, 4, 8, 16, 64, 128]
     assert key_bucket(10, 4096) == 256 and key_bucket(300, 4096) == 512 and key_bucket(300, 400) == 400
-    model = tiny_model()
-    lean = lean_view(model)
-    cache = PagedKVCache(CacheShape.of(model.config), 16, 3, 64)
-    rows = cache.add_rows([40, 40, 40])
-    prompts = torch.randint(3, 30, (3, 6), generator=torch.Generator().manual_seed(0))
-    forward_tree(lean, cache, rows, prompts, chain_ancestors(6), torch.ones(3, 6, dtype=torch.bool))
-    cache.advance(rows, [6, 6, 6])
+    lean, cache, rows, _ = _prefilled(16, 40)
     topology = TreeTopology(num_candidates=2, max_depth=2)
     tokens = torch.randint(3, 30, (3, topology.size(2)), generator=torch.Generator().manual_seed(1))
     valid = torch.ones_like(tokens, dtype=torch.bool)
@@ -289,13 +295,7 @@ def test_graphed_forward_replays_what_the_eager_forward_computes_with_fresh_inpu
     recorder: every replay computes the eager forward of its own inputs, a shape met again reuses its graph."""
     from decoding.cuda_graphs import GraphedForward, record_eagerly
 
-    model = tiny_model()
-    lean = lean_view(model)
-    cache = PagedKVCache(CacheShape.of(model.config), 24, 3, 64)
-    rows = cache.add_rows([60, 60, 60])
-    prompts = torch.randint(3, 30, (3, 6), generator=torch.Generator().manual_seed(0))
-    forward_tree(lean, cache, rows, prompts, chain_ancestors(6), torch.ones(3, 6, dtype=torch.bool))
-    cache.advance(rows, [6, 6, 6])
+    lean, cache, rows, prompts = _prefilled(24, 60)
     graphed = GraphedForward(lean.flat_forward, 64, record=record_eagerly)
     for call, (batch, depth) in enumerate([(3, 2), (3, 2), (2, 1), (3, 2), (1, 2)]):
         tokens, positions, meta, nodes = _graph_case(cache, slice(0, batch), depth, seed=call)
@@ -327,13 +327,7 @@ def test_graphs_captured_at_build_follow_the_plan_and_budget_then_uncaptured_sha
     assert {(s.cache, s.words, s.logits_per_row == s.per_row, s.hidden_per_row) for s in plan} == {(7, 1, True, 0)}
     assert {s.hidden_per_row for s in build_shapes(7, 1, 64, [1, 3], hidden=True)} == {1, 3}
 
-    model = tiny_model()
-    lean = lean_view(model)
-    cache = PagedKVCache(CacheShape.of(model.config), 24, 3, 64)
-    rows = cache.add_rows([60, 60, 60])
-    prompts = torch.randint(3, 30, (3, 6), generator=torch.Generator().manual_seed(0))
-    forward_tree(lean, cache, rows, prompts, chain_ancestors(6), torch.ones(3, 6, dtype=torch.bool))
-    cache.advance(rows, [6, 6, 6])
+    lean, cache, rows, prompts = _prefilled(24, 60)
     sizes = [1, TreeTopology(2, 1).size(1), TreeTopology(2, 2).size(2)]
     shapes = build_shapes(cache.keys.data_ptr(), 3, 64, sizes, hidden=True)
     assert len(shapes) == 3 * 3  # one key bucket (64 positions a row), rows 1, 2, 4
@@ -361,7 +355,7 @@ def test_graphs_captured_at_build_follow_the_plan_and_budget_then_uncaptured_sha
             torch.testing.assert_close(out[1], expected[1])
     assert len(graphed.graphs) == 5  # nothing captured mid-run over the frozen pool
     # Another pool (a cost calibration's) is still captured when first met.
-    other = PagedKVCache(CacheShape.of(model.config), 8, 1, 64)
+    other = PagedKVCache(CacheShape.of(lean.config), 8, 1, 64)
     other_rows = other.add_rows([20])
     forward_tree(lean, other, other_rows, prompts[:1], chain_ancestors(6), torch.ones(1, 6, dtype=torch.bool))
     other.advance(other_rows, [6])
