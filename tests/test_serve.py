@@ -400,7 +400,8 @@ def test_health_answers_while_200_streams_are_in_flight(client, server):
                                      limits=httpx.Limits(max_connections=400)) as aclient:
 
             async def stream(i: int) -> str:
-                body = {"prompt": WORDS[i % len(WORDS)], "max_tokens": 60, "ignore_eos": True, "stream": True}
+                # Long enough that the first rows do not finish before the last requests arrive.
+                body = {"prompt": WORDS[i % len(WORDS)], "max_tokens": 120, "ignore_eos": True, "stream": True}
                 async with aclient.stream("POST", "/v1/completions", json=body) as response:
                     return [line async for line in response.aiter_lines() if line][-1]
 
