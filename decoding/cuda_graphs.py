@@ -253,8 +253,9 @@ class GraphedForward:
                  ) -> _Graph:
         started = time.perf_counter()
         graph = self.graphs[shape] = _Graph(self.forward, inputs, keys, values, shape.keys, self.pool, self.record)
-        self.capture_seconds += time.perf_counter() - started
-        log.debug("captured a CUDA graph for %s in %.0f ms", shape, 1e3 * (time.perf_counter() - started))
+        seconds = time.perf_counter() - started
+        self.capture_seconds += seconds
+        log.debug("captured a CUDA graph for %s in %.0f ms", shape, 1e3 * seconds)
         return graph
 
     def capture(self, shapes: list[GraphShape], keys: torch.Tensor, values: torch.Tensor, budget: int,

@@ -123,6 +123,7 @@ class Engine:
         self.stepper = Step(
             self.target, self.cache, self.drafter, policy, self.topology, self.sources, self.state, spec,
             self.tokenizer, self.max_context, config.sampling.seed is not None, self.reads,
+            whole_trees=self._captures_graphs(),
         )
 
     # ----------------------------------------------------------------------------------------------- setup
@@ -185,19 +186,19 @@ class Engine:
         cache = self.cache
         positions = cache.max_blocks_per_row * cache.block_size
         topology = self.topology
-        tokens = sorted({1, *(topology.size(depth) for depth in range(topology.max_depth + 1))})
+        tokens = [1, *(topology.size(depth) for depth in range(topology.max_depth + 1))]
         captures = [(self.target, tokens, self.drafter.reads_target_states)]
         draft = getattr(self.drafter, "model", None)
         if self.drafter.graphs and isinstance(draft, LeanCausalLM):  # a self-draft's levels: its roots, then widths
-            captures.append((draft, sorted({topology.root_width, topology.num_candidates}),
-                             self.drafter.uses_hidden_states))
-        budget = graph_memory_budget()
-        for model, per_row, hidden in captures:
-            before = torch.cuda.memory_reserved(self.device)
+            captures.append((draft, [topology.root_width, topology.num_candidates], self.drafter.uses_hidden_states))
+
+        def memory() -> int:
+            return torch.cuda.memory_reserved(self.device)
+
+        started, budget = memory(), graph_memory_budget()
+        for model, per_row, hidden in captures:  # one budget for both models
             shapes = build_shapes(cache.keys.data_ptr(), self.capacity, positions, per_row, hidden)
-            model.graphed(positions).capture(shapes, cache.keys, cache.values, budget,
-                                             lambda: torch.cuda.memory_reserved(self.device))
-            budget -= torch.cuda.memory_reserved(self.device) - before
+            model.graphed(positions).capture(shapes, cache.keys, cache.values, budget - (memory() - started), memory)
 
     def _calibrate(self, target_from_path: bool, draft_from_path: bool) -> tuple[BatchCosts, BatchCosts | None]:
         """Measured forward costs (cached on disk for models loaded by path) for the online policy."""

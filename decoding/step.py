@@ -26,7 +26,6 @@ from transformers import PreTrainedTokenizerBase
 from decoding.batch_state import BatchState
 from decoding.config import SpeculativeConfig
 from decoding.constrained import StepGrammar, advance, apply_masks, grammar_drafts
-from decoding.cuda_graphs import captures_at_build
 from decoding.drafters import Draft, Drafter, DraftInputs
 from decoding.forward import forward_tree
 from decoding.grammar import committed_masks
@@ -98,12 +97,14 @@ class Step:
         self, target: torch.nn.Module, cache: PagedKVCache, drafter: Drafter, policy: LengthPolicy,
         topology: TreeTopology, sources: Sources, state: BatchState, speculative: SpeculativeConfig,
         tokenizer: PreTrainedTokenizerBase, max_context: int, run_seeded: bool, reads: HostReads,
+        whole_trees: bool = False,
     ) -> None:
+        """``whole_trees``: verifications replay graphs captured at build, for whole trees only (``Engine``)."""
         self.target, self.cache, self.drafter, self.policy = target, cache, drafter, policy
         self.topology, self.sources, self.state, self.speculative = topology, sources, state, speculative
         self.tokenizer, self.max_context, self.run_seeded, self.to_host = tokenizer, max_context, run_seeded, reads
         self.device = cache.device
-        self.whole_trees = captures_at_build() and self.device.type == "cuda"
+        self.whole_trees = whole_trees
         self.steps = 0
         self.encode = lambda text: tokenizer.encode(text, add_special_tokens=False)  # grammar drafts' text
 

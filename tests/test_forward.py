@@ -403,7 +403,7 @@ def test_an_engine_capturing_at_build_plans_its_shapes_and_verifies_whole_trees(
     assert sorted((s.keys, s.per_row, s.rows) for s in lean._graphs.graphs) == sorted(
         (keys, per_row, rows) for keys in key_buckets(positions) for per_row in sizes for rows in (1, 2, 4))
     assert lean._graphs.frozen == {engine.cache.keys.data_ptr()}
-    engine.stepper.whole_trees = True  # set from the device type: a CUDA engine's choice
+    assert engine.stepper.whole_trees  # the engine's choice where it captures at build
     widths.clear()
     assert [r.token_ids for r in engine.generate(requests)] == expected
     assert set(widths) <= set(sizes) and max(widths) == sizes[-1]
