@@ -43,7 +43,7 @@ from bench.harness import (
     percent,
 )
 from decoding.config import Config
-from decoding.lean_forward import compile_enabled, lean_view, supports_lean_forward
+from decoding.model.lean_forward import compile_enabled, lean_view, supports_lean_forward
 
 log = logging.getLogger(__name__)
 

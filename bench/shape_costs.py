@@ -21,11 +21,11 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from bench.harness import aligned, cell, megabytes, percent
 from bench.measure import Bandwidth, Clock, ForwardBytes, bandwidth_fraction, device_bandwidth
-from decoding.forward import forward_tree
-from decoding.kv_cache import CacheShape, PagedKVCache
-from decoding.lean_forward import lean_view
-from decoding.quantize import quantized
-from decoding.tree import chain_ancestors
+from decoding.engine.kv_cache import CacheShape, PagedKVCache
+from decoding.model.forward import forward_tree
+from decoding.model.lean_forward import lean_view
+from decoding.model.quantize import quantized
+from decoding.verification.tree import chain_ancestors
 
 log = logging.getLogger(__name__)
 

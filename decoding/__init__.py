@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 from decoding.config import Config, SamplingParams, SpeculativeConfig, load_config
 
 if TYPE_CHECKING:
-    from decoding.engine import Engine, GenerationResult, Request, StepOutput
+    from decoding.engine.engine import Engine, GenerationResult, Request, StepOutput
 
 _FROM_ENGINE = ("Engine", "GenerationResult", "Request", "StepOutput")
 
@@ -25,5 +25,5 @@ __all__ = [
 
 def __getattr__(name: str) -> Any:
     if name in _FROM_ENGINE:
-        return getattr(importlib.import_module("decoding.engine"), name)
+        return getattr(importlib.import_module("decoding.engine.engine"), name)
     raise AttributeError(f"module 'decoding' has no attribute {name!r}")

@@ -107,7 +107,8 @@ CONSTRAINT_KINDS = ("json", "regex", "choice", "grammar", "json_object")
 
 
 class StructuredOutputs(BaseModel):
-    """vLLM's ``StructuredOutputsParams``: one constraint on the generated text (decoding.grammar compiles it).
+    """vLLM's ``StructuredOutputsParams``: one constraint on the generated text (``constraints/grammar.py``
+    compiles it).
 
     ``json`` is a JSON schema (an object or its JSON text), ``regex`` a regular expression, ``choice`` a list of
     strings the output is exactly one of, ``grammar`` an EBNF (GBNF) or Lark grammar, ``json_object: true`` any
@@ -160,7 +161,10 @@ class StructuredOutputs(BaseModel):
         if len(given) != 1:
             found = f"got {', '.join(given)}" if given else "got none"
             raise ValueError(f"structured outputs take exactly one of {', '.join(CONSTRAINT_KINDS)} ({found})")
-        from decoding.grammar import GrammarError, check_constraint  # xgrammar loads when a constraint appears
+        from decoding.constraints.grammar import (  # xgrammar loads when a constraint appears
+            GrammarError,
+            check_constraint,
+        )
 
         try:
             check_constraint(self.constraint)
@@ -225,8 +229,8 @@ class SamplingParams(_Strict):
     logprobs: int | None = Field(None, ge=0, le=20, description="top alternatives returned with each token")
     skip_special_tokens: bool = True
     detokenize: bool = True
-    # A constraint on the output (decoding.grammar); vLLM's older name guided_decoding (Ray Data LLM's examples)
-    # is accepted for it.
+    # A constraint on the output (decoding.constraints.grammar); vLLM's older name guided_decoding (Ray Data LLM's
+    # examples) is accepted for it.
     structured_outputs: StructuredOutputs | None = None
 
     @model_validator(mode="before")
@@ -270,7 +274,7 @@ class SamplingParams(_Strict):
 
     @property
     def penalized(self) -> bool:
-        """Whether logits need the penalty / ban pass (decoding.sampling.Penalties)."""
+        """Whether logits need the penalty / ban pass (decoding.verification.sampling.Penalties)."""
         return bool(
             self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0 or self.min_tokens
         )

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 from transformers import PreTrainedTokenizerBase
 
-from decoding.text import IncrementalDecoder
+from decoding.engine.text import IncrementalDecoder
 
 
 class IncrementalText:
-    """One sequence's text as its tokens arrive, each token decoded once (``decoding.text``).
+    """One sequence's text as its tokens arrive, each token decoded once (``decoding.engine.text``).
 
     ``push`` returns the new text that is safe to send: it holds back a trailing partial character and any
     suffix that could be the start of a stop string (the engine cuts the final text before a stop string, so

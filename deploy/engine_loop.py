@@ -1,4 +1,4 @@
-"""Continuous batching for one replica: ``decoding.runner``'s engine thread, seen from asyncio.
+"""Continuous batching for one replica: ``decoding.engine.runner``'s engine thread, seen from asyncio.
 
 Requests join between steps (the engine prefills them into free rows), finished ones leave at once, and each
 caller receives its sequences' events as they happen. Requests are validated and tokenized in a worker thread,
@@ -14,7 +14,7 @@ from collections.abc import AsyncGenerator, Callable
 from typing import Any
 
 from decoding.engine import Engine, GenerationResult, Request
-from decoding.runner import EngineRunner, RequestRejected, StepObserver
+from decoding.engine.runner import EngineRunner, RequestRejected, StepObserver
 
 # Ray starts workers at niceness 15 to keep its own daemons responsive; an engine replica on a CPU node would
 # then yield its cores to every daemon wake-up (see pipeline.actor, which sets the same for its actors).
@@ -60,8 +60,8 @@ async def _in_own_thread(work: Callable[[], Any]) -> Any:
 class EngineLoop:
     def __init__(self, make_engine: Callable[[], Engine], torch_threads: int | None = None,
                  observer: StepObserver | None = None) -> None:
-        # A step that fails is rerun without the requests that make it fail (decoding.runner); only an engine that
-        # cannot recover fails the replica, which Serve then replaces.
+        # A step that fails is rerun without the requests that make it fail (decoding.engine.runner); only an engine
+        # that cannot recover fails the replica, which Serve then replaces.
         self.runner = EngineRunner(make_engine, torch_threads, observer)
         # Each generate call's event queue, so that a shutdown can end the requests still running.
         self._routes: dict[int, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}

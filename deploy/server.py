@@ -36,9 +36,9 @@ from starlette.exceptions import HTTPException
 from decoding.config import Config, SamplingParams, load_config
 from decoding.engine import Engine, GenerationResult
 from decoding.engine import Request as EngineRequest
-from decoding.models import load_tokenizer, worker_threads
-from decoding.sampling import row_seed
+from decoding.model.loading import load_tokenizer, worker_threads
 from decoding.stats import SpecDecodeStats
+from decoding.verification.sampling import row_seed
 from deploy import drain, gate
 from deploy.detokenize import IncrementalText
 from deploy.engine_loop import REPLICA_RUNTIME_ENV, Draining, EngineFailure, EngineLoop, Event, RequestRejected

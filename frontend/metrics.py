@@ -127,7 +127,7 @@ class _Timing:
 
 
 class EngineMetrics:
-    """The metrics of one engine; the ``decoding.runner.EngineRunner`` observer protocol."""
+    """The metrics of one engine; the ``decoding.engine.runner.EngineRunner`` observer protocol."""
 
     def __init__(self, backends: Sequence[Backend], model_name: str, engine: str = "0") -> None:
         self.tags = {"model_name": model_name, "engine": engine}

@@ -13,7 +13,7 @@ import pyarrow.fs as pafs
 from filelock import FileLock
 
 from decoding.config import Config
-from decoding.models import cache_dir
+from decoding.paths import cache_dir
 
 _DONE = ".specbatch-copied"
 

@@ -108,7 +108,7 @@ class ChatOptions(_Strict):
 
     def request_fields(self, config: Config, *, continue_assistant: bool = False,
                        messages: list[dict[str, str]] | None = None) -> dict[str, Any]:
-        """``decoding.engine.Request``'s rendering fields: these options over ``config``'s, with vLLM's defaults
+        """``decoding.engine.engine.Request``'s rendering fields: these options over ``config``'s, with vLLM's defaults
         (generation prompt added, final message not continued). With ``continue_assistant`` (Ray Data LLM's rule),
         messages ending with the assistant's are continued instead, unless the options say otherwise."""
         add, continue_final = self.add_generation_prompt, self.continue_final_message
@@ -206,9 +206,9 @@ def sampling_params(
     overrides: Mapping[str, Any] | None, defaults: SamplingParams, vocab_size: int, eos_ids: Collection[int]
 ) -> SamplingParams:
     """A request's sampling parameters: the configured ``defaults`` (less the run's seed, see
-    ``decoding.sampling.row_generator``) overridden field by field, validated with every bound, and checked against
-    the model (token ids within its vocabulary). ``RequestError`` naming the field otherwise. Whatever passes here
-    runs in an engine step without raising."""
+    ``decoding.verification.sampling.row_generator``) overridden field by field, validated with every bound, and
+    checked against the model (token ids within its vocabulary). ``RequestError`` naming the field otherwise.
+    Whatever passes here runs in an engine step without raising."""
     overrides = dict(overrides or {})
     try:
         params = SamplingParams.model_validate({**defaults.model_dump(exclude={"seed"}), **overrides})

@@ -25,9 +25,9 @@ import torch
 import yaml
 
 from decoding import Config, Engine, Request
-from decoding.costs import forward_timer
-from decoding.drafters import DraftModelDrafter
-from decoding.models import for_inference, load_model, load_tokenizer, resolve_model_path
+from decoding.drafting.costs import forward_timer
+from decoding.drafting.drafters import DraftModelDrafter
+from decoding.model.loading import for_inference, load_model, load_tokenizer, resolve_model_path
 from training.data import PromptSource, read_rows, row_prompt_ids
 
 

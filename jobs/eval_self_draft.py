@@ -22,9 +22,9 @@ from typing import Any
 import torch
 
 from decoding import Config, Engine
-from decoding.costs import forward_timer
-from decoding.models import for_inference, load_model, load_tokenizer, use_torch_threads
-from decoding.quantize import quantized
+from decoding.drafting.costs import forward_timer
+from decoding.model.loading import for_inference, load_model, load_tokenizer, use_torch_threads
+from decoding.model.quantize import quantized
 from jobs.bench import read_prompt_set
 
 

@@ -24,7 +24,7 @@ import yaml
 from pydantic import BaseModel, ValidationError
 
 from decoding.config import ConfigError, apply_overrides, format_validation_error
-from decoding.models import DEFAULT_DRAFT, DEFAULT_MODEL, resolve_model_path
+from decoding.model.loading import DEFAULT_DRAFT, DEFAULT_MODEL, resolve_model_path
 from jobs.common import setup_logging, split_overrides
 from training.data import PromptSource
 from training.runs import RunError

@@ -15,7 +15,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from decoding.models import DEFAULT_MODEL, resolve_model_path
+from decoding.model.loading import DEFAULT_MODEL, resolve_model_path
 from jobs.train_draft import build_config, run_training, training_parser
 from training.signals import SignalTrainingConfig, train_signal_model
 

@@ -1,7 +1,7 @@
 """The Ray Data actor: one engine per actor, fed continuously by every batch the actor is working on.
 
 Ray Data runs several ``__call__``s of one actor at once (``max_concurrent_calls_per_actor``); each
-tokenizes its rows on its own thread and queues them, while the engine thread (``decoding.runner``) admits
+tokenizes its rows on its own thread and queues them, while the engine thread (``decoding.engine.runner``) admits
 queued requests into free rows between steps. So the engine's batch stays full across Ray Data batches
 instead of draining at the end of each one.
 """
@@ -20,8 +20,8 @@ import ray
 
 from decoding.config import Config
 from decoding.engine import Engine, GenerationResult, Request
-from decoding.models import worker_threads
-from decoding.runner import EngineRunner, Event, RequestRejected
+from decoding.engine.runner import EngineRunner, Event, RequestRejected
+from decoding.model.loading import worker_threads
 from frontend.metrics import EngineMetrics, ray_backend
 from frontend.remote import localize_models
 from frontend.requests import ChatOptions, RequestError, parse_request, sampling_params

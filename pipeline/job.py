@@ -36,7 +36,7 @@ log = logging.getLogger(__name__)
 def ray_session(verbose: bool = True) -> Iterator[None]:
     """Use the connected cluster; else join RAY_ADDRESS's (as under `ray job submit`), else start a local one.
     ``verbose``: Ray's and Ray Data's logs and progress bars and the workers' output reach the driver's (the engine
-    actors' build time and progress lines, decoding.runner); otherwise only warnings do, and errors."""
+    actors' build time and progress lines, decoding.engine.runner); otherwise only warnings do, and errors."""
     context = ray.data.DataContext.get_current()
     context.enable_progress_bars = context.print_on_execution_start = verbose
     for name in ("ray", "ray.data"):

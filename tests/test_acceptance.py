@@ -7,7 +7,7 @@ import itertools
 import pytest
 import torch
 
-from decoding.acceptance import sibling_acceptance, verify_greedy, verify_sampled
+from decoding.verification.acceptance import sibling_acceptance, verify_greedy, verify_sampled
 
 VOCAB = 4
 

@@ -30,7 +30,7 @@ from bench.overhead import (
 from bench.shape_costs import SHAPES, format_shape_costs, random_model, run_shape_costs
 from decoding.config import Config
 from decoding.engine import Request
-from decoding.quantize import quantized
+from decoding.model.quantize import quantized
 from jobs import bench
 
 REPO = Path(__file__).resolve().parents[1]
@@ -51,18 +51,18 @@ def baseline(baseline_tree):
 
 # ---------------------------------------------------------------------------------------------------- baseline
 def test_the_baseline_tree_is_its_own_package(baseline, baseline_tree):
-    import decoding.engine
+    import decoding.engine.engine
 
     assert baseline.__name__ == "baseline_decoding"
     assert Path(baseline.engine.__file__).is_relative_to(baseline_tree)
-    assert baseline.engine.Engine is not decoding.engine.Engine
+    assert baseline.engine.Engine is not decoding.engine.engine.Engine
     # Its own imports resolve to its own modules, statements and importlib strings alike (the lazy names of its
-    # __init__ go through importlib.import_module("decoding.engine")).
-    assert baseline.engine.Config is baseline.config.Config is not decoding.engine.Config
+    # __init__ go through importlib.import_module("decoding.engine.engine")).
+    assert baseline.engine.engine.Config is baseline.config.Config is not decoding.engine.engine.Config
     assert baseline.Engine is baseline.engine.Engine
     assert all(Path(m.__file__).is_relative_to(baseline_tree)
                for name, m in sys.modules.items() if name.startswith("baseline_decoding") and m is not None)
-    assert Path(sys.modules["decoding.engine"].__file__).is_relative_to(REPO)
+    assert Path(sys.modules["decoding.engine.engine"].__file__).is_relative_to(REPO)
     assert load_baseline(baseline_tree) is baseline  # imported once
     with pytest.raises(ValueError, match="already imported"):
         load_baseline(REPO)
@@ -107,9 +107,9 @@ def test_baseline_rows_follow_each_engine_and_decode_the_same(baseline, target, 
         assert not rows[name].slower_than_none  # only this engine's configurations are flagged
     assert rows["baseline engine ngram w1 d3 init=draft static"].drafted_per_step > 0
     # The copy's CPU attention kernel is the one already loaded: it runs, not the reference attention.
-    from decoding import attention
+    from decoding.model import attention
 
-    assert baseline.attention._kernel_state.get("loaded") == attention._kernel_state.get("loaded")
+    assert baseline.model.attention._kernel_state.get("loaded") == attention._kernel_state.get("loaded")
 
 
 def test_results_of_an_engine_without_a_counter_convert_to_this_ones_stats():

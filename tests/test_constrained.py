@@ -1,5 +1,5 @@
-"""Constraints in the step (decoding.constrained), on tiny random models: outputs follow their constraint, greedy
-outputs equal plain constrained decoding for every method, width and batch size, sampling follows the constrained
+"""Constraints in the step (decoding.constraints.constrained), on tiny random models: outputs follow their constraint,
+greedy outputs equal plain constrained decoding for every method, width and batch size, sampling follows the constrained
 target law, and the grammar's forced tokens are drafts the target always accepts."""
 
 from __future__ import annotations
@@ -20,8 +20,8 @@ from transformers import PreTrainedTokenizerFast
 
 from decoding import Engine, Request
 from decoding.config import StructuredOutputs
-from decoding.grammar import compiler_for
-from decoding.models import DEFAULT_MODEL, load_tokenizer
+from decoding.constraints.grammar import compiler_for
+from decoding.model.loading import DEFAULT_MODEL, load_tokenizer
 
 MAX_TOKENS = 24
 # One constraint per row, cycled over the prompts (None: an unconstrained row in the same batch).
@@ -183,13 +183,13 @@ def test_min_tokens_never_outlasts_a_complete_grammar(tokenizer, target, draft) 
 
 
 def test_rows_without_constraints_build_no_grammar(tokenizer, target, draft, monkeypatch) -> None:
-    import decoding.step
+    import decoding.engine.step
 
     def refuse(*args, **kwargs):
         raise AssertionError("grammar work in a step without constrained rows")
 
     for name in ("StepGrammar", "apply_masks", "grammar_drafts", "advance", "committed_masks"):
-        monkeypatch.setattr(decoding.step, name, refuse)
+        monkeypatch.setattr(decoding.engine.step, name, refuse)
     for method in ("ngram", "lookup_siblings", "draft_model"):
         config = make_config(**SPECULATIVE.get(method, {"method": method}), num_candidates=2)
         results = Engine(config, target=target, tokenizer=tokenizer, draft=draft).generate(

@@ -1,5 +1,5 @@
-"""Drafters (decoding/drafters.py): n-gram lookup on literal token arrays, and what the model drafters promise: a
-stop ends drafting without a wasted forward, a self-draft drafts in the target's cache and leaves the target as
+"""Drafters (decoding/drafting/drafters.py): n-gram lookup on literal token arrays, and what the model drafters promise:
+a stop ends drafting without a wasted forward, a self-draft drafts in the target's cache and leaves the target as
 loaded, a draft over a vocabulary subset stays lossless, lookup siblings join a model's tree only."""
 
 from __future__ import annotations
@@ -9,9 +9,9 @@ import torch
 from engine_cases import PROMPTS, make_config, run
 
 from decoding import Config, Engine, Request
-from decoding.drafters import SOME_ROWS_MAX_SHARE, DraftInputs, NgramDrafter
-from decoding.signal_head import DraftSignalMLP
-from decoding.tree import TreeTopology
+from decoding.drafting.drafters import SOME_ROWS_MAX_SHARE, DraftInputs, NgramDrafter
+from decoding.drafting.signal_head import DraftSignalMLP
+from decoding.verification.tree import TreeTopology
 
 
 # -------------------------------------------------------------------------------------------------------- n-gram lookup
@@ -120,7 +120,7 @@ def test_vocabulary_subset_draft_is_lossless_and_leaves_the_model_whole(
 ) -> None:
     import json
 
-    from decoding.models import DRAFT_METADATA
+    from decoding.model.loading import DRAFT_METADATA
 
     draft.save_pretrained(tmp_path)
     (tmp_path / DRAFT_METADATA).write_text(json.dumps({"vocab_subset": list(range(3, 20))}))
@@ -140,7 +140,7 @@ def test_quantized_self_draft_leaves_the_target_as_loaded(tokenizer, target) -> 
     before = {name: p.detach().clone() for name, p in target.named_parameters()}
     config = make_config(method="draft_model", model="target", quantization="int4", num_speculative_tokens=3)
     engine = Engine(config, target=target, tokenizer=tokenizer)
-    twin = engine.drafter.model  # the lean forward over the quantized twin (decoding.lean_forward)
+    twin = engine.drafter.model  # the lean forward over the quantized twin (decoding.model.lean_forward)
     assert twin is not target and twin is not engine.target and twin.inner is not target
     assert twin.compiled is not None  # its layers compiled (decoding.compiled_layers): what the engine tests run
     quantized_layers = [m for m in twin.modules() if isinstance(m, torch.nn.Linear) and "forward" in vars(m)]

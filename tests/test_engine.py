@@ -22,9 +22,9 @@ from engine_cases import (
 from tiny import tiny_model
 
 from decoding import Engine, Request
+from decoding.drafting.feature_draft import FeatureDraft
+from decoding.drafting.signal_head import DraftSignalMLP
 from decoding.engine import prefill_groups
-from decoding.feature_draft import FeatureDraft
-from decoding.signal_head import DraftSignalMLP
 
 
 @pytest.fixture(scope="module")

@@ -23,16 +23,18 @@ from transformers import (
     Qwen3ForCausalLM,
 )
 
-from decoding import Config, Engine, Request, attention, models
-from decoding import engine as engine_module
-from decoding.attention import AttentionMetadata, cpu_kernel, packs, reference_attention
-from decoding.costs import BatchCosts, CostTable
-from decoding.forward import forward_tree
-from decoding.kv_cache import CacheShape, PagedKVCache
-from decoding.lean_forward import LeanCausalLM, lean_view, supports_lean_forward
-from decoding.models import for_inference
-from decoding.quantize import quantized
-from decoding.tree import TreeTopology, chain_ancestors
+from decoding import Config, Engine, Request
+from decoding.drafting.costs import BatchCosts, CostTable
+from decoding.engine import engine as engine_module
+from decoding.engine.kv_cache import CacheShape, PagedKVCache
+from decoding.model import attention
+from decoding.model import loading as models
+from decoding.model.attention import AttentionMetadata, cpu_kernel, packs, reference_attention
+from decoding.model.forward import forward_tree
+from decoding.model.lean_forward import LeanCausalLM, lean_view, supports_lean_forward
+from decoding.model.loading import for_inference
+from decoding.model.quantize import quantized
+from decoding.verification.tree import TreeTopology, chain_ancestors
 
 COMMON = dict(vocab_size=32, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
               num_key_value_heads=2, max_position_embeddings=256, eos_token_id=2, bos_token_id=1, pad_token_id=0)
@@ -200,7 +202,7 @@ def test_the_compiled_stack_computes_what_the_eager_stack_computes(monkeypatch, 
     package; a stack that cannot compile runs eagerly, with a warning."""
     if not cpu_kernel():
         pytest.skip("no C++ compiler")
-    from decoding import compiled_forward
+    from decoding.model import compiled_forward
 
     monkeypatch.setenv("SPECBATCH_COMPILE", "1")
     monkeypatch.setenv("SPECBATCH_CACHE", str(tmp_path))
@@ -247,8 +249,8 @@ def test_rows_padded_for_a_cuda_graph_compute_what_the_real_rows_compute() -> No
     """A CUDA graph runs a bucket of rows: the padding rows write the scratch block and see one position, and
     the real rows' logits and hidden states are those of the unpadded forward (checked on the eager forward, on
     whatever device this machine has)."""
-    from decoding.attention import dense_layout
-    from decoding.cuda_graphs import key_bucket, pad_rows_to, row_bucket
+    from decoding.model.attention import dense_layout
+    from decoding.model.cuda_graphs import key_bucket, pad_rows_to, row_bucket
 
     assert [row_bucket(n) for n in (1, 2, 3, 5, 9, 64, 65)] == [1, 2, 4, 8, 16, 64, 128]
     assert key_bucket(10, 4096) == 256 and key_bucket(300, 4096) == 512 and key_bucket(300, 400) == 400
@@ -293,7 +295,7 @@ def _graph_case(cache: PagedKVCache, rows, depth: int, seed: int) -> tuple[torch
 def test_graphed_forward_replays_what_the_eager_forward_computes_with_fresh_inputs_each_call() -> None:
     """The graph machinery (persistent buffers, padded rows, one graph per shape) with the eager stand-in
     recorder: every replay computes the eager forward of its own inputs, a shape met again reuses its graph."""
-    from decoding.cuda_graphs import GraphedForward, record_eagerly
+    from decoding.model.cuda_graphs import GraphedForward, record_eagerly
 
     lean, cache, rows, prompts = _prefilled(24, 60)
     graphed = GraphedForward(lean.flat_forward, 64, record=record_eagerly)
@@ -308,7 +310,7 @@ def test_graphed_forward_replays_what_the_eager_forward_computes_with_fresh_inpu
 
 
 def test_graphs_captured_at_build_follow_the_plan_and_budget_then_uncaptured_shapes_run_eagerly(caplog) -> None:
-    from decoding.cuda_graphs import (
+    from decoding.model.cuda_graphs import (
         GraphedForward,
         build_shapes,
         key_buckets,
@@ -332,7 +334,8 @@ def test_graphs_captured_at_build_follow_the_plan_and_budget_then_uncaptured_sha
     shapes = build_shapes(cache.keys.data_ptr(), 3, 64, sizes, hidden=True)
     assert len(shapes) == 3 * 3  # one key bucket (64 positions a row), rows 1, 2, 4
     graphed = GraphedForward(lean.flat_forward, 64, record=record_eagerly)
-    with caplog.at_level("INFO", logger="decoding.cuda_graphs"):  # a stand-in for the device's memory: 100 MiB each
+    # A stand-in for the device's memory: 100 MiB each.
+    with caplog.at_level("INFO", logger="decoding.model.cuda_graphs"):
         captured = graphed.capture(shapes, cache.keys, cache.values, budget=500 << 20,
                                    memory=lambda: len(graphed.graphs) * (100 << 20))
     assert captured == 5 and list(graphed.graphs) == shapes[:5]  # the budget stops it after the fifth
@@ -370,8 +373,9 @@ def test_an_engine_capturing_at_build_plans_its_shapes_and_verifies_whole_trees(
     verification shapes for its rows and cache and captures them (the eager stand-in recorder here), and
     verifications carry whole trees, a host draft's dead nodes as padding queries rather than pruned (only whole
     trees are captured), emitting the tokens the pruned forwards emit."""
-    from decoding import cuda_graphs, step
-    from decoding.cuda_graphs import key_buckets, record_eagerly
+    from decoding.engine import step
+    from decoding.model import cuda_graphs
+    from decoding.model.cuda_graphs import key_buckets, record_eagerly
 
     config = Config.model_validate({
         "model": "in-memory", "batch_size": 3, "sampling": {"max_tokens": 16},
@@ -413,8 +417,8 @@ def test_a_self_draft_captures_its_levels_at_build_beside_the_target(tokenizer, 
     """Mode ``all``: the self-draft's levels (one token per row in the default chain) are captured at build for
     every row and key bucket beside the target's shapes, over the same pool, and its cost calibration times them as
     they will run; other drafters and modes leave draft levels eager."""
-    from decoding import cuda_graphs
-    from decoding.cuda_graphs import key_buckets, record_eagerly
+    from decoding.model import cuda_graphs
+    from decoding.model.cuda_graphs import key_buckets, record_eagerly
 
     config = Config.model_validate({"model": "in-memory", "batch_size": 2, "sampling": {"max_tokens": 8}})
     assert not Engine(config, target=target, tokenizer=tokenizer).drafter.graphs  # mode decode: eager levels
@@ -494,7 +498,7 @@ def test_reference_attention_zeroes_unwritten_positions_unless_the_pool_is_zero_
     """A pool off the CPU is zero-filled when allocated, and the reference attention then skips zeroing the
     positions no query of a row sees; in a pool that is not (torch.empty), such a position may hold a NaN, which a
     masked weight would still spread: the zeroing is what keeps the output finite there."""
-    from decoding.attention import dense_layout
+    from decoding.model.attention import dense_layout
 
     generator = torch.Generator().manual_seed(0)
     block, kv_heads, heads, dim = 16, 2, 4, 8

@@ -1,5 +1,5 @@
-"""Structured outputs: constraints parsed and refused by name, and decoding.grammar's state, tree masks, forced
-tokens and logit masking, checked against fresh xgrammar matchers on the tiny and the real SmolLM2 tokenizers."""
+"""Structured outputs: constraints parsed and refused by name, and decoding.constraints.grammar's state, tree masks,
+forced tokens and logit masking, checked against fresh xgrammar matchers on the tiny and the real SmolLM2 tokenizers."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from engine_cases import make_config
 
 from decoding import Engine, Request
 from decoding.config import Constraint, SamplingParams, StructuredOutputs, load_config
-from decoding.grammar import (
+from decoding.constraints.grammar import (
     GrammarError,
     RowGrammar,
     RowMasks,
@@ -26,8 +26,8 @@ from decoding.grammar import (
     mask_logits,
     unpack,
 )
-from decoding.models import DEFAULT_MODEL, load_tokenizer
-from decoding.tree import TreeTopology
+from decoding.model.loading import DEFAULT_MODEL, load_tokenizer
+from decoding.verification.tree import TreeTopology
 from frontend.requests import RequestError, parse_request
 
 # Nested objects, arrays, enums, numbers; bounded so that a random walk through the grammar ends. Strings are

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from decoding.costs import BatchCosts, CostTable, LearnedCosts
-from decoding.length_policies import OnlinePolicy, Sources, StepRecord, StepTiming
+from decoding.drafting.costs import BatchCosts, CostTable, LearnedCosts
+from decoding.drafting.length_policies import OnlinePolicy, Sources, StepRecord, StepTiming
 
 ROWS = 16
 # Verifying a depth-4 chain for every row costs 1.5x a plain step: drafting pays once about half of the

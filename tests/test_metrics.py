@@ -8,7 +8,7 @@ from concurrent.futures import Future
 
 from decoding.config import Config
 from decoding.engine import Engine, GenerationResult, Request
-from decoding.runner import EngineRunner
+from decoding.engine.runner import EngineRunner
 from frontend.metrics import EngineMetrics, MetricSpec
 
 

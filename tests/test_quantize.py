@@ -1,5 +1,5 @@
-"""Weight-only quantization (decoding/quantize.py): the int4 and int8 kernels compute the quantized weights, a head
-with exact top logits recomputes them in float, fused siblings compute what separate layers compute."""
+"""Weight-only quantization (decoding/model/quantize.py): the int4 and int8 kernels compute the quantized weights, a
+head with exact top logits recomputes them in float, fused siblings compute what separate layers compute."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import torch
 
 
 def test_int4_and_int8_kernels_compute_the_quantized_weights() -> None:
-    from decoding.quantize import int4_groupwise, int8_per_channel, quantize_linear
+    from decoding.model.quantize import int4_groupwise, int8_per_channel, quantize_linear
 
     torch.manual_seed(0)
     linear = torch.nn.Linear(64, 48)
@@ -36,7 +36,7 @@ def test_int4_and_int8_kernels_compute_the_quantized_weights() -> None:
 
 
 def test_a_head_with_exact_top_logits_recomputes_its_largest_outputs_in_float() -> None:
-    from decoding.quantize import quantize_linear
+    from decoding.model.quantize import quantize_linear
 
     torch.manual_seed(0)
     head = torch.nn.Linear(64, 96)
@@ -54,7 +54,7 @@ def test_a_head_with_exact_top_logits_recomputes_its_largest_outputs_in_float() 
 
 
 def test_fused_siblings_compute_what_separate_layers_compute(target) -> None:
-    from decoding.quantize import FusedSiblings, quantize_linear, quantized
+    from decoding.model.quantize import FusedSiblings, quantize_linear, quantized
 
     torch.manual_seed(0)
     layers = [torch.nn.Linear(64, n, bias=bias) for n, bias in ((48, True), (16, False), (32, True))]

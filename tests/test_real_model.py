@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from decoding import Config, Engine, Request
-from decoding.models import DEFAULT_MODEL, load_model, load_tokenizer
+from decoding.model.loading import DEFAULT_MODEL, load_model, load_tokenizer
 
 pytestmark = pytest.mark.real_model
 # CI runs a few prompts per set; SPECBATCH_REAL_PROMPTS=16 SPECBATCH_REAL_TOKENS=128 is the full acceptance run.
@@ -140,7 +140,7 @@ def test_embedded_model_is_read_from_the_installed_wheel_without_importing_or_do
     import subprocess
     import sys
 
-    from decoding.models import _SMOLLM2_GGUF, _smollm2_gguf
+    from decoding.model.loading import _SMOLLM2_GGUF, _smollm2_gguf
 
     def no_download(*args, **kwargs):
         raise AssertionError(f"downloaded at run time: {args}")

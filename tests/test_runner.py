@@ -1,4 +1,4 @@
-"""The engine loop both adapters share (decoding.runner): results through sinks, and its progress log."""
+"""The engine loop both adapters share (decoding.engine.runner): results through sinks, and its progress log."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import logging
 from concurrent.futures import Future
 
 from decoding import Config, Engine, GenerationResult, Request
-from decoding.runner import EngineRunner
+from decoding.engine.runner import EngineRunner
 
 PROMPTS = ["abc abc abc abc", "hello world", "banana bandana banana", "zebra", "one two one two one"]
 
@@ -16,7 +16,7 @@ def test_the_runner_delivers_every_result_and_logs_how_full_its_batch_was(tokeni
     runner = EngineRunner(lambda: Engine(config, target=target, tokenizer=tokenizer))
     expected = Engine(config, target=target, tokenizer=tokenizer).generate(
         [Request(str(i), prompt=p) for i, p in enumerate(PROMPTS)])
-    with caplog.at_level(logging.INFO, logger="decoding.runner"):
+    with caplog.at_level(logging.INFO, logger="decoding.engine.runner"):
         futures: list[Future] = []
         for i, prompt in enumerate(PROMPTS):
             request, future = Request(str(i), prompt=prompt), Future()

@@ -11,8 +11,8 @@ from transformers import RepetitionPenaltyLogitsProcessor
 
 from decoding import Engine, Request
 from decoding.config import SamplingParams
-from decoding.sampling import Penalties, WarpParams, warp_probs
-from decoding.tree import TreeTopology
+from decoding.verification.sampling import Penalties, WarpParams, warp_probs
+from decoding.verification.tree import TreeTopology
 
 MAX_TOKENS = 20
 

@@ -722,7 +722,7 @@ def json_server(server, ray_cluster, tmp_path_factory) -> str:
     from ray import serve
     from tiny import tiny_model
 
-    from decoding.models import DEFAULT_MODEL, load_tokenizer
+    from decoding.model.loading import DEFAULT_MODEL, load_tokenizer
 
     root = tmp_path_factory.mktemp("json-model")
     tokenizer = load_tokenizer(DEFAULT_MODEL)
@@ -914,7 +914,7 @@ def test_a_short_request_is_not_stalled_by_megabyte_prompts(engine, monkeypatch)
     the engine's stepping thread, which never runs the tokenizer, so the short request answers about as fast as
     it does alone. The bound is generous (busy shared cores); tokenizing on the stepping thread took ~3 s per
     prompt here, all before the short request's first step."""
-    import decoding.engine as engine_module
+    import decoding.engine.engine as engine_module
 
     tokenizing_threads: list[str] = []
     encode = engine_module.encode_request

@@ -21,9 +21,9 @@ from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
 from decoding import Config, Engine, Request
-from decoding.feature_draft import FeatureDraft
-from decoding.models import DEFAULT_DRAFT, DRAFT_METADATA, load_draft, resolve_draft
-from decoding.signal_head import DraftSignalMLP
+from decoding.drafting.feature_draft import FeatureDraft
+from decoding.drafting.signal_head import DraftSignalMLP
+from decoding.model.loading import DEFAULT_DRAFT, DRAFT_METADATA, load_draft, resolve_draft
 from jobs import eval_draft, train_decision, train_head
 from jobs import train_draft as train_draft_job
 from training.data import PromptSource
@@ -314,7 +314,7 @@ def test_default_draft_alias_falls_back_to_ngram_until_trained(tmp_path, monkeyp
     monkeypatch.setenv("SPECBATCH_CACHE", str(tmp_path))
     config = Config.model_validate({"model": tiny_dirs["target"], "speculative": {
         "method": "draft_model", "model": DEFAULT_DRAFT, "num_speculative_tokens": 3}})
-    with caplog.at_level(logging.WARNING, logger="decoding.models"):
+    with caplog.at_level(logging.WARNING, logger="decoding.model.loading"):
         spec = resolve_draft(config.speculative)
     assert spec.method == "ngram" and spec.model is None
     assert "no trained draft" in caplog.text and "specbatch train-draft" in caplog.text

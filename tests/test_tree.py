@@ -1,11 +1,11 @@
-"""The candidate tree (decoding/tree.py): its layout level by level, each node's parent and depth, and the
+"""The candidate tree (decoding/verification/tree.py): its layout level by level, each node's parent and depth, and the
 ancestor mask a tree forward attends by, on literal expectations."""
 
 from __future__ import annotations
 
 import torch
 
-from decoding.tree import TreeTopology, chain_ancestors, with_prefix_chain
+from decoding.verification.tree import TreeTopology, chain_ancestors, with_prefix_chain
 
 
 def test_sliced_mask_equals_rebuilt_mask() -> None:

@@ -13,11 +13,11 @@ import types
 import pytest
 import torch
 
-import decoding.acceptance as acceptance
-from decoding.attention import cpu_kernel, kernel_enabled
-from decoding.sampling import WarpParams, argmax_logsumexp, warp_probs
-from decoding.tree import TreeTopology
-from decoding.verify_batched import sample_from, sample_siblings, sample_tokens, verify_batch
+import decoding.verification.acceptance as acceptance
+from decoding.model.attention import cpu_kernel, kernel_enabled
+from decoding.verification.sampling import WarpParams, argmax_logsumexp, warp_probs
+from decoding.verification.tree import TreeTopology
+from decoding.verification.verify_batched import sample_from, sample_siblings, sample_tokens, verify_batch
 
 VOCAB = 5
 

@@ -30,8 +30,8 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from torch import nn
 from transformers import AutoModelForCausalLM, DynamicCache, PreTrainedModel, PreTrainedTokenizerBase
 
-from decoding.feature_draft import FeatureDraft, layers_config
-from decoding.models import DEFAULT_MODEL, DRAFT_METADATA, load_model, load_tokenizer, resolve_model_path
+from decoding.drafting.feature_draft import FeatureDraft, layers_config
+from decoding.model.loading import DEFAULT_MODEL, DRAFT_METADATA, load_model, load_tokenizer, resolve_model_path
 from training.data import PromptSource, load_prompts
 from training.runs import Progress, RunDir, require_same_tokenizer, set_threads
 from training.teacher import TeacherExample, eos_ids, teacher_continuations
@@ -49,7 +49,7 @@ class DraftTrainingConfig(BaseModel):
     output: str
     architecture: Literal["layers", "feature"] = Field(
         "layers", description="layers: a causal LM of target layers; feature: EAGLE-style, reads the target's "
-        "final hidden state (decoding/feature_draft.py)")
+        "final hidden state (decoding/drafting/feature_draft.py)")
     init: str | None = Field(None, description="start from this model (same tokenizer) instead of target layers")
     layers: list[int] = Field([0, 1], min_length=1, description="target decoder layers copied into the draft")
     feature_weight: float = Field(1.0, ge=0, description="feature draft: smooth-L1 weight of its state against "

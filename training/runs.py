@@ -19,7 +19,7 @@ import torch
 from pydantic import BaseModel
 from transformers import PreTrainedTokenizerBase
 
-from decoding.models import check_same_tokenizer
+from decoding.model.loading import check_same_tokenizer
 
 log = logging.getLogger("training")
 

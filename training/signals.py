@@ -27,10 +27,10 @@ import torch.nn.functional as F
 from pydantic import BaseModel, ConfigDict, Field
 
 from decoding.config import Config
+from decoding.drafting.length_policies import LengthPolicy
+from decoding.drafting.signal_head import DraftSignalMLP
 from decoding.engine import Engine, Request
-from decoding.length_policies import LengthPolicy
-from decoding.models import DEFAULT_MODEL, load_tokenizer
-from decoding.signal_head import DraftSignalMLP
+from decoding.model.loading import DEFAULT_MODEL, load_tokenizer
 from training.data import PromptSource, load_prompts
 from training.runs import Progress, RunDir, require_same_tokenizer, set_threads
 

@@ -33,12 +33,12 @@ from typing import Any
 import torch
 
 from decoding.config import Config
-from decoding.costs import forward_timer
-from decoding.drafters import model_view
+from decoding.drafting.costs import forward_timer
+from decoding.drafting.drafters import model_view
 from decoding.engine import Engine, Request
-from decoding.models import load_model, load_tokenizer
-from decoding.quantize import quantized
-from decoding.tree import TreeTopology
+from decoding.model.loading import load_model, load_tokenizer
+from decoding.model.quantize import quantized
+from decoding.verification.tree import TreeTopology
 
 log = logging.getLogger("gpu-check")
 CHAT = Path(__file__).resolve().parents[2] / "jobs" / "data" / "chat_prompts.jsonl"

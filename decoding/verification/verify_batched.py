@@ -23,8 +23,8 @@ from functools import cache
 
 import torch
 
-from decoding.sampling import WarpParams, argmax_logsumexp, warp_probs
-from decoding.tree import TreeTopology
+from decoding.verification.sampling import WarpParams, argmax_logsumexp, warp_probs
+from decoding.verification.tree import TreeTopology
 
 
 @dataclass(frozen=True)

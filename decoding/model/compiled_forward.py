@@ -83,7 +83,7 @@ def compiled_stack(stack: torch.nn.Module, weights: list[torch.Tensor], config: 
     key = _key(stack, weights, config)
     with _lock:
         if key not in _loaded:
-            from decoding.models import cache_dir
+            from decoding.paths import cache_dir
 
             try:
                 _loaded[key] = _load_or_compile(stack, weights, cache_dir() / "compiled" / key)

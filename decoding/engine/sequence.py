@@ -11,11 +11,11 @@ import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from decoding.config import SamplingParams
+from decoding.engine.text import IncrementalDecoder
 from decoding.stats import SpecDecodeStats, acceptance_histogram
-from decoding.text import IncrementalDecoder
 
 if TYPE_CHECKING:  # xgrammar loads when a constraint appears
-    from decoding.grammar import RowGrammar
+    from decoding.constraints.grammar import RowGrammar
 
 
 @dataclass
@@ -100,7 +100,7 @@ class Sequence:
     stop_text: str | None = None
     stop_ids: set[int] = field(default_factory=set)  # EOS unless ignore_eos, and stop_token_ids
     text: IncrementalDecoder | None = None  # the generation's text so far, kept only to match stop strings
-    # A constrained row's grammar, at the committed tokens before the pending one (decoding.constrained).
+    # A constrained row's grammar, at the committed tokens before the pending one (decoding.constraints.constrained).
     grammar: RowGrammar | None = None
     grammar_committed: int = 0  # generated tokens the grammar has consumed
     grammar_forced: int = 0  # accepted draft tokens the grammar allowed alone

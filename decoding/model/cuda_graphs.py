@@ -30,7 +30,7 @@ from dataclasses import dataclass
 
 import torch
 
-from decoding.attention import AttentionMetadata
+from decoding.model.attention import AttentionMetadata
 
 log = logging.getLogger(__name__)
 

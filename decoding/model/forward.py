@@ -11,7 +11,8 @@ from __future__ import annotations
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
-from decoding.attention import (
+from decoding.engine.kv_cache import PagedKVCache, Rows
+from decoding.model.attention import (
     AttentionMetadata,
     DenseLayout,
     dense_layout,
@@ -19,8 +20,7 @@ from decoding.attention import (
     pools_zero_filled,
     write_slots,
 )
-from decoding.kv_cache import PagedKVCache, Rows
-from decoding.lean_forward import LeanCausalLM
+from decoding.model.lean_forward import LeanCausalLM
 
 
 class _PoolLayer(CacheLayerMixin):

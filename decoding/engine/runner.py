@@ -39,8 +39,8 @@ from typing import Any, Protocol
 from transformers import PreTrainedTokenizerBase
 
 from decoding.config import SamplingParams
-from decoding.engine import Engine, GenerationResult, Prepared, Request, StepOutput
-from decoding.models import use_torch_threads
+from decoding.engine.engine import Engine, GenerationResult, Prepared, Request, StepOutput
+from decoding.model.loading import use_torch_threads
 
 log = logging.getLogger(__name__)
 

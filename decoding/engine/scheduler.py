@@ -11,8 +11,8 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Callable
 
-from decoding.kv_cache import PagedKVCache
-from decoding.sequence import GenerationResult, Sequence
+from decoding.engine.kv_cache import PagedKVCache
+from decoding.engine.sequence import GenerationResult, Sequence
 
 
 class Scheduler:

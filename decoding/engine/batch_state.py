@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 
 from decoding.config import SamplingParams
-from decoding.sampling import WarpParams
+from decoding.verification.sampling import WarpParams
 
 # The per-row tensors of WarpParams kept as batch state; penalties are built per step, from each row's history.
 ROW_FIELDS = ("temperature", "top_k", "top_p")

@@ -27,7 +27,7 @@ import torch
 from transformers import PreTrainedTokenizerBase
 
 from decoding.config import SamplingParams
-from decoding.grammar import (
+from decoding.constraints.grammar import (
     CONSTRAINT_FIELDS,
     GrammarCompiler,
     GrammarError,
@@ -37,8 +37,8 @@ from decoding.grammar import (
     mask_logits,
     unpack,
 )
-from decoding.sequence import EngineError
-from decoding.sequence import Sequence as Row
+from decoding.engine.sequence import EngineError
+from decoding.engine.sequence import Sequence as Row
 
 
 class Constraints:

@@ -16,30 +16,15 @@ import torch
 from pydantic import ValidationError
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from decoding.batch_state import BatchState
 from decoding.config import Config, SamplingParams, format_validation_error
-from decoding.constrained import Constraints
-from decoding.costs import BatchCosts, calibrate_batch
-from decoding.cuda_graphs import build_shapes, captures_at_build, graph_memory_budget
-from decoding.drafters import Drafter, DraftModelDrafter, NgramDrafter, model_view
-from decoding.kv_cache import CacheShape, PagedKVCache
-from decoding.lean_forward import LeanCausalLM
-from decoding.length_policies import LengthPolicy, Sources, make_policy
-from decoding.models import (
-    SELF_DRAFT,
-    check_same_tokenizer,
-    default_device,
-    draft_vocab_subset,
-    load_draft,
-    load_model,
-    load_tokenizer,
-    resolve_draft,
-    resolve_model_path,
-)
-from decoding.quantize import quantized
-from decoding.sampling import row_generator, run_seed
-from decoding.scheduler import Scheduler, prefill_groups
-from decoding.sequence import (
+from decoding.constraints.constrained import Constraints
+from decoding.drafting.costs import BatchCosts, calibrate_batch
+from decoding.drafting.drafters import Drafter, DraftModelDrafter, NgramDrafter, model_view
+from decoding.drafting.length_policies import LengthPolicy, Sources, make_policy
+from decoding.engine.batch_state import BatchState
+from decoding.engine.kv_cache import CacheShape, PagedKVCache
+from decoding.engine.scheduler import Scheduler, prefill_groups
+from decoding.engine.sequence import (
     EngineError,
     GenerationResult,
     Prepared,
@@ -50,9 +35,24 @@ from decoding.sequence import (
     eos_token_ids,
     error_result,
 )
+from decoding.engine.step import HostReads, Step
+from decoding.model.cuda_graphs import build_shapes, captures_at_build, graph_memory_budget
+from decoding.model.lean_forward import LeanCausalLM
+from decoding.model.loading import (
+    SELF_DRAFT,
+    check_same_tokenizer,
+    default_device,
+    draft_vocab_subset,
+    load_draft,
+    load_model,
+    load_tokenizer,
+    resolve_draft,
+    resolve_model_path,
+)
+from decoding.model.quantize import quantized
 from decoding.stats import SpecDecodeStats
-from decoding.step import HostReads, Step
-from decoding.tree import TreeTopology
+from decoding.verification.sampling import row_generator, run_seed
+from decoding.verification.tree import TreeTopology
 
 __all__ = ["Engine", "EngineError", "GenerationResult", "Prepared", "Request", "StepOutput", "encode_request",
            "prefill_groups"]
@@ -287,7 +287,7 @@ class Engine:
 
     def _sampling_params(self, sampling: SamplingParams | dict[str, Any] | None) -> SamplingParams:
         if not isinstance(sampling, SamplingParams):
-            try:  # the config's seed is the run's, not a row's (see decoding.sampling.row_generator)
+            try:  # the config's seed is the run's, not a row's (see decoding.verification.sampling.row_generator)
                 merged = {**self.config.sampling.model_dump(exclude={"seed"}), **(sampling or {})}
                 sampling = SamplingParams.model_validate(merged)
             except (ValidationError, TypeError) as exc:

@@ -23,19 +23,19 @@ from dataclasses import dataclass
 import torch
 from transformers import PreTrainedTokenizerBase
 
-from decoding.batch_state import BatchState
 from decoding.config import SpeculativeConfig
-from decoding.constrained import StepGrammar, advance, apply_masks, grammar_drafts
-from decoding.drafters import Draft, Drafter, DraftInputs
-from decoding.forward import forward_tree
-from decoding.grammar import committed_masks
-from decoding.kv_cache import PagedKVCache
-from decoding.length_policies import LengthPolicy, Sources, StepRecord, StepTiming
-from decoding.padding import pad_rows
-from decoding.sampling import WarpParams, row_uniforms, token_logprobs, warp_probs
-from decoding.sequence import Contexts, Sequence
-from decoding.tree import TreeTopology, chain_ancestors
-from decoding.verify_batched import BatchVerdict, sample_from, sample_siblings, verify_batch
+from decoding.constraints.constrained import StepGrammar, advance, apply_masks, grammar_drafts
+from decoding.constraints.grammar import committed_masks
+from decoding.drafting.drafters import Draft, Drafter, DraftInputs
+from decoding.drafting.length_policies import LengthPolicy, Sources, StepRecord, StepTiming
+from decoding.engine.batch_state import BatchState
+from decoding.engine.kv_cache import PagedKVCache
+from decoding.engine.padding import pad_rows
+from decoding.engine.sequence import Contexts, Sequence
+from decoding.model.forward import forward_tree
+from decoding.verification.sampling import WarpParams, row_uniforms, token_logprobs, warp_probs
+from decoding.verification.tree import TreeTopology, chain_ancestors
+from decoding.verification.verify_batched import BatchVerdict, sample_from, sample_siblings, verify_batch
 
 
 class HostReads:
@@ -60,7 +60,7 @@ class Plan:
     warp: WarpParams  # row_warp with penalties, where rows have them
     penalized: bool
     greedy: torch.Tensor  # [B] host
-    constrained: bool = False  # some row has a grammar (decoding.constrained)
+    constrained: bool = False  # some row has a grammar (decoding.constraints.constrained)
     grammar_drafts: list[list[int]] | None = None  # per row: the grammar's own draft, for a lookup candidate
 
 

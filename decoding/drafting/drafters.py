@@ -21,18 +21,18 @@ from typing import TYPE_CHECKING, Protocol
 import numpy as np
 import torch
 
-from decoding.cuda_graphs import captures_at_build
-from decoding.forward import forward_tree
-from decoding.kv_cache import CacheShape, PagedKVCache, Rows
-from decoding.lean_forward import lean_view, supports_lean_forward
-from decoding.models import for_inference
-from decoding.padding import pad_rows
-from decoding.sampling import WarpParams, row_uniforms, warp_probs
-from decoding.tree import TreeTopology, chain_ancestors, with_prefix_chain
-from decoding.verify_batched import sample_from, sample_tokens
+from decoding.engine.kv_cache import CacheShape, PagedKVCache, Rows
+from decoding.engine.padding import pad_rows
+from decoding.model.cuda_graphs import captures_at_build
+from decoding.model.forward import forward_tree
+from decoding.model.lean_forward import lean_view, supports_lean_forward
+from decoding.model.loading import for_inference
+from decoding.verification.sampling import WarpParams, row_uniforms, warp_probs
+from decoding.verification.tree import TreeTopology, chain_ancestors, with_prefix_chain
+from decoding.verification.verify_batched import sample_from, sample_tokens
 
 if TYPE_CHECKING:
-    from decoding.constrained import GrammarView
+    from decoding.constraints.constrained import GrammarView
 
 
 class StopRule(Protocol):
@@ -61,8 +61,8 @@ class DraftInputs:
     stop: StopRule
     # [B] depth of the n-gram siblings of a model's tree (None: ``depths``): a row may draft with either alone.
     lookup_depths: torch.Tensor | None = None
-    # Constrained rows (decoding.constrained): the tree's grammar masks, which the draft's laws get and which cut
-    # what the grammar refuses, and per row the grammar's own draft for a lookup candidate ([] where none).
+    # Constrained rows (decoding.constraints.constrained): the tree's grammar masks, which the draft's laws get and
+    # which cut what the grammar refuses, and per row the grammar's own draft for a lookup candidate ([] where none).
     grammar: GrammarView | None = None
     grammar_drafts: list[list[int]] | None = None
 

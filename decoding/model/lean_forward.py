@@ -26,7 +26,7 @@ import torch
 from torch import nn
 from transformers.activations import ACT2FN
 
-from decoding.attention import (
+from decoding.model.attention import (
     AttentionMetadata,
     DenseLayout,
     cpu_kernel,
@@ -39,9 +39,16 @@ from decoding.attention import (
     pools_zero_filled,
     uses_kernel,
 )
-from decoding.compiled_forward import compiled_stack
-from decoding.cuda_graphs import GraphedForward, graphs_enabled
-from decoding.quantize import ACTIVATION_DTYPE, fused_kernel, int4_matmul, int8_matmul, is_weight_only, kernel_parts
+from decoding.model.compiled_forward import compiled_stack
+from decoding.model.cuda_graphs import GraphedForward, graphs_enabled
+from decoding.model.quantize import (
+    ACTIVATION_DTYPE,
+    fused_kernel,
+    int4_matmul,
+    int8_matmul,
+    is_weight_only,
+    kernel_parts,
+)
 
 log = logging.getLogger(__name__)
 

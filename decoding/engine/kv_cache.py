@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
-from decoding.attention import AttentionMetadata, pools_zero_filled
+from decoding.model.attention import AttentionMetadata, pools_zero_filled
 
 # Which rows a forward runs: the live prefix or a part of it (a slice), or some rows (a host index tensor).
 Rows = slice | torch.Tensor

@@ -15,8 +15,8 @@ from dataclasses import dataclass
 
 import torch
 
-from decoding.attention import kernel_loaded
 from decoding.config import GREEDY_TEMPERATURE, SamplingParams
+from decoding.model.attention import kernel_loaded
 
 
 def run_seed(configured: int | None) -> int:

@@ -25,12 +25,14 @@ import threading
 import weakref
 from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import xgrammar as xgr
 from transformers import PreTrainedTokenizerBase
 
-from decoding.config import Constraint
+if TYPE_CHECKING:  # at run time the constraint is whatever config.py validated
+    from decoding.config import Constraint
 
 BITS = 32
 CONSTRAINT_FIELDS = {
