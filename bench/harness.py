@@ -477,7 +477,7 @@ def _engine_runner(models: Models, contender: Contender) -> _Runner:
     # The drafter's methods are wrapped once; their spans count for the measurement of the turn they ran in (spans
     # settle at the end of each turn).
     current = [_Measurement()]
-    _time_methods(engine.drafter, ("add_rows", "propose", "observe"), clock,
+    _time_methods(engine.drafter, ("rows_joined", "add_rows", "propose", "observe"), clock,
                   lambda seconds: current[0].profile.add("draft_s", seconds))
     target_bytes = ForwardBytes.of(models.target)
     draft_model = getattr(engine.drafter, "model", None)

@@ -43,7 +43,8 @@ from bench.harness import (
     percent,
 )
 from decoding.config import Config
-from decoding.model.lean_forward import compile_enabled, lean_view, supports_lean_forward
+from decoding.model.execution import default_execution
+from decoding.model.lean_forward import lean_view, supports_lean_forward
 
 log = logging.getLogger(__name__)
 
@@ -155,13 +156,18 @@ def overhead_contenders(steps: int, batch_sizes: list[int], depth: int, baseline
     configuration: on this model a draft forward costs what the target's does, so its policy should decode plainly
     and its row shows what planning and observing cost a step (the regime of a small model on a GPU). At batch 1
     also the depth-``depth`` n-gram step, given enough tokens to take ``steps`` steps when every draft is
-    accepted."""
+    accepted.
+
+    Every round of every contender has decode steps, whatever a policy decides: the step admitting a prompt
+    prefills it and runs one step, so it emits up to the deepest draft plus two tokens, and the default
+    configuration, whose online policy decides by the forward times it measures, gets that many more tokens."""
     runs = []
     for batch in sorted(batch_sizes):
         plain = _engine_config(batch, steps + 2)  # the step admitting a prompt may emit two tokens
         engines = [plain]
         if default:
-            engines.append(_engine_config(batch, steps + 2, None))
+            deepest = Config().speculative.num_speculative_tokens  # the default configuration's depth
+            engines.append(_engine_config(batch, steps + 2 + deepest, None))
         if batch == 1 and depth:
             engines.append(_engine_config(1, steps * (depth + 1) + 1, "ngram", depth))
         runs.append(Contender("transformers", plain))
@@ -188,7 +194,9 @@ def run_overhead(
     model = model.to(device, torch.bfloat16 if device.type == "cuda" else torch.float32)
     models = Models(model, numbered_tokenizer(model.config.vocab_size), baseline=baseline,
                     bandwidth_gbs=bandwidth_gbs)
-    compiled = supports_lean_forward(model) and lean_view(model).compiled() is not None  # compiled now, untimed
+    execution = default_execution(device)  # the engines' own (the default configuration's)
+    compiled = (supports_lean_forward(model) and execution.compile
+                and lean_view(model).compiled() is not None)  # compiled now, untimed
     runs = overhead_contenders(steps, batch_sizes, depth, baseline is not None)
     bandwidth = models.bandwidth()
     rows: list[OverheadRow] = []
@@ -219,7 +227,7 @@ def run_overhead(
                 x_transformers=None, x_engine_none=None, target=None, meets_target=None,
             ))
     _compare_to_transformers(rows)
-    env = environment(models) | {"compile_enabled": compile_enabled(), "compiled_forward": compiled}
+    env = environment(models) | {"compile_enabled": execution.compile, "compiled_forward": compiled}
     described = {"hidden_size": model.config.hidden_size, "layers": model.config.num_hidden_layers,
                  "heads": model.config.num_attention_heads, "kv_heads": model.config.num_key_value_heads,
                  "head_dim": model.config.head_dim, "vocab_size": model.config.vocab_size,

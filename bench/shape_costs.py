@@ -22,6 +22,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from bench.harness import aligned, cell, megabytes, percent
 from bench.measure import Bandwidth, Clock, ForwardBytes, bandwidth_fraction, device_bandwidth
 from decoding.engine.kv_cache import CacheShape, PagedKVCache
+from decoding.model.execution import default_execution
 from decoding.model.forward import forward_tree
 from decoding.model.lean_forward import lean_view
 from decoding.model.quantize import quantized
@@ -121,7 +122,7 @@ def run_shape_costs(
     target = lean_view(model)
     draft = lean_view(quantized(model, "int4"))
     for view in (target, draft):
-        view.compiled()  # where the forward compiles (a CPU), once, before anything is timed
+        view.prepare(default_execution(device))  # compiled where it compiles (a CPU), before any timing
     cache = _cache(model.config, max(batch_sizes), context, depth + 1, dtype, device)
     bandwidth: Bandwidth = device_bandwidth(device, bandwidth_gbs)
     clock = Clock(device)

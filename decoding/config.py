@@ -4,6 +4,7 @@ fields)."""
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated, Any, Literal
@@ -72,6 +73,11 @@ class SpeculativeConfig(_Strict):
         if self.length_policy in ("threshold", "decision") and self.method != "draft_model":
             raise ValueError(f"length_policy '{self.length_policy}' needs method 'draft_model'")
         return self
+
+    @property
+    def max_depth(self) -> int:
+        """The deepest a tree drafts: ``num_speculative_tokens``, or 0 for plain decoding (method none)."""
+        return self.num_speculative_tokens if self.method != "none" else 0
 
 
 # vLLM's rule: a temperature below this samples greedily (dividing logits by less overflows float32).
@@ -201,18 +207,28 @@ class Constraint:
     any_whitespace: bool = True
 
 
-class SamplingParams(_Strict):
-    """vLLM's ``SamplingParams`` names (config ``sampling`` and per-row ``sampling_params``).
+# vLLM's older field names, each accepted for its current one (Ray Data LLM's examples use guided_decoding).
+OLDER_NAMES = {"guided_decoding": "structured_outputs"}
 
-    Fields the engine cannot honour are refused by name (``extra="forbid"``), never ignored. Every field is bounded
-    and strictly typed (``max_tokens: 4.0`` or ``true`` is refused, as JSON clients expect), so a valid value can
-    never fail inside an engine step.
+
+class SamplingParams(_Strict):
+    """vLLM's ``SamplingParams`` names (config ``sampling``, per-row ``sampling_params``, the HTTP request fields).
+
+    These field declarations are the one set of limits: vLLM's (``SamplingParams._verify_args`` and its OpenAI
+    server), tighter where an engine step needs it (list lengths, ``n``, ``max_tokens``, ``repetition_penalty``).
+    ``decoding.params.resolve_sampling`` applies them for the pipeline, the server and the engine alike, with the
+    checks that need the model. Fields the engine cannot honour are refused by name (``extra="forbid"``), never
+    ignored. Every field is strictly typed (``max_tokens: 4.0`` or ``true`` is refused, as JSON clients expect),
+    so a valid value can never fail inside an engine step.
     """
 
     model_config = ConfigDict(extra="forbid", validate_assignment=True, strict=True, allow_inf_nan=False)
 
+    # Bounds tighter than vLLM's are an engine's: n (vLLM 16384) and max_tokens each size rows and queues, top_k and
+    # seed become int64 tensors, the list lengths bound the per-token stop checks.
     n: int = Field(1, ge=1, le=128, description="sequences per request (the server's choices)")
-    temperature: float = Field(0.0, ge=0.0, le=100.0, description=f"below {GREEDY_TEMPERATURE:g}: greedy")
+    # vLLM's [0, 2] (OpenAI's range); finite, so that dividing logits by it stays finite.
+    temperature: float = Field(0.0, ge=0.0, le=2.0, description=f"below {GREEDY_TEMPERATURE:g}: greedy")
     top_p: float = Field(1.0, gt=0.0, le=1.0, description="the most likely token is always kept")
     top_k: int = Field(0, ge=-1, lt=2**63, description="0 or -1 (vLLM) disables top-k")
     max_tokens: int = Field(256, ge=1, le=1_000_000)
@@ -224,31 +240,45 @@ class SamplingParams(_Strict):
     ignore_eos: bool = False
     presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
-    # Logits are divided or multiplied by it in float32: a smaller value would overflow them.
+    # vLLM's is any finite value above 0; logits are divided or multiplied by it in float32, and dividing by a
+    # value near 0 overflows them: the factor and its inverse stay within 100.
     repetition_penalty: float = Field(1.0, ge=0.01, le=100.0)
+    # 20: vLLM's default max_logprobs (its -1, the whole vocabulary, is not offered).
     logprobs: int | None = Field(None, ge=0, le=20, description="top alternatives returned with each token")
     skip_special_tokens: bool = True
     detokenize: bool = True
-    # A constraint on the output (decoding.constraints.grammar); vLLM's older name guided_decoding (Ray Data LLM's
-    # examples) is accepted for it.
+    # A constraint on the output (decoding.constraints.grammar); also under its older name (OLDER_NAMES).
     structured_outputs: StructuredOutputs | None = None
+
+    @staticmethod
+    def current_names(data: Mapping[str, Any]) -> dict[str, Any]:
+        """``data`` with every older field name (``OLDER_NAMES``) replaced by vLLM's current one, the only place
+        that renames: a request's fields are renamed before they are merged onto configured ones, so that an older
+        name replaces a configured value under the current name. Both names given is refused."""
+        data = dict(data)
+        for older, current in OLDER_NAMES.items():
+            if older not in data:
+                continue
+            value = data.pop(older)
+            if value is not None and data.get(current) is not None:
+                raise ValueError(f"give {current} or its older name {older}, not both")
+            if value is not None:
+                data[current] = value
+        return data
 
     @model_validator(mode="before")
     @classmethod
-    def _older_name(cls, data: Any) -> Any:
-        if isinstance(data, dict) and "guided_decoding" in data:
-            data = dict(data)
-            older = data.pop("guided_decoding")
-            if older is not None and data.get("structured_outputs") is not None:
-                raise ValueError("give structured_outputs or its older name guided_decoding, not both")
-            if older is not None:
-                data["structured_outputs"] = older
-        return data
+    def _older_names(cls, data: Any) -> Any:
+        return cls.current_names(data) if isinstance(data, Mapping) else data
 
     @field_validator("stop", mode="before")
     @classmethod
     def _stop_as_list(cls, value: Any) -> Any:
-        return [value] if isinstance(value, str) else value
+        stops = [value] if isinstance(value, str) else value
+        # An empty stop string would end every sequence before its first token.
+        if isinstance(stops, list) and any(stop == "" for stop in stops):
+            raise ValueError("stop strings must be non-empty")
+        return stops
 
     @field_validator("top_k")
     @classmethod
@@ -284,6 +314,23 @@ class SamplingParams(_Strict):
         return set(self.stop_token_ids) | (set() if self.ignore_eos else set(eos_ids))
 
 
+class ExecutionConfig(_Strict):
+    """How forwards run, resolved once when the engine is built (``decoding.model.execution``) and logged.
+
+    ``graphs``: auto replays the target's forwards (decode steps, verifications, a self-draft's levels) as CUDA
+    graphs captured at build on CUDA; off runs them launch by launch. ``kernels``: auto is the C++ attention kernel
+    on a CPU and the fused Triton kernels on CUDA; reference is the readable torch path; triton runs the Triton
+    kernels (on a CPU under Triton's interpreter: slow, for tests). ``compile``: auto compiles the layer stack ahead
+    of time on a CPU (with the C++ kernel); off keeps it eager. ``graph_memory_mb``: device memory the graphs
+    captured at build may take (set aside before the KV pool is sized).
+    """
+
+    graphs: Literal["auto", "off"] = "auto"
+    kernels: Literal["auto", "reference", "triton"] = "auto"
+    compile: Literal["auto", "off"] = "auto"
+    graph_memory_mb: int = Field(1024, ge=0, le=1 << 20)
+
+
 class Config(_Strict):
     model: str = "smollm2-135m-instruct"
     # vLLM's: the model's name in the HTTP API (/v1/models, the ``model`` field of requests); default: ``model``.
@@ -294,6 +341,7 @@ class Config(_Strict):
     # Serve's name: on SIGTERM/SIGINT the server finishes the requests it holds for up to this long.
     graceful_shutdown_timeout_s: float = Field(20.0, ge=0.0, le=3600.0)
     speculative: SpeculativeConfig = Field(default_factory=SpeculativeConfig)
+    execution: ExecutionConfig = Field(default_factory=ExecutionConfig)
     sampling: SamplingParams = Field(default_factory=SamplingParams)
     batch_size: int = Field(16, ge=1, le=1024, description="sequences decoded together inside one actor")
     max_num_seqs: int | None = Field(None, ge=1, le=1024, description="vLLM's name of batch_size")

@@ -1,7 +1,9 @@
 """OpenAI-shaped request and response models of the HTTP endpoint (docs/reference.md, "HTTP API").
 
 Requests are validated strictly (``"10"`` is not a number, unknown fields are rejected) so that a client
-mistake is a 400 with the offending parameter named, never a silently different generation.
+mistake is a 400 with the offending parameter named, never a silently different generation. The models declare
+the sampling fields' types only: their values are checked by ``decoding.params.resolve_sampling``, with the same
+limits as the pipeline's rows and the engine's requests (``GenerationRequest.sampling`` gives it the fields).
 """
 
 from __future__ import annotations
@@ -20,7 +22,6 @@ from frontend.requests import MAX_DEPTH, ChatMessage, ChatOptions, TextPart, too
 # Context keys the server passes to ``model_validate_json`` (limits only a loaded model knows).
 MAX_CONTEXT = "max_context"
 
-_INT64 = 2**63
 # Sequences one request may ask for (prompts times n): each is a row of the engine's batch or its queue.
 MAX_SEQUENCES = 1024
 
@@ -97,18 +98,19 @@ _GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "cho
 
 class GenerationRequest(_Request):
     model: str | None = Field(None, description="served model id; defaults to the only model served")
-    max_tokens: int | None = Field(None, ge=1)
-    temperature: float | None = Field(None, ge=0.0, le=2.0)
-    top_p: float | None = Field(None, gt=0.0, le=1.0)
-    top_k: int | None = Field(None, ge=-1, description="extension (vLLM): 0 or -1 disables top-k")
+    # Sampling fields (decoding.config.SamplingParams names and limits, checked by decoding.params).
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = Field(None, description="extension (vLLM): 0 or -1 disables top-k")
     stop: str | list[str] | None = None
-    seed: int | None = Field(None, ge=0, lt=_INT64)
-    n: int = Field(1, ge=1, le=128, description="choices per prompt")
-    frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
-    presence_penalty: float | None = Field(None, ge=-2.0, le=2.0)
+    seed: int | None = None
+    n: int = Field(1, description="choices per prompt")
+    frequency_penalty: float | None = None
+    presence_penalty: float | None = None
     # vLLM's extensions
-    repetition_penalty: float | None = Field(None, gt=0.0, le=100.0)
-    min_tokens: int | None = Field(None, ge=0)
+    repetition_penalty: float | None = None
+    min_tokens: int | None = None
     stop_token_ids: list[int] | None = None
     ignore_eos: bool | None = None
     skip_special_tokens: bool | None = None
@@ -131,14 +133,6 @@ class GenerationRequest(_Request):
     guided_whitespace_pattern: Any = None
 
     _check_neutral = field_validator(*_NEUTRAL, mode="before", check_fields=False)(_neutral)
-
-    @field_validator("stop")
-    @classmethod
-    def _non_empty_stops(cls, value: str | list[str] | None) -> str | list[str] | None:
-        stops = [value] if isinstance(value, str) else value or []
-        if any(not stop for stop in stops):
-            raise ValueError("stop strings must be non-empty")
-        return value
 
     @field_validator("max_tokens", "max_completion_tokens", check_fields=False)
     @classmethod
@@ -181,8 +175,9 @@ class GenerationRequest(_Request):
         return self
 
     def sampling(self) -> dict[str, Any]:
-        """The request's sampling fields (decoding.config.SamplingParams names), to be merged onto the configured
-        defaults by the engine. ``n`` is the server's: each choice is a sequence of its own."""
+        """The request's sampling fields (decoding.config.SamplingParams names), for
+        ``decoding.params.resolve_sampling`` to merge onto the configured ones and check. ``n`` is the server's:
+        each choice is a sequence of its own."""
         fields = self.model_dump(include=_SAMPLING_FIELDS, exclude_none=True)
         if self.stop is not None:
             fields["stop"] = [self.stop] if isinstance(self.stop, str) else self.stop
@@ -192,18 +187,22 @@ class GenerationRequest(_Request):
             fields["logprobs"] = self.top_logprobs
         if (constraint := self.constraint()) is not None:
             fields["structured_outputs"] = constraint.model_dump(exclude_defaults=True)
-        return {**fields, "n": 1}
+        return fields
+
+    def param(self, field: str | None) -> str | None:
+        """This request's name of sampling field ``field`` (an error's OpenAI ``param``)."""
+        return field
 
 
 _SAMPLING_FIELDS = {
-    "temperature", "top_p", "top_k", "seed", "frequency_penalty", "presence_penalty", "repetition_penalty",
+    "n", "temperature", "top_p", "top_k", "seed", "frequency_penalty", "presence_penalty", "repetition_penalty",
     "min_tokens", "stop_token_ids", "ignore_eos", "skip_special_tokens",
 }
 
 
 class CompletionRequest(GenerationRequest):
     prompt: str | list[str]
-    logprobs: int | None = Field(None, ge=0, le=20, description="alternatives per token (legacy completions)")
+    logprobs: int | None = Field(None, description="alternatives per token (legacy completions)")
     echo: Any = None
     best_of: Any = None
     suffix: Any = None
@@ -234,9 +233,9 @@ class ChatCompletionRequest(GenerationRequest):
     chat_template_kwargs: dict[str, Any] | None = None
     add_generation_prompt: bool = True
     continue_final_message: bool = False
-    max_completion_tokens: int | None = Field(None, ge=1, description="OpenAI's newer name for max_tokens")
+    max_completion_tokens: int | None = Field(None, description="OpenAI's newer name for max_tokens")
     logprobs: bool | None = None
-    top_logprobs_: int | None = Field(None, ge=0, le=20, alias="top_logprobs")
+    top_logprobs_: int | None = Field(None, alias="top_logprobs")
     tools: Any = None
     tool_choice: Any = None
     parallel_tool_calls: bool | None = None
@@ -276,6 +275,13 @@ class ChatCompletionRequest(GenerationRequest):
     @property
     def output_limit(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+    def param(self, field: str | None) -> str | None:
+        if field == "logprobs":
+            return "top_logprobs"
+        if field == "max_tokens" and self.max_completion_tokens is not None:
+            return "max_completion_tokens"
+        return field
 
 
 # ------------------------------------------------------------------------------------------------ responses

@@ -37,6 +37,7 @@ from decoding.config import Config, SamplingParams, load_config
 from decoding.engine import Engine, GenerationResult
 from decoding.engine import Request as EngineRequest
 from decoding.model.loading import load_tokenizer, worker_threads
+from decoding.params import RequestError, resolve_sampling
 from decoding.stats import SpecDecodeStats
 from decoding.verification.sampling import row_seed
 from deploy import drain, gate
@@ -68,7 +69,6 @@ from deploy.protocol import (
     Usage,
 )
 from frontend.metrics import EngineMetrics, prometheus_backend, ray_backend
-from frontend.requests import RequestError, sampling_params
 
 log = logging.getLogger(__name__)
 
@@ -392,14 +392,15 @@ class OpenAIServer:
         return body
 
     def _sampling(self, body: GenerationRequest) -> SamplingParams:
-        """The body's sampling fields over the configured ones, with every bound (frontend.requests): nothing
-        that passes can fail in an engine step. A 400 naming the field otherwise."""
+        """The body's sampling fields over the configured ones, with every bound (decoding.params, as for the
+        pipeline's rows): nothing that passes can fail in an engine step. ``n`` is checked here, each choice being
+        an engine request of its own. A 400 naming the body's field otherwise."""
         engine = self.loop.engine
         try:
-            return sampling_params(body.sampling(), self.config.sampling, engine.target.config.vocab_size,
-                                   engine.eos_ids)
+            return resolve_sampling(body.sampling(), self.config.sampling, engine.target.config.vocab_size,
+                                    engine.eos_ids, fan_out=True)
         except RequestError as exc:
-            raise ApiError(400, str(exc), param=exc.param) from None
+            raise ApiError(400, str(exc), param=body.param(exc.param)) from None
 
     def _check_model(self, name: str) -> None:
         if name not in self.model_names:  # OpenAI's answer to an unknown model: 404, code model_not_found
@@ -410,9 +411,10 @@ class OpenAIServer:
 
     @staticmethod
     def _request(body: GenerationRequest, sampling: SamplingParams, choice: int, **inputs: Any) -> EngineRequest:
+        one = {"n": 1}  # each choice is one engine sequence
         if body.seed is not None and body.n > 1:  # n seeded choices: n reproducible, different samples
-            sampling = sampling.model_copy(update={"seed": row_seed(body.seed, str(choice))})
-        return EngineRequest(id=uuid.uuid4().hex, sampling=sampling, **inputs)
+            one["seed"] = row_seed(body.seed, str(choice))
+        return EngineRequest(id=uuid.uuid4().hex, sampling=sampling.model_copy(update=one), **inputs)
 
     async def _generate(
         self, body: GenerationRequest, sampling: SamplingParams, requests: list[EngineRequest], fmt: _Format

@@ -5,13 +5,12 @@ optional ``sampling_params`` overrides, each of which may arrive as JSON text. B
 ``parse_request`` (the pipeline per row) or use ``ChatMessage`` (the server's OpenAI body), so they accept and
 refuse the same things with the same words. Values are checked for nesting depth before anything recurses
 into them: a row of ten thousand nested lists is an error row, not a RecursionError that kills the job.
+The sampling parameters' values are checked by ``decoding.params.resolve_sampling``, which the engine shares.
 """
 
 from __future__ import annotations
 
 import json
-import re
-from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -28,14 +27,8 @@ from decoding.config import (
     too_deep,
 )
 
-
-class RequestError(ValueError):
-    """Inputs that cannot become a request; the message names the field and the reason, ``param`` the field
-    (OpenAI's error ``param``) where one is to blame."""
-
-    def __init__(self, message: str, param: str | None = None) -> None:
-        super().__init__(message)
-        self.param = param
+# The one error of a request's inputs, sampling parameters included (decoding.params.resolve_sampling raises it).
+from decoding.params import RequestError
 
 
 def parse_json(text: Any, field: str, limit: int = MAX_DEPTH) -> Any:
@@ -72,23 +65,10 @@ class ChatMessage(_Strict):
         return {"role": self.role, "content": content}
 
 
-def check_stops(value: Any) -> Any:
-    """A stop string that is empty would end every sequence before its first token: refused."""
-    stops = [value] if isinstance(value, str) else value if isinstance(value, list) else []
-    if any(isinstance(stop, str) and not stop for stop in stops):
-        raise ValueError("stop strings must be non-empty")
-    return value
-
-
-def with_structured_outputs(sampling: dict[str, Any]) -> dict[str, Any]:
-    """``sampling`` with its constraint under vLLM's current name (``guided_decoding`` is the older one), so that
-    it replaces a configured constraint, and checked: a schema, regex or grammar that does not parse is refused
-    here, naming the field."""
-    if "guided_decoding" in sampling:
-        sampling = dict(sampling)
-        if "structured_outputs" in sampling:
-            raise ValueError("give structured_outputs or its older name guided_decoding, not both")
-        sampling["structured_outputs"] = sampling.pop("guided_decoding")
+def _current_constraint(sampling: dict[str, Any]) -> dict[str, Any]:
+    """``sampling`` under vLLM's current names (``SamplingParams.current_names``), its constraint checked: a
+    schema, regex or grammar that does not parse is refused when the row is read, naming the field."""
+    sampling = SamplingParams.current_names(sampling)
     constraint = sampling.get("structured_outputs")
     if constraint is not None:
         try:
@@ -138,10 +118,7 @@ class _Inputs(ChatOptions):
     @field_validator("sampling_params")
     @classmethod
     def _sampling(cls, value: dict[str, Any] | None) -> dict[str, Any] | None:
-        if value is not None:
-            check_stops(value.get("stop"))
-            value = with_structured_outputs(value)
-        return value
+        return None if value is None else _current_constraint(value)
 
     @model_validator(mode="after")
     def _one_source(self) -> _Inputs:
@@ -200,36 +177,3 @@ def _message(exc: ValidationError) -> str:
     if len(errors) == 1 and errors[0]["type"] == "value_error" and errors[0]["loc"] in ((), ("prompt",)):
         return str(errors[0]["ctx"]["error"])
     return format_validation_error(exc)
-
-
-def sampling_params(
-    overrides: Mapping[str, Any] | None, defaults: SamplingParams, vocab_size: int, eos_ids: Collection[int]
-) -> SamplingParams:
-    """A request's sampling parameters: the configured ``defaults`` (less the run's seed, see
-    ``decoding.verification.sampling.row_generator``) overridden field by field, validated with every bound, and
-    checked against the model (token ids within its vocabulary). ``RequestError`` naming the field otherwise.
-    Whatever passes here runs in an engine step without raising."""
-    overrides = dict(overrides or {})
-    try:
-        params = SamplingParams.model_validate({**defaults.model_dump(exclude={"seed"}), **overrides})
-    except ValidationError as exc:
-        raise RequestError(f"invalid sampling_params: {format_validation_error(exc)}", _param(exc, overrides)) from None
-    if any(token >= vocab_size for token in params.stop_token_ids):
-        raise RequestError(f"invalid sampling_params: stop_token_ids must lie in [0, {vocab_size})", "stop_token_ids")
-    if params.logprobs is not None and params.logprobs > vocab_size:
-        raise RequestError(f"invalid sampling_params: logprobs is more than the {vocab_size} tokens", "logprobs")
-    if params.min_tokens and len(params.stop_ids(eos_ids)) >= vocab_size:
-        raise RequestError("invalid sampling_params: min_tokens would ban every token (stop_token_ids and EOS "
-                           "cover the vocabulary)", "stop_token_ids")
-    return params
-
-
-def _param(exc: ValidationError, overrides: Mapping[str, Any]) -> str | None:
-    """The field to blame: a field's own error names it; a check across fields (min_tokens above max_tokens, stop
-    without detokenize) names the one the request set, as its message says first."""
-    loc = exc.errors()[0]["loc"]
-    if loc:
-        return str(loc[0])
-    message = str(exc)
-    named = {name: found.start() for name in overrides if (found := re.search(rf"\b{name}\b", message))}
-    return min(named, key=named.__getitem__) if named else None

@@ -21,10 +21,12 @@ import ray
 from decoding.config import Config
 from decoding.engine import Engine, GenerationResult, Request
 from decoding.engine.runner import EngineRunner, Event, RequestRejected
+from decoding.engine.sequence import error_result
 from decoding.model.loading import worker_threads
+from decoding.params import resolve_sampling
 from frontend.metrics import EngineMetrics, ray_backend
 from frontend.remote import localize_models
-from frontend.requests import ChatOptions, RequestError, parse_request, sampling_params
+from frontend.requests import ChatOptions, RequestError, parse_request
 from pipeline.schema import ENGINE_READY, PRODUCER_NODE, READ_ERROR, output_block
 
 log = logging.getLogger(__name__)
@@ -75,17 +77,9 @@ def request_from_row(key: str, row: dict[str, Any], engine: Engine, options: Row
         raise RequestError("a row with messages needs the chat template (apply_chat_template is false)")
     rendering = parsed.chat.request_fields(engine.config, continue_assistant=options.continue_assistant,
                                            messages=parsed.messages)
-    sampling = sampling_params(parsed.sampling, engine.config.sampling, engine.target.config.vocab_size,
-                               engine.eos_ids)
+    sampling = resolve_sampling(parsed.sampling, engine.config.sampling, engine.target.config.vocab_size,
+                                engine.eos_ids)
     return Request(key, prompt=parsed.prompt, messages=parsed.messages, sampling=sampling, **rendering)
-
-
-def error_result(request_id: str, prompt: Any, message: str) -> GenerationResult:
-    return GenerationResult(
-        id=request_id, prompt=prompt if isinstance(prompt, str) else "", prompt_token_ids=[], token_ids=[],
-        text="", finish_reason="error", error=message, time_taken=0.0, token_accepted=[],
-        per_step_drafted=[], per_step_accepted=[], num_target_forwards=0, acceptance_histogram=[],
-    )
 
 
 def _rows(batch: pa.Table) -> list[dict[str, Any]]:
@@ -156,19 +150,24 @@ class GenerationActor:
     def _submit(self, row: dict[str, Any]) -> Future:
         future: Future = Future()
         key = str(next(self._keys))
+        started = time.perf_counter()
+        # An error row the actor makes has the engine's shape (decoding.engine.sequence.error_result): its
+        # histogram as long as the engine's, its time from the row's arrival.
+        max_depth = self.runner.engine.topology.max_depth
         try:
             request = request_from_row(key, row, self.runner.engine, self.options)
             request.seed_key = str(row.get("id", key))  # a row's random stream follows its id, not its actor
             prepared = self.runner.prepare(request)  # on this call's thread, not the engine's
         except (RequestError, RequestRejected) as exc:
-            future.set_result(error_result(key, row.get("prompt"), str(exc)))
+            future.set_result(error_result(key, row.get("prompt"), str(exc), started, max_depth))
             return future
 
         def sink(event: Event) -> None:  # called on the engine thread
             if isinstance(event, GenerationResult):
                 future.set_result(event)
             elif isinstance(event, BaseException):
-                future.set_result(error_result(key, row.get("prompt"), f"engine failure: {event!r}"))
+                future.set_result(error_result(key, row.get("prompt"), f"engine failure: {event!r}", started,
+                                               max_depth))
 
         self.runner.submit(request, prepared, sink)
         return future

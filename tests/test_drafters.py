@@ -170,7 +170,7 @@ def test_a_self_draft_drafts_in_the_target_cache(tokenizer, target) -> None:
 
     for i, prompt in enumerate(PROMPTS[:3]):
         engine.add_request(Request(id=str(i), prompt=prompt))
-    engine._admit(engine.scheduler.admit(), {})
+    engine._admit(engine.scheduler.admit())
     assert not draft_tokens  # no prefill forward through the quantized twin
     assert engine.cache.active == 3
     finished = {}

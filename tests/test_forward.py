@@ -5,6 +5,7 @@ forwards agreeing on trees."""
 
 from __future__ import annotations
 
+import dataclasses
 import weakref
 
 import pytest
@@ -24,12 +25,14 @@ from transformers import (
 )
 
 from decoding import Config, Engine, Request
+from decoding.config import ExecutionConfig
 from decoding.drafting.costs import BatchCosts, CostTable
-from decoding.engine import engine as engine_module
+from decoding.engine import build
 from decoding.engine.kv_cache import CacheShape, PagedKVCache
 from decoding.model import attention
 from decoding.model import loading as models
 from decoding.model.attention import AttentionMetadata, cpu_kernel, packs, reference_attention
+from decoding.model.execution import Execution
 from decoding.model.forward import forward_tree
 from decoding.model.lean_forward import LeanCausalLM, lean_view, supports_lean_forward
 from decoding.model.loading import for_inference
@@ -58,9 +61,10 @@ def family_model(name: str) -> torch.nn.Module:
     return model
 
 
-def _tree_forwards(model: torch.nn.Module, config) -> list[tuple[torch.Tensor, torch.Tensor]]:
+def _tree_forwards(model: torch.nn.Module, config, execution: Execution | None = None
+                   ) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """(logits, last hidden) of a ragged prefill and then a width-2 tree (a shallower row included), for all three
-    rows and for rows 0 and 2 alone (a host index of rows)."""
+    rows and for rows 0 and 2 alone (a host index of rows); run as ``execution`` says (default: the default's)."""
     generator = torch.Generator().manual_seed(0)
     prompts = torch.randint(3, config.vocab_size, (3, 7), generator=generator)
     prompt_valid = torch.arange(7)[None] < torch.tensor([[7], [4], [6]])
@@ -68,7 +72,7 @@ def _tree_forwards(model: torch.nn.Module, config) -> list[tuple[torch.Tensor, t
     nodes = torch.randint(3, config.vocab_size, (3, topology.size(2)), generator=generator)
     valid = torch.ones(3, topology.size(2), dtype=torch.bool)
     valid[1, -2:] = False
-    cache = PagedKVCache(CacheShape.of(config), 8, 3, 64, dtype=next(model.parameters()).dtype)
+    cache = PagedKVCache(CacheShape.of(config), 8, 3, 64, dtype=next(model.parameters()).dtype, execution=execution)
     rows = cache.add_rows([32, 32, 32])
     prefill = forward_tree(model, cache, rows, prompts, chain_ancestors(7), prompt_valid, want_hidden=True)
     cache.advance(rows, prompt_valid.sum(1).tolist())
@@ -204,18 +208,21 @@ def test_the_compiled_stack_computes_what_the_eager_stack_computes(monkeypatch, 
         pytest.skip("no C++ compiler")
     from decoding.model import compiled_forward
 
-    monkeypatch.setenv("SPECBATCH_COMPILE", "1")
     monkeypatch.setenv("SPECBATCH_CACHE", str(tmp_path))
+    monkeypatch.delenv("SPECBATCH_COMPILE")  # the tests' eager default: each execution says here
+    cpu = torch.device("cpu")
+    eager_mode = Execution.resolve(ExecutionConfig(compile="off"), cpu)
+    compiled_mode = Execution.resolve(ExecutionConfig(), cpu)
+    assert compiled_mode.compile and not eager_mode.compile
     target = tiny_model()
     for model in (target, quantized(target, "int4", head=None)):  # the eager head: compared without its rounding
         eager, compiled = LeanCausalLM(model), LeanCausalLM(model)
-        monkeypatch.setenv("SPECBATCH_COMPILE", "0")
-        assert eager.compiled() is None
-        monkeypatch.setenv("SPECBATCH_COMPILE", "1")
+        eager.prepare(eager_mode)
+        compiled.prepare(compiled_mode)
         assert compiled.compiled() is not None
         tolerance = 1e-5 if model is target else 0.05
-        for (logits, hidden), (c_logits, c_hidden) in zip(_tree_forwards(eager, model.config),
-                                                          _tree_forwards(compiled, model.config)):
+        for (logits, hidden), (c_logits, c_hidden) in zip(_tree_forwards(eager, model.config, eager_mode),
+                                                          _tree_forwards(compiled, model.config, compiled_mode)):
             torch.testing.assert_close(c_logits, logits, atol=tolerance, rtol=tolerance)
             torch.testing.assert_close(c_hidden, hidden, atol=tolerance, rtol=tolerance)
 
@@ -229,7 +236,7 @@ def test_the_compiled_stack_computes_what_the_eager_stack_computes(monkeypatch, 
     with caplog.at_level("WARNING"):
         assert fallback.compiled() is None
     assert "no C++ compiler found" in caplog.text
-    logits, _ = _tree_forwards(fallback, target.config)[1]
+    logits, _ = _tree_forwards(fallback, target.config, compiled_mode)[1]
     assert torch.isfinite(logits).all()
 
 
@@ -314,6 +321,7 @@ def test_graphs_captured_at_build_follow_the_plan_and_budget_then_uncaptured_sha
         GraphedForward,
         build_shapes,
         key_buckets,
+        pool_key,
         record_eagerly,
         row_bucket,
         tree_words,
@@ -331,7 +339,7 @@ def test_graphs_captured_at_build_follow_the_plan_and_budget_then_uncaptured_sha
 
     lean, cache, rows, prompts = _prefilled(24, 60)
     sizes = [1, TreeTopology(2, 1).size(1), TreeTopology(2, 2).size(2)]
-    shapes = build_shapes(cache.keys.data_ptr(), 3, 64, sizes, hidden=True)
+    shapes = build_shapes(pool_key(cache.keys), 3, 64, sizes, hidden=True)
     assert len(shapes) == 3 * 3  # one key bucket (64 positions a row), rows 1, 2, 4
     graphed = GraphedForward(lean.flat_forward, 64, record=record_eagerly)
     # A stand-in for the device's memory: 100 MiB each.
@@ -367,6 +375,11 @@ def test_graphs_captured_at_build_follow_the_plan_and_budget_then_uncaptured_sha
     assert len(graphed.graphs) == 6
 
 
+def _capturing(builder: build._Builder, target: torch.nn.Module) -> Execution:
+    """The execution of an engine that captures graphs at build (a CUDA engine's), for this CPU's forwards."""
+    return dataclasses.replace(Execution.resolve(builder.config.execution, builder.device), graphs=True)
+
+
 def test_an_engine_capturing_at_build_plans_its_shapes_and_verifies_whole_trees(tokenizer, target, monkeypatch
                                                                                  ) -> None:
     """With graphs captured at build (mode ``all``): the engine plans the target's decode and whole-tree
@@ -375,7 +388,7 @@ def test_an_engine_capturing_at_build_plans_its_shapes_and_verifies_whole_trees(
     trees are captured), emitting the tokens the pruned forwards emit."""
     from decoding.engine import step
     from decoding.model import cuda_graphs
-    from decoding.model.cuda_graphs import key_buckets, record_eagerly
+    from decoding.model.cuda_graphs import key_buckets, pool_key, record_eagerly
 
     config = Config.model_validate({
         "model": "in-memory", "batch_size": 3, "sampling": {"max_tokens": 16},
@@ -396,17 +409,17 @@ def test_an_engine_capturing_at_build_plans_its_shapes_and_verifies_whole_trees(
     assert set(widths) - {1, 3, 5, 7}, widths  # pruned: dead nodes left out of some forwards
 
     lean = lean_view(target)
-    monkeypatch.setattr(lean, "_graphs", None)
-    monkeypatch.setattr(cuda_graphs.GraphedForward.__init__, "__defaults__", (record_eagerly,))
+    monkeypatch.setattr(lean, "_graphs", {})
+    monkeypatch.setattr(cuda_graphs.GraphedForward.__init__, "__defaults__", (record_eagerly, True))
     monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device=None: 0)
-    monkeypatch.setenv("SPECBATCH_CUDA_GRAPHS", "all")
-    monkeypatch.setattr(Engine, "_captures_graphs", lambda self: True)  # a CUDA engine's choice, on this CPU
+    monkeypatch.setattr(build._Builder, "execution", _capturing)  # a CUDA engine's choice, on this CPU
     engine = Engine(config, target=target, tokenizer=tokenizer)
     positions = engine.cache.max_blocks_per_row * engine.cache.block_size
     sizes = [1, *(engine.topology.size(depth) for depth in range(1, 4))]  # size(0) is 1: one root
-    assert sorted((s.keys, s.per_row, s.rows) for s in lean._graphs.graphs) == sorted(
+    graphs = lean._graphs["cpu"]
+    assert sorted((s.keys, s.per_row, s.rows) for s in graphs.graphs) == sorted(
         (keys, per_row, rows) for keys in key_buckets(positions) for per_row in sizes for rows in (1, 2, 4))
-    assert lean._graphs.frozen == {engine.cache.keys.data_ptr()}
+    assert graphs.frozen == {pool_key(engine.cache.keys)}
     assert engine.stepper.whole_trees  # the engine's choice where it captures at build
     widths.clear()
     assert [r.token_ids for r in engine.generate(requests)] == expected
@@ -418,31 +431,30 @@ def test_a_self_draft_captures_its_levels_at_build_beside_the_target(tokenizer, 
     every row and key bucket beside the target's shapes, over the same pool, and its cost calibration times them as
     they will run; other drafters and modes leave draft levels eager."""
     from decoding.model import cuda_graphs
-    from decoding.model.cuda_graphs import key_buckets, record_eagerly
+    from decoding.model.cuda_graphs import key_buckets, pool_key, record_eagerly
 
     config = Config.model_validate({"model": "in-memory", "batch_size": 2, "sampling": {"max_tokens": 8}})
-    assert not Engine(config, target=target, tokenizer=tokenizer).drafter.graphs  # mode decode: eager levels
+    assert not Engine(config, target=target, tokenizer=tokenizer).drafter.graphs  # no graphs: eager levels
     lean = lean_view(target)
-    monkeypatch.setattr(lean, "_graphs", None)
-    monkeypatch.setattr(cuda_graphs.GraphedForward.__init__, "__defaults__", (record_eagerly,))
+    monkeypatch.setattr(lean, "_graphs", {})
+    monkeypatch.setattr(cuda_graphs.GraphedForward.__init__, "__defaults__", (record_eagerly, True))
     monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device=None: 0)
-    monkeypatch.setenv("SPECBATCH_CUDA_GRAPHS", "all")
-    monkeypatch.setattr(Engine, "_captures_graphs", lambda self: True)
+    monkeypatch.setattr(build._Builder, "execution", _capturing)
     calibrated = []
     costs = BatchCosts(one_row=CostTable([(1, 0.01), (8, 0.012)]), full=CostTable([(1, 0.02), (8, 0.03)]),
                        full_rows=2)
-    monkeypatch.setattr(engine_module, "calibrate_batch", lambda model, *args, graphs=False, **kwargs: (
+    monkeypatch.setattr(build, "calibrate_batch", lambda model, *args, graphs=False, **kwargs: (
         calibrated.append((model, graphs)) or costs))
     engine = Engine(config, target=target, tokenizer=tokenizer)
     draft = engine.drafter.model
     assert engine.drafter.graphs and isinstance(draft, LeanCausalLM) and draft is not lean
     assert calibrated == [(lean, True), (draft, True)]
     positions = engine.cache.max_blocks_per_row * engine.cache.block_size
-    pool = engine.cache.keys.data_ptr()
-    assert sorted((s.keys, s.per_row, s.rows, s.cache) for s in draft._graphs.graphs) == sorted(
+    pool = pool_key(engine.cache.keys)
+    assert sorted((s.keys, s.per_row, s.rows, s.cache) for s in draft._graphs["cpu"].graphs) == sorted(
         (keys, 1, rows, pool) for keys in key_buckets(positions) for rows in (1, 2))
-    assert draft._graphs.frozen == lean._graphs.frozen == {pool}
-    assert {s.per_row for s in lean._graphs.graphs} == {1, *(engine.topology.size(d) for d in range(1, 6))}
+    assert draft._graphs["cpu"].frozen == lean._graphs["cpu"].frozen == {pool}
+    assert {s.per_row for s in lean._graphs["cpu"].graphs} == {1, *(engine.topology.size(d) for d in range(1, 6))}
     results = engine.generate([Request(id="0", prompt_token_ids=[3, 4, 5, 3, 4, 5, 3])])
     assert results[0].error is None and results[0].token_ids
 
@@ -526,3 +538,31 @@ def test_reference_attention_zeroes_unwritten_positions_unless_the_pool_is_zero_
     torch.testing.assert_close(zeroed, zero_filled)
     assert torch.isfinite(zeroed).all()
     assert not torch.isfinite(attend("empty", True)).all()  # an unfilled pool does need the zeroing
+
+
+def test_graphs_over_a_freed_pool_go_at_the_next_call_never_in_its_finalizer() -> None:
+    """A graph is keyed by its pool object (never only its address) and dropped when the pool is freed: at the
+    next capture or replay, not in the pool's finalizer, which a collection can run in the middle of a capture."""
+    import gc
+
+    from decoding.model.cuda_graphs import GraphedForward, pool_key
+
+    def record_once(run, pool):  # holds no reference to the pool, as a CUDA graph holds none (replays: no-ops)
+        return run(), lambda: None
+
+    lean, cache, rows, prompts = _prefilled(24, 60)
+    graphed = GraphedForward(lean.flat_forward, 64, record=record_once)
+    scratch = PagedKVCache(CacheShape.of(lean.config), 8, 1, 64)
+    scratch_rows = scratch.add_rows([20])
+    forward_tree(lean, scratch, scratch_rows, prompts[:1], chain_ancestors(6), torch.ones(1, 6, dtype=torch.bool))
+    scratch.advance(scratch_rows, [6])
+    tokens, positions, meta, nodes = _graph_case(scratch, scratch_rows, 1, seed=3)
+    assert graphed(tokens, positions, meta, scratch.keys, scratch.values, nodes, nodes) is not None
+    scratch_key = pool_key(scratch.keys)
+    assert {shape.cache for shape in graphed.graphs} == {scratch_key}
+    del scratch, tokens, positions, meta
+    gc.collect()
+    assert {shape.cache for shape in graphed.graphs} == {scratch_key}  # the finalizer only noted it
+    tokens, positions, meta, nodes = _graph_case(cache, rows, 1, seed=4)
+    assert graphed(tokens, positions, meta, cache.keys, cache.values, nodes, nodes) is not None
+    assert {shape.cache for shape in graphed.graphs} == {pool_key(cache.keys)} != {scratch_key}

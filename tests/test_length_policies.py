@@ -141,7 +141,7 @@ def test_a_seeded_sampled_row_decides_from_its_own_past_alone() -> None:
             # The other row's acceptance and the timings differ between the two runs; the fixed row's own do not.
             policy.observe(StepRecord(
                 ids, planned, planned, [min(2, planned[0]), int(noise * planned[1])],
-                timing=StepTiming((2, 3, 60.0), 0.1 * (1 + noise * step), [], 0.0),
+                timing=StepTiming((2, 3, 60.0), 0.1 * (1 + noise * step), [], 0.0), fixed=[True, False],
             ))
         return out
 

@@ -174,6 +174,36 @@ def test_error_rows_bypass_postprocess_and_keep_finish_reason_and_error(ray_clus
     assert error["topic"] == "empty" and error["question"] == "" and "ok" not in error
 
 
+def _shape(value: object) -> object:
+    """A value's type, with a list's length and element types and a dict's keys."""
+    if isinstance(value, list):
+        return "list", len(value), sorted({type(item).__name__ for item in value})
+    if isinstance(value, dict):
+        return "dict", sorted(value)
+    return type(value).__name__
+
+
+def test_an_error_row_has_one_shape_whichever_path_made_it(config):
+    """A row the actor refuses before the engine sees it and a request the engine refuses make error results with
+    the same fields of the same types: the engine's histogram length (max_depth + 1), the time measured, so the
+    same statistics whichever path a row's error took."""
+    from dataclasses import asdict
+
+    from pipeline.actor import GenerationActor, RowOptions
+
+    actor = GenerationActor(config.model_dump(mode="json"), options=RowOptions(metrics=False))
+    try:
+        refused = actor._submit({"prompt": "the cat", "sampling_params": {"top_k": -5}}).result(timeout=120)
+        empty = actor._submit({"prompt": ""}).result(timeout=120)  # Engine.prepare's error result
+        max_depth = actor.runner.engine.topology.max_depth
+    finally:
+        actor.runner.close()
+    assert refused.error.startswith("invalid sampling_params") and empty.error == "empty prompt"
+    assert {k: _shape(v) for k, v in asdict(refused).items()} == {k: _shape(v) for k, v in asdict(empty).items()}
+    assert len(refused.acceptance_histogram) == max_depth + 1 > 1
+    assert refused.spec_decode == empty.spec_decode and refused.time_taken > 0 and empty.time_taken > 0
+
+
 def test_should_continue_on_error_has_ray_data_llms_meaning(ray_cluster, config):
     def processor(**fields):
         return specbatch.build_processor(

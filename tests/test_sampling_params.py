@@ -237,7 +237,7 @@ def test_warping_never_gives_a_law_with_nan_or_no_mass() -> None:
     logits[1] = -torch.inf  # every token banned
     logits[2, 0, 4] = torch.nan
     params = [SamplingParams(temperature=1e-38), SamplingParams(temperature=1.0),
-              SamplingParams(temperature=0.7, top_p=1e-300), SamplingParams(temperature=100.0, top_k=2**62)]
+              SamplingParams(temperature=0.7, top_p=1e-300), SamplingParams(temperature=2.0, top_k=2**62)]
     warp = WarpParams.from_params(params)
     # A row with top_p below float32's smallest number: its tensor holds 0 and still keeps the most likely token.
     warp = WarpParams(warp.temperature, warp.top_k, torch.tensor([1.0, 1.0, 0.0, 1.0]))

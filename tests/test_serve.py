@@ -911,39 +911,52 @@ def test_leaving_a_stream_aborts_its_sequence(engine):
 
 def test_a_short_request_is_not_stalled_by_megabyte_prompts(engine, monkeypatch):
     """Eight 1 MB prompts arrive just before a short request: they are tokenized (and refused as too long) off
-    the engine's stepping thread, which never runs the tokenizer, so the short request answers about as fast as
-    it does alone. The bound is generous (busy shared cores); tokenizing on the stepping thread took ~3 s per
-    prompt here, all before the short request's first step."""
+    the engine's stepping thread, which never runs the tokenizer, a few at a time, so the short request is
+    answered before any of them is tokenized. Their tokenizing is held until the short request's result has come
+    (no clock involved): on the stepping thread, or with the short request queued behind them, it would hold the
+    short request too (tokenizing on the stepping thread took ~3 s per prompt, all before the short request's
+    first step)."""
     import decoding.engine.engine as engine_module
 
     tokenizing_threads: list[str] = []
     encode = engine_module.encode_request
+    release = threading.Event()
+    held: list[str] = []  # big prompts whose tokenizing began, held until the short request's result
+    tokenized: list[str] = []
 
     def recording(tokenizer, request):
         tokenizing_threads.append(threading.current_thread().name)
+        if request.id.startswith("big"):
+            held.append(request.id)
+            release.wait(timeout=120)
+            tokenized.append(request.id)
         return encode(tokenizer, request)
 
     monkeypatch.setattr(engine_module, "encode_request", recording)
     loop = EngineLoop(lambda: engine)
 
-    async def timed(request: Request) -> tuple[float, list[Any]]:
-        start = time.perf_counter()
-        events = await _drain(loop, [request])
-        return time.perf_counter() - start, events
-
     async def scenario():
-        alone, alone_events = await timed(Request(id="alone", prompt="ab", sampling={"max_tokens": 8}))
+        alone_events = await _drain(loop, [Request(id="alone", prompt="ab", sampling={"max_tokens": 8})])
         big = [asyncio.create_task(_drain(loop, [Request(id=f"big{i}", prompt="ab " * 350_000)])) for i in range(8)]
-        await asyncio.sleep(0.1)  # the megabyte prompts are submitted first
-        crowded, events = await timed(Request(id="short", prompt="ab", sampling={"max_tokens": 8}))
-        return alone, alone_events, crowded, events, await asyncio.gather(*big)
+        async def tokenizing() -> None:  # the megabyte prompts' tokenizing has begun
+            while not held:
+                await asyncio.sleep(0.01)
 
-    alone, alone_events, crowded, events, big = asyncio.run(scenario())
+        try:
+            await asyncio.wait_for(tokenizing(), timeout=60)
+            events = await asyncio.wait_for(
+                _drain(loop, [Request(id="short", prompt="ab", sampling={"max_tokens": 8})]), timeout=60)
+            done_before = len(tokenized)
+        finally:
+            release.set()
+        return alone_events, events, done_before, await asyncio.gather(*big)
+
+    alone_events, events, done_before, big = asyncio.run(scenario())
+    assert done_before == 0  # the short request was answered before any megabyte prompt was tokenized
     assert events[-1][1].token_ids == alone_events[-1][1].token_ids and len(events[-1][1].token_ids) == 8
     assert all(b[-1][1].finish_reason == "error" and "context" in b[-1][1].error for b in big)
     assert len(tokenizing_threads) == 10 and "engine" not in tokenizing_threads
     assert threading.current_thread().name not in tokenizing_threads  # nor the event loop's
-    assert crowded < alone + 3.0, (crowded, alone)
 
 
 class _ByteTokenizer:

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import torch
 
 from decoding.engine.kv_cache import CacheShape, PagedKVCache
-from decoding.model.cuda_graphs import graph_mode
+from decoding.model.execution import Execution, default_execution
 from decoding.model.forward import forward_tree
 from decoding.paths import cache_dir
 from decoding.verification.tree import chain_ancestors
@@ -67,14 +67,15 @@ def _features(model: torch.nn.Module, batch: int, tokens: int, device: torch.dev
 
 def forward_timer(
     model: torch.nn.Module, device: torch.device, batch: int, tokens: int, cached: int = _CONTEXT,
-    graphs: bool = False,
+    graphs: bool = False, execution: Execution | None = None,
 ) -> Callable[[], float]:
     """A function timing one forward of ``batch`` rows of ``tokens`` new tokens after ``cached`` cached ones
-    (warmed up once)."""
+    (warmed up once), run as ``execution`` says (default: the default configuration's)."""
     positions = cached + tokens
     block_size = 16
     cache = PagedKVCache(CacheShape.of(model.config), batch * -(-positions // block_size), batch, positions,
-                         block_size=block_size, dtype=next(model.parameters()).dtype, device=device)
+                         block_size=block_size, dtype=next(model.parameters()).dtype, device=device,
+                         execution=execution)
     rows = cache.add_rows([positions] * batch)
     vocab = model.config.vocab_size
     context = torch.randint(0, vocab, (batch, cached), device=device)
@@ -108,13 +109,14 @@ def _sizes(max_tokens: int) -> list[int]:
 
 
 def calibrate(model: torch.nn.Module, max_tokens: int, batch: int = 1, disk_key: str | None = None,
-              graphs: bool = False) -> CostTable:
-    """Time forwards of ``batch`` rows of 1, 2, 4, ... ``max_tokens`` new tokens each; memoised per model object
-    and cached on disk under ``disk_key``."""
+              graphs: bool = False, execution: Execution | None = None) -> CostTable:
+    """Time forwards of ``batch`` rows of 1, 2, 4, ... ``max_tokens`` new tokens each, run as ``execution`` says;
+    memoised per model object and cached on disk under ``disk_key``."""
     device = next(model.parameters()).device
     dtype = next(model.parameters()).dtype
+    execution = execution or default_execution(device)
     setting = (str(device), str(dtype), torch.get_num_threads(), max_tokens, batch,
-               graphs and device.type == "cuda" and graph_mode())
+               graphs and execution.graphs, execution.kernels, execution.compile)
     memo_key = (id(model), *setting)
     if memo_key in _memo:
         return CostTable(_memo[memo_key])
@@ -127,7 +129,7 @@ def calibrate(model: torch.nn.Module, max_tokens: int, batch: int = 1, disk_key:
             return CostTable(_memo[memo_key])
     log.info("calibrating forward costs of %s on %s, %d row(s) (once per machine)", disk_key or "model", device, batch)
     sizes = _sizes(max_tokens)
-    timers = [forward_timer(model, device, batch, size, graphs=graphs) for size in sizes]
+    timers = [forward_timer(model, device, batch, size, graphs=graphs, execution=execution) for size in sizes]
     # Interleaved rounds, median per size: a noisy moment spoils one sample of each size, not a whole size
     # (the table is cached for good, so one bad sample would steer the policy on every later run).
     rounds = [[timer() for timer in timers] for _ in range(_ROUNDS)]
@@ -160,11 +162,12 @@ class BatchCosts:
 
 def calibrate_batch(
     model: torch.nn.Module, max_tokens: int, full_rows: int, disk_key: str | None = None, graphs: bool = False,
+    execution: Execution | None = None,
 ) -> BatchCosts:
     """``BatchCosts`` up to ``max_tokens`` new tokens per row and ``full_rows`` rows (``graphs``: as the target's
-    forwards run, CUDA graphs where the mode allows)."""
-    one_row = calibrate(model, max_tokens, 1, disk_key, graphs)
-    full = calibrate(model, max_tokens, full_rows, disk_key, graphs) if full_rows > 1 else one_row
+    forwards run, CUDA graphs where ``execution`` captures them)."""
+    one_row = calibrate(model, max_tokens, 1, disk_key, graphs, execution)
+    full = calibrate(model, max_tokens, full_rows, disk_key, graphs, execution) if full_rows > 1 else one_row
     return BatchCosts(one_row, full, full_rows)
 
 

@@ -23,7 +23,6 @@ import torch
 
 from decoding.engine.kv_cache import CacheShape, PagedKVCache, Rows
 from decoding.engine.padding import pad_rows
-from decoding.model.cuda_graphs import captures_at_build
 from decoding.model.forward import forward_tree
 from decoding.model.lean_forward import lean_view, supports_lean_forward
 from decoding.model.loading import for_inference
@@ -33,6 +32,8 @@ from decoding.verification.verify_batched import sample_from, sample_tokens
 
 if TYPE_CHECKING:
     from decoding.constraints.constrained import GrammarView
+    from decoding.engine.batch import JoinedRows
+    from decoding.engine.sequence import Sequence
 
 
 class StopRule(Protocol):
@@ -150,13 +151,14 @@ class Drafter:
     target_cache: PagedKVCache | None = None  # a self-draft's: it drafts in the target's cache (no catch-up tokens)
     graphs = False  # whether its model's forwards may replay CUDA graphs (``cuda_graphs.py``)
 
-    def add_rows(self, rows: slice, prompts: list[list[int]], positions: list[int],
-                 target_states: torch.Tensor | None = None) -> None:
-        """Sequences joined the batch at ``rows``; ``positions``: the cache positions each may reach."""
-        del rows, prompts, positions, target_states
+    # The batch tells the drafter when rows join and leave (``decoding.engine.batch.RowState``).
+    def rows_joined(self, joined: JoinedRows) -> None:
+        """Sequences joined the batch at ``joined.rows`` (their prefill ran: the target's states are there)."""
+        del joined
 
-    def remove_row(self, row: int) -> None:
-        del row
+    def row_removed(self, row: int, seq: Sequence) -> None:
+        """``seq`` left ``row``; the last row takes its place."""
+        del row, seq
 
     def propose(self, inputs: DraftInputs) -> Draft:
         return Draft.roots_only(inputs)
@@ -300,9 +302,9 @@ class DraftModelDrafter(Drafter):
         # forward overwrites, and nothing is committed but the target's. No prefill, no catch-up of tokens
         # committed while it did not draft, no second cache.
         self.shares_target_cache = shares_target_cache
-        # Draft levels replay CUDA graphs where verifications do (mode ``all``), for a self-draft only: its levels
+        # Draft levels replay CUDA graphs where verifications do (``attach``), for a self-draft only: its levels
         # have fixed shapes (no catch-up prefix), captured at build beside the target's.
-        self.graphs = shares_target_cache and captures_at_build()
+        self.graphs = False
         self.vocab_size = model.config.vocab_size
         self.reads_target_states = bool(getattr(model, "reads_features", False))
         # Heterogeneous tree: the last ``lookup_candidates`` candidates of every level are n-gram continuations.
@@ -335,16 +337,18 @@ class DraftModelDrafter(Drafter):
         many positions as the target's pool (it never holds more of a row than the target does)."""
         if self.shares_target_cache:
             self.target_cache = self.cache = target_cache
+            self.graphs = target_cache.execution.graphs
         else:
             config = self.model.config
             self.cache = PagedKVCache(
                 CacheShape.of(config), target_cache.num_blocks, target_cache.max_rows,
                 target_cache.max_blocks_per_row * target_cache.block_size, block_size=target_cache.block_size,
-                dtype=next(self.model.parameters()).dtype, device=self.device,
+                dtype=next(self.model.parameters()).dtype, device=self.device, execution=target_cache.execution,
             )
 
-    def add_rows(self, rows: slice, prompts: list[list[int]], positions: list[int],
-                 target_states: torch.Tensor | None = None) -> None:
+    def rows_joined(self, joined: JoinedRows) -> None:
+        rows, positions, target_states = joined.rows, joined.positions, joined.target_states
+        prompts = [seq.prompt_ids for seq in joined.seqs]
         self.uncached.extend([] for _ in prompts)
         self.uncached_states.extend([] for _ in prompts)
         if self.target_cache is not None:  # the target's prefill filled the cache both read
@@ -373,7 +377,8 @@ class DraftModelDrafter(Drafter):
         full[..., self.vocab_subset.to(logits.device, non_blocking=True)] = logits
         return full
 
-    def remove_row(self, row: int) -> None:
+    def row_removed(self, row: int, seq: Sequence) -> None:
+        del seq
         last = len(self.uncached) - 1
         if self.root_states is not None:
             self.root_states[row] = self.root_states[last]

@@ -18,6 +18,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -25,6 +26,10 @@ import torch
 from decoding.config import SpeculativeConfig
 from decoding.drafting.costs import BatchCosts, LearnedCosts
 from decoding.drafting.signal_head import DraftSignalMLP
+
+if TYPE_CHECKING:
+    from decoding.engine.batch import JoinedRows
+    from decoding.engine.sequence import Sequence
 
 
 @dataclass(frozen=True)
@@ -40,6 +45,7 @@ class StepRecord:
     model_matched: list[int] | None = None
     lookup_matched: list[int] | None = None
     timing: StepTiming | None = None
+    fixed: list[bool] | None = None  # rows planned as ``fixed`` (seeded sampling): they count their own steps
 
 
 class LengthPolicy:
@@ -83,6 +89,15 @@ class LengthPolicy:
 
     def forget(self, seq_id: str) -> None:
         del seq_id
+
+    # The batch tells the policy when rows join and leave (``decoding.engine.batch.RowState``); what it learns is
+    # keyed by request id, so only leaving rows matter.
+    def rows_joined(self, joined: JoinedRows) -> None:
+        del joined
+
+    def row_removed(self, row: int, seq: Sequence) -> None:
+        del row
+        self.forget(seq.request_id)
 
     def to(self, device: torch.device) -> LengthPolicy:
         """Models the policy runs inside the draft loop move to the drafter's device (``keep`` runs there)."""
@@ -311,14 +326,12 @@ class OnlinePolicy(LengthPolicy):
         options = self._options()
         costs: dict[tuple, list[float]] = {}  # per cost key, every option's seconds; per (key, probe) its own
         payable: dict[tuple, bool] = {}
-        self.steps += 1
+        step = self.steps + 1  # this step's number; ``observe`` counts it
         for row, (seq_id, context, is_fixed) in enumerate(zip(ids, contexts, fixed)):
-            if is_fixed:  # only a seeded row's probes count its own steps
-                self.row_steps[seq_id] = self.row_steps.get(seq_id, 0) + 1
             # Rows probe on the same steps: one row drafting deepens the whole batch's forwards, so probes on
             # different steps cost every step (0.59x of plain at batch 16). A seeded row counts its own steps (its
             # choices must not depend on other rows).
-            steps = self.row_steps[seq_id] if is_fixed else self.steps
+            steps = self.row_steps.get(seq_id, 0) + 1 if is_fixed else step
             batch = self.capacity if is_fixed else rows
             key = (batch, 0 if is_fixed else context // 64, is_fixed)
             if key not in costs:
@@ -326,11 +339,11 @@ class OnlinePolicy(LengthPolicy):
                 # the fixed calibration. Every option's cost for every row bucket each step took 2% of a batch-16
                 # step that drafted nothing.
                 memo = self._cost_memo.get(key)
-                if memo is None or (not is_fixed and self.steps - memo[0] >= COST_REUSE_STEPS):
+                if memo is None or (not is_fixed and step - memo[0] >= COST_REUSE_STEPS):
                     option_costs = [self.step_seconds(m, lk, batch, context, is_fixed) for m, lk in options]
                     # Whether any option could pay were every drafted token accepted: where none could (a large
                     # batch on a few CPU cores), probing cannot find one either and only widens the batch's forwards.
-                    memo = self._cost_memo[key] = (self.steps, option_costs, any(
+                    memo = self._cost_memo[key] = (step, option_costs, any(
                         (1 + max(m, lk)) / max(c, 1e-9) >= (1 + self.margin) / max(option_costs[0], 1e-9)
                         for (m, lk), c in zip(options[1:], option_costs[1:])))
                 costs[key], payable[key] = memo[1], memo[2]
@@ -400,6 +413,10 @@ class OnlinePolicy(LengthPolicy):
         self.gain_steps += 1
 
     def observe(self, record: StepRecord) -> None:
+        self.steps += 1
+        for seq_id, is_fixed in zip(record.ids, record.fixed or []):
+            if is_fixed:  # only a seeded row's probes count its own steps
+                self.row_steps[seq_id] = self.row_steps.get(seq_id, 0) + 1
         matched = {"model": record.model_matched, "lookup": record.lookup_matched}
         planned = {"model": record.planned_depth, "lookup": record.lookup_planned}
         if not self.sources.model_width:  # lookup alone: its depth is the planned depth
@@ -477,7 +494,7 @@ def make_policy(
     capacity: int = 1,
 ) -> LengthPolicy:
     """The configured policy; ``costs`` (verify, draft) is only measured when the online policy needs it."""
-    depth = config.num_speculative_tokens if config.method != "none" else 0
+    depth = config.max_depth
     if config.length_policy == "static" or depth == 0:
         return LengthPolicy(depth)
     if config.length_policy == "heuristic":

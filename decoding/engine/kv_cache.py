@@ -24,6 +24,7 @@ from dataclasses import dataclass
 import torch
 
 from decoding.model.attention import AttentionMetadata, pools_zero_filled
+from decoding.model.execution import Execution, default_execution
 
 # Which rows a forward runs: the live prefix or a part of it (a slice), or some rows (a host index tensor).
 Rows = slice | torch.Tensor
@@ -50,14 +51,16 @@ class CacheShape:
 class PagedKVCache:
     def __init__(
         self, shape: CacheShape, num_blocks: int, max_rows: int, max_positions: int, *, block_size: int = 16,
-        dtype: torch.dtype = torch.float32, device: torch.device | None = None,
+        dtype: torch.dtype = torch.float32, device: torch.device | None = None, execution: Execution | None = None,
     ) -> None:
+        """``execution``: how forwards over this pool run (default: the default configuration's on ``device``)."""
         self.shape = shape
         self.block_size = block_size
         self.num_blocks = num_blocks
         self.max_rows = max_rows
         self.dtype = dtype
         self.device = device or torch.device("cpu")
+        self.execution = execution or default_execution(self.device)
         self.max_blocks_per_row = math.ceil(max_positions / block_size)
         # On a CPU torch.empty: pages are committed when first written, and blocks are handed out lowest first,
         # so resident memory follows the peak of blocks in use rather than the pool's size. Elsewhere zeros (one

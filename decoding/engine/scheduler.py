@@ -1,4 +1,4 @@
-"""The scheduler: waiting and running sequences, admission while rows and KV blocks are free, retirement.
+"""The scheduler: waiting sequences and their admission while rows and KV blocks are free.
 
 Admission is first come, first served: the next waiting sequence joins when a row is free and the KV pool can
 promise it the positions its prompt, its ``max_tokens`` and one draft tree need (``PagedKVCache.can_admit``);
@@ -11,22 +11,21 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Callable
 
-from decoding.engine.kv_cache import PagedKVCache
+from decoding.engine.batch import Batch
 from decoding.engine.sequence import GenerationResult, Sequence
 
 
 class Scheduler:
-    def __init__(self, capacity: int, cache: PagedKVCache, positions: Callable[[Sequence], int]) -> None:
+    def __init__(self, batch: Batch, positions: Callable[[Sequence], int]) -> None:
         """``positions``: the KV positions a sequence may reach (prompt, generation, one draft tree)."""
-        self.capacity = capacity
-        self.cache = cache
+        self.batch = batch
+        self.cache = batch.cache
         self.positions = positions
         self.waiting: deque[Sequence] = deque()
-        self.running: list[Sequence] = []
         self.rejected: list[GenerationResult] = []  # error results to hand out at the next step
 
     def has_unfinished(self) -> bool:
-        return bool(self.waiting or self.running or self.rejected)
+        return bool(self.waiting or self.batch.seqs or self.rejected)
 
     def take_rejected(self) -> list[GenerationResult]:
         rejected, self.rejected = self.rejected, []
@@ -36,7 +35,7 @@ class Scheduler:
         """The waiting sequences that join now, in order of arrival."""
         joining: list[Sequence] = []
         promised = self.cache.blocks_promised
-        while self.waiting and len(self.running) + len(joining) < self.capacity:
+        while self.waiting and len(self.batch) + len(joining) < self.batch.capacity:
             need = self.cache.blocks_for(self.positions(self.waiting[0]))
             if promised + need > self.cache.num_blocks:
                 break
@@ -44,26 +43,12 @@ class Scheduler:
             joining.append(self.waiting.popleft())
         return joining
 
-    def finished_rows(self) -> list[int]:
-        """Rows whose sequence has finished, last first (so swap-removing them in turn keeps the others' rows)."""
-        return sorted((row for row, seq in enumerate(self.running) if seq.finish_reason), reverse=True)
-
-    def remove_running(self, row: int) -> Sequence:
-        """Swap-remove: the last running sequence takes ``row``."""
-        seq = self.running[row]
-        self.running[row] = self.running[-1]
-        self.running.pop()
-        return seq
-
     def drop_waiting(self, request_id: str) -> bool:
         for seq in self.waiting:
             if seq.request_id == request_id:
                 self.waiting.remove(seq)
                 return True
         return False
-
-    def row_of(self, request_id: str) -> int | None:
-        return next((row for row, seq in enumerate(self.running) if seq.request_id == request_id), None)
 
 
 def prefill_groups(

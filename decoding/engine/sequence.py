@@ -173,11 +173,16 @@ class Sequence:
         )
 
 
-def error_result(request_id: str, prompt: str, message: str, started: float, max_depth: int) -> GenerationResult:
+def error_result(request_id: str, prompt: Any, message: str, started: float, max_depth: int) -> GenerationResult:
+    """The result of a request that generated nothing, the one shape of an error row whichever adapter makes it
+    (the engine, the pipeline actor): ``prompt`` as given when it is text (else empty), every list empty but the
+    acceptance histogram, which has the engine's ``max_depth + 1`` bins like every other result, and the seconds
+    since ``started`` (a ``time.perf_counter`` reading)."""
     return GenerationResult(
-        id=request_id, prompt=prompt, prompt_token_ids=[], token_ids=[], text="", finish_reason="error",
-        error=message, time_taken=time.perf_counter() - started, token_accepted=[], per_step_drafted=[],
-        per_step_accepted=[], num_target_forwards=0, acceptance_histogram=acceptance_histogram([], [], max_depth),
+        id=request_id, prompt=prompt if isinstance(prompt, str) else "", prompt_token_ids=[], token_ids=[], text="",
+        finish_reason="error", error=message, time_taken=time.perf_counter() - started, token_accepted=[],
+        per_step_drafted=[], per_step_accepted=[], num_target_forwards=0,
+        acceptance_histogram=acceptance_histogram([], [], max_depth),
     )
 
 

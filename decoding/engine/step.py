@@ -21,20 +21,18 @@ import time
 from dataclasses import dataclass
 
 import torch
-from transformers import PreTrainedTokenizerBase
 
-from decoding.config import SpeculativeConfig
 from decoding.constraints.constrained import StepGrammar, advance, apply_masks, grammar_drafts
 from decoding.constraints.grammar import committed_masks
-from decoding.drafting.drafters import Draft, Drafter, DraftInputs
-from decoding.drafting.length_policies import LengthPolicy, Sources, StepRecord, StepTiming
-from decoding.engine.batch_state import BatchState
-from decoding.engine.kv_cache import PagedKVCache
+from decoding.drafting.drafters import Draft, DraftInputs
+from decoding.drafting.length_policies import StepRecord, StepTiming
+from decoding.engine.batch import Batch, BatchMetadata, JoinedRows
 from decoding.engine.padding import pad_rows
+from decoding.engine.parts import EngineParts
 from decoding.engine.sequence import Contexts, Sequence
 from decoding.model.forward import forward_tree
 from decoding.verification.sampling import WarpParams, row_uniforms, token_logprobs, warp_probs
-from decoding.verification.tree import TreeTopology, chain_ancestors
+from decoding.verification.tree import chain_ancestors
 from decoding.verification.verify_batched import BatchVerdict, sample_from, sample_siblings, verify_batch
 
 
@@ -51,17 +49,21 @@ class HostReads:
         return tensor.to("cpu")
 
 
-@dataclass
+@dataclass(frozen=True)
 class Plan:
-    rows: slice
+    meta: BatchMetadata  # the step's facts about its rows (greedy, seeded, penalized, constrained, room)
     depths: torch.Tensor  # [B] host: the model's (or lookup's) draft depth per row
     lookup_depths: torch.Tensor | None  # [B] host: the lookup siblings' depth, where the tree has both
-    row_warp: WarpParams  # on the device: temperature, top-k, top-p
-    warp: WarpParams  # row_warp with penalties, where rows have them
-    penalized: bool
-    greedy: torch.Tensor  # [B] host
-    constrained: bool = False  # some row has a grammar (decoding.constraints.constrained)
+    warp: WarpParams  # the rows' warp (meta.row_warp) with penalties, where rows have them
     grammar_drafts: list[list[int]] | None = None  # per row: the grammar's own draft, for a lookup candidate
+
+    @property
+    def rows(self) -> slice:
+        return self.meta.rows
+
+    @property
+    def row_warp(self) -> WarpParams:
+        return self.meta.row_warp
 
 
 @dataclass
@@ -88,56 +90,50 @@ class Verdict:
 class Committed:
     emitted: list[list[int]]  # tokens each row emitted this step (before stop conditions cut them)
     kept: list[int]  # accepted draft tokens each row kept
+    new_tokens: dict[str, list[int]]  # per request: the tokens it kept this step (for streaming)
 
 
 class Step:
-    """The phases over the engine's parts (the scheduler's running sequences are rows [0, B) of everything)."""
+    """The phases over the engine's parts and its batch (the running sequences are rows [0, B) of everything).
 
-    def __init__(
-        self, target: torch.nn.Module, cache: PagedKVCache, drafter: Drafter, policy: LengthPolicy,
-        topology: TreeTopology, sources: Sources, state: BatchState, speculative: SpeculativeConfig,
-        tokenizer: PreTrainedTokenizerBase, max_context: int, run_seeded: bool, reads: HostReads,
-        whole_trees: bool = False,
-    ) -> None:
-        """``whole_trees``: verifications replay graphs captured at build, for whole trees only (``Engine``)."""
-        self.target, self.cache, self.drafter, self.policy = target, cache, drafter, policy
-        self.topology, self.sources, self.state, self.speculative = topology, sources, state, speculative
-        self.tokenizer, self.max_context, self.run_seeded, self.to_host = tokenizer, max_context, run_seeded, reads
-        self.device = cache.device
-        self.whole_trees = whole_trees
+    The phases change nothing that outlives the step but in ``commit`` (the rows' tokens, cache entries and
+    pending laws) and ``observe`` (what the drafter and the length policy learn)."""
+
+    def __init__(self, parts: EngineParts, batch: Batch, reads: HostReads) -> None:
+        self.parts, self.batch, self.to_host = parts, batch, reads
+        self.target, self.cache, self.drafter, self.policy = parts.target, parts.cache, parts.drafter, parts.policy
+        self.topology, self.sources, self.speculative = parts.topology, parts.sources, parts.speculative
+        self.tokenizer, self.max_context, self.eos_ids = parts.tokenizer, parts.max_context, parts.eos_ids
+        self.device = parts.cache.device
+        self.whole_trees = parts.whole_trees
         self.steps = 0
-        self.encode = lambda text: tokenizer.encode(text, add_special_tokens=False)  # grammar drafts' text
+        self.encode = lambda text: parts.tokenizer.encode(text, add_special_tokens=False)  # grammar drafts' text
 
     def _to_device(self, tensor: torch.Tensor) -> torch.Tensor:
         """Host -> device without waiting: a blocking copy would also wait for the device's queue to drain."""
         return tensor.to(self.device, non_blocking=True)
 
-    def _uniforms(self, seqs: list[Sequence], count: int) -> torch.Tensor | None:
+    def _uniforms(self, seqs: list[Sequence], meta: BatchMetadata, count: int) -> torch.Tensor | None:
         """[B, count] uniforms on the device, each sampled row's from its own generator (greedy rows: 0); None
         when every row is greedy. A row draws the same count every step, whatever the others do."""
-        sampled = [row for row, seq in enumerate(seqs) if not seq.params.greedy]
-        if not sampled:
+        if meta.all_greedy:
             return None
-        return self._to_device(row_uniforms([s.generator for s in seqs], sampled, count))
+        return self._to_device(row_uniforms([s.generator for s in seqs], meta.sampled, count))
 
-    def _warp(self, seqs: list[Sequence], eos_ids: set[int], prefill: bool = False) -> WarpParams:
+    def _warp(self, seqs: list[Sequence], prefill: bool = False) -> WarpParams:
         """Sampling parameters of ``seqs`` with the committed histories their penalties need (on the device)."""
         return WarpParams.from_params(
             [s.params for s in seqs], [s.prompt_ids for s in seqs],
-            [[] if prefill else s.generated[:-1] for s in seqs], eos_ids, self.target.config.vocab_size,
+            [[] if prefill else s.generated[:-1] for s in seqs], self.eos_ids, self.target.config.vocab_size,
         ).to(self.device)
-
-    def _reproducible(self, seq: Sequence) -> bool:
-        """A sampled row that must reproduce (a run seed, or its own): the policy's choices for it may then depend
-        only on its seed and its past acceptance, never on timings or other rows."""
-        return not seq.params.greedy and (seq.params.seed is not None or self.run_seeded)
 
     # ----------------------------------------------------------------------------------------------- prefill
     @torch.no_grad()
-    def prefill(self, joining: list[Sequence], positions: list[int], eos_ids: set[int],
-                emitted: dict[str, list[int]]) -> None:
-        """Admit ``joining`` into new rows: one target forward over their prompts, the first token of each."""
-        rows = self.cache.add_rows(positions)
+    def prefill(self, joining: list[Sequence], positions: list[int]) -> dict[str, list[int]]:
+        """Admit ``joining`` into new rows: one target forward over their prompts, the first token of each (returned
+        per request)."""
+        rows = self.batch.admit(joining, positions)
+        meta = self.batch.metadata(joining)
         ids, lengths = pad_rows([s.prompt_ids for s in joining])
         width = ids.shape[1]
         valid = torch.arange(width)[None] < lengths[:, None]
@@ -149,57 +145,49 @@ class Step:
             hidden_at=torch.arange(width) if reads_states else None,
         )
         self.cache.advance(rows, lengths.tolist())
-        self.state.set_rows(rows, [s.params for s in joining])
         at = self._to_device(torch.tensor([last_positions.index(n - 1) for n in lengths.tolist()]))
         raw = logits[torch.arange(len(joining), device=self.device), at].float()  # [B, V]
-        last = self._warp(joining, eos_ids, prefill=True).penalize(raw) if any(
-            s.params.penalized for s in joining) else raw
-        if any(s.grammar is not None for s in joining):
+        last = self._warp(joining, prefill=True).penalize(raw) if meta.penalized else raw
+        if meta.constrained:
             last = self._masked_first(joining, last, raw)
         tokens, scores = last.argmax(-1), last
-        uniforms = self._uniforms(joining, 1)
+        uniforms = self._uniforms(joining, meta, 1)
         if uniforms is not None:
-            warp = self.state.row_warp(rows)
-            probs = warp_probs(last, warp)
-            greedy = warp.temperature == 0
+            probs = warp_probs(last, meta.row_warp)
+            greedy = meta.row_warp.greedy
             tokens = torch.where(greedy, tokens, sample_from(probs, uniforms[:, 0]))
             scores = torch.where(greedy[:, None], last, probs)
-        self.state.set_root_scores(rows, scores)
+        self.batch.set_root_scores(rows, scores)
+        emitted = {}
         for i, (seq, token) in enumerate(zip(joining, self.to_host(tokens).tolist())):
             seq.forwards = 1
             if seq.params.logprobs is not None:
                 seq.logprobs += token_logprobs(self.to_host(raw[i : i + 1], stats=True), [token], seq.params.logprobs)
             seq.emit([token], [False], self.max_context, self.tokenizer)
-            emitted.setdefault(seq.request_id, []).extend(seq.generated)
-        self.drafter.add_rows(rows, [s.prompt_ids for s in joining], positions, states)
+            emitted[seq.request_id] = list(seq.generated)
+        self.batch.joined(JoinedRows(rows, joining, positions, states))
+        return emitted
 
     # -------------------------------------------------------------------------------------------------- plan
-    def plan(self, seqs: list[Sequence], eos_ids: set[int]) -> Plan:
+    def plan(self, seqs: list[Sequence]) -> Plan:
         """Each row's depth within its room (max_tokens, the context) and its sampling parameters."""
-        batch = len(seqs)
-        rows = slice(0, batch)
-        contexts = self.cache.host_lengths[:batch]  # cached tokens, known on the host
-        depths, lookup_depths = self.policy.plan_rows(
-            [s.request_id for s in seqs], contexts, [self._reproducible(s) for s in seqs]
-        )
-        generated = torch.tensor([len(s.generated) for s in seqs])
-        room = torch.minimum(
-            self.state.max_tokens[:batch] - generated - 1,  # a step emits accepted + 1 tokens
-            self.max_context - 1 - torch.tensor(contexts),
-        )
-        finished = torch.tensor([s.finish_reason is not None for s in seqs])
-        room = torch.where(finished, 0, room.clamp(min=0))
+        meta = self.batch.metadata()
+        contexts = self.cache.host_lengths[: len(seqs)]  # cached tokens, known on the host
+        depths, lookup_depths = self.policy.plan_rows([s.request_id for s in seqs], contexts, meta.reproducible)
+        depths = depths.minimum(meta.room)
+        lookup_depths = lookup_depths.minimum(meta.room) if lookup_depths is not None else None
+        row_drafts = None
+        if meta.constrained and self.drafter.takes_grammar_drafts and self.topology.max_depth:
+            # Each constrained row's grammar draft (within its room), and the lookup depth raised to hold it.
+            row_drafts = grammar_drafts(seqs, meta.room.clamp(max=self.topology.max_depth).tolist(), self.encode)
+            lengths = torch.tensor([len(draft) for draft in row_drafts])
+            if lookup_depths is not None:
+                lookup_depths = lookup_depths.maximum(lengths)
+            else:  # a lookup-only tree
+                depths = depths.maximum(lengths)
         # Penalties need each row's history: then the drafter warps with it (the target's logits get the same).
-        penalized = any(s.params.penalized for s in seqs)
-        row_warp = self.state.row_warp(rows)
-        plan = Plan(
-            rows, depths.minimum(room), lookup_depths.minimum(room) if lookup_depths is not None else None,
-            row_warp, self._warp(seqs, eos_ids) if penalized else row_warp, penalized, self.state.greedy(rows),
-            constrained=any(s.grammar is not None for s in seqs),
-        )
-        if plan.constrained and self.drafter.takes_grammar_drafts and self.topology.max_depth:
-            self._plan_grammar_drafts(seqs, plan, room)
-        return plan
+        warp = self._warp(seqs) if meta.penalized else meta.row_warp
+        return Plan(meta, depths, lookup_depths, warp, row_drafts)
 
     # ------------------------------------------------------------------------------------------------- draft
     def _roots(self, seqs: list[Sequence], plan: Plan, pending: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -209,9 +197,9 @@ class Step:
         batch = len(seqs)
         if width == 1:
             return pending[:, None], torch.ones(batch, 1, dtype=torch.bool)
-        uniforms = self._uniforms(seqs, width - 1)
+        uniforms = self._uniforms(seqs, plan.meta, width - 1)
         siblings = sample_siblings(
-            self.state.root_scores[:batch], self._to_device(pending), plan.row_warp.temperature == 0, width - 1,
+            self.batch.root_scores[:batch], self._to_device(pending), plan.row_warp.greedy, width - 1,
             self.speculative.replacement,
             uniforms if uniforms is not None else torch.zeros(batch, width - 1, device=self.device),
         )
@@ -230,17 +218,17 @@ class Step:
         if idle and self.topology.root_width == 1:  # a plain step: nothing to draft, no sibling to draw
             batch = len(seqs)
             roots, root_valid = pending[:, None], torch.ones(batch, 1, dtype=torch.bool)
-            grammar = self._grammar_tree(seqs, plan, roots, root_valid)[0] if plan.constrained else None
+            grammar = self._grammar_tree(seqs, plan, roots, root_valid)[0] if plan.meta.constrained else None
             return Drafted(Draft(roots, root_valid, torch.ones(batch, 1), None, 0), time.perf_counter() - started,
                            grammar)
         roots, root_valid = self._roots(seqs, plan, pending)
         grammar = None
-        if plan.constrained:
+        if plan.meta.constrained:
             grammar, root_valid = self._grammar_tree(seqs, plan, roots, root_valid)
         draft = self.drafter.propose(DraftInputs(
             contexts=Contexts(seqs), roots=roots, root_valid=root_valid, pending=pending,  # type: ignore[arg-type]
             depths=plan.depths,
-            topology=self.topology, warp=plan.warp, greedy=plan.greedy,
+            topology=self.topology, warp=plan.warp, greedy=plan.meta.greedy,
             generators=[s.generator for s in seqs], replacement=self.speculative.replacement,
             stop=self.policy, lookup_depths=plan.lookup_depths,
             grammar=grammar.view() if grammar is not None else None, grammar_drafts=plan.grammar_drafts,
@@ -288,17 +276,16 @@ class Step:
         ancestors = self.topology.sliced_ancestors(draft.depth)
         tokens, valid = self._to_device(draft.tokens), self._to_device(draft.valid)
         raw, states, slot_of = self._verify_forward(plan, draft, tokens, valid, ancestors)
-        logits = plan.warp.penalize(raw, tokens, self._to_device(ancestors)) if plan.penalized else raw
+        logits = plan.warp.penalize(raw, tokens, self._to_device(ancestors)) if plan.meta.penalized else raw
         if drafted.grammar is not None:
             logits = self._masked_tree(seqs, drafted.grammar, logits, raw)
-        uniforms = self._uniforms(seqs, self.topology.size(self.topology.max_depth) + 1)
+        uniforms = self._uniforms(seqs, plan.meta, self.topology.size(self.topology.max_depth) + 1)
         verdict = verify_batch(
-            logits, tokens, valid, self.topology, plan.row_warp, self.state.root_scores[plan.rows],
+            logits, tokens, valid, self.topology, plan.row_warp, self.batch.root_scores[plan.rows],
             self._to_device(draft.draft_probs) if draft.draft_probs is not None else None,
             self.speculative.replacement, uniforms[:, [*range(size), -1]] if uniforms is not None else None,
             self._to_device(draft.point_mass) if draft.point_mass is not None else None,
         )
-        self.state.root_scores[plan.rows] = verdict.next_law
         # One copy: paths and next tokens, and the tree's ids and flags where they are on the device.
         parts = [verdict.path, verdict.next_token[:, None]]
         on_device = draft.tokens.device.type != "cpu"
@@ -323,9 +310,10 @@ class Step:
         )
 
     # ------------------------------------------------------------------------------------------------ commit
-    def commit(self, seqs: list[Sequence], plan: Plan, drafted: Drafted, verdict: Verdict,
-               emitted: dict[str, list[int]]) -> Committed:
-        """The accepted paths' KV entries into place; each row's new tokens, statistics and log-probabilities."""
+    def commit(self, seqs: list[Sequence], plan: Plan, drafted: Drafted, verdict: Verdict) -> Committed:
+        """The accepted paths' KV entries into place; each row's new tokens, statistics and log-probabilities;
+        the law each row's new pending token came from."""
+        self.batch.root_scores[plan.rows] = verdict.batch.next_law
         paths = verdict.paths
         keep, counts = pad_rows([[int(verdict.slot_of[n]) for n in path] for path in paths], fill=0)
         self.cache.commit(plan.rows, keep, counts)
@@ -339,7 +327,7 @@ class Step:
         node_candidates = self.topology.candidate_index.tolist()
         grammar = drafted.grammar
         forced = grammar.forced(len(verdict.draft_tokens[0])) if grammar is not None else None
-        all_emitted, all_kept = [], []
+        all_emitted, all_kept, kept_tokens = [], [], {}
         for row, (seq, path) in enumerate(zip(seqs, paths)):
             accepted_nodes = [n for n in path if node_depths[n] > 0]
             seq.forwards += 1
@@ -350,7 +338,7 @@ class Step:
                 seq.logprobs += token_logprobs(at_path, new_tokens, seq.params.logprobs)
             before = len(seq.generated)
             kept = seq.emit(new_tokens, [True] * len(accepted_nodes) + [False], self.max_context, self.tokenizer)
-            emitted.setdefault(seq.request_id, []).extend(seq.generated[before:])
+            kept_tokens[seq.request_id] = seq.generated[before:]
             kept_nodes = set(accepted_nodes[:kept])  # a stop inside the accepted run drops the rest
             if forced is not None:
                 seq.grammar_forced += sum(forced[row][node] for node in kept_nodes)
@@ -365,7 +353,7 @@ class Step:
                 ))
         if grammar is not None:
             advance(seqs)
-        return Committed(all_emitted, all_kept)
+        return Committed(all_emitted, all_kept, kept_tokens)
 
     # ------------------------------------------------------------------------------------------- constraints
     def _masked_first(self, joining: list[Sequence], last: torch.Tensor, raw: torch.Tensor) -> torch.Tensor:
@@ -375,16 +363,6 @@ class Step:
         apply_masks(masked[:, None], committed_masks([s.grammar for s in joining], self.device),
                     any(s.grammar is not None and s.params.min_tokens > 0 for s in joining))
         return masked
-
-    def _plan_grammar_drafts(self, seqs: list[Sequence], plan: Plan, room: torch.Tensor) -> None:
-        """Each constrained row's grammar draft (within its room), and the lookup depth raised to hold it."""
-        drafts = grammar_drafts(seqs, room.clamp(max=self.topology.max_depth).tolist(), self.encode)
-        lengths = torch.tensor([len(draft) for draft in drafts])
-        if plan.lookup_depths is not None:
-            plan.lookup_depths = plan.lookup_depths.maximum(lengths)
-        else:  # a lookup-only tree
-            plan.depths = plan.depths.maximum(lengths)
-        plan.grammar_drafts = drafts
 
     def _grammar_tree(self, seqs: list[Sequence], plan: Plan, roots: torch.Tensor, root_valid: torch.Tensor
                       ) -> tuple[StepGrammar, torch.Tensor]:
@@ -420,6 +398,7 @@ class Step:
             accepted=committed.kept,
             lookup_planned=(plan.lookup_depths if plan.lookup_depths is not None else plan.depths).tolist(),
             model_matched=matched[0], lookup_matched=matched[1], timing=verdict.timing,
+            fixed=plan.meta.reproducible,
         ))
 
     def _matched_by_source(

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import hashlib
 import logging
-import os
 import threading
 import time
 from dataclasses import dataclass
@@ -52,10 +51,6 @@ class AttentionMetadata:
     prefix_len: torch.Tensor  # [N] int32: positions [0, prefix_len) of the row are visible
     tree_mask: torch.Tensor  # [N, words] int64: bit t (of word t // 64) makes position prefix_len + t visible
     max_keys: int  # at least the most positions any row's queries see (host fact: the reference's padding)
-
-
-def kernel_enabled() -> bool:
-    return os.environ.get("SPECBATCH_KERNELS", "1") != "0"
 
 
 def _build_kernel() -> bool:
@@ -98,9 +93,8 @@ def _build_kernel() -> bool:
 
 
 def cpu_kernel() -> bool:
-    """Whether the CPU kernel is available (built or loaded on first call)."""
-    if not kernel_enabled():
-        return False
+    """Whether the CPU kernel is available (built or loaded on first call; ``execution.py`` decides whether a
+    forward uses it)."""
     with _lock:
         if "loaded" not in _kernel_state:
             try:
@@ -164,19 +158,15 @@ def pools_zero_filled(device: torch.device) -> bool:
     return device.type != "cpu"
 
 
-def uses_kernel(device: torch.device) -> bool:
-    """Whether ``paged_attention`` runs the CPU kernel on ``device`` (else the reference)."""
-    return device.type == "cpu" and bool(_kernel_state.get("loaded"))  # loaded by cpu_kernel() before any forward
-
-
 def paged_attention(
     k_cache: torch.Tensor, v_cache: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-    meta: AttentionMetadata, scale: float, layout: DenseLayout | None = None,
+    meta: AttentionMetadata, scale: float, layout: DenseLayout | None = None, cpu: bool = False,
 ) -> torch.Tensor:
     """Write ``k``, ``v`` [N, kv_heads, D] into their slots, then attend ``q`` [N, heads, D] over each row's
     visible keys; returns [N, heads, D]. Caches: keys [blocks, kv_heads, D, block_size], values
-    [blocks, kv_heads, block_size, D]. ``layout``: the reference's per-forward part, shared by the layers."""
-    if uses_kernel(q.device):
+    [blocks, kv_heads, block_size, D]. ``cpu``: the C++ kernel runs (``Execution.kernels``), else the reference;
+    ``layout``: the reference's per-forward part, shared by the layers."""
+    if cpu:
         return torch.ops.specbatch.paged_attention(
             k_cache, v_cache, q, k, v, meta.slots, meta.block_tables, meta.row_starts, meta.prefix_len,
             meta.tree_mask, scale,

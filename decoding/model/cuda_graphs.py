@@ -1,20 +1,20 @@
 """The lean forward replayed as CUDA graphs: on a GPU a small model's step is kernel launches, not arithmetic.
 
 One graph per padded shape: rows padded up to a bucket (1, 2, 4, ..., 1024), the tokens per row (a decode step's
-1, a draft level's width, a verification's tree size), the tree-mask words, the keys every row may read padded up to
-a power of two (at least 256), and how many logits and hidden states per row come back. Each graph reads persistent
-input buffers; a call copies its inputs into them (padding rows write their entries to the cache's scratch block 0
-and read its first position only), replays, and copies the outputs out. Weights and the KV pool never move, so the
-addresses a graph captured stay valid. Graphs share one memory pool per model.
+1, a draft level's width, a verification's tree size), the tree-mask words and how many logits and hidden states
+per row come back. The reference attention also needs the keys every row may read, padded up to a power of two (at
+least 256): one graph per key bucket; the fused Triton kernels read sequence lengths on the device, so one graph
+serves every context. Each graph reads persistent input buffers; a call copies its inputs into them (padding rows
+write their entries to the cache's scratch block 0 and read its first position only), replays, and copies the
+outputs out. Weights and the KV pool never move, so the addresses a graph captured stay valid; a graph is keyed by
+the pool it was captured over (that pool object and its shape, never only its address: a later pool may reuse a
+freed one's address) and dropped with it. Graphs share one memory pool per model.
 
-Which forwards replay as graphs (``SPECBATCH_CUDA_GRAPHS``): ``decode`` (the default) the target's forwards of one
-token per row (a plain decoding step, a speculative step at depth 0), the shape the CUDA tests have passed with
-graphs, each captured the first time a run meets it (milliseconds); ``all`` every forward its caller allows (tree
-verifications, a self-draft's levels), captured at build: the decode and verification shapes (and draft levels)
-for every row bucket up to the batch size and every key bucket, smallest keys first, until
-``SPECBATCH_CUDA_GRAPH_MEMORY_MB`` (default 1024) of device memory is taken (the KV pool is sized without it); a
-shape not captured then runs eagerly, so nothing is captured mid-run. ``0`` none, the same function launch by
-launch.
+With ``execution.graphs`` (the default on CUDA) the engine captures at build the decode and verification shapes
+(and a self-draft's levels) for every row bucket up to the batch size, within ``execution.graph_memory_mb`` of
+device memory (set aside before the KV pool is sized), progress logged; a shape not captured then runs eagerly, so
+nothing is captured mid-run over the engine's pool. A pool of its own (a cost calibration's) is captured when a
+forward first meets a shape.
 
 Recording is a function (``record_cuda_graph``); ``record_eagerly`` stands in for it where there is no GPU, so the
 buffers, padding, bucketing, capture plan and budget are tested on a CPU.
@@ -22,9 +22,11 @@ buffers, padding, bucketing, capture plan and budget are tested on a CPU.
 
 from __future__ import annotations
 
+import gc
+import itertools
 import logging
-import os
 import time
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -38,27 +40,19 @@ ROW_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
 MIN_KEYS = 256
 
 
-def graph_mode() -> str:
-    """``SPECBATCH_CUDA_GRAPHS``: decode (default), all, or 0 / off."""
-    return os.environ.get("SPECBATCH_CUDA_GRAPHS", "decode")
+_pool_serials: dict[int, tuple[weakref.ref, int]] = {}
+_next_serial = itertools.count(1)
 
 
-def captures_at_build() -> bool:
-    """Whether graphs are captured at build (mode ``all``) rather than when a run first meets a shape."""
-    return graph_mode() == "all"
-
-
-def graph_memory_budget() -> int:
-    """Bytes of device memory the graphs captured at build may take (``SPECBATCH_CUDA_GRAPH_MEMORY_MB``)."""
-    return int(float(os.environ.get("SPECBATCH_CUDA_GRAPH_MEMORY_MB", "1024")) * (1 << 20))
-
-
-def graphs_enabled(per_row: int = 1) -> bool:
-    """Whether a forward of ``per_row`` tokens per row (that its caller allows to be graphed) replays a graph."""
-    mode = graph_mode()
-    if mode in ("0", "off"):
-        return False
-    return per_row == 1 if mode == "decode" else True
+def pool_key(keys: torch.Tensor) -> tuple[int, tuple[int, ...]]:
+    """The identity of the KV pool whose keys tensor is ``keys``: a serial number given to that tensor object while
+    it lives (a new pool at a freed one's address gets a new one), and its shape."""
+    entry = _pool_serials.get(id(keys))
+    if entry is None or entry[0]() is not keys:
+        serial = next(_next_serial)
+        address = id(keys)
+        entry = _pool_serials[address] = (weakref.ref(keys, lambda _: _pool_serials.pop(address, None)), serial)
+    return entry[1], tuple(keys.shape)
 
 
 def row_bucket(rows: int) -> int:
@@ -83,7 +77,7 @@ def key_buckets(limit: int) -> list[int]:
 
 @dataclass(frozen=True)
 class GraphShape:
-    cache: int  # the KV pool's address: a graph writes and reads one pool
+    cache: tuple[int, tuple[int, ...]]  # the KV pool (``pool_key``): a graph writes and reads one pool
     rows: int  # padded
     per_row: int  # tokens per row
     words: int  # tree-mask words
@@ -92,15 +86,17 @@ class GraphShape:
     hidden_per_row: int  # 0: no hidden states
 
 
-def build_shapes(cache: int, max_rows: int, max_positions: int, tokens_per_row: list[int], hidden: bool,
-                 ) -> list[GraphShape]:
-    """The shapes to capture at build for forwards over the pool at address ``cache``: for each of
+def build_shapes(cache: tuple[int, tuple[int, ...]], max_rows: int, max_positions: int, tokens_per_row: list[int],
+                 hidden: bool, keys_bucketed: bool = True) -> list[GraphShape]:
+    """The shapes to capture at build for forwards over the pool ``cache`` (``pool_key``): for each of
     ``tokens_per_row`` (1: a decode step; a tree's size: its verification, logits at every node), every row bucket
-    up to ``max_rows`` and every key bucket; smallest keys first (short contexts are met first and most), then
-    fewest tokens, then fewest rows. ``hidden``: hidden states come back at every node (a drafter reads them)."""
+    up to ``max_rows`` and every key bucket (one, ``max_positions``, where ``keys_bucketed`` is false); smallest keys
+    first (short contexts are met first and most), then fewest tokens, then fewest rows. ``hidden``: hidden states
+    come back at every node (a drafter reads them)."""
     rows = [bucket for bucket in ROW_BUCKETS if bucket <= row_bucket(max_rows)]
+    buckets = key_buckets(max_positions) if keys_bucketed else [max_positions]
     return [GraphShape(cache, count, per_row, tree_words(per_row), keys, per_row, per_row if hidden else 0)
-            for keys in key_buckets(max_positions) for per_row in sorted(set(tokens_per_row)) for count in rows]
+            for keys in buckets for per_row in sorted(set(tokens_per_row)) for count in rows]
 
 
 def tree_words(per_row: int) -> int:
@@ -184,16 +180,36 @@ Recorder = Callable[[Callable[[], Outputs], object], tuple[Outputs, Callable[[],
 
 
 def record_cuda_graph(run: Callable[[], Outputs], pool: object) -> tuple[Outputs, Callable[[], None]]:
-    """``run`` captured as a CUDA graph in ``pool``: its outputs (at fixed addresses) and the replay."""
+    """``run`` captured as a CUDA graph in ``pool`` (None: a pool of its own): its outputs (at fixed addresses)
+    and the replay; the graph's pool is the replay's ``pool`` attribute, for the next graph to share."""
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
         run()  # warm-up: kernels' workspaces are allocated outside the graph
     torch.cuda.current_stream().wait_stream(stream)
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, pool=pool):
-        outputs = run()
-    return outputs, graph.replay
+    # No collection during the capture: one could free a CUDA graph (its memory pool: a cudaFree, which
+    # invalidates the capture) or other tensors' memory.
+    collecting = gc.isenabled()
+    gc.disable()
+    try:
+        with torch.cuda.graph(graph, pool=pool):
+            outputs = run()
+    finally:
+        if collecting:
+            gc.enable()
+    replay = graph.replay
+    return outputs, _Replay(replay, graph.pool())
+
+
+class _Replay:
+    """A graph's replay, with the memory pool it was captured in (later graphs share it)."""
+
+    def __init__(self, replay: Callable[[], None], pool: object) -> None:
+        self.replay, self.pool = replay, pool
+
+    def __call__(self) -> None:
+        self.replay()
 
 
 def record_eagerly(run: Callable[[], Outputs], pool: object) -> tuple[Outputs, Callable[[], None]]:
@@ -238,25 +254,46 @@ class GraphedForward:
     """A lean forward's CUDA graphs, captured per ``GraphShape``: when a run first meets a shape, or at build
     (``capture``), after which a shape not captured runs eagerly."""
 
-    def __init__(self, forward: Forward, max_positions: int, record: Recorder = record_cuda_graph) -> None:
+    def __init__(self, forward: Forward, max_positions: int, record: Recorder = record_cuda_graph,
+                 key_buckets: bool = True) -> None:
         """``forward``: the lean forward over flat tokens (``LeanCausalLM.flat_forward``); ``max_positions``: the
-        cache's positions per row (the largest key bucket); ``record``: how a graph is recorded."""
+        cache's positions per row (the largest key bucket); ``record``: how a graph is recorded; ``key_buckets``:
+        graphs per key bucket (the reference attention pads keys on the host), else one for every context."""
         self.forward = forward
         self.max_positions = max_positions
         self.record = record
+        self.key_buckets = key_buckets
         self.graphs: dict[GraphShape, _Graph] = {}
-        self.pool = torch.cuda.graph_pool_handle() if record is record_cuda_graph else None
+        # The first graph's pool, shared by the later ones (vLLM's pattern: a pool handle made before any graph
+        # tripped the caching allocator's pool accounting on torch 2.11); None again once every graph is dropped.
+        self.pool: object = None
         self.capture_seconds = 0.0
-        self.frozen: set[int] = set()  # pools whose graphs were captured at build: no capture mid-run over them
+        self.frozen: set[tuple[int, tuple[int, ...]]] = set()  # pools captured at build: no capture mid-run
+        self._dead: list[tuple[int, tuple[int, ...]]] = []  # pools freed, their graphs not dropped yet
 
     def _capture(self, shape: GraphShape, inputs: PaddedInputs, keys: torch.Tensor, values: torch.Tensor
                  ) -> _Graph:
         started = time.perf_counter()
+        if not any(known.cache == shape.cache for known in self.graphs):  # the first over this pool
+            weakref.finalize(keys, self._dead.append, shape.cache)
         graph = self.graphs[shape] = _Graph(self.forward, inputs, keys, values, shape.keys, self.pool, self.record)
+        self.pool = getattr(graph._replay, "pool", self.pool)
         seconds = time.perf_counter() - started
         self.capture_seconds += seconds
         log.debug("captured a CUDA graph for %s in %.0f ms", shape, 1e3 * seconds)
         return graph
+
+    def _drop_dead_pools(self) -> None:
+        """Pools freed since the last call: their graphs go (they would write where a pool was). Called before a
+        capture or replay, never from the pool's finalizer: a collection can run in the middle of a capture, and
+        destroying a graph there invalidates it."""
+        while self._dead:
+            cache = self._dead.pop()
+            for shape in [shape for shape in self.graphs if shape.cache == cache]:
+                del self.graphs[shape]
+            self.frozen.discard(cache)
+        if not self.graphs:
+            self.pool = None
 
     def capture(self, shapes: list[GraphShape], keys: torch.Tensor, values: torch.Tensor, budget: int,
                 memory: Callable[[], int]) -> int:
@@ -264,6 +301,7 @@ class GraphedForward:
         (``memory()``'s growth: the graphs' pool and outputs) reaches ``budget`` bytes; then freeze the pool:
         shapes over it not captured run eagerly (other pools', e.g. a cost calibration's, are still captured
         when first met). Progress is logged; returns how many were captured."""
+        self._drop_dead_pools()
         started = memory()
         block_size = keys.shape[-1]
         step = max(1, len(shapes) // 10)
@@ -280,7 +318,7 @@ class GraphedForward:
             if done % step == 0 or done == len(shapes):
                 log.info("captured %d/%d CUDA graphs (%.0f MiB, %.1f s)", done, len(shapes),
                          (memory() - started) / (1 << 20), self.capture_seconds)
-        self.frozen.add(keys.data_ptr())
+        self.frozen.add(pool_key(keys))
         return done
 
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
@@ -288,10 +326,11 @@ class GraphedForward:
                  hidden_nodes: torch.Tensor | None) -> Outputs | None:
         """As ``LeanCausalLM.forward``: logits [B * k, V] and hidden [B * k', H] of the real rows; None where the
         shape was not captured at build (the caller runs the forward eagerly)."""
+        self._drop_dead_pools()
         batch, per_row = input_ids.shape
-        shape = GraphShape(keys.data_ptr(), row_bucket(batch), per_row, meta.tree_mask.shape[1],
-                           key_bucket(meta.max_keys, self.max_positions), len(logits_nodes),
-                           len(hidden_nodes) if hidden_nodes is not None else 0)
+        keys_padded = key_bucket(meta.max_keys, self.max_positions) if self.key_buckets else self.max_positions
+        shape = GraphShape(pool_key(keys), row_bucket(batch), per_row, meta.tree_mask.shape[1], keys_padded,
+                           len(logits_nodes), len(hidden_nodes) if hidden_nodes is not None else 0)
         graph = self.graphs.get(shape)
         if graph is None and shape.cache in self.frozen:
             return None

@@ -88,7 +88,8 @@ def forward_tree(
     node) limits the LM head to those nodes: a prefill needs only each row's last prompt position, and the head is
     most of a small model's cost. The last hidden state comes back at ``hidden_at`` (default: the ``logits_at``
     nodes) when ``want_hidden``. ``features`` [B, T, H] is a feature draft's extra input. ``graphs``: a lean forward
-    may replay a CUDA graph (``cuda_graphs.graphs_enabled``).
+    may replay a CUDA graph where the pool's execution captures them (``cuda_graphs.py``). The forward runs as the
+    pool's ``execution`` says (``execution.py``).
     """
     batch, count = input_ids.shape
     end = start + count
@@ -98,7 +99,8 @@ def forward_tree(
     hidden_nodes = (at if hidden_at is None else hidden_at) if want_hidden else None
     if isinstance(model, LeanCausalLM):
         logits, hidden = model(input_ids, positions, meta, cache.keys, cache.values,
-                               cache.max_blocks_per_row * cache.block_size, at, hidden_nodes, graphs=graphs)
+                               cache.max_blocks_per_row * cache.block_size, at, hidden_nodes,
+                               execution=cache.execution, graphs=graphs)
         hidden = hidden.view(batch, len(hidden_nodes), -1) if hidden is not None else None
         return logits.view(batch, len(at), -1), hidden
     layout = dense_layout(meta, cache.block_size, pools_zero_filled(cache.device))

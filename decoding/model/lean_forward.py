@@ -5,9 +5,10 @@ nodes one after the other, no padding rows), with attention over the paged cache
 transformers model's own modules and weights as loaded (nothing copied, nothing changed), including a quantized
 twin's weight-only kernels (``quantize.py``), whose q|k|v and gate|up run as one kernel call each.
 
-On a CPU the decoder layers run as one graph compiled ahead of time (``compiled_forward.py``): the eager loop
-spends most of a small model's step in Python and dispatch.
-``SPECBATCH_COMPILE=0``, or a compilation that fails, keeps the eager loop: the same function, only slower.
+How a forward runs is the engine's ``execution.Execution``, passed with every forward: on a CPU the decoder layers
+run as one graph compiled ahead of time (``compiled_forward.py``; the eager loop spends most of a small model's step
+in Python and dispatch), with the C++ attention kernel; on CUDA the reference attention replayed as CUDA graphs.
+``compile: off``, or a compilation that fails, keeps the eager loop: the same function, only slower.
 
 Numerics: fused and compiled operations may round differently from transformers' in the last bits; the tests hold
 greedy outputs to transformers' ``generate`` except at near-ties.
@@ -15,8 +16,8 @@ greedy outputs to transformers' ``generate`` except at near-ties.
 
 from __future__ import annotations
 
+import functools
 import logging
-import os
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -37,10 +38,10 @@ from decoding.model.attention import (
     packs,
     paged_attention,
     pools_zero_filled,
-    uses_kernel,
 )
 from decoding.model.compiled_forward import compiled_stack
-from decoding.model.cuda_graphs import GraphedForward, graphs_enabled
+from decoding.model.cuda_graphs import GraphedForward
+from decoding.model.execution import Execution, Kernels, default_execution
 from decoding.model.quantize import (
     ACTIVATION_DTYPE,
     fused_kernel,
@@ -54,10 +55,6 @@ log = logging.getLogger(__name__)
 
 LEAN_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 _views: weakref.WeakKeyDictionary[nn.Module, LeanCausalLM] = weakref.WeakKeyDictionary()
-
-
-def compile_enabled() -> bool:
-    return os.environ.get("SPECBATCH_COMPILE", "1") != "0"
 
 
 def supports_lean_forward(model: nn.Module) -> bool:
@@ -113,10 +110,11 @@ class Projection:
     groupsize: int = 0
     bias: bool = False
 
-    def apply(self, x: torch.Tensor, tensors: list[torch.Tensor]) -> torch.Tensor:
+    def apply(self, x: torch.Tensor, tensors: list[torch.Tensor], packed: bool = False) -> torch.Tensor:
+        """``packed``: float weights may run their oneDNN-packed copies (the CPU kernels' execution)."""
         bias = tensors[-1] if self.bias else None
         if self.kind == "float":
-            if kernel_loaded() and packs(tensors[0]):  # the weight's oneDNN-packed copy
+            if packed and packs(tensors[0]):  # the weight's oneDNN-packed copy
                 return torch.ops.specbatch.packed_linear(x, tensors[0], bias)
             return nn.functional.linear(x, tensors[0], bias)
         out = (int4_matmul(x, tensors[0], tensors[1], self.groupsize) if self.kind == "int4"
@@ -184,35 +182,54 @@ def _layer_tensors(layer: nn.Module, act: str) -> tuple[LayerSpec, list[torch.Te
     return spec, [t.detach() for t in (*norms, *qkv_tensors, *o_tensors, *gate_up_tensors, *down_tensors)]
 
 
+@dataclass(frozen=True)
+class LayerWeights:
+    """One layer's tensors, in the order ``_layer_tensors`` lists them."""
+
+    norm1: torch.Tensor
+    norm2: torch.Tensor
+    q_norm: torch.Tensor | None
+    k_norm: torch.Tensor | None
+    qkv: list[torch.Tensor]
+    o: list[torch.Tensor]
+    gate_up: list[torch.Tensor]
+    down: list[torch.Tensor]
+
+    @classmethod
+    def of(cls, spec: LayerSpec, weights: tuple[torch.Tensor, ...] | list[torch.Tensor]) -> LayerWeights:
+        norm1, norm2, *rest = weights
+        q_norm = k_norm = None
+        if spec.qk_norm:
+            q_norm, k_norm, *rest = rest
+        qkv, rest = rest[: spec.qkv.count], rest[spec.qkv.count :]
+        o, rest = rest[: spec.o.count], rest[spec.o.count :]
+        return cls(norm1, norm2, q_norm, k_norm, qkv, o, rest[: spec.gate_up.count], rest[spec.gate_up.count :])
+
+
 def decoder_layer(
     spec: LayerSpec, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, slots: torch.Tensor,
     block_tables: torch.Tensor, row_starts: torch.Tensor, prefix_len: torch.Tensor, tree_mask: torch.Tensor,
     max_keys: int, keys: torch.Tensor, values: torch.Tensor, *weights: torch.Tensor,
-    layout: DenseLayout | None = None,
+    layout: DenseLayout | None = None, cpu_kernels: bool = True,
 ) -> torch.Tensor:
     """One decoder layer over flat tokens ``hidden`` [N, H] (the unit that is compiled). ``layout``: the reference
-    attention's per-forward part (``attention.dense_layout``), where the kernel does not run."""
-    norm1, norm2, *rest = weights
-    q_norm = k_norm = None
-    if spec.qk_norm:
-        q_norm, k_norm, *rest = rest
-    qkv_w, rest = rest[: spec.qkv.count], rest[spec.qkv.count :]
-    o_w, rest = rest[: spec.o.count], rest[spec.o.count :]
-    gate_up_w, down_w = rest[: spec.gate_up.count], rest[spec.gate_up.count :]
+    attention's per-forward part (``attention.dense_layout``), where the kernel does not run; ``cpu_kernels``: the
+    C++ attention kernel and packed weights run (else the reference)."""
+    w = LayerWeights.of(spec, weights)
     tokens, dtype = hidden.shape[0], spec.kernel_dtype or hidden.dtype
-    x = _rms_norm(hidden, norm1, spec.eps).to(dtype)
-    qkv = spec.qkv.apply(x, qkv_w).to(hidden.dtype).view(tokens, -1, spec.head_dim)
+    x = _rms_norm(hidden, w.norm1, spec.eps).to(dtype)
+    qkv = spec.qkv.apply(x, w.qkv, cpu_kernels).to(hidden.dtype).view(tokens, -1, spec.head_dim)
     q, k, v = qkv.split([spec.q_heads, spec.kv_heads, spec.kv_heads], 1)
-    if q_norm is not None:
-        q, k = _rms_norm(q, q_norm, spec.eps), _rms_norm(k, k_norm, spec.eps)
+    if w.q_norm is not None:
+        q, k = _rms_norm(q, w.q_norm, spec.eps), _rms_norm(k, w.k_norm, spec.eps)
     q = q * cos + _rotate_half(q) * sin
     k = k * cos + _rotate_half(k) * sin
     meta = AttentionMetadata(slots, block_tables, row_starts, prefix_len, tree_mask, max_keys)
-    attended = paged_attention(keys, values, q, k, v.contiguous(), meta, spec.scale, layout)
-    hidden = hidden + spec.o.apply(attended.reshape(tokens, -1).to(dtype), o_w).to(hidden.dtype)
-    x = _rms_norm(hidden, norm2, spec.eps).to(dtype)
-    gate, up = spec.gate_up.apply(x, gate_up_w).chunk(2, -1)
-    return hidden + spec.down.apply((ACT2FN[spec.act](gate) * up).to(dtype), down_w).to(hidden.dtype)
+    attended = paged_attention(keys, values, q, k, v.contiguous(), meta, spec.scale, layout, cpu=cpu_kernels)
+    hidden = hidden + spec.o.apply(attended.reshape(tokens, -1).to(dtype), w.o, cpu_kernels).to(hidden.dtype)
+    x = _rms_norm(hidden, w.norm2, spec.eps).to(dtype)
+    gate, up = spec.gate_up.apply(x, w.gate_up, cpu_kernels).chunk(2, -1)
+    return hidden + spec.down.apply((ACT2FN[spec.act](gate) * up).to(dtype), w.down, cpu_kernels).to(hidden.dtype)
 
 
 class LayerStack(nn.Module):
@@ -227,15 +244,19 @@ class LayerStack(nn.Module):
         self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, slots: torch.Tensor,
         block_tables: torch.Tensor, row_starts: torch.Tensor, prefix_len: torch.Tensor, tree_mask: torch.Tensor,
         keys: torch.Tensor, values: torch.Tensor, weights: list[torch.Tensor], max_keys: int = 0,
+        kernels: Kernels = "cpu",
     ) -> torch.Tensor:
+        """``kernels``: how attention and the layer's small operations run (``execution.Execution.kernels``; the
+        compiled stack is the CPU kernels')."""
         layout = None
-        if not uses_kernel(hidden.device):  # the reference attention: its metadata part once, not per layer
+        if kernels != "cpu":  # the reference attention: its metadata part once, not per layer
             meta = AttentionMetadata(slots, block_tables, row_starts, prefix_len, tree_mask, max_keys)
             layout = dense_layout(meta, keys.shape[-1], zero_filled=pools_zero_filled(keys.device))
         at = 0
         for index, (spec, count) in enumerate(zip(self.specs, self.counts)):
             hidden = decoder_layer(spec, hidden, cos, sin, slots, block_tables, row_starts, prefix_len, tree_mask,
-                                   max_keys, keys[index], values[index], *weights[at : at + count], layout=layout)
+                                   max_keys, keys[index], values[index], *weights[at : at + count], layout=layout,
+                                   cpu_kernels=kernels == "cpu")
             at += count
         return _rms_norm(hidden, weights[at], self.final_eps)
 
@@ -258,17 +279,24 @@ class LeanCausalLM(nn.Module):
         self.head_dim, self.q_heads, self.kv_heads = first.head_dim, first.q_heads, first.kv_heads
         self._compiled: Callable[[list[torch.Tensor]], torch.Tensor] | None = None
         self._compile_tried = False
-        self._graphs: GraphedForward | None = None
+        self._packed = False
+        self._graphs: dict[Kernels, GraphedForward] = {}
         head = model.get_output_embeddings()
         # A float head (a quantized twin's head keeps its own forward: int4 with its top logits exact).
         float_head = type(head) is nn.Linear and "forward" not in vars(head)
         self.head_weight = head.weight if float_head else None
-        if self.device.type == "cpu":
-            cpu_kernel()  # the attention kernel, built or loaded once per process
+
+    def prepare(self, execution: Execution) -> None:
+        """What ``execution`` needs before the first forward, done at build: the CPU kernels' packed weights, the
+        layer stack compiled (or loaded) for this machine."""
+        if execution.cpu_kernel and not self._packed:
+            self._packed = True
             float_weights = [w for spec_weights in self._float_weights() for w in spec_weights]
             packed = pack_linear_weights(float_weights + ([self.head_weight.detach()] if self.head_weight is not None
                                                            else []))
             weakref.finalize(self, forget_linear_weights, packed)
+        if execution.compile:
+            self.compiled()
 
     def get_output_embeddings(self) -> nn.Module:
         return self.inner.get_output_embeddings()
@@ -301,7 +329,7 @@ class LeanCausalLM(nn.Module):
         compiled on first use or loaded from the cache; None: the eager stack runs."""
         if not self._compile_tried:
             self._compile_tried = True
-            if compile_enabled() and self.device.type == "cpu" and cpu_kernel():
+            if self.device.type == "cpu" and cpu_kernel():
                 self._compiled = compiled_stack(self.stack, self.weights, self.config)
         return self._compiled
 
@@ -309,15 +337,17 @@ class LeanCausalLM(nn.Module):
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata, keys: torch.Tensor,
         values: torch.Tensor, max_positions: int, logits_nodes: torch.Tensor, hidden_nodes: torch.Tensor | None,
-        graphs: bool = False,
+        execution: Execution | None = None, graphs: bool = False,
     ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """``input_ids``/``positions`` [B, T] (every row as many tokens); logits at each row's ``logits_nodes``
-        [B * k, V] and hidden states at its ``hidden_nodes`` [B * k', H] (node indices on the host). On a GPU, as
-        CUDA graphs where ``graphs`` and the mode allow (``cuda_graphs.py``); ``max_positions``: the cache's
-        positions per row."""
-        if graphs and input_ids.is_cuda and graphs_enabled(input_ids.shape[1]):
-            replayed = self.graphed(max_positions)(input_ids, positions, meta, keys, values, logits_nodes,
-                                                   hidden_nodes)
+        [B * k, V] and hidden states at its ``hidden_nodes`` [B * k', H] (node indices on the host). As CUDA graphs
+        captured at build where ``graphs`` (its caller's say) and ``execution`` allow (``cuda_graphs.py``);
+        ``max_positions``: the cache's positions per row; ``execution`` (default: the default configuration's) as
+        ``PagedKVCache.execution``."""
+        execution = execution or default_execution(self.device)
+        if graphs and execution.graphs and input_ids.is_cuda:
+            replayed = self.graphed(max_positions, execution)(input_ids, positions, meta, keys, values,
+                                                              logits_nodes, hidden_nodes)
             if replayed is not None:  # None: a shape not captured at build runs eagerly
                 return replayed
         batch, per_row = input_ids.shape
@@ -326,37 +356,41 @@ class LeanCausalLM(nn.Module):
         return self.flat_forward(input_ids.flatten(), positions.flatten(), meta, keys, values,
                     (flat + logits_nodes[None]).flatten().to(device, non_blocking=True),
                     (flat + hidden_nodes[None]).flatten().to(device, non_blocking=True)
-                    if hidden_nodes is not None else None)
+                    if hidden_nodes is not None else None, execution=execution)
 
-    def graphed(self, max_positions: int) -> GraphedForward:
-        """This forward's CUDA graphs over caches of ``max_positions`` positions per row."""
-        if self._graphs is None:
-            self._graphs = GraphedForward(self.flat_forward, max_positions)
-        return self._graphs
+    def graphed(self, max_positions: int, execution: Execution) -> GraphedForward:
+        """This forward's CUDA graphs under ``execution`` over caches of ``max_positions`` positions per row."""
+        if execution.kernels not in self._graphs:
+            self._graphs[execution.kernels] = GraphedForward(
+                functools.partial(self.flat_forward, execution=execution), max_positions,
+                key_buckets=True,  # the reference attention pads keys on the host
+            )
+        return self._graphs[execution.kernels]
 
     @torch.no_grad()
     def flat_forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
         keys: torch.Tensor, values: torch.Tensor, logits_at: torch.Tensor | None,
-        hidden_at: torch.Tensor | None = None,
+        hidden_at: torch.Tensor | None = None, *, execution: Execution | None = None,
     ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """Flat tokens [N] at ``positions`` [N]; returns (logits at ``logits_at`` [M, V], last hidden states at
         ``hidden_at`` [K, H]), each None when not asked for. ``keys``/``values``: the cache's [layers, ...] pools."""
+        execution = execution or default_execution(self.device)
         base = self.inner.model
         hidden = base.embed_tokens(input_ids)  # [N, H]
         cos, sin = base.rotary_emb(hidden, positions[None])
         cos, sin = cos[0][:, None], sin[0][:, None]  # [N, 1, D]: broadcast over heads
         inputs = [hidden, cos, sin, meta.slots, meta.block_tables, meta.row_starts, meta.prefix_len, meta.tree_mask,
                   keys, values]
-        compiled = self.compiled()
+        compiled = self.compiled() if execution.compile else None
         if compiled is not None:
             hidden = compiled(inputs + self.weights)
         else:
-            hidden = self.stack(*inputs, self.weights, meta.max_keys)
+            hidden = self.stack(*inputs, self.weights, meta.max_keys, kernels=execution.kernels)
         logits = None
         if logits_at is not None:
             kept = hidden[logits_at]
-            if self.head_weight is not None and kept.device.type == "cpu" and kernel_loaded():
+            if self.head_weight is not None and execution.cpu_kernel and kernel_loaded():
                 logits = torch.ops.specbatch.packed_linear(kept, self.head_weight.detach(), self.inner.lm_head.bias)
             else:
                 logits = self.inner.lm_head(kept)

@@ -150,6 +150,12 @@ class WarpParams:
             penalties=penalties,
         )
 
+    @property
+    def greedy(self) -> torch.Tensor:
+        """[B] bool where this warp's tensors are: rows that sample greedily (``SamplingParams`` sets a tiny
+        temperature to 0, so temperature 0 is exactly ``SamplingParams.greedy``)."""
+        return self.temperature == 0
+
     def to(self, device: torch.device) -> WarpParams:
         """The same parameters on ``device`` (penalties included): logits are warped where the model ran."""
         return WarpParams(self.temperature.to(device), self.top_k.to(device), self.top_p.to(device),

@@ -194,7 +194,7 @@ def verify_batch(
     parents = torch.tensor([max(p, 0) for p in topology.parents[:size]]).to(device, non_blocking=True)
     levels = int(topology.depths[size - 1])
     kids = children_table(topology).to(device, non_blocking=True)
-    greedy = warp.temperature == 0
+    greedy = warp.greedy
     sampling = uniforms is not None
 
     argmax, logsumexp = argmax_logsumexp(logits, not sampling and size > 1)  # [B, N] each

@@ -21,21 +21,20 @@ import argparse
 import contextlib
 import json
 import logging
-import os
 import platform
 import time
 import traceback
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from decoding.config import Config
+from decoding.config import Config, ExecutionConfig
 from decoding.drafting.costs import forward_timer
 from decoding.drafting.drafters import model_view
 from decoding.engine import Engine, Request
+from decoding.model.execution import Execution
 from decoding.model.loading import load_model, load_tokenizer
 from decoding.model.quantize import quantized
 from decoding.verification.tree import TreeTopology
@@ -56,7 +55,7 @@ def peak_bandwidth(name: str) -> float | None:
 class Contender:
     name: str
     speculative: dict[str, Any]
-    graphs: str | None = None  # SPECBATCH_CUDA_GRAPHS for this contender ("0" eager, "all"); None: the default
+    execution: dict[str, Any] = field(default_factory=dict)  # the config's ``execution`` (empty: the default)
     temperature: float = 0.0
 
 
@@ -67,22 +66,6 @@ class Tally:
     seconds: float = 0.0
     drafted: list[int] = field(default_factory=list)
     accepted: list[int] = field(default_factory=list)
-
-
-@contextlib.contextmanager
-def graph_mode(mode: str | None) -> Iterator[None]:
-    """``SPECBATCH_CUDA_GRAPHS`` set to ``mode`` for the block (None: left as it is)."""
-    previous = os.environ.get("SPECBATCH_CUDA_GRAPHS")
-    if mode is not None:
-        os.environ["SPECBATCH_CUDA_GRAPHS"] = mode
-    try:
-        yield
-    finally:
-        if mode is not None:
-            if previous is None:
-                os.environ.pop("SPECBATCH_CUDA_GRAPHS", None)
-            else:
-                os.environ["SPECBATCH_CUDA_GRAPHS"] = previous
 
 
 def sync(device: torch.device) -> None:
@@ -120,10 +103,9 @@ def build(contender: Contender, batch: int, target: torch.nn.Module, tokenizer: 
     config = Config.model_validate({
         "speculative": contender.speculative, "batch_size": batch, "max_model_len": max_positions,
         # A pool of its own per engine, sized to the work (the default takes most of the card).
-        "num_kv_blocks": batch * (max_positions // 16 + 4),
+        "num_kv_blocks": batch * (max_positions // 16 + 4), "execution": contender.execution,
     })
-    with graph_mode(contender.graphs):
-        return Engine(config, target=target, tokenizer=tokenizer)
+    return Engine(config, target=target, tokenizer=tokenizer)
 
 
 def compare(engines: dict[str, Engine], contenders: list[Contender], batches: dict[str, list[Request]],
@@ -135,8 +117,7 @@ def compare(engines: dict[str, Engine], contenders: list[Contender], batches: di
 
     def attempt(c: Contender, tally: Tally | None) -> None:
         try:
-            with graph_mode(c.graphs):
-                run_once(engines[c.name], batches[c.name], tally)
+            run_once(engines[c.name], batches[c.name], tally)
         except Exception as exc:
             log.error("%s failed: %s", c.name, traceback.format_exc())
             failures[c.name] = f"{type(exc).__name__}: {exc}"
@@ -159,9 +140,10 @@ def tokens_per_step_by_depth(tally: Tally, depth: int) -> dict[int, float]:
 
 def smollm2_contenders(batch: int) -> list[Contender]:
     plain = {"method": "none"}
-    greedy = [Contender("plain", plain), Contender("plain-eager", plain, graphs="0"), Contender("default", {}),
-              Contender("default-graphs-all", {}, graphs="all"), Contender("ngram", {"method": "ngram"}),
-              Contender("ngram-graphs-all", {"method": "ngram"}, graphs="all")]
+    reference = {"kernels": "reference"}
+    greedy = [Contender("plain", plain), Contender("plain-eager", plain, execution={"graphs": "off"}),
+              Contender("plain-reference", plain, execution=reference), Contender("default", {}),
+              Contender("default-reference", {}, execution=reference), Contender("ngram", {"method": "ngram"})]
     if batch != 1:
         return greedy
     self_draft = {"method": "draft_model", "model": "target", "num_speculative_tokens": 4, "length_policy": "static"}
@@ -260,9 +242,9 @@ def part_shape_costs(args: argparse.Namespace, device: torch.device, report: dic
     report["shape_costs"] = costs
 
     def timed(model: torch.nn.Module, batch: int, tokens: int, graphs: bool = False) -> float:
-        with graph_mode(None if graphs else "0"):
-            timer = forward_timer(model, device, batch, tokens, cached, graphs=graphs)
-            return min(timer() for _ in range(args.repeats))
+        execution = Execution.resolve(ExecutionConfig(graphs="auto" if graphs else "off"), device, quiet=True)
+        timer = forward_timer(model, device, batch, tokens, cached, graphs=graphs, execution=execution)
+        return min(timer() for _ in range(args.repeats))
 
     topologies = {w: TreeTopology(w, 4) for w in (1, 2, 4)}
     for batch in args.batches:

@@ -1,0 +1,199 @@
+"""Building an engine, once: models loaded, the draft and its tree, the KV pool sized, forward costs measured, graphs
+captured. ``build_parts`` returns what ``Engine`` steps (``parts.EngineParts``); nothing here runs per step."""
+
+from __future__ import annotations
+
+import torch
+from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
+from decoding.config import Config
+from decoding.drafting.costs import BatchCosts, calibrate_batch
+from decoding.drafting.drafters import Drafter, DraftModelDrafter, NgramDrafter, model_view
+from decoding.drafting.length_policies import Sources, make_policy
+from decoding.engine.kv_cache import CacheShape, PagedKVCache
+from decoding.engine.parts import EngineParts
+from decoding.engine.sequence import eos_token_ids
+from decoding.model.cuda_graphs import build_shapes, pool_key
+from decoding.model.execution import Execution
+from decoding.model.lean_forward import LeanCausalLM
+from decoding.model.loading import (
+    SELF_DRAFT,
+    check_same_tokenizer,
+    default_device,
+    draft_vocab_subset,
+    load_draft,
+    load_model,
+    load_tokenizer,
+    resolve_draft,
+    resolve_model_path,
+)
+from decoding.model.quantize import quantized
+from decoding.verification.tree import TreeTopology
+
+# The CPU pool's default ceiling (vLLM's CPU KV space default).
+CPU_KV_BYTES = 4 << 30
+
+
+def build_parts(
+    config: Config,
+    *,
+    target: PreTrainedModel | None = None,
+    tokenizer: PreTrainedTokenizerBase | None = None,
+    draft: torch.nn.Module | None = None,
+    device: torch.device | None = None,
+) -> EngineParts:
+    """The engine's parts for ``config``; a ``target``, ``tokenizer`` or ``draft`` given is used as it is (else
+    loaded from the config's paths), on ``device`` (default: the target's, else the best one here)."""
+    return _Builder(config, target, tokenizer, draft, device).build()
+
+
+class _Builder:
+    def __init__(self, config: Config, target: PreTrainedModel | None, tokenizer: PreTrainedTokenizerBase | None,
+                 draft: torch.nn.Module | None, device: torch.device | None) -> None:
+        spec = resolve_draft(config.speculative, config.model)
+        self.config = config.model_copy(update={"speculative": spec})
+        self.device = device or (target.device if target is not None else default_device())
+        self.target, self.tokenizer, self.draft = target, tokenizer, draft
+
+    def build(self) -> EngineParts:
+        config, spec = self.config, self.config.speculative
+        tokenizer = self.tokenizer or load_tokenizer(config.model)
+        target_by_path = self.target is None  # its forward costs may be cached on disk under the path
+        loaded = self.target if self.target is not None else load_model(config.model, config.dtype, self.device)
+        target = model_view(loaded)
+        max_context = int(getattr(loaded.config, "max_position_embeddings", 1 << 30))
+        depth = spec.max_depth
+        model_width = spec.num_candidates if depth else 1
+        # n-gram siblings are extra candidates after the model's own in every level (one target forward for all).
+        width = model_width + (spec.ngram_candidates if depth else 0)
+        root_width = model_width if spec.candidate_init == "target" else 1
+        topology = TreeTopology(width, depth, root_width)
+        drafter, max_context = self._drafter(loaded, tokenizer, max_context)
+        if config.max_model_len:
+            max_context = min(max_context, config.max_model_len)
+        execution = self.execution(target)
+        whole_trees = execution.graphs
+        cache = self._cache(loaded, topology, max_context, execution)
+        if isinstance(drafter, DraftModelDrafter):
+            drafter.attach(cache)
+        model_drafts = spec.method == "draft_model"
+        sources = Sources(
+            root_width, model_width if model_drafts else 0,
+            (spec.ngram_candidates if model_drafts else model_width) if depth else 0,
+            prefix_tokens=0 if spec.model == SELF_DRAFT else 1,  # a self-draft never catches up
+        )
+        for model in (target, getattr(drafter, "model", None)):
+            if isinstance(model, LeanCausalLM):
+                model.prepare(execution)  # packed and compiled (or loaded) now, at build, never mid-run
+        policy = make_policy(
+            spec, sources,
+            lambda: self._calibrate(target, drafter, topology, execution, target_by_path, self.draft is None),
+            capacity=config.batch_size,
+        )
+        drafter.uses_hidden_states = policy.needs_hidden_states
+        policy.to(self.device)  # a trained stop head reads the draft's states where they are
+        parts = EngineParts(
+            config=config, device=self.device, tokenizer=tokenizer, loaded_target=loaded, target=target,
+            drafter=drafter, topology=topology, sources=sources, cache=cache, policy=policy, max_context=max_context,
+            eos_ids=eos_token_ids(tokenizer, loaded), whole_trees=whole_trees,
+        )
+        if whole_trees:
+            _capture_graphs(parts)
+        return parts
+
+    def execution(self, target: torch.nn.Module) -> Execution:
+        """How the engine's forwards run (``execution.py``): decided once, here, and logged. Where it captures CUDA
+        graphs, verifications run whole trees (only whole trees are captured)."""
+        return Execution.resolve(self.config.execution, self.device, lean=isinstance(target, LeanCausalLM))
+
+    def _drafter(self, loaded: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, max_context: int
+                 ) -> tuple[Drafter, int]:
+        """The configured drafter, and the context limit with the draft's."""
+        config, spec, draft = self.config, self.config.speculative, self.draft
+        if spec.method == "none":
+            return Drafter(), max_context
+        if spec.method == "ngram":
+            return NgramDrafter(spec.prompt_lookup_max, spec.prompt_lookup_min), max_context
+        if spec.model == SELF_DRAFT:
+            draft = loaded
+        elif draft is None:
+            check_same_tokenizer(tokenizer, load_tokenizer(spec.model), spec.model)
+            draft = load_draft(spec.model, config.dtype, self.device)
+        elif draft.config.vocab_size != loaded.config.vocab_size:
+            raise ValueError(
+                f"draft vocab size {draft.config.vocab_size} differs from the target's "
+                f"{loaded.config.vocab_size}: the draft must share the target's tokenizer"
+            )
+        max_context = min(max_context, int(getattr(draft.config, "max_position_embeddings", 1 << 30)))
+        subset = draft_vocab_subset(spec.model) if spec.model and spec.model != SELF_DRAFT else None
+        draft = draft.to(self.device).eval()
+        if spec.quantization:
+            draft = quantized(draft, spec.quantization)
+        lookup = NgramDrafter(spec.prompt_lookup_max, spec.prompt_lookup_min) if spec.ngram_candidates else None
+        return DraftModelDrafter(
+            draft, config.batch_size, self.device, subset, lookup, spec.ngram_candidates,
+            shares_target_cache=spec.model == SELF_DRAFT,
+        ), max_context
+
+    def _cache(self, loaded: PreTrainedModel, topology: TreeTopology, max_context: int, execution: Execution
+               ) -> PagedKVCache:
+        """The target's pool: ``num_kv_blocks``, or as many blocks as the memory budget holds (never more than
+        ``batch_size`` rows of the whole context need)."""
+        config = self.config
+        shape = CacheShape.of(loaded.config)
+        dtype = next(loaded.parameters()).dtype
+        positions = max_context + topology.size(topology.max_depth) + 1
+        bytes_per_block = shape.bytes_per_token * dtype.itemsize * config.block_size
+        blocks_needed = config.batch_size * -(-positions // config.block_size)
+        blocks = config.num_kv_blocks
+        if blocks is None:
+            budget = config.kv_cache_memory_bytes
+            if budget is None and self.device.type == "cuda":
+                total = torch.cuda.get_device_properties(self.device).total_memory
+                budget = int(total * config.gpu_memory_utilization) - torch.cuda.memory_allocated(self.device)
+                if execution.graphs:  # captured after the pool is made: their memory is set aside first
+                    budget -= execution.graph_memory_bytes
+            budget = budget if budget is not None else CPU_KV_BYTES
+            blocks = max(1, min(blocks_needed, budget // bytes_per_block))
+        return PagedKVCache(shape, blocks, config.batch_size, positions, block_size=config.block_size, dtype=dtype,
+                            device=self.device, execution=execution)
+
+    def _calibrate(self, target: torch.nn.Module, drafter: Drafter, topology: TreeTopology, execution: Execution,
+                   target_from_path: bool, draft_from_path: bool) -> tuple[BatchCosts, BatchCosts | None]:
+        """Measured forward costs (cached on disk for models loaded by path) for the online policy."""
+        config, spec = self.config, self.config.speculative
+        verify = calibrate_batch(
+            target, topology.size(topology.max_depth), config.batch_size,
+            resolve_model_path(config.model) if target_from_path else None, graphs=True, execution=execution,
+        )
+        if not isinstance(drafter, DraftModelDrafter):
+            return verify, None  # n-gram lookup costs next to nothing beside a forward
+        draft_key = None  # the quantization is part of what was timed
+        if spec.model == SELF_DRAFT and target_from_path:
+            draft_key = f"{resolve_model_path(config.model)}|self-draft|{spec.quantization}"
+        elif draft_from_path and spec.model and spec.model != SELF_DRAFT:
+            draft_key = f"{resolve_model_path(spec.model)}|{spec.quantization}"
+        return verify, calibrate_batch(drafter.model, topology.root_width + 1, config.batch_size, draft_key,
+                                       graphs=drafter.graphs, execution=execution)
+
+
+def _capture_graphs(parts: EngineParts) -> None:
+    """The target's decode and verification forwards as CUDA graphs, for every row and key bucket, captured now
+    within the graph memory budget (``cuda_graphs.py``)."""
+    cache, topology, drafter = parts.cache, parts.topology, parts.drafter
+    execution = cache.execution
+    positions = cache.max_blocks_per_row * cache.block_size
+    tokens = [1, *(topology.size(depth) for depth in range(topology.max_depth + 1))]
+    captures = [(parts.target, tokens, drafter.reads_target_states)]
+    draft = getattr(drafter, "model", None)
+    if drafter.graphs and isinstance(draft, LeanCausalLM):  # a self-draft's levels: its roots, then widths
+        captures.append((draft, [topology.root_width, topology.num_candidates], drafter.uses_hidden_states))
+
+    def memory() -> int:
+        return torch.cuda.memory_reserved(parts.device)
+
+    started, budget = memory(), execution.graph_memory_bytes
+    for model, per_row, hidden in captures:  # one budget for both models
+        graphed = model.graphed(positions, execution)
+        shapes = build_shapes(pool_key(cache.keys), parts.capacity, positions, per_row, hidden, graphed.key_buckets)
+        graphed.capture(shapes, cache.keys, cache.values, budget - (memory() - started), memory)

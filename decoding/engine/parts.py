@@ -1,0 +1,39 @@
+"""What an engine is built from (``build.py`` makes it once; ``Engine`` and ``Step`` only read it)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
+from decoding.config import Config, SpeculativeConfig
+from decoding.drafting.drafters import Drafter
+from decoding.drafting.length_policies import LengthPolicy, Sources
+from decoding.engine.kv_cache import PagedKVCache
+from decoding.verification.tree import TreeTopology
+
+
+@dataclass
+class EngineParts:
+    config: Config  # with the draft resolved (``models.resolve_draft``)
+    device: torch.device
+    tokenizer: PreTrainedTokenizerBase
+    loaded_target: PreTrainedModel  # as loaded: a self-draft quantizes these weights, never the view below
+    target: torch.nn.Module  # the forward that runs it (the lean forward where the architecture has one)
+    drafter: Drafter
+    topology: TreeTopology
+    sources: Sources  # who proposes the tree's candidates (root, model, lookup)
+    cache: PagedKVCache  # the target's pool
+    policy: LengthPolicy
+    max_context: int  # positions a sequence may reach (the model's, the draft's, max_model_len)
+    eos_ids: set[int]
+    whole_trees: bool  # verifications replay graphs captured at build, for whole trees only
+
+    @property
+    def speculative(self) -> SpeculativeConfig:
+        return self.config.speculative
+
+    @property
+    def capacity(self) -> int:
+        return self.config.batch_size

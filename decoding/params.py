@@ -1,0 +1,85 @@
+"""A request's sampling parameters, validated once, the same way for the pipeline, the server and the engine.
+
+``resolve_sampling`` merges a request's fields onto the configured ones, applies the one set of limits (the field
+declarations of ``decoding.config.SamplingParams``, listed in docs/reference.md) and checks the result against the
+model. Whatever it returns runs in an engine step without raising; whatever it refuses raises ``RequestError``
+naming the field. Torch-free: Ray Data's workers and the server's request path import it without the engine.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Collection, Mapping
+from typing import Any
+
+from pydantic import ValidationError
+
+from decoding.config import SamplingParams, format_validation_error
+
+
+class RequestError(ValueError):
+    """Inputs that cannot become a request; the message names the field and the reason, ``param`` the field
+    (OpenAI's error ``param``) where one is to blame."""
+
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
+
+
+def resolve_sampling(
+    overrides: SamplingParams | Mapping[str, Any] | None,
+    defaults: SamplingParams,
+    vocab_size: int,
+    eos_ids: Collection[int],
+    *,
+    fan_out: bool = False,
+) -> SamplingParams:
+    """A request's sampling parameters: ``overrides`` (vLLM's names, older ones included) over the configured
+    ``defaults`` field by field, validated, and checked against the model: token ids within its ``vocab_size``,
+    ``logprobs`` at most the vocabulary, ``min_tokens`` not banning every token (``eos_ids`` and stop ids), and
+    ``n`` 1 unless the caller makes the ``n`` sequences itself (``fan_out``: the server's choices; an engine request
+    decodes one). The configured seed is the run's, never a request's (``decoding.verification.sampling``).
+
+    ``overrides`` already a ``SamplingParams`` was merged and validated where it was made (the server and the
+    pipeline hand the engine those): only the model checks run again. ``RequestError`` naming the field otherwise.
+    """
+    params = overrides if isinstance(overrides, SamplingParams) else _merged(overrides, defaults)
+    if any(token >= vocab_size for token in params.stop_token_ids):
+        raise RequestError(f"invalid sampling_params: stop_token_ids must lie in [0, {vocab_size})", "stop_token_ids")
+    if params.logprobs is not None and params.logprobs > vocab_size:
+        raise RequestError(f"invalid sampling_params: logprobs is more than the {vocab_size} tokens", "logprobs")
+    if params.min_tokens and len(params.stop_ids(eos_ids)) >= vocab_size:
+        raise RequestError("invalid sampling_params: min_tokens would ban every token (stop_token_ids and EOS "
+                           "cover the vocabulary)", "stop_token_ids")
+    if params.n != 1 and not fan_out:
+        raise RequestError(
+            f"invalid sampling_params: n is {params.n}; one request decodes one sequence (the server returns n "
+            "choices; a batch job writes one row per input row, so repeat the row for more samples)", "n")
+    return params
+
+
+def _merged(overrides: Mapping[str, Any] | None, defaults: SamplingParams) -> SamplingParams:
+    if overrides is None:
+        overrides = {}
+    if not isinstance(overrides, Mapping):
+        raise RequestError(f"invalid sampling_params: expected an object, got {type(overrides).__name__}")
+    try:
+        # Renamed before the merge: an older name must replace a configured value under the current one.
+        overrides = SamplingParams.current_names(overrides)
+    except ValueError as exc:
+        raise RequestError(f"invalid sampling_params: {exc}", "structured_outputs") from None
+    try:
+        return SamplingParams.model_validate({**defaults.model_dump(exclude={"seed"}), **overrides})
+    except ValidationError as exc:
+        raise RequestError(f"invalid sampling_params: {format_validation_error(exc)}", _param(exc, overrides)) from None
+
+
+def _param(exc: ValidationError, overrides: Mapping[str, Any]) -> str | None:
+    """The field to blame: a field's own error names it; a check across fields (min_tokens above max_tokens, stop
+    without detokenize) names the one the request set, as its message says first."""
+    loc = exc.errors()[0]["loc"]
+    if loc:
+        return str(loc[0])
+    message = str(exc)
+    named = {name: found.start() for name in overrides if (found := re.search(rf"\b{name}\b", message))}
+    return min(named, key=named.__getitem__) if named else None
