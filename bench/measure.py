@@ -169,3 +169,28 @@ def bandwidth_fraction(bytes_per_step: float | None, ms_per_step: float | None, 
     if not bytes_per_step or not ms_per_step:
         return None
     return bytes_per_step / (ms_per_step / 1e3) / (bandwidth.gbs * 1e9)
+
+
+def count_launches(run: Callable[[], Any], device: torch.device) -> int:
+    """Kernel launches of ``run()``: on CUDA the device kernels the profiler records (Triton's and cuBLAS's
+    alike); elsewhere the aten operations dispatched (``TorchDispatchMode``), each a kernel call there."""
+    if device.type == "cuda":
+        from torch.profiler import ProfilerActivity, profile
+
+        torch.cuda.synchronize(device)
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            run()
+            torch.cuda.synchronize(device)
+        return sum(1 for event in prof.events() if event.device_type == torch.autograd.DeviceType.CUDA)
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Counter(TorchDispatchMode):
+        count = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            Counter.count += 1
+            return func(*args, **(kwargs or {}))
+
+    with Counter():
+        run()
+    return Counter.count

@@ -9,6 +9,10 @@ from pathlib import Path
 import pytest
 import torch
 
+# Triton decides at import whether kernels are interpreted: without a GPU, its kernels run on the CPU.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
 sys.path.insert(0, str(Path(__file__).parent))
 # Engines in tests run the eager lean forward (each tiny model shape would otherwise compile its own package);
 # the compiled forward has tests of its own that turn this on.

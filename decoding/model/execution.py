@@ -67,9 +67,10 @@ class Execution:
         cuda = device.type == "cuda"
         interpret = False
         if kernels == "triton":
-            raise ValueError("execution.kernels: triton is not available in this build")
+            if not cuda:
+                interpret = _interpreted_triton()
         elif kernels == "auto":
-            kernels = "reference" if cuda else _cpu_or_reference()
+            kernels = ("triton" if _triton_available() else "reference") if cuda else _cpu_or_reference()
         resolved: Kernels = "cpu" if kernels == "auto" else kernels  # type: ignore[assignment]
         execution = cls(
             device_type=device.type, kernels=resolved, graphs=graphs and cuda and lean,

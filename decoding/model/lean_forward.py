@@ -7,8 +7,9 @@ twin's weight-only kernels (``quantize.py``), whose q|k|v and gate|up run as one
 
 How a forward runs is the engine's ``execution.Execution``, passed with every forward: on a CPU the decoder layers
 run as one graph compiled ahead of time (``compiled_forward.py``; the eager loop spends most of a small model's step
-in Python and dispatch), with the C++ attention kernel; on CUDA the reference attention replayed as CUDA graphs.
-``compile: off``, or a compilation that fails, keeps the eager loop: the same function, only slower.
+in Python and dispatch), with the C++ attention kernel; on CUDA the fused Triton layer (``triton_kernels.py``,
+``fused_stack``) replayed as CUDA graphs. ``compile: off``, or a compilation that fails, keeps the eager loop: the
+same function, only slower.
 
 Numerics: fused and compiled operations may round differently from transformers' in the last bits; the tests hold
 greedy outputs to transformers' ``generate`` except at near-ties.
@@ -232,6 +233,44 @@ def decoder_layer(
     return hidden + spec.down.apply((ACT2FN[spec.act](gate) * up).to(dtype), w.down, cpu_kernels).to(hidden.dtype)
 
 
+def fused_stack(
+    specs: list[LayerSpec], counts: list[int], final_eps: float, hidden: torch.Tensor, cos: torch.Tensor,
+    sin: torch.Tensor, slots: torch.Tensor, block_tables: torch.Tensor, prefix_len: torch.Tensor,
+    tree_mask: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, weights: list[torch.Tensor],
+) -> torch.Tensor:
+    """The decoder layers and the final norm with the fused Triton kernels (``triton_kernels.py``), about ten
+    launches a layer: add + RMSNorm, the qkv GEMM, rotary + the new keys and values into their slots, attention
+    over the paged pool (and its split reduction), the o GEMM, add + RMSNorm, the gate|up GEMM, SiLU x up, the down
+    GEMM (whose output the next layer's norm adds). Each row has ``N / rows`` tokens; sequence lengths are read on
+    the device, so one captured graph serves every context."""
+    from decoding.model import triton_kernels as tk  # Triton loads where this path runs (``execution.py``)
+
+    tokens = hidden.shape[0]
+    per_row = tokens // block_tables.shape[0]
+    cos, sin = cos.reshape(tokens, -1), sin.reshape(tokens, -1)
+    residual, delta, at = hidden, None, 0
+    for index, (spec, count) in enumerate(zip(specs, counts)):
+        w = LayerWeights.of(spec, weights[at : at + count])
+        at += count
+        dtype = spec.kernel_dtype or hidden.dtype
+        residual, x = tk.add_rms_norm(residual, delta, w.norm1, spec.eps)
+        qkv = spec.qkv.apply(x.to(dtype), w.qkv).to(hidden.dtype)
+        q = tk.rotary_write_kv(qkv, cos, sin, slots, keys[index], values[index], spec.q_heads, spec.kv_heads,
+                               spec.head_dim, w.q_norm, w.k_norm, spec.eps)
+        attended = tk.paged_attention(q, keys[index], values[index], block_tables, prefix_len, tree_mask, spec.scale,
+                                      per_row)
+        o = spec.o.apply(attended.view(tokens, -1).to(dtype), w.o).to(hidden.dtype)
+        residual, x = tk.add_rms_norm(residual, o, w.norm2, spec.eps)
+        gate_up = spec.gate_up.apply(x.to(dtype), w.gate_up)
+        if spec.act == "silu":
+            activated = tk.silu_mul(gate_up)
+        else:
+            gate, up = gate_up.chunk(2, -1)
+            activated = ACT2FN[spec.act](gate) * up
+        delta = spec.down.apply(activated.to(dtype), w.down).to(hidden.dtype)
+    return tk.add_rms_norm(residual, delta, weights[at], final_eps)[1]
+
+
 class LayerStack(nn.Module):
     """The decoder layers and the final norm over flat tokens, every weight an input: the part of the forward that
     is compiled (one graph, whatever the batch; the same function runs eagerly where it is not)."""
@@ -248,6 +287,9 @@ class LayerStack(nn.Module):
     ) -> torch.Tensor:
         """``kernels``: how attention and the layer's small operations run (``execution.Execution.kernels``; the
         compiled stack is the CPU kernels')."""
+        if kernels == "triton":
+            return fused_stack(self.specs, self.counts, self.final_eps, hidden, cos, sin, slots, block_tables,
+                               prefix_len, tree_mask, keys, values, weights)
         layout = None
         if kernels != "cpu":  # the reference attention: its metadata part once, not per layer
             meta = AttentionMetadata(slots, block_tables, row_starts, prefix_len, tree_mask, max_keys)
@@ -363,7 +405,7 @@ class LeanCausalLM(nn.Module):
         if execution.kernels not in self._graphs:
             self._graphs[execution.kernels] = GraphedForward(
                 functools.partial(self.flat_forward, execution=execution), max_positions,
-                key_buckets=True,  # the reference attention pads keys on the host
+                key_buckets=execution.kernels != "triton",  # the fused kernels read sequence lengths on the device
             )
         return self._graphs[execution.kernels]
 

@@ -1,0 +1,76 @@
+"""The whole engine with the fused Triton layer (``execution.kernels: triton``), on this CPU under Triton's
+interpreter (``conftest.py`` turns it on): greedy outputs equal transformers' and the engine's own plain decoding for
+every kind of draft, and sampling follows the target's law while the engine really drafts. The interpreter runs each
+kernel program in Python, so these runs are short (few prompts, few tokens)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from engine_cases import END, PROMPTS, SMALL_VOCAB, chi_square_pvalue, make_config, sequence_law
+
+from decoding import Config, Engine, Request
+from decoding.config import ExecutionConfig
+
+TRITON = ExecutionConfig(kernels="triton")
+SHORT = {"max_tokens": 10}
+
+
+def with_triton(config: Config) -> Config:
+    return config.model_copy(update={"execution": TRITON})
+
+
+@pytest.fixture(scope="module")
+def short_reference(tokenizer, target) -> list[list[int]]:
+    """transformers' greedy decoding of the first prompts, 10 tokens each, in float32 on this CPU."""
+    outputs = []
+    for prompt in PROMPTS[:4]:
+        ids = tokenizer(prompt, return_tensors="pt").input_ids
+        generated = target.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=10)
+        outputs.append(generated[0, ids.shape[1]:].tolist())
+    return outputs
+
+
+@pytest.mark.parametrize("speculative", [
+    {"method": "none"},
+    {"method": "ngram", "num_candidates": 2},
+    {"method": "draft_model", "model": "target", "quantization": "int4", "num_candidates": 2,
+     "candidate_init": "target"},
+    {"method": "draft_model", "num_candidates": 1, "ngram_candidates": 1},
+], ids=["none", "ngram", "self-draft", "draft-and-lookup"])
+def test_greedy_with_the_triton_kernels_matches_transformers(speculative, tokenizer, target, draft,
+                                                             short_reference) -> None:
+    config = with_triton(make_config(**speculative, length_policy="static", num_speculative_tokens=3,
+                                     batch_size=4, sampling=SHORT))
+    uses_draft = config.speculative.method == "draft_model" and config.speculative.model != "target"
+    engine = Engine(config, target=target, tokenizer=tokenizer, draft=draft if uses_draft else None)
+    assert engine.cache.execution.kernels == "triton" and engine.cache.execution.interpret
+    results = engine.generate([Request(id=str(i), prompt=p) for i, p in enumerate(PROMPTS[:4])])
+    assert [r.token_ids for r in results] == short_reference
+    if speculative["method"] != "none":  # drafts were verified (a self-draft's mostly kept)
+        assert sum(sum(r.per_step_drafted) for r in results) > 0
+        if speculative.get("model") == "target":
+            assert sum(sum(r.per_step_accepted) for r in results) > 0
+
+
+def test_sampling_with_the_triton_kernels_follows_the_target_law(small_models, tokenizer) -> None:
+    """n-gram candidates (two per level) on a repetitive prompt at temperature 1: the joint law of the first two
+    tokens is the target's (exact law by enumeration), with drafts really verified, some rejected."""
+    target, _ = small_models
+    prompt, warp, samples = [3, 4, 5, 3, 4, 5, 3], {"temperature": 1.0, "top_k": 0, "top_p": 1.0}, 160
+    # Three tokens: the first from the prefill, then a step with room for one drafted token (and the third).
+    config = with_triton(make_config(method="ngram", num_candidates=2, num_speculative_tokens=2,
+                                     length_policy="static", batch_size=80, sampling={"max_tokens": 3, **warp}))
+    results = Engine(config, target=target, tokenizer=tokenizer).generate(
+        [Request(id=str(i), prompt_token_ids=prompt, sampling={"seed": i}) for i in range(samples)])
+    drafted = sum(sum(r.per_step_drafted) for r in results)
+    accepted = sum(sum(r.per_step_accepted) for r in results)
+    assert drafted > samples / 2 and 0 < accepted < drafted  # speculation really happened, with rejections
+    counts = torch.zeros(SMALL_VOCAB + 1, SMALL_VOCAB + 1)
+    for result in results:
+        tokens = result.token_ids + [END] * 3
+        counts[tokens[0], tokens[1]] += 1
+    law = torch.zeros(SMALL_VOCAB + 1, SMALL_VOCAB + 1, dtype=torch.float64)
+    for tokens, weight in sequence_law(target, prompt, warp, 2):
+        law[tokens[0], tokens[1]] += weight
+    assert chi_square_pvalue(counts, law) > 1e-3
