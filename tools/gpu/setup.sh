@@ -11,13 +11,13 @@ export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 SPECBATCH_CACHE=/root/sbcach
 } 2>&1 | tee "$OUT/env.txt"
 # Arguments of 0 skip the tests and the costs (a second visit: the wheels and the model part only).
 [ "${1:-150}" = 0 ] || {
-# The engine's CUDA cases eagerly (SPECBATCH_CUDA_GRAPHS=0), each test's outcome in the log as it happens; then one
+# The engine's CUDA cases eagerly (SPECBATCH_CUDA_GRAPHS=off), each test's outcome in the log as it happens; then one
 # greedy case per drafter with every forward graphed, CUDA_LAUNCH_BLOCKING=1 so that a failure's stack is where it
 # happened.
-OMP_NUM_THREADS=2 SPECBATCH_CUDA_GRAPHS=0 timeout "${1:-150}" python3 -m pytest -v -p no:cacheprovider -n 8 -rfE \
+OMP_NUM_THREADS=2 SPECBATCH_CUDA_GRAPHS=off timeout "${1:-150}" python3 -m pytest -v -p no:cacheprovider -n 8 -rfE \
   --timeout 60 -k "cuda or padded" tests/test_engine.py tests/test_forward.py > "$OUT/cuda_tests_eager.log" 2>&1
 grep -cE "PASSED" "$OUT/cuda_tests_eager.log"; grep -E "FAILED|ERROR|passed|failed" "$OUT/cuda_tests_eager.log" | tail -12
-OMP_NUM_THREADS=2 SPECBATCH_CUDA_GRAPHS=all CUDA_LAUNCH_BLOCKING=1 timeout 60 python3 -m pytest -q -p no:cacheprovider -x --tb=long \
+OMP_NUM_THREADS=2 SPECBATCH_CUDA_GRAPHS=auto CUDA_LAUNCH_BLOCKING=1 timeout 60 python3 -m pytest -q -p no:cacheprovider -x --tb=long \
   -k "cuda-ngram-1-target-heuristic-3 or cuda-draft_model-2-draft-static-3" tests/test_engine.py \
   > "$OUT/cuda_graph_case.log" 2>&1; grep -E "^E |py:[0-9]+|passed|failed" "$OUT/cuda_graph_case.log" | tail -12
 }
