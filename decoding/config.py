@@ -331,6 +331,24 @@ class ExecutionConfig(_Strict):
     graph_memory_mb: int = Field(1024, ge=0, le=1 << 20)
 
 
+class LimitsConfig(_Strict):
+    """Bounds on the work one request or row may cause. A request past one fails alone (HTTP 400, or an error row)
+    with a message naming the limit; nothing it sends runs unbounded on the engine's stepping thread."""
+
+    # A prompt (or the messages' text) longer than this in UTF-8 bytes is refused before it is tokenized. Default:
+    # the context times the vocabulary's longest token in bytes, so no prompt that fits the context is refused.
+    max_prompt_bytes: int | None = Field(None, ge=1)
+    # A constraint's text (schema, regex, grammar, choices as JSON) longer than this is refused before compiling:
+    # compiling 5,000 choices (164 KB) took 1.7 s and 26 MB for SmolLM2's vocabulary, and grows faster than its text.
+    max_constraint_bytes: int = Field(128 << 10, ge=1)
+    # Compiling one constraint against the vocabulary: longer than this fails its request.
+    grammar_compile_timeout_s: float = Field(10.0, gt=0.0, le=3600.0)
+    # A compiled grammar larger than this fails its request; the cache of compiled grammars holds at most
+    # grammar_cache_bytes (least recently used first out).
+    max_grammar_bytes: int = Field(64 << 20, ge=1)
+    grammar_cache_bytes: int = Field(512 << 20, ge=0)
+
+
 class Config(_Strict):
     model: str = "smollm2-135m-instruct"
     # vLLM's: the model's name in the HTTP API (/v1/models, the ``model`` field of requests); default: ``model``.
@@ -359,6 +377,9 @@ class Config(_Strict):
     max_num_batched_tokens: int = Field(2048, ge=16)
     concurrency: int | tuple[int, int] = Field(1, description="number of actors (int, or [min, max])")
     num_gpus: float = Field(0, ge=0)
+    # Actors or replicas the cluster cannot hold (more CPUs or GPUs than its nodes have) fail the job or the
+    # server at once; an autoscaling cluster's nodes may take a while to come: wait up to this long for them.
+    resource_wait_s: float = Field(0.0, ge=0.0, le=86400.0)
     # CPU cores per actor / replica (and torch threads on CPU); None = the machine's cores split over actors.
     num_cpus: float | None = Field(None, gt=0)
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
@@ -367,6 +388,10 @@ class Config(_Strict):
     # override both.
     chat_template: str | None = None
     chat_template_kwargs: dict[str, Any] = Field(default_factory=dict)
+    # vLLM's --trust-request-chat-template: a request's (or row's) own chat_template is Jinja code run in the
+    # engine's process with no bound on its cost, so it is refused unless this is true.
+    trust_request_chat_template: bool = False
+    limits: LimitsConfig = Field(default_factory=LimitsConfig)
 
     @field_validator("chat_template")
     @classmethod
@@ -451,6 +476,18 @@ def load_config(path: str | Path | None = None, overrides: dict[str, str] | None
         raise ConfigError(format_validation_error(exc)) from exc
 
 
+# Longest part of a bad value an error message quotes: a 1 MB value must not come back as a 1 MB message.
+QUOTE_CHARS = 80
+
+
+def quote(value: Any, limit: int = QUOTE_CHARS) -> str:
+    """``repr(value)``, cut to ``limit`` characters with the full length said (``'xxx...' (1048576 chars)``)."""
+    if isinstance(value, str | bytes | list | tuple) and len(value) > limit:
+        return f"{value[:limit]!r}... ({len(value)} {'chars' if isinstance(value, str) else 'items'})"
+    text = repr(value)
+    return text if len(text) <= limit else f"{text[:limit]}..."
+
+
 def format_validation_error(exc: ValidationError, prefix: str = "") -> str:
     """One line per error, each naming its field (under ``prefix``) and the value given."""
     lines = []
@@ -464,6 +501,6 @@ def format_validation_error(exc: ValidationError, prefix: str = "") -> str:
         if parts and message.startswith(f"invalid {parts[-1]}"):
             lines.append(f"invalid {'.'.join(parts[:-1] + [message.removeprefix('invalid ')])}")
             continue
-        shown = "" if isinstance(value, dict) else f" (got {value!r})"
+        shown = "" if isinstance(value, dict) else f" (got {quote(value)})"
         lines.append(f"invalid {field}{shown}: {message}")
     return "; ".join(lines)

@@ -69,6 +69,7 @@ from deploy.protocol import (
     Usage,
 )
 from frontend.metrics import EngineMetrics, prometheus_backend, ray_backend
+from frontend.resources import check_cluster
 
 log = logging.getLogger(__name__)
 
@@ -380,7 +381,10 @@ class OpenAIServer:
         body: ChatCompletionRequest = self._parse(await _json_body(raw), ChatCompletionRequest)
         sampling = self._sampling(body)
         messages = [message.rendered() for message in body.messages]
-        rendering = body.chat_options().request_fields(self.config)
+        try:
+            rendering = body.chat_options().request_fields(self.config)
+        except RequestError as exc:
+            raise ApiError(400, str(exc), param="chat_template") from None
         requests = [self._request(body, sampling, choice, messages=messages, **rendering) for choice in range(body.n)]
         return await self._generate(body, sampling, requests, _ChatFormat(self.model_id, self.tokenizer))
 
@@ -517,6 +521,7 @@ def make_app(config: Config) -> Application:
         key = next((os.environ[name] for name in API_KEY_ENV if os.environ.get(name)), None)
         if key is not None:
             config = config.model_copy(update={"api_key": SecretStr(key)})
+    check_cluster(config, "replicas")
     return OpenAIServer.options(**deployment_options(config)).bind(config)
 
 

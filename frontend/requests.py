@@ -90,7 +90,12 @@ class ChatOptions(_Strict):
                        messages: list[dict[str, str]] | None = None) -> dict[str, Any]:
         """``decoding.engine.engine.Request``'s rendering fields: these options over ``config``'s, with vLLM's defaults
         (generation prompt added, final message not continued). With ``continue_assistant`` (Ray Data LLM's rule),
-        messages ending with the assistant's are continued instead, unless the options say otherwise."""
+        messages ending with the assistant's are continued instead, unless the options say otherwise. A template of
+        the request's own is refused unless ``config.trust_request_chat_template`` (vLLM's server option)."""
+        if self.chat_template is not None and self.chat_template != config.chat_template and (
+                not config.trust_request_chat_template):
+            raise RequestError("invalid chat_template: a request's own chat template is refused (it runs as code "
+                               "in the server with no cost limit); set trust_request_chat_template: true to allow it")
         add, continue_final = self.add_generation_prompt, self.continue_final_message
         if add is None and continue_final is None and continue_assistant and messages and (
                 messages[-1]["role"] == "assistant"):

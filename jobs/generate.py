@@ -14,6 +14,7 @@ from typing import TextIO
 
 from tqdm import tqdm
 
+from decoding.config import ConfigError
 from jobs.common import parse_with_config, setup_logging
 from pipeline.io import InputError
 from pipeline.job import run
@@ -90,7 +91,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         summary = run(config, args.input or str(SAMPLE_PROMPTS), args.output, progress=display,
                       verbose=args.verbose)
-    except InputError as exc:
+    except (InputError, ConfigError) as exc:
         parser.exit(2, f"{parser.prog}: error: {exc}\n")
     finally:
         display.close()

@@ -19,6 +19,7 @@ import ray
 from ray import serve
 from ray.serve import Application
 
+from decoding.config import ConfigError
 from deploy.drain import NAMESPACE, DrainSignal, signal_name
 from deploy.server import make_app
 from jobs.common import parse_with_config, setup_logging
@@ -93,6 +94,8 @@ def main(argv: list[str] | None = None) -> int:
             serve_until_signalled(make_app(config), args.host, args.port, config.graceful_shutdown_timeout_s, stop)
     except KeyboardInterrupt:
         pass
+    except ConfigError as exc:  # what the cluster cannot hold (frontend.resources)
+        parser.exit(2, f"{parser.prog}: error: {exc}\n")
     return 0
 
 

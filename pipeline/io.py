@@ -13,6 +13,7 @@ import contextlib
 import csv
 import io
 import json
+import logging
 import os
 import posixpath
 import re
@@ -29,6 +30,8 @@ from ray.data.datasource import FileBasedDatasource
 
 from frontend.requests import MAX_DEPTH, too_deep
 from pipeline.schema import READ_ERROR
+
+log = logging.getLogger(__name__)
 
 FORMATS = {".parquet": "parquet", ".jsonl": "json", ".json": "json", ".csv": "csv"}
 # Read as text whatever they look like: "007" is an id and "42" a prompt, not numbers.
@@ -88,6 +91,30 @@ def list_input_files(uri: str) -> tuple[pafs.FileSystem, list[str], str]:
     if unsupported:
         raise InputError(f"unsupported input file {unsupported[0]} (expected {', '.join(FORMATS)})")
     return fs, files, base
+
+
+def without_output(fs: pafs.FileSystem, files: list[str], input_uri: str, output_uri: str) -> list[str]:
+    """The input files outside the output directory: a job never reads its own parts, markers or summary as
+    input when its output lies inside its input directory. ``InputError`` when the input lies inside the output
+    (or is it)."""
+    out_fs, output = resolve(output_uri, "output")
+    if out_fs.type_name != fs.type_name:
+        return files
+    _, source = resolve(input_uri, "input")
+    if _inside(source, output):
+        raise InputError(f"input {input_uri} lies inside the output directory {output_uri}: the job would read "
+                         "its own files as input; choose another output directory")
+    kept = [f for f in files if not _inside(f, output)]
+    if len(kept) < len(files):
+        log.info("input: %d files inside the output directory %s are not read", len(files) - len(kept), output_uri)
+    if not kept:
+        raise InputError(f"input {input_uri} holds no files outside the output directory {output_uri}")
+    return kept
+
+
+def _inside(path: str, directory: str) -> bool:
+    path, directory = posixpath.normpath(path), posixpath.normpath(directory)
+    return path == directory or path.startswith(directory.rstrip("/") + "/")
 
 
 def _glob_regex(pattern: str) -> re.Pattern[str]:
@@ -266,7 +293,7 @@ def read_parquet_row_groups(data: pa.Buffer) -> pa.Table:
         except Exception as exc:  # a corrupt page or column chunk
             errors.update((offset + row, f"unreadable row group {group}: {exc}") for row in range(rows))
             with contextlib.suppress(Exception):  # the rows keep their ids where that column reads
-                column = parquet.read_row_group(group, columns=["id"])["id"].to_pylist()
+                column = column_values(parquet.read_row_group(group, columns=["id"])["id"])
                 ids.update((offset + row, value) for row, value in enumerate(as_text(column)))
         offset += rows
     good = pa.concat_tables(tables) if tables else parquet.schema_arrow.empty_table()
@@ -354,7 +381,8 @@ def with_ids(table: pa.Table, name: str) -> pa.Table:
     derived = pa.array([f"{name}:{row}" for row in range(table.num_rows)], pa.string())
     if "id" not in table.column_names:
         return table.add_column(0, "id", derived)
-    given = table["id"] if table["id"].type == pa.string() else pa.array(as_text(table["id"].to_pylist()))
+    column = table["id"]
+    given = column if column.type == pa.string() else pa.array(as_text(column_values(column)), pa.string())
     missing = pc.or_kleene(pc.is_null(given), pc.equal(given, ""))
     return table.set_column(table.column_names.index("id"), "id", pc.if_else(missing, derived, given))
 
@@ -410,4 +438,33 @@ def _column(values: list[Any], name: str, errors: list[str | None]) -> pa.Array:
 
 
 def as_text(values: list[Any]) -> list[str | None]:
-    return [v if v is None or isinstance(v, str) else json.dumps(v) for v in values]
+    """Each value as text: strings as they are, bytes as UTF-8 (hex where they are not), anything else as JSON
+    (dates, decimals and other types JSON lacks as their ``str``)."""
+    return [_value_text(v) for v in values]
+
+
+def _value_text(value: Any) -> str | None:
+    if value is None or isinstance(value, str):
+        return value
+    if isinstance(value, bytes):
+        try:
+            return value.decode()
+        except UnicodeDecodeError:
+            return value.hex()
+    return json.dumps(value, default=str)
+
+
+def column_values(column: pa.ChunkedArray | pa.Array) -> list[Any]:
+    """The column as Python values; a value Python cannot hold (a string that is not UTF-8, a date past year 9999)
+    is None."""
+    try:
+        return column.to_pylist()
+    except (ValueError, ArithmeticError):
+        pass
+    values = []
+    for item in column:
+        try:
+            values.append(item.as_py())
+        except (ValueError, ArithmeticError):
+            values.append(None)
+    return values

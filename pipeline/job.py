@@ -18,7 +18,7 @@ import ray
 import ray.data
 
 from decoding.config import Config
-from pipeline.io import InputError, list_input_files, read_prompts
+from pipeline.io import InputError, list_input_files, read_prompts, without_output
 from pipeline.processor import CALLS_PER_ACTOR, Processor, StageOptions, rows_per_block
 from pipeline.progress import Progress, ProgressWatcher, count_rows
 from pipeline.store import Lease, OutputSink, OutputStore, new_run_id
@@ -92,6 +92,7 @@ def run(config: Config, input_path: str, output_dir: str, *, progress: Callable[
     ``progress`` is called every few seconds, on a thread of its own, with what the run has committed so far;
     ``verbose``: Ray's own logs and progress bars (see ``ray_session``)."""
     fs, files, base = list_input_files(input_path)
+    files = without_output(fs, files, input_path, output_dir)
     store = OutputStore(output_dir)
     lease = Lease(store)
     try:

@@ -22,6 +22,7 @@ from typing import Any
 import ray.data
 
 from decoding.config import Config, load_config
+from frontend.resources import check_cluster
 from pipeline.actor import ENGINE_RUNTIME_ENV, INFERENCE_ERROR, GenerationActor, RowOptions
 from pipeline.processor_config import ProcessorConfig
 
@@ -111,6 +112,7 @@ class Processor:
         options = self.options
         if self.preprocess is not None:
             ds = ds.map(_Preprocess(self.preprocess), **options.preprocess_map_kwargs)
+        check_cluster(self.config, "actors")
         low, high = self.config.concurrency_range
         # ``map_batches`` refuses whole blocks (batch_size None) to an actor that asks for GPUs, so the job's GPU
         # actors failed before any row ran (seen on an H200); its DeveloperAPI twin, which Ray Data LLM's

@@ -36,7 +36,7 @@ import pyarrow.parquet as pq
 from ray.data import Datasink
 from ray.data.block import Block
 
-from pipeline.io import InputError, as_text, resolve
+from pipeline.io import InputError, as_text, column_values, resolve
 from pipeline.schema import ENGINE_READY, OUTPUT_SCHEMA, PRODUCER_NODE, TOKEN_STATS_SCHEMA, split_block
 from pipeline.summary import part_stats
 
@@ -137,7 +137,7 @@ def concat_parts(tables: list[pa.Table]) -> pa.Table:
     texts = []
     for table in tables:
         for name in clashing & set(table.column_names):
-            text = pa.array(as_text(table[name].to_pylist()), pa.string())
+            text = pa.array(as_text(column_values(table[name])), pa.string())
             table = table.set_column(table.column_names.index(name), name, text)
         texts.append(table)
     return pa.concat_tables(texts, promote_options="permissive")

@@ -158,6 +158,18 @@ case("text/row_groups.parquet", _corrupt_row_group_parquet(),
      {"rg-0": None, "rg-1": None, "rg-2": "unreadable row group 1", "rg-3": "unreadable row group 1", "rg-4": None,
       "rg-5": None})
 
+# Any column type in any file: ids of another type than text (binary, as some writers store strings) become text,
+# prompts of another type are error rows; json.dumps(bytes) used to fail the whole job.
+case("binary/ids.parquet", parquet_bytes(pa.table({
+    "id": pa.array([b"bin-ok", b"\xff\xfe", None], pa.binary()), "prompt": ["the cat", "a dog", "on a mat"]})),
+     {"bin-ok": None, "fffe": None, "binary/ids.parquet:2": None})
+case("binary/prompts.parquet", parquet_bytes(pa.table({
+    "id": ["bin-prompt-0", "bin-prompt-1"], "prompt": pa.array([b"the cat", b"\xff bad"], pa.binary())})),
+     {"bin-prompt-0": "prompt must be a string, got binary", "bin-prompt-1": "prompt must be a string, got binary"})
+case("binary/nested.parquet", parquet_bytes(pa.table({
+    "id": pa.array([1, 2], pa.int64()), "prompt": pa.array([["the", "cat"], ["a"]])})),
+     {"1": "prompt must be a string, got list", "2": "prompt must be a string, got list"})
+
 
 @pytest.fixture(scope="module")
 def bad_run(ray_cluster, tiny_dirs, tmp_path_factory) -> tuple[int, dict[str, dict]]:
@@ -231,6 +243,31 @@ def test_invalid_text_is_an_error_row_in_every_format(bad_run):
     check(bad_run, "text/surrogate.jsonl", "text/bad.csv", "text/invalid_utf8.parquet", "text/row_groups.parquet")
     _, rows = bad_run
     assert rows["csv-ok-2"]["extra"] == "6" and rows["csv-ok-0"]["prompt"] == "the cat"
+
+
+def test_any_column_type_in_any_file_is_rows_not_a_job_failure(bad_run):
+    check(bad_run, "binary/ids.parquet", "binary/prompts.parquet", "binary/nested.parquet")
+
+
+def test_an_output_directory_inside_the_input_is_never_read_as_input(ray_cluster, tiny_dirs, tmp_path):
+    """Its parts, markers, runs and summary.json were read as input by the second run: 203 junk error rows."""
+    from jobs.generate import main
+
+    (tmp_path / "in").mkdir()
+    (tmp_path / "in" / "prompts.jsonl").write_text(jsonl(*good("nested-out")))
+    config = tmp_path / "config.yaml"
+    config.write_text(yaml.safe_dump({"model": tiny_dirs["target"], "speculative": {"method": "none"},
+                                      "sampling": {"max_tokens": 4}, "batch_size": 2}))
+    output = tmp_path / "in" / "out"
+    for _ in range(2):  # the second run resumes: nothing left to do, nothing read from out/
+        assert main(["--config", str(config), "--input", str(tmp_path / "in"), "--output", str(output)]) == 0
+    rows = OutputStore(str(output)).read_outputs().to_pylist()
+    assert sorted(row["id"] for row in rows) == ["nested-out-ok-0", "nested-out-ok-1"]
+    assert all(row["error"] is None for row in rows)
+    # The input inside the output: refused, naming both.
+    with pytest.raises(SystemExit) as exited:
+        main(["--config", str(config), "--input", str(output / "outputs"), "--output", str(output)])
+    assert exited.value.code == 2
 
 
 def test_a_value_python_cannot_hold_fails_its_row_alone():

@@ -37,6 +37,7 @@ def config_file(tiny_dirs, tmp_path_factory) -> str:
         "speculative": {"method": "draft_model", "model": tiny_dirs["draft"], "num_speculative_tokens": 3,
                         "length_policy": "static"},  # deterministic statistics, compared with the engine's
         "sampling": {"max_tokens": MAX_TOKENS},
+        "trust_request_chat_template": True,  # test_chat_template_options_reach_the_template sends its own
     }))
     return str(path)
 

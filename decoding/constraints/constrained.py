@@ -29,6 +29,8 @@ from transformers import PreTrainedTokenizerBase
 from decoding.config import SamplingParams
 from decoding.constraints.grammar import (
     CONSTRAINT_FIELDS,
+    DEFAULT_BUDGET,
+    GrammarBudget,
     GrammarCompiler,
     GrammarError,
     RowGrammar,
@@ -45,8 +47,8 @@ class Constraints:
     """The engine's grammar compiler, built at the first constrained request from the preparing thread's own
     tokenizer (a fast tokenizer must not be shared between threads), and each row's grammar from it."""
 
-    def __init__(self, vocab_size: int) -> None:
-        self.vocab_size = vocab_size
+    def __init__(self, vocab_size: int, budget: GrammarBudget = DEFAULT_BUDGET) -> None:
+        self.vocab_size, self.budget = vocab_size, budget
         self._compiler: GrammarCompiler | None = None
         self._lock = threading.Lock()
 
@@ -60,12 +62,12 @@ class Constraints:
                               "ignore_eos leaves none: give stop_token_ids")
         with self._lock:
             if self._compiler is None:
-                self._compiler = GrammarCompiler(tokenizer, self.vocab_size)
+                self._compiler = GrammarCompiler(tokenizer, self.vocab_size, self.budget)
         try:
             compiled = self._compiler.compile(params.structured_outputs.constraint)
         except GrammarError as exc:
             raise EngineError(f"invalid sampling_params: {exc}") from None
-        grammar = RowGrammar(compiled, stop_ids)
+        grammar = RowGrammar(compiled, stop_ids, self._compiler.byte_tokens)
         if not grammar.allows_any():
             field = CONSTRAINT_FIELDS[params.structured_outputs.constraint.kind]
             raise EngineError(f"invalid sampling_params: {field} cannot be spelled with this model's vocabulary "

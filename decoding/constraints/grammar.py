@@ -5,7 +5,8 @@ Each stage runs where it belongs:
 - ``check_constraint`` parses a constraint without a tokenizer: config and request validation refuse a bad
   schema, regex or grammar there, naming the field;
 - ``compiler_for(tokenizer, vocab_size).compile(constraint)`` builds the grammar against the vocabulary, cached
-  per constraint; it belongs on the prepare path, off the engine's stepping thread;
+  per constraint within a byte budget; it belongs on the prepare path, off the engine's stepping thread, and is
+  bounded there (``GrammarBudget``: text size, compile time, compiled size);
 - ``RowGrammar`` is a row's state after its committed tokens; ``TreeMasks`` gives the tokens allowed after every
   node of a step's candidate tree, level by level (the draft samples level l under the masks of level l - 1, the
   target verifies every node under the same masks); ``mask_logits`` applies masks to the constrained rows only.
@@ -17,7 +18,8 @@ level.
 
 from __future__ import annotations
 
-import functools
+import concurrent.futures
+import contextlib
 import json
 import math
 import re
@@ -27,6 +29,8 @@ from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+import cachetools
+import numpy as np
 import torch
 import xgrammar as xgr
 from transformers import PreTrainedTokenizerBase
@@ -46,13 +50,58 @@ class GrammarError(ValueError):
     """A constraint that does not parse or compile; the message names the field (``structured_outputs.regex``)."""
 
 
+# Longest part of xgrammar's reason quoted in an error (it may quote the constraint's text).
+_REASON_CHARS = 200
+# Jump-forward text is walked at most this many bytes ahead (drafts are cut to the step's depth anyway):
+# xgrammar's own search has no bound, and a grammar without a finite completion (`root ::= "a" root`) forces
+# an endless text there, allocating as it goes.
+JUMP_FORWARD_BYTES = 256
+
+
 def _reason(exc: BaseException) -> str:
-    return _LOCATION.sub("", str(exc)).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    reason = _LOCATION.sub("", str(exc)).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    return reason if len(reason) <= _REASON_CHARS else reason[:_REASON_CHARS] + "..."
 
 
-@functools.lru_cache(maxsize=1024)
+@dataclass(frozen=True)
+class GrammarBudget:
+    """What compiling one constraint may cost (``LimitsConfig``'s fields of the same names): its text's bytes,
+    the compile's seconds, the compiled grammar's bytes; and the bytes the cache of compiled grammars may hold."""
+
+    max_constraint_bytes: int = 128 << 10
+    grammar_compile_timeout_s: float = 10.0
+    max_grammar_bytes: int = 64 << 20
+    grammar_cache_bytes: int = 512 << 20
+
+
+DEFAULT_BUDGET = GrammarBudget()
+
+
+# A constraint's text longer than this is refused before parsing, whatever the limits say (a request's body may
+# hold 64 MiB); parsed grammars are cached up to 64 MiB of their texts.
+MAX_PARSE_BYTES = 1 << 20
+
+
+_parsed: cachetools.LRUCache = cachetools.LRUCache(64 << 20, getsizeof=lambda entry: entry[0])
+_parsed_lock = threading.Lock()
+
+
 def grammar_of(constraint: Constraint) -> xgr.Grammar:
     """The constraint as an xgrammar ``Grammar`` (tokenizer-free); ``GrammarError`` naming the field otherwise."""
+    size = len(constraint.text) + 1
+    if size > MAX_PARSE_BYTES:
+        raise GrammarError(f"invalid {CONSTRAINT_FIELDS[constraint.kind]}: {size - 1} characters, more than "
+                           f"{MAX_PARSE_BYTES}")
+    with _parsed_lock:
+        entry = _parsed.get(constraint)
+    if entry is None:
+        entry = (size, _parse(constraint))
+        with _parsed_lock:
+            _parsed[constraint] = entry
+    return entry[1]
+
+
+def _parse(constraint: Constraint) -> xgr.Grammar:
     kind, text = constraint.kind, constraint.text
     try:
         if kind == "json":
@@ -77,24 +126,75 @@ def check_constraint(constraint: Constraint) -> None:
 
 
 class GrammarCompiler:
-    """xgrammar's compiler for one vocabulary, with compiled grammars cached by constraint (thread-safe: the
-    prepare path may compile from several threads at once)."""
+    """xgrammar's compiler for one vocabulary, with compiled grammars cached by constraint, least recently used
+    out past ``budget.grammar_cache_bytes`` (thread-safe: the prepare path may compile from several threads).
 
-    def __init__(self, tokenizer: PreTrainedTokenizerBase, vocab_size: int, cache_size: int = 256,
-                 threads: int = 1) -> None:
+    Compiles run on this compiler's own threads (xgrammar releases the GIL), so a compile past its time budget fails
+    its request while the caller moves on; it finishes in the background, bounded by the text-size budget, and
+    is dropped. With both threads busy, further compiles wait, and their wait counts against their budget."""
+
+    # Compiling threads (each compile is single-threaded): a slow constraint holds one, never the prepare path.
+    THREADS = 2
+
+    def __init__(self, tokenizer: PreTrainedTokenizerBase, vocab_size: int,
+                 budget: GrammarBudget = DEFAULT_BUDGET) -> None:
         """``vocab_size``: the model's (its logits' width), which may exceed the tokenizer's; tokens past the
         tokenizer's are never allowed."""
         self.vocab_size = vocab_size
+        self.budget = budget
         self.info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size)
+        self.byte_tokens = single_byte_tokens(self.info)
         # Compiling a nested JSON schema for SmolLM2's 49k vocabulary takes ~5 ms on one thread.
-        self._compiler = xgr.GrammarCompiler(self.info, max_threads=threads, cache_enabled=False)
-        self.compile: Callable[[Constraint], xgr.CompiledGrammar] = functools.lru_cache(cache_size)(self._compile)
+        self._compiler = xgr.GrammarCompiler(self.info, max_threads=1, cache_enabled=False)
+        self._pool = concurrent.futures.ThreadPoolExecutor(self.THREADS, thread_name_prefix="grammar-compile")
+        # Sized in bytes; an entry counts at least 64 KiB, so the cache holds at most budget / 64 KiB grammars.
+        self._cache: cachetools.LRUCache = cachetools.LRUCache(
+            budget.grammar_cache_bytes, getsizeof=lambda compiled: max(compiled.memory_size_bytes, 64 << 10))
+        self._lock = threading.Lock()
 
-    def _compile(self, constraint: Constraint) -> xgr.CompiledGrammar:
+    def compile(self, constraint: Constraint) -> xgr.CompiledGrammar:
+        """The compiled grammar of ``constraint``; ``GrammarError`` naming the field when it does not compile or
+        exceeds the budget."""
+        with self._lock:
+            cached = self._cache.get(constraint)
+        if cached is not None:
+            return cached
+        field, budget = CONSTRAINT_FIELDS[constraint.kind], self.budget
+        size = len(constraint.text.encode())
+        if size > budget.max_constraint_bytes:
+            raise GrammarError(f"invalid {field}: {size} bytes, more than limits.max_constraint_bytes "
+                               f"({budget.max_constraint_bytes})")
+        future = self._pool.submit(self._compiler.compile_grammar, grammar_of(constraint))
         try:
-            return self._compiler.compile_grammar(grammar_of(constraint))
+            compiled = future.result(timeout=budget.grammar_compile_timeout_s)
+        except concurrent.futures.TimeoutError:
+            future.cancel()
+            raise GrammarError(f"invalid {field}: compiling it took longer than limits.grammar_compile_timeout_s "
+                               f"({budget.grammar_compile_timeout_s:g} s)") from None
         except RuntimeError as exc:
-            raise GrammarError(f"invalid {CONSTRAINT_FIELDS[constraint.kind]}: {_reason(exc)}") from None
+            raise GrammarError(f"invalid {field}: {_reason(exc)}") from None
+        if compiled.memory_size_bytes > budget.max_grammar_bytes:
+            raise GrammarError(f"invalid {field}: it compiles to {compiled.memory_size_bytes} bytes, more than "
+                               f"limits.max_grammar_bytes ({budget.max_grammar_bytes})")
+        with self._lock, contextlib.suppress(ValueError):  # larger than the whole cache: used once, not kept
+            self._cache[constraint] = compiled
+        return compiled
+
+    def cached_bytes(self) -> int:
+        """Bytes the cached compiled grammars take (as the cache counts them)."""
+        with self._lock:
+            return int(self._cache.currsize)
+
+
+def single_byte_tokens(info: xgr.TokenizerInfo) -> np.ndarray:
+    """[256] int64: a token spelling each byte alone, -1 where the vocabulary has none (a byte-level BPE has all
+    the bytes UTF-8 uses; SmolLM2's has 235 of the 256)."""
+    tokens = np.full(256, -1, dtype=np.int64)
+    special = set(info.special_token_ids)
+    for token, spelled in reversed(list(enumerate(info.decoded_vocab))):
+        if len(spelled) == 1 and token not in special:
+            tokens[spelled[0]] = token
+    return tokens
 
 
 _compilers: weakref.WeakKeyDictionary[PreTrainedTokenizerBase, dict[int, GrammarCompiler]] = (
@@ -125,15 +225,21 @@ class RowGrammar:
     ``terminated``: the row's output has ended its grammar with a stop token; the row must stop.
     """
 
-    def __init__(self, compiled: xgr.CompiledGrammar, stop_token_ids: Collection[int]) -> None:
+    def __init__(self, compiled: xgr.CompiledGrammar, stop_token_ids: Collection[int],
+                 byte_tokens: np.ndarray | None = None) -> None:
         """``stop_token_ids``: the tokens that end the output once the grammar is complete (the row's EOS and
-        stop_token_ids); at least one."""
+        stop_token_ids); at least one. ``byte_tokens``: ``single_byte_tokens`` of the vocabulary (its compiler's;
+        computed here when not given)."""
         if not stop_token_ids:
             raise ValueError("a constrained row needs a stop token to end its grammar")
         self.compiled = compiled
         self.matcher = xgr.GrammarMatcher(compiled, override_stop_tokens=sorted(stop_token_ids))
         self.vocab_size = compiled.tokenizer_info.vocab_size
         self._scratch = torch.empty(1, bitmask_words(self.vocab_size), dtype=torch.int32)
+        byte_tokens = single_byte_tokens(compiled.tokenizer_info) if byte_tokens is None else byte_tokens
+        spelled = np.flatnonzero(byte_tokens >= 0)
+        self._bytes, self._byte_tokens = spelled, byte_tokens[spelled]
+        self._stops = np.array(sorted(stop_token_ids), dtype=np.int64)
 
     @property
     def terminated(self) -> bool:
@@ -184,19 +290,37 @@ class RowGrammar:
         return run
 
     def jump_forward(self, encode: Callable[[str], list[int]], after: Sequence[int] = (), limit: int = 64) -> list[int]:
-        """Draft tokens for the text the grammar forces next (xgrammar's jump-forward string after the committed
-        tokens and ``after``), tokenized by ``encode`` and cut where the grammar refuses them. With a byte-level
-        BPE vocabulary several tokenizations of that text stay allowed, so unlike ``forced`` these are likely
-        drafts, not certain ones. [] when there is no such text or ``after`` leaves the grammar."""
+        """Draft tokens for the text the grammar forces next (its jump-forward text after the committed tokens and
+        ``after``), tokenized by ``encode`` and cut where the grammar refuses them. With a byte-level BPE
+        vocabulary several tokenizations of that text stay allowed, so unlike ``forced`` these are likely drafts,
+        not certain ones. [] when there is no such text or ``after`` leaves the grammar."""
         walked = self.commit(after)
         ended = walked < len(after) or self.matcher.is_terminated()
-        text = "" if ended else self.matcher.find_jump_forward_string()
+        text = "" if ended else self._forced_bytes(JUMP_FORWARD_BYTES).decode("utf-8", errors="ignore")
         if walked:
             self.matcher.rollback(walked)
         if not text:
             return []
         tokens = encode(text)[:limit]
         return tokens[: self.accepts([*after, *tokens]) - len(after)] if tokens else []
+
+    def _forced_bytes(self, limit: int) -> bytes:
+        """The bytes the grammar allows alone from the current state, at most ``limit`` (the state is unchanged):
+        while exactly one byte is allowed next (read from the mask's single-byte tokens) and no stop token is,
+        that byte. A byte the vocabulary cannot spell alone ends the text early, never wrongly."""
+        text = bytearray()
+        words = self._scratch[0].numpy().view(np.uint32)
+        while len(text) < limit and not self.matcher.is_terminated():
+            self.matcher.fill_next_token_bitmask(self._scratch, 0)
+            if ((words[self._stops >> 5] >> (self._stops & 31)) & 1).any():
+                break  # the grammar may end here
+            allowed = np.flatnonzero((words[self._byte_tokens >> 5] >> (self._byte_tokens & 31)) & 1)
+            if len(allowed) != 1 or not self.matcher.accept_token(int(self._byte_tokens[allowed[0]])):
+                break
+            text.append(int(self._bytes[allowed[0]]))
+        if text:
+            self.matcher.rollback(len(text))
+        return bytes(text)
 
     def allows_any(self) -> bool:
         """Whether some token of the vocabulary may follow the committed tokens (a vocabulary that cannot spell

@@ -18,6 +18,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from decoding.config import Config, SamplingParams
 from decoding.constraints.constrained import Constraints
+from decoding.constraints.grammar import GrammarBudget
 from decoding.drafting.length_policies import LengthPolicy
 from decoding.engine.batch import Batch
 from decoding.engine.build import build_parts
@@ -31,6 +32,8 @@ from decoding.engine.sequence import (
     StepOutput,
     encode_request,
     error_result,
+    input_bytes,
+    longest_token_bytes,
 )
 from decoding.engine.step import HostReads, Step
 from decoding.params import RequestError, resolve_sampling
@@ -65,7 +68,11 @@ class Engine:
                            run_seeded=self.config.sampling.seed is not None, max_context=self.max_context)
         self.batch.listen(self.drafter)
         self.batch.listen(parts.policy)
-        self.constraints = Constraints(self.loaded_target.config.vocab_size)
+        limits = self.config.limits
+        self.constraints = Constraints(self.loaded_target.config.vocab_size, GrammarBudget(
+            limits.max_constraint_bytes, limits.grammar_compile_timeout_s, limits.max_grammar_bytes,
+            limits.grammar_cache_bytes))
+        self.max_prompt_bytes = limits.max_prompt_bytes or self.max_context * longest_token_bytes(self.tokenizer)
         self.scheduler = Scheduler(self.batch, self._positions)
         self.reads = HostReads()
         self.stepper = Step(parts, self.batch, self.reads)
@@ -148,6 +155,11 @@ class Engine:
             raise EngineError(str(exc)) from exc
 
     def _tokenize(self, request: Request, tokenizer: PreTrainedTokenizerBase) -> tuple[str, list[int]]:
+        size = input_bytes(request)
+        if size > self.max_prompt_bytes:
+            what = "prompt" if request.messages is None else "messages' text"
+            raise EngineError(f"the {what} has {size} bytes, more than limits.max_prompt_bytes "
+                              f"({self.max_prompt_bytes}; it cannot fit the model's {self.max_context} tokens)")
         prompt, ids = encode_request(tokenizer, request)
         if not ids:
             raise EngineError("empty prompt")

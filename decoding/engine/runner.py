@@ -40,6 +40,7 @@ from transformers import PreTrainedTokenizerBase
 
 from decoding.config import SamplingParams
 from decoding.engine.engine import Engine, GenerationResult, Prepared, Request, StepOutput
+from decoding.engine.sequence import input_bytes
 from decoding.model.loading import use_torch_threads
 
 log = logging.getLogger(__name__)
@@ -54,16 +55,8 @@ Event = NewTokens | GenerationResult | BaseException
 Sink = Callable[[Event], None]
 
 
-# Inputs longer than this (characters) are tokenized a few at a time.
-LARGE_INPUT_CHARS = 1 << 16
-
-
-def _input_chars(request: Request) -> int:
-    if isinstance(request.prompt, str) and request.prompt_token_ids is None:
-        return len(request.prompt)
-    if isinstance(request.messages, list):
-        return sum(len(str(m.get("content", ""))) for m in request.messages if isinstance(m, dict))
-    return 0
+# Inputs longer than this (UTF-8 bytes) are tokenized a few at a time.
+LARGE_INPUT_BYTES = 1 << 16
 
 
 class StepObserver(Protocol):
@@ -176,7 +169,7 @@ class EngineRunner:
         """Validate and tokenize ``request`` on the calling thread (never call it on the engine thread)."""
         tokenizer = self.thread_tokenizer()
         try:
-            with self._large_inputs if _input_chars(request) > LARGE_INPUT_CHARS else nullcontext():
+            with self._large_inputs if input_bytes(request) > LARGE_INPUT_BYTES else nullcontext():
                 return self.engine.prepare(request, tokenizer)
         except Exception as exc:
             log.exception("prepare raised for request %s", request.id)

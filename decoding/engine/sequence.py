@@ -209,6 +209,23 @@ class EngineError(ValueError):
     """A request the engine cannot run; it becomes that sequence's error result."""
 
 
+def input_bytes(request: Request) -> int:
+    """UTF-8 bytes of a request's text: its prompt, or its messages' contents (given token ids: 0)."""
+    if request.prompt_token_ids is not None:
+        return 0
+    if isinstance(request.messages, list):
+        texts = [m.get("content") for m in request.messages if isinstance(m, dict)]
+    else:
+        texts = [request.prompt]
+    return sum(len(t.encode("utf-8", "surrogatepass")) for t in texts if isinstance(t, str))
+
+
+def longest_token_bytes(tokenizer: PreTrainedTokenizerBase) -> int:
+    """An upper bound of the UTF-8 bytes one token spells: its longest vocabulary entry's (a byte-level vocabulary
+    writes a byte as one or two characters, so this may count up to twice the bytes; never fewer)."""
+    return max(len(token.encode("utf-8", "surrogatepass")) for token in tokenizer.get_vocab())
+
+
 def encode_request(tokenizer: PreTrainedTokenizerBase, request: Request) -> tuple[str, list[int]]:
     """Prompt text and token ids (docs/reference.md, "Input"): ``prompt`` exactly as ``tokenizer(prompt)`` does,
     ``messages`` through the chat template (the request's or the tokenizer's) with the generation prompt unless the
