@@ -21,7 +21,7 @@ from decoding.config import Config
 from pipeline.io import InputError, list_input_files, read_prompts, without_output
 from pipeline.processor import CALLS_PER_ACTOR, Processor, StageOptions, rows_per_block
 from pipeline.progress import Progress, ProgressWatcher, count_rows
-from pipeline.store import Lease, OutputSink, OutputStore, new_run_id
+from pipeline.store import Lease, LeaseLost, OutputSink, OutputStore, new_run_id
 from pipeline.summary import RunStats, summarize
 
 # How long a job starting several actors waits for them to build their engines (model download and load
@@ -112,7 +112,7 @@ def run(config: Config, input_path: str, output_dir: str, *, progress: Callable[
         run_id = new_run_id()
         store.write_json(f"_runs/{run_id}.json", {"run": run_id, "started": lease.record["started"],
                                                   "input": input_path, "config": config.model_dump(mode="json")})
-        sink = OutputSink(store, run_id)
+        sink = OutputSink(store, run_id, lease.record["owner"])
         watcher = ProgressWatcher(store, run_id, progress, lambda: count_rows(fs, files) - len(done)) if progress \
             else nullcontext()
         with ray_session(verbose), watcher:
@@ -134,11 +134,15 @@ def run(config: Config, input_path: str, output_dir: str, *, progress: Callable[
                 # context.
                 ds.context.wait_for_min_actors_s = ACTOR_START_TIMEOUT_S
             # Write tasks are I/O: they ask for no CPU, which the actors hold (see read_prompts).
-            generate(ds, config).write_datasink(sink, ray_remote_args={"num_cpus": 0})
+            try:
+                generate(ds, config).write_datasink(sink, ray_remote_args={"num_cpus": 0})
+            except LeaseLost as exc:  # from a write task (pipeline.store.check_fence); Ray adds its traceback
+                raise LeaseLost(LeaseLost.own_message(str(exc))) from None
         ready = [m["engine_ready"] for m in sink.written if m.get("engine_ready")]
         run_stats = RunStats(run_id, time.perf_counter() - started,
                              min(ready) - started_at if ready else None)
         summary = summarize(markers + sink.written, store.runs(), config, run_stats, input_path)
+        lease.check()
         store.write_json("summary.json", summary)
     finally:
         lease.release()

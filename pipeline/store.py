@@ -11,7 +11,10 @@ instead of adding a second one.
 
 Two drivers must not share a directory: the running one holds ``_lease.json``, renewed by a heartbeat; a
 second run is refused while the lease is live. A killed run's lease expires (or, on its own host, is seen to
-belong to a dead process at once).
+belong to a dead process at once). The lease is a fence: a part's marker and ``summary.json`` are written only
+while ``_lease.json`` still names this run and has not lapsed, checked just before each write; a run paused past
+its lease (while another took the directory) commits nothing more and stops, and its heartbeat never writes over
+the other run's lease.
 """
 
 from __future__ import annotations
@@ -48,6 +51,32 @@ LEASE_SECONDS = float(os.environ.get("SPECBATCH_LEASE_SECONDS", "60"))
 
 class DirectoryInUse(InputError):
     """The output directory is held by a live run."""
+
+
+class LeaseLost(InputError):
+    """This run's lease on the output directory lapsed or was taken by another run: it must write nothing more."""
+
+    END = "run again to finish."
+
+    @classmethod
+    def own_message(cls, text: str) -> str:
+        """The message ``check_fence`` wrote, out of the text Ray wraps it in."""
+        start = text.find("output ")
+        end = text.find(cls.END, start)
+        return text[start : end + len(cls.END)] if start >= 0 and end >= 0 else text
+
+
+def check_fence(fs: pafs.FileSystem, root: str, owner: str, uri: str) -> None:
+    """``LeaseLost`` unless ``_lease.json`` under ``root`` names ``owner`` and has not lapsed (a write task calls
+    this just before it commits a part, the driver before ``summary.json``)."""
+    held = OutputStore.read_json_at(fs, posixpath.join(root, LEASE))
+    if not held or held.get("owner") != owner or held.get("expires", 0) < time.time():
+        taken = held and held.get("owner") != owner
+        raise LeaseLost(
+            f"output {uri}: this run's lease " + (
+                f"was taken by another run (pid {held.get('pid')} on {held.get('host')}, started "
+                f"{held.get('started')})" if taken else "lapsed (the run was paused or its store unreachable)")
+            + f"; it stopped before committing more. The parts it committed count; {LeaseLost.END}")
 
 
 class OutputStore:
@@ -98,6 +127,15 @@ class OutputStore:
     def read_json(self, relative: str) -> Any:
         return self._read_json(self.path(relative))
 
+    @staticmethod
+    def read_json_at(fs: pafs.FileSystem, path: str) -> Any:
+        """The JSON file at ``path``; None when it is absent or does not parse."""
+        try:
+            with fs.open_input_stream(path) as f:
+                return json.loads(f.read())
+        except (OSError, ValueError):  # vanished, or torn by a killed writer on a local disk
+            return None
+
     def runs(self) -> list[dict[str, Any]]:
         records = [self._read_json(info.path) for info in self._list(RUNS)]
         return sorted((r for r in records if r), key=lambda r: r["started"])
@@ -113,11 +151,7 @@ class OutputStore:
         return [info for info in self.fs.get_file_info(selector) if info.type == pafs.FileType.File]
 
     def _read_json(self, path: str) -> Any:
-        try:
-            with self.fs.open_input_stream(path) as f:
-                return json.loads(f.read())
-        except (OSError, ValueError):  # vanished, or torn by a killed writer on a local disk
-            return None
+        return self.read_json_at(self.fs, path)
 
 
 def concat_parts(tables: list[pa.Table]) -> pa.Table:
@@ -146,8 +180,9 @@ def concat_parts(tables: list[pa.Table]) -> pa.Table:
 class OutputSink(Datasink[list[dict[str, Any]]]):
     """Ray Data datasink of actor output blocks: each block becomes one committed part (see module doc)."""
 
-    def __init__(self, store: OutputStore, run_id: str) -> None:
-        self.fs, self.root, self.run_id = store.fs, store.root, run_id
+    def __init__(self, store: OutputStore, run_id: str, owner: str) -> None:
+        """``owner``: the run's lease owner; a part is committed only while the lease names it."""
+        self.fs, self.root, self.run_id, self.owner, self.uri = store.fs, store.root, run_id, owner, store.uri
         self.written: list[dict[str, Any]] = []  # filled on the driver when the write completes
 
     def write(self, blocks: Iterable[Block], ctx: Any) -> list[dict[str, Any]]:
@@ -165,6 +200,7 @@ class OutputSink(Datasink[list[dict[str, Any]]]):
         pq.write_table(outputs, posixpath.join(self.root, OUTPUTS, part), filesystem=self.fs)
         marker = {"part": part, "run": self.run_id, "node": node, "engine_ready": engine_ready, "ids": ids,
                   **part_stats(outputs, stats)}
+        check_fence(self.fs, self.root, self.owner, self.uri)
         with self.fs.open_output_stream(posixpath.join(self.root, COMMITS, part + ".json")) as f:
             f.write(json.dumps(marker).encode())  # last: the part counts from here on
         # To the driver only the sums: it must not hold every output id in memory.
@@ -222,10 +258,18 @@ class Lease:
         self.record["expires"] = time.time() + self.ttl
         self.store.write_json(LEASE, self.record)
 
+    def check(self) -> None:
+        """``LeaseLost`` unless this run still holds the lease (see ``check_fence``)."""
+        check_fence(self.store.fs, self.store.root, self.record["owner"], self.store.uri)
+
     def _heartbeat(self) -> None:
         while not self._stop.wait(self.ttl / 3):
             try:
+                self.check()  # never renew a lease that lapsed or that another run took: it is theirs now
                 self._write()
+            except LeaseLost as exc:
+                log.error("%s", exc)
+                return
             except OSError:  # a transient store error: the next beat retries well before expiry
                 log.warning("could not renew the lease on %s", self.store.uri, exc_info=True)
 

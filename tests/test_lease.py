@@ -68,3 +68,73 @@ def test_a_killed_runs_lease_does_not_hold_the_directory(tmp_path):
     store.write_json(LEASE, {**other, "expires": time.time() - 1})
     lease.acquire()
     lease.release()
+
+
+def test_a_lease_taken_by_another_run_is_never_renewed_over_it(tmp_path):
+    """A run paused past its lease (SIGSTOP) and resumed: its heartbeat used to write its lease back over the run
+    that had taken the directory."""
+    from pipeline.store import LeaseLost
+
+    store = OutputStore(str(tmp_path))
+    lease = Lease(store, ttl=0.6)
+    lease.acquire()
+    try:
+        lease.check()  # held
+        store.write_json(LEASE, {**lease.record, "owner": "other", "expires": time.time() + 600})
+        time.sleep(0.6)  # a few beats
+        assert store.read_json(LEASE)["owner"] == "other"
+        with pytest.raises(LeaseLost, match="taken by another run"):
+            lease.check()
+    finally:
+        lease.release()
+    assert store.read_json(LEASE)["owner"] == "other"  # release leaves another run's lease alone
+
+
+def test_a_lapsed_lease_fences_commits(tmp_path):
+    from pipeline.store import LeaseLost, check_fence
+
+    store = OutputStore(str(tmp_path))
+    store.fs.create_dir(store.root, recursive=True)
+    store.write_json(LEASE, {"owner": "me", "expires": time.time() - 1})
+    with pytest.raises(LeaseLost, match="lapsed"):
+        check_fence(store.fs, store.root, "me", store.uri)
+    store.write_json(LEASE, {"owner": "me", "expires": time.time() + 60})
+    check_fence(store.fs, store.root, "me", store.uri)
+
+
+def test_a_run_whose_lease_is_taken_commits_nothing_more_and_stops(ray_cluster, tiny_dirs, tmp_path):
+    """Mid-run, another run takes the directory (as it may once this run's lease lapses): no part is committed
+    after that (one may be between its check and its write), no summary.json is written, the run stops with
+    LeaseLost, and the other run's lease stands."""
+    import threading
+
+    from decoding.config import Config
+    from pipeline.job import run
+    from pipeline.store import COMMITS, LeaseLost
+
+    source = tmp_path / "in.jsonl"
+    source.write_text("".join(json.dumps({"id": f"r{i:03d}", "prompt": "the cat sat"}) + "\n" for i in range(48)))
+    config = Config.model_validate({"model": tiny_dirs["target"], "speculative": {"method": "none"},
+                                    "sampling": {"max_tokens": 24, "ignore_eos": True}, "batch_size": 2})
+    out = tmp_path / "out"
+    store = OutputStore(str(out))
+    taken: list[int] = []
+
+    def take_over() -> None:
+        while not (out / COMMITS).exists() or not any((out / COMMITS).iterdir()):
+            time.sleep(0.005)
+        held = store.read_json(LEASE)
+        store.write_json(LEASE, {**held, "owner": "second-run", "pid": 1, "host": "elsewhere",
+                                 "expires": time.time() + 600})
+        taken.append(len(list((out / COMMITS).iterdir())))
+
+    thief = threading.Thread(target=take_over, daemon=True)
+    thief.start()
+    with pytest.raises(LeaseLost, match=r"^output .* taken by another run") as lost:
+        run(config, str(source), str(out), verbose=False)
+    assert "Traceback" not in str(lost.value) and len(str(lost.value)) < 400
+    thief.join(5)
+    committed = len(list((out / COMMITS).iterdir()))
+    assert taken and committed <= taken[0] + 1 and committed < 48 // 8
+    assert not (out / "summary.json").exists()
+    assert store.read_json(LEASE)["owner"] == "second-run"
