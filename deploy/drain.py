@@ -29,7 +29,14 @@ def signal_name(app: str) -> str:
     return f"drain-{app}"
 
 
-@ray.remote(num_cpus=0)
+# Seconds a restarted signal gives the replicas to register again before it counts who has drained.
+REREGISTER_S = 2.0
+
+
+# Restarted by Ray if its process dies (the memory monitor kills it like any worker), and every call to it is
+# retried on the restarted actor: the replicas' pending ``wait`` calls register them again, the command's ``drain``
+# reaches it. Before, a dead signal made SIGTERM shut Serve down at once, cutting the requests in flight.
+@ray.remote(num_cpus=0, max_restarts=-1, max_task_retries=-1)
 class DrainSignal:
     """Replicas wait on it; the command starts the drain and waits until every replica that waited is done."""
 
@@ -53,6 +60,8 @@ class DrainSignal:
     async def drain(self, grace: float, timeout: float) -> list[str]:
         """Start draining and wait up to ``timeout`` seconds for the replicas; those that did not report back."""
         self._grace = grace
+        if ray.get_runtime_context().was_current_actor_reconstructed:
+            await asyncio.sleep(REREGISTER_S)  # the replicas' retried waits are still coming in
         self._started.set()
         self._check()
         with contextlib.suppress(asyncio.TimeoutError):

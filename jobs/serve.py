@@ -65,9 +65,14 @@ def serve_until_signalled(app: Application, host: str, port: int, grace: float, 
         log.info("serving at %s (Ctrl-C or SIGTERM to stop)", url)
         stop.wait()
         log.info("draining: new requests get 503, requests in flight have %.0f s to finish", grace)
-        left = ray.get(drain.drain.remote(grace, grace + 15.0))
-        if left:
-            log.warning("replicas that did not report back from draining: %s", ", ".join(left))
+        try:
+            left = ray.get(drain.drain.remote(grace, grace + 15.0), timeout=grace + 30.0)
+        except (ray.exceptions.RayError, TimeoutError) as exc:  # the signal actor cannot come back
+            log.warning("draining through the signal actor failed (%s); Serve's own graceful shutdown "
+                        "(graceful_shutdown_timeout_s) applies", type(exc).__name__)
+        else:
+            if left:
+                log.warning("replicas that did not report back from draining: %s", ", ".join(left))
     finally:
         serve.shutdown()
 

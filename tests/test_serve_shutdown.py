@@ -99,6 +99,37 @@ def test_sigterm_drains_requests_in_flight_and_leaves_no_process_behind(serve_pr
     Retry-After; each request in flight completes or gets a clean 503, each stream ends with [DONE] (after its
     last chunk or an error event); the command exits 0 and every process it started (Ray's daemons and agents)
     is gone."""
+    _drain_under_sigterm(serve_process)
+
+
+def _drain_signal_processes(process: subprocess.Popen) -> list[psutil.Process]:
+    found = []
+    for child in psutil.Process(process.pid).children(recursive=True):
+        try:
+            if "DrainSignal" in " ".join(child.cmdline()):
+                found.append(child)
+        except psutil.Error:
+            pass
+    return found
+
+
+def test_sigterm_drains_even_after_the_drain_actor_died(serve_process):
+    """The drain actor killed first (as Ray's memory monitor kills a worker): SIGTERM used to shut Serve down at
+    once, cutting every request in flight, and exit with a traceback. Ray restarts the actor and the replicas
+    register again: the same drain as with it alive."""
+    process, _, log = serve_process
+    (signal_actor,) = _drain_signal_processes(process)
+    signal_actor.kill()
+    for _ in range(100):  # restarted by Ray (the drain below is the test: an actor that stays dead fails it)
+        if [p for p in _drain_signal_processes(process) if p.pid != signal_actor.pid]:
+            break
+        time.sleep(0.1)
+    time.sleep(1.0)  # the replicas' waits reach it
+    _drain_under_sigterm(serve_process)
+    assert "Traceback" not in Path(log).read_text()
+
+
+def _drain_under_sigterm(serve_process) -> None:
     process, url, log = serve_process
 
     async def scenario() -> tuple[list[str], httpx.Response, httpx.Response]:
