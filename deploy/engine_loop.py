@@ -59,7 +59,10 @@ async def _in_own_thread(work: Callable[[], Any]) -> Any:
 
 class EngineLoop:
     def __init__(self, make_engine: Callable[[], Engine], torch_threads: int | None = None,
-                 observer: StepObserver | None = None) -> None:
+                 observer: StepObserver | None = None, step_timeout_s: float = float("inf")) -> None:
+        """``step_timeout_s``: a step running longer makes the replica unhealthy (``check_health`` raises), so
+        Serve replaces it instead of a hung engine answering /health with ok."""
+        self.step_timeout_s = step_timeout_s
         # A step that fails is rerun without the requests that make it fail (decoding.engine.runner); only an engine
         # that cannot recover fails the replica, which Serve then replaces.
         self.runner = EngineRunner(make_engine, torch_threads, observer)
@@ -82,6 +85,10 @@ class EngineLoop:
     def check_health(self) -> None:
         if self.failure is not None:
             raise EngineFailure(f"engine loop failed: {self.failure!r}") from self.failure
+        running = self.runner.step_running_for()
+        if running > self.step_timeout_s:
+            raise EngineFailure(f"an engine step has run for {running:.0f} s, more than limits.step_timeout_s "
+                                f"({self.step_timeout_s:g} s)")
 
     def end_all(self, reason: BaseException) -> None:
         """End every request still running, and every later one, with ``reason`` (any thread)."""

@@ -320,7 +320,7 @@ class OpenAIServer:
         self.registry = prometheus_client.CollectorRegistry()
         replica_id = serve.get_replica_context().replica_id.unique_id
         self.metrics = EngineMetrics([ray_backend(replica_id), prometheus_backend(self.registry)], self.model_id)
-        self.loop = EngineLoop(lambda: Engine(config), threads, self.metrics)
+        self.loop = EngineLoop(lambda: Engine(config), threads, self.metrics, config.limits.step_timeout_s)
         # The engine thread tokenizes with its own tokenizer; streaming decodes on the event loop with this one.
         self.tokenizer = load_tokenizer(config.model)
         gate.GATE.api_key = config.api_key.get_secret_value().encode() if config.api_key else None

@@ -789,6 +789,35 @@ def test_engine_failure_makes_the_replica_unhealthy(engine, monkeypatch):
         asyncio.run(_drain(loop, [Request(id="b", prompt="ab")]))
 
 
+def test_a_step_running_past_its_bound_makes_the_replica_unhealthy(engine, monkeypatch):
+    """A hung step (a grammar search that never returned kept /health at ok while every request stopped): past
+    limits.step_timeout_s the replica's probe and /health fail, so Serve replaces it; a step that ends in time
+    leaves it healthy."""
+    release = threading.Event()
+    step = engine.step
+
+    def hung_step():
+        release.wait(30)
+        return step()
+
+    monkeypatch.setattr(engine, "step", hung_step)
+    loop = EngineLoop(lambda: engine, step_timeout_s=0.3)
+    loop.runner.submit(Request(id="a", prompt="ab"), loop.runner.prepare(Request(id="a", prompt="ab")), lambda _: None)
+    time.sleep(0.1)
+    OpenAIServer.func_or_class.check_health(SimpleNamespace(loop=loop))  # within its bound
+    time.sleep(0.4)
+    with pytest.raises(EngineFailure, match=r"limits.step_timeout_s \(0.3 s\)"):
+        OpenAIServer.func_or_class.check_health(SimpleNamespace(loop=loop))
+    release.set()
+    for _ in range(100):
+        if loop.runner.step_running_for() == 0.0:
+            break
+        time.sleep(0.05)
+    monkeypatch.setattr(engine, "step", step)
+    OpenAIServer.func_or_class.check_health(SimpleNamespace(loop=loop))  # the step ended: healthy again
+    loop.runner.close()
+
+
 def test_a_step_that_fails_on_one_request_fails_it_alone_and_the_others_finish_unchanged(
     config, target, tokenizer, draft, monkeypatch
 ):

@@ -149,6 +149,7 @@ class EngineRunner:
         self._local = threading.local()  # each preparing thread's own tokenizer
         self._large_inputs = threading.BoundedSemaphore(max(1, (os.cpu_count() or 2) // 2))
         self.failure: BaseException | None = None
+        self._step_started: float | None = None
         self.steps = 0
         self.rebuilds = 0
         self._progress = _Progress()
@@ -188,6 +189,11 @@ class EngineRunner:
     def abort(self, request_id: str) -> None:
         self._inbox.put(request_id)
 
+    def step_running_for(self) -> float:
+        """Seconds the engine's current step has run; 0 between steps (a watchdog reads it from any thread)."""
+        started = self._step_started
+        return 0.0 if started is None else time.monotonic() - started
+
     def close(self) -> None:
         """Stop the engine thread after its current step (requests in flight get no more events)."""
         self._inbox.put(_STOP)
@@ -207,7 +213,7 @@ class EngineRunner:
         while self._take_inbox():
             self._progress.before_step()
             try:
-                output = self.engine.step()
+                output = self._step()
             except Exception as exc:
                 if not self._recover(exc):
                     return
@@ -217,6 +223,13 @@ class EngineRunner:
             if self._observer is not None:
                 self._observer.stepped(output)
             self._deliver(output)
+
+    def _step(self) -> StepOutput:
+        self._step_started = time.monotonic()
+        try:
+            return self.engine.step()
+        finally:
+            self._step_started = None
 
     def _next_item(self, block: bool) -> object:
         if self._deferred:
@@ -354,7 +367,7 @@ class EngineRunner:
                 else:
                     self._deferred.append(item)
             try:
-                output = self.engine.step()
+                output = self._step()
             except Exception:
                 log.exception("engine step failed again with %d of a group of %d in flight", len(self._jobs),
                               len(group))
