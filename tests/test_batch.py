@@ -208,3 +208,25 @@ def test_the_row_rule_finds_a_call_outside_the_batch(tmp_path: Path) -> None:
     module = tmp_path / "example.py"
     module.write_text("class Engine:\n    def abort(self, row):\n        self.cache.remove_row(row)\n")
     assert row_calls(module) == [("abort", 3, "remove_row")]
+
+
+def test_admission_is_fair_between_requests(target, tokenizer):
+    """Eight sequences of one request (the n choices of one HTTP body) and then a small request, two rows: the
+    small one takes the first row that frees, instead of waiting for all eight (first come, first served made a
+    4-token request wait 216 s behind one n=128 request)."""
+    from engine_cases import make_config
+
+    from decoding import Engine, Request
+
+    engine = Engine(make_config(method="none", batch_size=2, sampling={"max_tokens": 6, "ignore_eos": True}),
+                    target=target, tokenizer=tokenizer)
+    for choice in range(8):
+        engine.add_request(Request(f"big-{choice}", prompt="the cat", group="big"))
+    engine.add_request(Request("small", prompt="a dog", sampling={"max_tokens": 2, "ignore_eos": True}))
+    order = []
+    while engine.has_unfinished():
+        order += [result.id for result in engine.step().finished]
+    assert sorted(order) == sorted([f"big-{c}" for c in range(8)] + ["small"])
+    assert order.index("small") <= 3, order  # FIFO: after six of the eight
+    # Within a group, arrival order holds.
+    assert [i for i in order if i.startswith("big")] == [f"big-{c}" for c in range(8)]

@@ -126,6 +126,7 @@ class Engine:
             seq = Sequence(request.id, prompt, prompt_ids, params,
                            row_generator(params, self.run_seed, request.seed_key or request.id), started)
             seq.stop_ids = params.stop_ids(self.eos_ids)
+            seq.group = request.group or request.id
             seq.grammar = self.constraints.row_grammar(params, seq.stop_ids, tokenizer)  # compiled here, off the step
             need = self.cache.blocks_for(self._positions(seq))
             if need > self.cache.num_blocks:
@@ -159,7 +160,8 @@ class Engine:
         if size > self.max_prompt_bytes:
             what = "prompt" if request.messages is None else "messages' text"
             raise EngineError(f"the {what} has {size} bytes, more than limits.max_prompt_bytes "
-                              f"({self.max_prompt_bytes}; it cannot fit the model's {self.max_context} tokens)")
+                              f"({self.max_prompt_bytes}): longer than the model's context of {self.max_context} "
+                              "tokens can hold")
         prompt, ids = encode_request(tokenizer, request)
         if not ids:
             raise EngineError("empty prompt")

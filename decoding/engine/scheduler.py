@@ -1,18 +1,67 @@
 """The scheduler: waiting sequences and their admission while rows and KV blocks are free.
 
-Admission is first come, first served: the next waiting sequence joins when a row is free and the KV pool can
-promise it the positions its prompt, its ``max_tokens`` and one draft tree need (``PagedKVCache.can_admit``);
-otherwise it waits for a finishing row to return its blocks. Joining sequences are prefilled shortest first, in
-groups whose padded size stays within the per-forward token budget (``prefill_groups``).
+Admission is fair between requests: each free row goes to the waiting sequence of the group (a request, or the n
+choices of one HTTP request) with the fewest sequences running, the earliest group on a tie, each group's
+sequences in order. So a 4-token request waits for one free row, not for the 128 sequences of an n=128 request
+that came before it (it waited 216 s first come, first served). A sequence joins when the KV pool can promise
+it the positions its prompt, its ``max_tokens`` and one draft tree need (``PagedKVCache.can_admit``); otherwise
+it waits for a finishing row to return its blocks. Joining sequences are prefilled shortest first, in groups
+whose padded size stays within the per-forward token budget (``prefill_groups``).
 """
 
 from __future__ import annotations
 
-from collections import deque
-from collections.abc import Callable
+from collections import Counter, OrderedDict, deque
+from collections.abc import Callable, Iterable, Iterator
 
 from decoding.engine.batch import Batch
 from decoding.engine.sequence import GenerationResult, Sequence
+
+
+class FairQueue:
+    """Waiting sequences by admission group (``Sequence.group``), groups in order of arrival."""
+
+    def __init__(self) -> None:
+        self._groups: OrderedDict[str, deque[Sequence]] = OrderedDict()
+        self._size = 0
+
+    def append(self, seq: Sequence) -> None:
+        self._groups.setdefault(seq.group or seq.request_id, deque()).append(seq)
+        self._size += 1
+
+    def extend(self, seqs: Iterable[Sequence]) -> None:
+        for seq in seqs:
+            self.append(seq)
+
+    def __len__(self) -> int:
+        return self._size
+
+    def __iter__(self) -> Iterator[Sequence]:
+        return (seq for group in self._groups.values() for seq in group)
+
+    def next_for(self, active: Counter[str]) -> Sequence:
+        """The head of the group with the fewest ``active`` (running) sequences, the earliest on a tie."""
+        group = min(self._groups, key=lambda name: active[name])  # min keeps the first of equals
+        return self._groups[group][0]
+
+    def pop(self, seq: Sequence) -> None:
+        """Remove ``seq``, the head of its group (``next_for``'s answer)."""
+        group = seq.group or seq.request_id
+        self._groups[group].popleft()
+        if not self._groups[group]:
+            del self._groups[group]
+        self._size -= 1
+
+    def remove_request(self, request_id: str) -> bool:
+        for name, group in self._groups.items():
+            for seq in group:
+                if seq.request_id == request_id:
+                    group.remove(seq)
+                    if not group:
+                        del self._groups[name]
+                    self._size -= 1
+                    return True
+        return False
 
 
 class Scheduler:
@@ -21,7 +70,7 @@ class Scheduler:
         self.batch = batch
         self.cache = batch.cache
         self.positions = positions
-        self.waiting: deque[Sequence] = deque()
+        self.waiting = FairQueue()
         self.rejected: list[GenerationResult] = []  # error results to hand out at the next step
 
     def has_unfinished(self) -> bool:
@@ -32,23 +81,23 @@ class Scheduler:
         return rejected
 
     def admit(self) -> list[Sequence]:
-        """The waiting sequences that join now, in order of arrival."""
+        """The waiting sequences that join now, in fair order (see the module's doc)."""
         joining: list[Sequence] = []
         promised = self.cache.blocks_promised
+        active = Counter(seq.group or seq.request_id for seq in self.batch.seqs)
         while self.waiting and len(self.batch) + len(joining) < self.batch.capacity:
-            need = self.cache.blocks_for(self.positions(self.waiting[0]))
+            seq = self.waiting.next_for(active)
+            need = self.cache.blocks_for(self.positions(seq))
             if promised + need > self.cache.num_blocks:
                 break
             promised += need
-            joining.append(self.waiting.popleft())
+            self.waiting.pop(seq)
+            active[seq.group or seq.request_id] += 1
+            joining.append(seq)
         return joining
 
     def drop_waiting(self, request_id: str) -> bool:
-        for seq in self.waiting:
-            if seq.request_id == request_id:
-                self.waiting.remove(seq)
-                return True
-        return False
+        return self.waiting.remove_request(request_id)
 
 
 def prefill_groups(

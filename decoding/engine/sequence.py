@@ -32,6 +32,8 @@ class Request:
     chat_template_kwargs: dict[str, Any] | None = None
     add_generation_prompt: bool = True
     continue_final_message: bool = False
+    # Requests of one group (the n choices of one HTTP request) share one turn in fair admission; default: its id.
+    group: str | None = None
 
 
 @dataclass
@@ -105,6 +107,7 @@ class Sequence:
     grammar_committed: int = 0  # generated tokens the grammar has consumed
     grammar_forced: int = 0  # accepted draft tokens the grammar allowed alone
     error: str | None = None  # why a row ended with finish_reason "error" after it started generating
+    group: str = ""  # its request's admission group (Request.group, else its id)
 
     @property
     def context(self) -> list[int]:
