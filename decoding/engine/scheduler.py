@@ -3,7 +3,7 @@
 Admission is fair between requests: each free row goes to the waiting sequence of the group (a request, or the n
 choices of one HTTP request) with the fewest sequences running, the earliest group on a tie, each group's
 sequences in order. So a 4-token request waits for one free row, not for the 128 sequences of an n=128 request
-that came before it (it waited 216 s first come, first served). A sequence joins when the KV pool can promise
+that came before it. A sequence joins when the KV pool can promise
 it the positions its prompt, its ``max_tokens`` and one draft tree need (``PagedKVCache.can_admit``); otherwise
 it waits for a finishing row to return its blocks. Joining sequences are prefilled shortest first, in groups
 whose padded size stays within the per-forward token budget (``prefill_groups``).
