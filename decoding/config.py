@@ -27,7 +27,7 @@ class _Strict(BaseModel):
 
 
 class SpeculativeConfig(_Strict):
-    method: Literal["none", "ngram", "draft_model"] = "draft_model"
+    method: Literal["none", "ngram", "draft_model", "recycle"] = "draft_model"
     # The default needs no training and serves any target: the target drafts for itself through an int4 copy of
     # its weights (on chat prompts a lookup sibling beside it cost 10% at batch 1, on code and news it changed
     # little, so it is left out by default). A trained draft is a path or

@@ -48,6 +48,7 @@ GREEDY_GRID = (
        itertools.product([1, 2, 4], ["draft", "target"], ["static", "heuristic", "online"])]
     + [("draft_model", w, init, policy) for w, init, policy in
        itertools.product([1, 2, 4], ["draft", "target"], ["static", "heuristic", "online", "threshold", "decision"])]
+    + [("recycle", 1, "draft", "static"), ("recycle", 2, "target", "online"), ("recycle", 4, "draft", "heuristic")]
 )
 
 
@@ -150,6 +151,8 @@ SAMPLING_GRID = [
 ] + [
     ("draft_model", 3, False, "draft", {"temperature": 0.7, "top_k": 4, "top_p": 0.9}),
     ("ngram", 2, False, "draft", {"temperature": 1.0, "top_k": 0, "top_p": 1.0}),
+    ("recycle", 2, False, "draft", {"temperature": 1.0, "top_k": 0, "top_p": 1.0}),
+    ("recycle", 2, False, "target", {"temperature": 0.7, "top_k": 4, "top_p": 0.9}),
     ("feature_draft", 2, False, "draft", {"temperature": 1.0, "top_k": 0, "top_p": 1.0}),
 ] + [
     (method, width, replacement, init, {"temperature": 1.0, "top_k": 0, "top_p": 1.0})

@@ -146,6 +146,7 @@ class Drafter:
 
     uses_hidden_states = False
     reads_target_states = False
+    reads_target_topk = 0  # k > 0: ``observe`` gets the top-k token ids of the target's logits at every node
     host_roots = False  # whether ``propose`` reads the root-level tokens on the host (else they stay on the device)
     takes_grammar_drafts = False  # whether ``propose`` puts DraftInputs.grammar_drafts in a lookup candidate
     target_cache: PagedKVCache | None = None  # a self-draft's: it drafts in the target's cache (no catch-up tokens)
@@ -164,10 +165,10 @@ class Drafter:
         return Draft.roots_only(inputs)
 
     def observe(self, paths: list[list[int]], path_tokens: list[list[int]], draft: Draft, topology: TreeTopology,
-                target_states: torch.Tensor | None = None) -> None:
+                target_states: torch.Tensor | None = None, target_topk: torch.Tensor | None = None) -> None:
         """The verified outcome: each row's accepted path (node indices, the pending token first) and its
-        tokens."""
-        del paths, path_tokens, draft, topology, target_states
+        tokens; with ``reads_target_topk``, ``target_topk`` [B, N, k] on the device."""
+        del paths, path_tokens, draft, topology, target_states, target_topk
 
 
 class NgramDrafter(Drafter):
@@ -245,6 +246,57 @@ class NgramDrafter(Drafter):
                     used = max(used, level)
         size = topology.size(used)
         return Draft(draft.tokens[:, :size], draft.valid[:, :size], draft.token_probs[:, :size], None, used)
+
+
+class RecycleDrafter(Drafter):
+    """Token recycling (Luo et al. 2025): a ``[vocab, width]`` table of each token's likely next tokens, filled from
+    the target's own verification logits and expanded into a static tree, with no draft model and no training.
+
+    After every verification each verified node's token gets the top ``width`` tokens of the target's logits at
+    that node (accepted or not: the target computed them anyway), so the table learns the text as it is decoded;
+    one table serves every row. A row's tree has ``width`` chains: chain c starts with its root's c-th successor
+    (with target-initialized roots, root c's first successor) and continues with each token's first successor.
+    Tokens never seen have no successors, and a chain ends there. The table, the tree and its update stay on the
+    device: nothing is read back. Proposals are deterministic (one-hot laws), verified like lookups.
+    """
+
+    def __init__(self, vocab_size: int, width: int, device: torch.device) -> None:
+        self.width = width
+        self.reads_target_topk = width
+        self.table = torch.full((vocab_size, width), -1, dtype=torch.long, device=device)
+
+    def propose(self, inputs: DraftInputs) -> Draft:
+        topology = inputs.topology
+        max_depth = int(inputs.depths.max()) if len(inputs.depths) else 0
+        draft = Draft.roots_only(inputs, max_depth)
+        if max_depth == 0:
+            return draft
+        device = self.table.device
+        roots, root_valid = inputs.roots.to(device), inputs.root_valid.to(device)
+        depths = inputs.depths.to(device)
+        if topology.root_width == 1:
+            current = self.table[roots[:, 0]][:, : topology.num_candidates]  # [B, C]
+            alive = current >= 0
+        else:  # chain c continues root c
+            current = self.table[roots, 0]
+            alive = root_valid & (current >= 0)
+        tokens, valid = draft.tokens.to(device), draft.valid.to(device)
+        for level in range(1, max_depth + 1):
+            nodes = topology.level_slice(level)
+            alive = alive & (depths >= level)[:, None]
+            tokens[:, nodes] = torch.where(alive, current, 0)
+            valid[:, nodes] = alive
+            current = self.table[current.clamp(min=0), 0]
+            alive = alive & (current >= 0)
+        return Draft(tokens, valid, draft.token_probs, None, max_depth)
+
+    def observe(self, paths: list[list[int]], path_tokens: list[list[int]], draft: Draft, topology: TreeTopology,
+                target_states: torch.Tensor | None = None, target_topk: torch.Tensor | None = None) -> None:
+        if target_topk is None:
+            return
+        device = self.table.device
+        valid = draft.valid.to(device)
+        self.table[draft.tokens.to(device)[valid]] = target_topk[valid]
 
 
 _reduced_heads: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
@@ -562,7 +614,7 @@ class DraftModelDrafter(Drafter):
         )
 
     def observe(self, paths: list[list[int]], path_tokens: list[list[int]], draft: Draft, topology: TreeTopology,
-                target_states: torch.Tensor | None = None) -> None:
+                target_states: torch.Tensor | None = None, target_topk: torch.Tensor | None = None) -> None:
         """Keep the accepted path's final entries in the draft cache; the rest of the path waits for next time.
 
         Final: what the draft ran on with the inputs it will always have; for a token draft every level it ran,

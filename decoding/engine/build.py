@@ -8,7 +8,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from decoding.config import Config
 from decoding.drafting.costs import BatchCosts, calibrate_batch
-from decoding.drafting.drafters import Drafter, DraftModelDrafter, NgramDrafter, model_view
+from decoding.drafting.drafters import Drafter, DraftModelDrafter, NgramDrafter, RecycleDrafter, model_view
 from decoding.drafting.length_policies import Sources, make_policy
 from decoding.engine.kv_cache import CacheShape, PagedKVCache
 from decoding.engine.parts import EngineParts
@@ -68,7 +68,7 @@ class _Builder:
         width = model_width + (spec.ngram_candidates if depth else 0)
         root_width = model_width if spec.candidate_init == "target" else 1
         topology = TreeTopology(width, depth, root_width)
-        drafter, max_context = self._drafter(loaded, tokenizer, max_context)
+        drafter, max_context = self._drafter(loaded, tokenizer, max_context, width)
         if config.max_model_len:
             max_context = min(max_context, config.max_model_len)
         execution = self.execution(target)
@@ -106,7 +106,7 @@ class _Builder:
         graphs, verifications run whole trees (only whole trees are captured)."""
         return Execution.resolve(self.config.execution, self.device, lean=isinstance(target, LeanCausalLM))
 
-    def _drafter(self, loaded: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, max_context: int
+    def _drafter(self, loaded: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, max_context: int, width: int
                  ) -> tuple[Drafter, int]:
         """The configured drafter, and the context limit with the draft's."""
         config, spec, draft = self.config, self.config.speculative, self.draft
@@ -114,6 +114,8 @@ class _Builder:
             return Drafter(), max_context
         if spec.method == "ngram":
             return NgramDrafter(spec.prompt_lookup_max, spec.prompt_lookup_min), max_context
+        if spec.method == "recycle":
+            return RecycleDrafter(loaded.config.vocab_size, width, self.device), max_context
         if spec.model == SELF_DRAFT:
             draft = loaded
         elif draft is None:

@@ -387,7 +387,9 @@ class Step:
                 committed: Committed) -> None:
         draft = drafted.draft
         path_tokens = [[verdict.draft_tokens[row][n] for n in path] for row, path in enumerate(verdict.paths)]
-        self.drafter.observe(verdict.paths, path_tokens, draft, self.topology, verdict.states)
+        topk = self.drafter.reads_target_topk
+        self.drafter.observe(verdict.paths, path_tokens, draft, self.topology, verdict.states,
+                             verdict.raw_logits.topk(topk, dim=-1).indices if topk else None)
         size = draft.tokens.shape[1]
         matched = self._matched_by_source(draft.depth, verdict.draft_tokens, verdict.drafted_nodes, committed.emitted)
         depth_of = self.topology.depths[:size]
