@@ -24,9 +24,11 @@ from frontend.resources import check_cluster, shortfall
 TESTS = str(Path(__file__).parent)
 
 
-def watched(script: str, *, seconds: float = 120.0, rss_bytes: int = 3 << 30) -> tuple[dict, int]:
+def watched(script: str, *, seconds: float = 900.0, rss_bytes: int = 3 << 30) -> tuple[dict, int]:
     """Run ``script`` (Python) in a subprocess; its last stdout line is JSON. Returns that and the process's peak
-    RSS as seen every 50 ms. The process is killed, and the test fails, past ``seconds`` or ``rss_bytes``."""
+    RSS as seen every 50 ms. The process is killed, and the test fails, past ``seconds`` or ``rss_bytes``: the
+    memory bound is what catches the failures here (each grew past 3 GB within a minute); the time bound only
+    stops a hang, generous enough for a loaded machine."""
     process = subprocess.Popen([sys.executable, "-c", f"import sys; sys.path.insert(0, {TESTS!r})\n" + script],
                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     watcher, peak, started = psutil.Process(process.pid), 0, time.monotonic()
@@ -75,7 +77,7 @@ def test_a_grammar_without_end_drafts_in_bounded_time_and_memory() -> None:
         results = engine.generate(requests)
         print(json.dumps([[r.finish_reason, r.text, sum(r.per_step_drafted)] for r in results]))
     """)
-    results, peak = watched(script, seconds=120, rss_bytes=3 << 30)
+    results, peak = watched(script, rss_bytes=3 << 30)
     (grammar_reason, grammar_text, drafted), (schema_reason, schema_text, _) = results
     assert grammar_reason == "length" and grammar_text == "a" * len(grammar_text) and len(grammar_text) >= 12
     assert drafted > 0  # the grammar's text was drafted (cut to the step's depth)
@@ -92,7 +94,7 @@ def test_an_oversized_prompt_is_refused_before_it_is_tokenized() -> None:
         grown = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - built
         print(json.dumps([result.finish_reason, result.error, messages.error, grown, engine.max_prompt_bytes]))
     """)
-    (reason, error, chat_error, grown, limit), _ = watched(script, seconds=120, rss_bytes=4 << 30)
+    (reason, error, chat_error, grown, limit), _ = watched(script, rss_bytes=4 << 30)
     assert reason == "error" and "limits.max_prompt_bytes" in error and "48000000 bytes" in error
     assert "messages' text" in chat_error
     assert len(error) < 300 and limit < 48_000_000
@@ -135,7 +137,7 @@ def test_compiled_grammars_are_bounded_in_bytes_size_and_time() -> None:
                 errors.append(str(exc))
         print(json.dumps([sizes, compiler.cached_bytes(), grown, errors]))
     """)
-    (sizes, cached, grown, errors), _ = watched(script, seconds=240, rss_bytes=4 << 30)
+    (sizes, cached, grown, errors), _ = watched(script, rss_bytes=4 << 30)
     assert min(sizes) > 8 << 20 and sum(sizes) > 3 * (32 << 20)  # the cache had to drop some
     assert cached <= 32 << 20
     assert grown < 32 * (1 << 20) + 2 * max(sizes) + (64 << 20), (grown >> 20, [s >> 20 for s in sizes])
@@ -200,7 +202,7 @@ def test_unsatisfiable_resources_fail_fast_on_a_live_cluster(ray_cluster) -> Non
         config = Config.model_validate({"model": "in-memory", **fields})
         with pytest.raises(ConfigError, match="invalid"):
             Processor(config)(ray.data.from_items([{"prompt": "x"}]))
-    assert time.monotonic() - started < 30
+    assert time.monotonic() - started < 120  # no wait for resources (a loaded machine's bound)
     check_cluster(Config(), "actors")  # what fits passes
 
 

@@ -67,6 +67,11 @@ class DraftInputs:
     grammar: GrammarView | None = None
     grammar_drafts: list[list[int]] | None = None
 
+    @property
+    def max_depth(self) -> int:
+        """The deepest any row plans (0: no row drafts)."""
+        return int(self.depths.max()) if len(self.depths) else 0
+
     def select(self, rows: torch.Tensor) -> DraftInputs:
         """These inputs for some rows (a host index tensor)."""
         row_ids = rows.tolist()
@@ -213,8 +218,7 @@ class NgramDrafter(Drafter):
         return [draft, *(chain for chain in chains if chain[0] != draft[0])][:width]
 
     def propose(self, inputs: DraftInputs) -> Draft:
-        topology = inputs.topology
-        max_depth = int(inputs.depths.max()) if len(inputs.depths) else 0
+        topology, max_depth = inputs.topology, inputs.max_depth
         draft = Draft.roots_only(inputs, max_depth)
         if max_depth == 0:
             return draft
@@ -266,8 +270,7 @@ class RecycleDrafter(Drafter):
         self.table = torch.full((vocab_size, width), -1, dtype=torch.long, device=device)
 
     def propose(self, inputs: DraftInputs) -> Draft:
-        topology = inputs.topology
-        max_depth = int(inputs.depths.max()) if len(inputs.depths) else 0
+        topology, max_depth = inputs.topology, inputs.max_depth
         draft = Draft.roots_only(inputs, max_depth)
         if max_depth == 0:
             return draft
