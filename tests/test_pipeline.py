@@ -405,15 +405,19 @@ def test_killed_driver_then_resume_yields_every_id_once(ray_cluster, config, tmp
 def test_killed_actor_is_restarted_and_its_batches_retried(ray_cluster, config, tmp_path):
     from ray._private import state  # the actor table without the dashboard the test cluster lacks
 
+    def generation_actors() -> dict[str, dict]:
+        actors = state.actors(job_id=ray_cluster.get_runtime_context().job_id, actor_state_name="ALIVE")
+        return {key: a for key, a in actors.items() if "GenerationActor" in a["ActorClassName"]}
+
     rows = good_rows(24)
     source, out = write_jsonl(tmp_path / "in.jsonl", rows), tmp_path / "out"
+    earlier = generation_actors()  # an earlier test's pool may still be shutting down (seen on a loaded machine)
     with ThreadPoolExecutor(1) as pool:
         job = pool.submit(run, long_config(config), str(source), str(out))
         try:
             # Bounds against a hang only, generous for a loaded machine (beside a busy loop 120 s was too short).
             wait_for(lambda: any((out / "outputs").glob("*.parquet")) or job.done(), 600, "a part")
-            actors = state.actors(job_id=ray_cluster.get_runtime_context().job_id, actor_state_name="ALIVE")
-            [actor] = [a for a in actors.values() if "GenerationActor" in a["ActorClassName"]]
+            [actor] = [a for key, a in generation_actors().items() if key not in earlier]
             assert not job.done(), "the job finished before its actor could be killed"
             os.kill(actor["Pid"], signal.SIGKILL)
         finally:
