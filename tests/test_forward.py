@@ -299,6 +299,16 @@ def _graph_case(cache: PagedKVCache, rows, depth: int, seed: int) -> tuple[torch
     return tokens, positions, meta, torch.arange(topology.size(depth))
 
 
+def _second_pool(lean, prompts: torch.Tensor, seed: int) -> tuple[PagedKVCache, tuple[torch.Tensor, ...]]:
+    """Another pool (as a cost calibration's scratch pool is) with one row of 6 prefilled tokens, and a
+    verification's inputs over it (``_graph_case``, depth 1)."""
+    pool = PagedKVCache(CacheShape.of(lean.config), 8, 1, 64)
+    rows = pool.add_rows([20])
+    forward_tree(lean, pool, rows, prompts[:1], chain_ancestors(6), torch.ones(1, 6, dtype=torch.bool))
+    pool.advance(rows, [6])
+    return pool, _graph_case(pool, rows, 1, seed=seed)
+
+
 def test_graphed_forward_replays_what_the_eager_forward_computes_with_fresh_inputs_each_call() -> None:
     """The graph machinery (persistent buffers, padded rows, one graph per shape) with the eager stand-in
     recorder: every replay computes the eager forward of its own inputs, a shape met again reuses its graph."""
@@ -366,11 +376,7 @@ def test_graphs_captured_at_build_follow_the_plan_and_budget_then_uncaptured_sha
             torch.testing.assert_close(out[1], expected[1])
     assert len(graphed.graphs) == 5  # nothing captured mid-run over the frozen pool
     # Another pool (a cost calibration's) is still captured when first met.
-    other = PagedKVCache(CacheShape.of(lean.config), 8, 1, 64)
-    other_rows = other.add_rows([20])
-    forward_tree(lean, other, other_rows, prompts[:1], chain_ancestors(6), torch.ones(1, 6, dtype=torch.bool))
-    other.advance(other_rows, [6])
-    tokens, positions, meta, nodes = _graph_case(other, other_rows, 1, seed=9)
+    other, (tokens, positions, meta, nodes) = _second_pool(lean, prompts, seed=9)
     assert graphed(tokens, positions, meta, other.keys, other.values, nodes, nodes) is not None
     assert len(graphed.graphs) == 6
 
@@ -552,11 +558,7 @@ def test_graphs_over_a_freed_pool_go_at_the_next_call_never_in_its_finalizer() -
 
     lean, cache, rows, prompts = _prefilled(24, 60)
     graphed = GraphedForward(lean.flat_forward, 64, record=record_once)
-    scratch = PagedKVCache(CacheShape.of(lean.config), 8, 1, 64)
-    scratch_rows = scratch.add_rows([20])
-    forward_tree(lean, scratch, scratch_rows, prompts[:1], chain_ancestors(6), torch.ones(1, 6, dtype=torch.bool))
-    scratch.advance(scratch_rows, [6])
-    tokens, positions, meta, nodes = _graph_case(scratch, scratch_rows, 1, seed=3)
+    scratch, (tokens, positions, meta, nodes) = _second_pool(lean, prompts, seed=3)
     assert graphed(tokens, positions, meta, scratch.keys, scratch.values, nodes, nodes) is not None
     scratch_key = pool_key(scratch.keys)
     assert {shape.cache for shape in graphed.graphs} == {scratch_key}

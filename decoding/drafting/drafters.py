@@ -265,7 +265,6 @@ class RecycleDrafter(Drafter):
     """
 
     def __init__(self, vocab_size: int, width: int, device: torch.device) -> None:
-        self.width = width
         self.reads_target_topk = width
         self.table = torch.full((vocab_size, width), -1, dtype=torch.long, device=device)
 

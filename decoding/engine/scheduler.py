@@ -18,15 +18,20 @@ from decoding.engine.batch import Batch
 from decoding.engine.sequence import GenerationResult, Sequence
 
 
+def group_of(seq: Sequence) -> str:
+    """A sequence's admission group: its request's group, else its own id (a sequence built outside ``prepare``)."""
+    return seq.group or seq.request_id
+
+
 class FairQueue:
-    """Waiting sequences by admission group (``Sequence.group``), groups in order of arrival."""
+    """Waiting sequences by admission group (``group_of``), groups in order of arrival."""
 
     def __init__(self) -> None:
         self._groups: OrderedDict[str, deque[Sequence]] = OrderedDict()
         self._size = 0
 
     def append(self, seq: Sequence) -> None:
-        self._groups.setdefault(seq.group or seq.request_id, deque()).append(seq)
+        self._groups.setdefault(group_of(seq), deque()).append(seq)
         self._size += 1
 
     def extend(self, seqs: Iterable[Sequence]) -> None:
@@ -46,7 +51,7 @@ class FairQueue:
 
     def pop(self, seq: Sequence) -> None:
         """Remove ``seq``, the head of its group (``next_for``'s answer)."""
-        group = seq.group or seq.request_id
+        group = group_of(seq)
         self._groups[group].popleft()
         if not self._groups[group]:
             del self._groups[group]
@@ -84,7 +89,7 @@ class Scheduler:
         """The waiting sequences that join now, in fair order (see the module's doc)."""
         joining: list[Sequence] = []
         promised = self.cache.blocks_promised
-        active = Counter(seq.group or seq.request_id for seq in self.batch.seqs)
+        active = Counter(group_of(seq) for seq in self.batch.seqs)
         while self.waiting and len(self.batch) + len(joining) < self.batch.capacity:
             seq = self.waiting.next_for(active)
             need = self.cache.blocks_for(self.positions(seq))
@@ -92,7 +97,7 @@ class Scheduler:
                 break
             promised += need
             self.waiting.pop(seq)
-            active[seq.group or seq.request_id] += 1
+            active[group_of(seq)] += 1
             joining.append(seq)
         return joining
 

@@ -37,6 +37,7 @@ from typing import Any
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
+from bench import shape_costs
 from bench.measure import Clock, ForwardBytes, count_launches, device_bandwidth
 from decoding.engine.kv_cache import CacheShape, PagedKVCache
 from decoding.model.execution import Execution
@@ -53,11 +54,7 @@ SHAPES: dict[str, dict[str, Any]] = {
         "num_key_value_heads": 3, "vocab_size": 49152, "rope_theta": 100000.0, "max_position_embeddings": 8192,
         "rms_norm_eps": 1e-5, "tie_word_embeddings": True,
     },
-    "llama3-8b": {
-        "hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32, "num_attention_heads": 32,
-        "num_key_value_heads": 8, "vocab_size": 128256, "rope_theta": 500000.0, "max_position_embeddings": 8192,
-        "rms_norm_eps": 1e-5, "tie_word_embeddings": False,
-    },
+    "llama3-8b": shape_costs.SHAPES["llama3-8b"],
     "tiny": {  # a CPU stand-in with the 8B shape's grouping (4 query heads per kv head)
         "hidden_size": 128, "intermediate_size": 256, "num_hidden_layers": 2, "num_attention_heads": 8,
         "num_key_value_heads": 2, "vocab_size": 512, "max_position_embeddings": 4096, "tie_word_embeddings": False,
