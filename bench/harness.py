@@ -68,6 +68,7 @@ class Sweep(_Strict):
     candidate_init: list[Literal["target", "draft"]] | None = None
     length_policy: list[LengthPolicyName] | None = None
     drafts: list[DraftChoice] | None = None  # for method draft_model
+    prefix_caching: list[bool] | None = None  # enable_prefix_caching (engine none runs each value too)
 
 
 def _default_sweeps() -> list[Sweep]:
@@ -127,6 +128,9 @@ class Contender:
             return "transformers assisted " + ("(prompt lookup)" if self.method == "ngram" else "(draft)")
         if self.kind == "baseline":
             return "baseline " + Contender("engine", self.config).name
+        if self.is_engine and not self.config.enable_prefix_caching:
+            return Contender(self.kind, self.config.model_copy(update={"enable_prefix_caching": True})).name + \
+                " no-prefix-cache"
         if not self.speculative:
             return "engine none"
         spec = self.config.speculative
@@ -140,10 +144,12 @@ class Contender:
                 f"init={spec.candidate_init} {spec.length_policy}")
 
 
-def _variant(config: Config, batch_size: int, **speculative: Any) -> Config:
+def _variant(config: Config, batch_size: int, caching: bool | None = None, **speculative: Any) -> Config:
     data = config.model_dump()
     data["batch_size"] = batch_size
     data["speculative"].update(speculative)
+    if caching is not None:
+        data["enable_prefix_caching"] = caching
     return Config.model_validate(data)
 
 
@@ -161,8 +167,9 @@ def contenders(config: Config, grid: BenchGrid, baseline: bool = False) -> list[
             sweep.num_speculative_tokens or [spec.num_speculative_tokens],
             sweep.candidate_init or [spec.candidate_init],
             sweep.length_policy or [spec.length_policy],
+            sweep.prefix_caching or [config.enable_prefix_caching],
         )
-        for batch, method, width, depth, init, policy in axes:
+        for batch, method, width, depth, init, policy, caching in axes:
             init = "draft" if width == 1 else init  # one candidate: both inits build the same chain
             drafts = (sweep.drafts or [None]) if method == "draft_model" else [None]
             for choice in drafts:
@@ -170,9 +177,9 @@ def contenders(config: Config, grid: BenchGrid, baseline: bool = False) -> list[
                     "model": choice.model or spec.model, "quantization": choice.quantization,
                     "ngram_candidates": choice.ngram_candidates,
                 }
-                key = (batch, method, width, depth, init, policy, tuple(draft.values()))
+                key = (batch, method, width, depth, init, policy, caching, tuple(draft.values()))
                 engine.setdefault(key, _variant(
-                    config, batch, method=method, num_candidates=width, num_speculative_tokens=depth,
+                    config, batch, caching, method=method, num_candidates=width, num_speculative_tokens=depth,
                     candidate_init=init, length_policy=policy, **draft,
                 ))
     batch_sizes = sorted({b for s in grid.sweeps for b in s.batch_sizes or [config.batch_size]} or {config.batch_size})
@@ -185,7 +192,11 @@ def contenders(config: Config, grid: BenchGrid, baseline: bool = False) -> list[
             # transformers can assist with a loaded draft or with prompt lookup, not with a self-draft
             assistable = [m for m in methods if m == "ngram" or config.speculative.model != SELF_DRAFT]
             runs += [Contender("assisted", _variant(config, 1, method=m)) for m in assistable]
-        engines = [_variant(config, batch, method="none")] + [c for key, c in engine.items() if key[0] == batch]
+        cachings = sorted({config.enable_prefix_caching} | {
+            caching for sweep in grid.sweeps if batch in (sweep.batch_sizes or [config.batch_size])
+            for caching in sweep.prefix_caching or []}, reverse=True)
+        engines = [_variant(config, batch, caching, method="none") for caching in cachings] + [
+            c for key, c in engine.items() if key[0] == batch]
         for engine_config in engines:
             runs.append(Contender("engine", engine_config))
             if baseline:
@@ -224,6 +235,7 @@ class BenchRow(BaseModel):
     bytes_per_step: float | None = None  # weights and cached keys/values read by the step's forwards
     bandwidth_fraction: float | None = None  # bytes_per_step / ms_per_step over the device's memory bandwidth
     drafted_per_step: float | None = None  # draft tokens per decode step (engine)
+    prefix_cache_hit_rate: float | None = None  # prompt tokens found in the prefix cache / prompt tokens (engine)
 
 
 class BenchResult(BaseModel):
@@ -312,6 +324,8 @@ class _Measurement:
     decode_steps: int = 0
     bytes_moved: float = 0.0  # by the decode steps
     drafted: int = 0  # draft tokens of the decode steps (engine)
+    prompt_tokens: int = 0  # of the prompts decoded (engine)
+    cached_tokens: int = 0  # of those, found in the prefix cache (engine)
     decode_tokens: int = 0  # tokens the decode steps emitted (engine)
     rounds: list[tuple[float, int]] = field(default_factory=list)  # (decode seconds, decode steps) per chunk
 
@@ -530,6 +544,10 @@ def _engine_runner(models: Models, contender: Contender) -> _Runner:
         for result in results:
             into.outputs[result.id] = result.token_ids
             into.stats += result_stats(stats, result)
+            into.prompt_tokens += len(result.prompt_token_ids)
+            into.cached_tokens += getattr(result, "num_cached_tokens", 0)
+        if max_tokens and hasattr(engine, "reset_prefix_cache"):
+            engine.reset_prefix_cache()  # a warm-up: what it cached must not speed up the timed prompts
 
     return _Runner(turns)
 
@@ -580,6 +598,7 @@ def _row(prompt_set: str, contender: Contender, m: _Measurement, bandwidth: Band
         decode_steps=m.decode_steps, ms_per_step=ms_per_step, bytes_per_step=bytes_per_step,
         bandwidth_fraction=bandwidth_fraction(bytes_per_step, ms_per_step, bandwidth),
         drafted_per_step=m.drafted / m.decode_steps if contender.is_engine and m.decode_steps else None,
+        prefix_cache_hit_rate=m.cached_tokens / m.prompt_tokens if contender.is_engine and m.prompt_tokens else None,
     )
 
 
@@ -765,7 +784,8 @@ _COLUMNS: list[tuple[str, str | None, Format]] = [  # header, field, format
     ("tok/fwd", "tokens_per_forward", "{:.2f}"),
     ("accept rate", "acceptance_rate", "{:.2f}"), ("fwd/token", "target_forwards_per_token", "{:.3f}"),
     ("identical", "identical", "{}"), ("ms/step", "ms_per_step", "{:.2f}"), ("MB/step", "bytes_per_step", megabytes),
-    ("bw %", "bandwidth_fraction", percent), ("draft/target/other s", None, ""),
+    ("bw %", "bandwidth_fraction", percent), ("prefix hit %", "prefix_cache_hit_rate", percent),
+    ("draft/target/other s", None, ""),
 ]
 
 

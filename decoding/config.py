@@ -378,6 +378,9 @@ class Config(_Strict):
     # Most prompt tokens in one prefill forward (vLLM's per-step token budget); a longer prompt runs alone.
     # 2048: 64 XSum prompts' prefill took 17.8-19.0 s, 19.5 s at 4096, 20.7-24.0 s at 8192 (2-core CPU, float32).
     max_num_batched_tokens: int = Field(2048, ge=16)
+    # vLLM's: full KV blocks of prompts are shared between rows by content, so a prefix many rows share (a system
+    # prompt, a few-shot template, a document asked several questions) is prefilled once while it stays cached.
+    enable_prefix_caching: bool = True
     concurrency: int | tuple[int, int] = Field(1, description="number of actors (int, or [min, max])")
     num_gpus: float = Field(0, ge=0)
     # Actors or replicas the cluster cannot hold (more CPUs or GPUs than its nodes have) fail the job or the

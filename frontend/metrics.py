@@ -11,6 +11,8 @@ server's ``/metrics`` shows them).
   ``..._num_accepted_tokens_per_pos`` (label ``position``): each row that drafted in a step is one draft.
 - ``vllm:prompt_tokens``, ``vllm:generation_tokens``: tokens prefilled (at a request's first step) and emitted.
 - ``vllm:num_requests_running``, ``vllm:num_requests_waiting``, ``vllm:kv_cache_usage_perc``: after each step.
+- ``vllm:prefix_cache_queries``, ``vllm:prefix_cache_hits``: prompt tokens of the rows that joined a step, and of
+  those the tokens found in the prefix cache (zero queries where caching is off).
 - ``vllm:time_to_first_token_seconds``: arrival (submission to the runner) to the first tokens;
   ``vllm:time_per_output_token_seconds``: after the first tokens, each step's wait for a request's new tokens
   over their count; ``vllm:e2e_request_latency_seconds``: arrival to the finished result.
@@ -55,6 +57,9 @@ SPECS = {spec.name: spec for spec in (
     MetricSpec("vllm:spec_decode_num_accepted_tokens_per_pos", "counter", "Accepted tokens per draft position.",
                (*LABELS, "position")),
     MetricSpec("vllm:prompt_tokens", "counter", "Number of prefill tokens processed."),
+    MetricSpec("vllm:prefix_cache_queries", "counter",
+               "Prefix cache queries, in terms of number of queried tokens."),
+    MetricSpec("vllm:prefix_cache_hits", "counter", "Prefix cache hits, in terms of number of cached tokens."),
     MetricSpec("vllm:generation_tokens", "counter", "Number of generation tokens processed."),
     MetricSpec("vllm:num_requests_running", "gauge", "Number of requests in model execution batches."),
     MetricSpec("vllm:num_requests_waiting", "gauge", "Number of requests waiting to be processed."),
@@ -161,6 +166,8 @@ class EngineMetrics:
         self._record("vllm:num_requests_running", output.num_running)
         self._record("vllm:num_requests_waiting", output.num_waiting)
         self._record("vllm:kv_cache_usage_perc", output.kv_cache_usage)
+        self._record("vllm:prefix_cache_queries", output.prefix_cache_queries)
+        self._record("vllm:prefix_cache_hits", output.prefix_cache_hits)
         prompt_tokens = 0
         with self._lock:
             for request_id, tokens in output.new_tokens.items():

@@ -105,6 +105,12 @@ def _rows(batch: pa.Table) -> list[dict[str, Any]]:
     return rows
 
 
+def _prompt_order(row: dict[str, Any]) -> str:
+    """What orders rows by prompt: the prompt, else the messages as text (their system prompt first)."""
+    prompt = row.get("prompt")
+    return prompt if isinstance(prompt, str) else str(row.get("messages", ""))
+
+
 class GenerationActor:
     """``map_batches`` callable class: Arrow batch of input rows -> output block (see pipeline.schema)."""
 
@@ -134,8 +140,13 @@ class GenerationActor:
                          ENGINE_READY: repr(time.time())}
 
     def __call__(self, batch: pa.Table) -> pa.Table:
-        futures = [self._submit(row) for row in _rows(batch)]
-        results = [future.result() for future in futures]
+        rows = _rows(batch)
+        # Submitted in the order of their prompts, so rows sharing a prefix join the engine close together and find
+        # it cached; results keep the batch's order.
+        futures: list[Future | None] = [None] * len(rows)
+        for index in sorted(range(len(rows)), key=lambda i: _prompt_order(rows[i])):
+            futures[index] = self._submit(rows[index])
+        results = [future.result() for future in futures if future is not None]
         if not self.options.continue_on_error and (failed := [r for r in results if r.finish_reason == "error"]):
             raise RowFailed(f"{len(failed)} of {len(results)} rows failed, the first: {failed[0].error} "
                             "(should_continue_on_error: true makes them error rows)")

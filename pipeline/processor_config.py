@@ -32,7 +32,7 @@ log = logging.getLogger(__name__)
 # vLLM engine arguments that tune vLLM's own scheduler and kernels: this engine has no counterpart, and none of
 # them changes what is generated.
 TUNING_ONLY = frozenset({
-    "enable_prefix_caching", "enable_chunked_prefill", "enforce_eager", "disable_log_stats", "swap_space",
+    "enable_chunked_prefill", "enforce_eager", "disable_log_stats", "swap_space",
     "distributed_executor_backend",
 })
 # vLLM's dtype spellings -> Config.dtype.

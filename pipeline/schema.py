@@ -28,6 +28,8 @@ OUTPUT_SCHEMA = pa.schema([
     pa.field("generated_tokens", pa.list_(pa.int32())),
     pa.field("num_input_tokens", pa.int32()),
     pa.field("num_generated_tokens", pa.int32()),
+    # Prompt tokens taken from the prefix cache instead of prefilled (vLLM's num_cached_tokens).
+    pa.field("num_cached_tokens", pa.int32()),
     pa.field("finish_reason", pa.string()),
     pa.field("error", pa.string()),
     pa.field("time_taken_llm", pa.float64()),
@@ -82,6 +84,7 @@ def _output_row(result: GenerationResult) -> dict[str, Any]:
         "generated_tokens": result.token_ids,
         "num_input_tokens": len(result.prompt_token_ids),
         "num_generated_tokens": len(result.token_ids),
+        "num_cached_tokens": result.num_cached_tokens,
         "finish_reason": result.finish_reason,
         "error": result.error,
         "time_taken_llm": result.time_taken,

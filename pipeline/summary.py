@@ -70,10 +70,13 @@ def part_stats(outputs: pa.Table, stats: pa.Table) -> dict[str, Any]:
     fields of its ``SpecDecodeStats`` (the one definition of the acceptance metrics)."""
     del stats  # the per-position counts come from the histogram (vLLM's definition), not from token_stats
     totals = run_totals(outputs)
+    prefilled = pc.greater(outputs["num_generated_tokens"], 0)  # rows that reached the engine's prefill
     return {
         "rows": outputs.num_rows,
         "errors": _sum(pc.equal(outputs["finish_reason"], "error")),
         **{field: getattr(totals, field) for field in _STATS},
+        "prompt_tokens": _sum(pc.filter(outputs["num_input_tokens"], prefilled)),
+        "cached_tokens": _sum(outputs["num_cached_tokens"]),
     }
 
 
@@ -92,6 +95,7 @@ def summarize(markers: list[dict[str, Any]], runs: list[dict[str, Any]], config:
               input_path: str) -> dict[str, Any]:
     """The summary of the parts ``markers`` (all committed parts), ``run`` being the run that just ended."""
     rows, errors, total = _add(markers)
+    queries, hits = (sum(m.get(name) or 0 for m in markers) for name in ("prompt_tokens", "cached_tokens"))
     this_rows, _, this_run = _add([m for m in markers if m.get("run") == run.run_id])
     per_run = {r["run"]: _add([m for m in markers if m.get("run") == r["run"]]) for r in runs}
     per_pos = total.accepted_per_pos
@@ -121,6 +125,10 @@ def summarize(markers: list[dict[str, Any]], runs: list[dict[str, Any]], config:
         # Accepted draft tokens that a constraint allowed alone (structured outputs), and their share of the output.
         "num_grammar_forced_tokens": total.num_grammar_forced_tokens,
         "grammar_forced_share": total.grammar_forced_share,
+        # vLLM's prefix-cache counters: prompt tokens prefilled or found cached, and those found cached.
+        "prefix_cache_queries": queries,
+        "prefix_cache_hits": hits,
+        "prefix_cache_hit_rate": hits / queries if queries else 0.0,
         "input": input_path,
         "config": config.model_dump(mode="json"),
         # Every run that wrote into this directory, with its own configuration: a directory resumed under

@@ -118,7 +118,7 @@ def test_the_scheduler_admits_in_order_while_rows_and_kv_blocks_are_free() -> No
     joining = scheduler.admit()
     # a and b take 3 blocks each; c needs 4 of the 4 left... then d would need 1 more: blocks stop d, not order.
     assert [seq.request_id for seq in joining] == ["a", "b", "c"]
-    batch.admit(joining, [len(s.prompt_ids) + s.params.max_tokens for s in joining])
+    batch.admit(joining)  # with the claims admission made
     assert scheduler.admit() == []  # no row free
     batch.remove(0)
     assert [seq.request_id for seq in scheduler.admit()] == ["d"]  # first come, first served, one row free
@@ -127,7 +127,7 @@ def test_the_scheduler_admits_in_order_while_rows_and_kv_blocks_are_free() -> No
     small_pool = Batch(3, SamplingParams(), cache(rows=3, blocks=6), run_seeded=False, max_context=64)
     blocked = Scheduler(small_pool, lambda seq: len(seq.prompt_ids) + seq.params.max_tokens)
     blocked.waiting.append(sequence("first", 4, max_tokens=8))  # 3 blocks
-    small_pool.admit(blocked.admit(), [12])
+    small_pool.admit(blocked.admit())
     blocked.waiting.extend([sequence("big", 4, max_tokens=12), sequence("small", 1, max_tokens=1)])  # 4 and 1
     assert blocked.admit() == [] and len(blocked.waiting) == 2
     small_pool.remove(0)

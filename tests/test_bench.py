@@ -254,3 +254,24 @@ def test_draft_choices_make_self_draft_and_lookup_sibling_contenders(models, tin
     rows = {row.name: row for row in result.rows}
     assert rows["engine draft_model self-int4 w1 d3 init=draft static"].identical
     assert rows["engine draft_model self-int4 w1 d3 init=draft static"].tokens_per_forward > 1
+
+
+def test_prefix_caching_on_and_off_run_side_by_side_from_a_cold_cache(models, tiny_dirs):
+    """A sweep over enable_prefix_caching gives engine none and each engine contender in both modes; the warm-up's
+    cached blocks are forgotten before the timed prompts, so the first chunk prefills its shared prefix in full."""
+    shared = "the quick brown fox jumps over the lazy dog and the cat sat on the mat "  # 4 full blocks
+    grid = BenchGrid(transformers=False, assisted=False, sweeps=[
+        Sweep(batch_sizes=[2], methods=["ngram"], num_candidates=[1], length_policy=["static"],
+              prefix_caching=[True, False])])
+    names = {c.name for c in contenders(_config(tiny_dirs["draft"]), grid)}
+    assert names == {"engine none", "engine none no-prefix-cache", "engine ngram w1 d3 init=draft static",
+                     "engine ngram w1 d3 init=draft static no-prefix-cache"}
+    sets = {"shared": [Request(f"q{i}", prompt=shared + question) for i, question in enumerate(["a", "b c", "d"])]}
+    rows = {r.name: r for r in run_bench(_config(tiny_dirs["draft"]), sets, grid, models).rows}
+    assert all(row.identical for row in rows.values())
+    # The first chunk (2 rows): one prefills the 4 blocks, the other finds them; the second chunk finds them too.
+    prompt_tokens = sum(len(shared + q) for q in ["a", "b c", "d"])
+    for name in ("engine none", "engine ngram w1 d3 init=draft static"):
+        assert rows[name].prefix_cache_hit_rate == pytest.approx(2 * 64 / prompt_tokens)
+        assert rows[name + " no-prefix-cache"].prefix_cache_hit_rate == 0.0
+    assert "prefix hit %" in format_table(list(rows.values()))

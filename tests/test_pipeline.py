@@ -151,6 +151,9 @@ def test_token_stats_agree_with_outputs_and_summary(one_actor_run):
             assert spec["tokens_per_forward"] == pytest.approx(row["num_generated_tokens"] / forwards)
     generated = sum(row["num_generated_tokens"] for row in rows.values())
     steps = sum(row["spec_decode"]["num_spec_steps"] for row in rows.values())
+    prefilled = [row for row in rows.values() if row["num_generated_tokens"]]
+    assert summary["prefix_cache_queries"] == sum(row["num_input_tokens"] for row in prefilled)
+    assert summary["prefix_cache_hits"] == sum(row["num_cached_tokens"] for row in rows.values())
     assert summary["rows"] == summary["rows_this_run"] == len(rows)
     assert summary["generated_tokens"] == summary["generated_tokens_this_run"] == generated
     assert summary["num_spec_steps"] == steps
@@ -442,6 +445,22 @@ def test_engine_failure_fails_only_the_request_that_causes_it(config, monkeypatc
     monkeypatch.setattr(Engine, "step", original)
     expected = Engine(config).generate([Request("a", prompt="the cat"), Request("c", prompt="dogs run")])
     assert [rows["a"]["generated_tokens"], rows["c"]["generated_tokens"]] == [r.token_ids for r in expected]
+
+
+def test_rows_sharing_a_prefix_run_together_and_keep_their_order(config):
+    """The actor submits a batch's rows in prompt order, so rows sharing a prefix find it cached even when a batch
+    of rows ahead of them would have evicted it; the output rows keep the batch's order and content."""
+    shared = "the quick brown fox jumps over the lazy dog and "  # 3 full blocks of the tiny tokenizer
+    prompts = [shared + "runs" if i % 2 else f"{'abcdefgh'[i]} " * 12 + "dogs" for i in range(8)]
+    ids = [f"r{i}" for i in range(8)]
+    small = config.model_copy(update={"batch_size": 1, "num_kv_blocks": 8})
+    block = GenerationActor(small.model_dump(mode="json"))(pa.table({"id": ids, "prompt": prompts}))
+    assert block["id"].to_pylist() == ids
+    expected = Engine(small.model_copy(update={"enable_prefix_caching": False})).generate(
+        [Request(i, prompt=p) for i, p in zip(ids, prompts)])
+    assert block["generated_tokens"].to_pylist() == [r.token_ids for r in expected]
+    cached = block["num_cached_tokens"].to_pylist()
+    assert sum(cached[1::2]) == 3 * 16 * 3  # rows 3, 5 and 7 found the prefix the first one cached
 
 
 def test_inputs_parquet_csv_jsonl_dirs_globs_and_derived_ids(ray_cluster, tmp_path):

@@ -34,3 +34,30 @@ def test_the_runner_delivers_every_result_and_logs_how_full_its_batch_was(tokeni
     assert tokens == sum(len(r.token_ids) for r in results)
     rows = float(lines[-1].split(", ")[-1].split()[0])
     assert 1.0 < rows <= 2.0
+
+
+def test_a_failure_outside_the_step_fails_the_requests_instead_of_leaving_them_waiting(tokenizer, target) -> None:
+    """An observer that raises after a step (a metrics backend, say) ends the engine thread: every request in
+    flight and every later one gets the error, none waits for a thread that is gone."""
+
+    class Broken:
+        def submitted(self, request_id: str, prompt_tokens: int) -> None:
+            pass
+
+        def aborted(self, request_id: str) -> None:
+            pass
+
+        def stepped(self, output) -> None:
+            raise RuntimeError("observer broke")
+
+    config = Config.model_validate({"model": "in-memory", "batch_size": 2, "sampling": {"max_tokens": 6}})
+    runner = EngineRunner(lambda: Engine(config, target=target, tokenizer=tokenizer), observer=Broken())
+    futures: list[Future] = []
+    for i, prompt in enumerate([*PROMPTS, "late"]):
+        request, future = Request(str(i), prompt=prompt), Future()
+        futures.append(future)
+        runner.submit(request, runner.prepare(request), lambda event, future=future: None if future.done()
+                      else future.set_result(event) if isinstance(event, GenerationResult | BaseException) else None)
+    events = [future.result(timeout=60) for future in futures]
+    assert all(isinstance(event, RuntimeError) and "observer broke" in str(event) for event in events)
+    runner.close()

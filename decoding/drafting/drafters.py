@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Protocol
 import numpy as np
 import torch
 
-from decoding.engine.kv_cache import CacheShape, PagedKVCache, Rows
+from decoding.engine.kv_cache import CacheShape, PagedKVCache, Rows, joining_entries
 from decoding.engine.padding import pad_rows
 from decoding.model.forward import forward_tree
 from decoding.model.lean_forward import lean_view, supports_lean_forward
@@ -155,6 +155,7 @@ class Drafter:
     host_roots = False  # whether ``propose`` reads the root-level tokens on the host (else they stay on the device)
     takes_grammar_drafts = False  # whether ``propose`` puts DraftInputs.grammar_drafts in a lookup candidate
     target_cache: PagedKVCache | None = None  # a self-draft's: it drafts in the target's cache (no catch-up tokens)
+    own_cache: PagedKVCache | None = None  # a pool of its own, where joining rows take blocks too
     graphs = False  # whether its model's forwards may replay CUDA graphs (``cuda_graphs.py``)
 
     # The batch tells the drafter when rows join and leave (``decoding.engine.batch.RowState``).
@@ -388,7 +389,8 @@ class DraftModelDrafter(Drafter):
 
     def attach(self, target_cache: PagedKVCache) -> None:
         """The target's cache is there: a self-draft drafts in it; another draft gets a cache of its own with as
-        many positions as the target's pool (it never holds more of a row than the target does)."""
+        many positions as the target's pool (it never holds more of a row than the target does), caching prefixes
+        where the target's does."""
         if self.shares_target_cache:
             self.target_cache = self.cache = target_cache
             self.graphs = target_cache.execution.graphs
@@ -398,7 +400,9 @@ class DraftModelDrafter(Drafter):
                 CacheShape.of(config), target_cache.num_blocks, target_cache.max_rows,
                 target_cache.max_blocks_per_row * target_cache.block_size, block_size=target_cache.block_size,
                 dtype=next(self.model.parameters()).dtype, device=self.device, execution=target_cache.execution,
+                prefix_caching=target_cache.prefix_caching, salt=f"draft|{getattr(config, '_name_or_path', '')}",
             )
+            self.own_cache = self.cache
 
     def rows_joined(self, joined: JoinedRows) -> None:
         rows, positions, target_states = joined.rows, joined.positions, joined.target_states
@@ -407,8 +411,10 @@ class DraftModelDrafter(Drafter):
         self.uncached_states.extend([] for _ in prompts)
         if self.target_cache is not None:  # the target's prefill filled the cache both read
             return
-        joined = self.cache.add_rows(positions)
-        assert joined == rows, "draft cache rows must mirror the target cache"
+        added = self.cache.add_rows(joining_entries(self.cache, [seq.claims for seq in joined.seqs], positions))
+        assert added == rows, "draft cache rows must mirror the target cache"
+        cached = self.cache.host_lengths[rows]  # prompt positions each row took from the prefix cache
+        prompts = [prompt[skip:] for prompt, skip in zip(prompts, cached)]
         states = None
         if self.reads_target_states:
             # Input t is token t + 1 with the target's state at t; the last state goes with the pending token.
@@ -423,6 +429,7 @@ class DraftModelDrafter(Drafter):
                          logits_at=torch.tensor([width - 1]),
                          features=states[:, :width] if states is not None else None)
             self.cache.advance(rows, lengths.tolist())
+        self.cache.register(rows)
 
     def _full_vocab(self, logits: torch.Tensor) -> torch.Tensor:
         if self.vocab_subset is None:

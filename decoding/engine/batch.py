@@ -19,7 +19,7 @@ from typing import Protocol
 import torch
 
 from decoding.config import SamplingParams
-from decoding.engine.kv_cache import PagedKVCache
+from decoding.engine.kv_cache import PagedKVCache, joining_entries
 from decoding.engine.sequence import Sequence
 from decoding.verification.sampling import WarpParams
 
@@ -33,7 +33,7 @@ class JoinedRows:
 
     rows: slice
     seqs: list[Sequence]
-    positions: list[int]  # the cache positions each may reach
+    positions: list[int] | None  # the cache positions each may reach; None: as each one's claims say
     target_states: torch.Tensor | None  # [B, T, H] the target's last hidden states at the prompts, where read
 
 
@@ -88,9 +88,10 @@ class Batch:
         self.listeners.append(part)
 
     # ---------------------------------------------------------------------------------------- joining
-    def admit(self, seqs: list[Sequence], positions: list[int]) -> slice:
-        """Rows for ``seqs`` after the running ones: cache rows promised ``positions``, their row tensors."""
-        rows = self.cache.add_rows(positions)
+    def admit(self, seqs: list[Sequence], positions: list[int] | None = None) -> slice:
+        """Rows for ``seqs`` after the running ones: cache rows with what admission claimed for them (or promised
+        ``positions``), their row tensors."""
+        rows = self.cache.add_rows(joining_entries(self.cache, [seq.claims for seq in seqs], positions))
         params = [seq.params for seq in seqs]
         new = WarpParams.from_params(params)
         for name in ROW_FIELDS:

@@ -3,6 +3,8 @@ captured. ``build_parts`` returns what ``Engine`` steps (``parts.EngineParts``);
 
 from __future__ import annotations
 
+import logging
+
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
@@ -29,6 +31,8 @@ from decoding.model.loading import (
 )
 from decoding.model.quantize import quantized
 from decoding.verification.tree import TreeTopology
+
+log = logging.getLogger(__name__)
 
 # The CPU pool's default ceiling (vLLM's CPU KV space default).
 CPU_KV_BYTES = 4 << 30
@@ -73,7 +77,7 @@ class _Builder:
             max_context = min(max_context, config.max_model_len)
         execution = self.execution(target)
         whole_trees = execution.graphs
-        cache = self._cache(loaded, topology, max_context, execution)
+        cache = self._cache(loaded, topology, max_context, execution, drafter)
         if isinstance(drafter, DraftModelDrafter):
             drafter.attach(cache)
         model_drafts = spec.method == "draft_model"
@@ -137,10 +141,12 @@ class _Builder:
             shares_target_cache=spec.model == SELF_DRAFT,
         ), max_context
 
-    def _cache(self, loaded: PreTrainedModel, topology: TreeTopology, max_context: int, execution: Execution
-               ) -> PagedKVCache:
+    def _cache(self, loaded: PreTrainedModel, topology: TreeTopology, max_context: int, execution: Execution,
+               drafter: Drafter) -> PagedKVCache:
         """The target's pool: ``num_kv_blocks``, or as many blocks as the memory budget holds (never more than
-        ``batch_size`` rows of the whole context need)."""
+        ``batch_size`` rows of the whole context need). It caches prompt prefixes unless the configuration says
+        not to or the draft reads the target's state at every prompt position (a feature draft: a cached prefix
+        has no states)."""
         config = self.config
         shape = CacheShape.of(loaded.config)
         dtype = next(loaded.parameters()).dtype
@@ -157,8 +163,12 @@ class _Builder:
                     budget -= execution.graph_memory_bytes
             budget = budget if budget is not None else CPU_KV_BYTES
             blocks = max(1, min(blocks_needed, budget // bytes_per_block))
+        prefix_caching = config.enable_prefix_caching and not drafter.reads_target_states
+        if config.enable_prefix_caching and not prefix_caching:
+            log.info("prefix caching is off: the feature draft reads the target's state at every prompt position")
         return PagedKVCache(shape, blocks, config.batch_size, positions, block_size=config.block_size, dtype=dtype,
-                            device=self.device, execution=execution)
+                            device=self.device, execution=execution, prefix_caching=prefix_caching,
+                            salt=f"{getattr(loaded.config, '_name_or_path', '')}|{config.model}")
 
     def _calibrate(self, target: torch.nn.Module, drafter: Drafter, topology: TreeTopology, execution: Execution,
                    target_from_path: bool, draft_from_path: bool) -> tuple[BatchCosts, BatchCosts | None]:

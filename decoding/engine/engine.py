@@ -73,7 +73,8 @@ class Engine:
             limits.max_constraint_bytes, limits.grammar_compile_timeout_s, limits.max_grammar_bytes,
             limits.grammar_cache_bytes))
         self.max_prompt_bytes = limits.max_prompt_bytes or self.max_context * longest_token_bytes(self.tokenizer)
-        self.scheduler = Scheduler(self.batch, self._positions)
+        self.scheduler = Scheduler(self.batch, self._positions,
+                                   [self.cache, *([self.drafter.own_cache] if self.drafter.own_cache else [])])
         self.reads = HostReads()
         self.stepper = Step(parts, self.batch, self.reads)
 
@@ -197,6 +198,11 @@ class Engine:
                 done[result.id] = result
         return [done[i] for i in order]
 
+    def reset_prefix_cache(self) -> None:
+        """Forget every cached prompt prefix (vLLM's ``reset_prefix_cache``): later rows prefill in full."""
+        for pool in self.scheduler.pools:
+            pool.reset_prefix_cache()
+
     def kv_cache_usage(self) -> float:
         """Share of the KV pool's blocks in use (vLLM's ``kv_cache_usage_perc``)."""
         return self.cache.usage()
@@ -206,6 +212,7 @@ class Engine:
     def step(self) -> StepOutput:
         finished = self.scheduler.take_rejected()
         joining = self.scheduler.admit()
+        queries, hits = self.cache.prefix_queries, self.cache.prefix_hits
         emitted = self._admit(joining)
         live = list(self.running)  # every sequence that may emit tokens this step
         finished += self._retire()  # sequences done at prefill (EOS, max_tokens 1) never speculate
@@ -229,16 +236,29 @@ class Engine:
             for seq in live if seq.params.logprobs is not None and seq.request_id in emitted
         }
         return StepOutput(finished, emitted, spec, len(self.running), len(self.waiting), self.kv_cache_usage(),
-                          new_logprobs)
+                          new_logprobs=new_logprobs, prefix_cache_queries=self.cache.prefix_queries - queries,
+                          prefix_cache_hits=self.cache.prefix_hits - hits)
 
     def _admit(self, joining: list[Sequence]) -> dict[str, list[int]]:
-        """Prefill the joining sequences into new rows: shortest first, in ragged forwards of bounded padded size;
-        the tokens each emitted."""
+        """Prefill the joining sequences into new rows: shortest uncached part first, in ragged forwards of bounded
+        padded size; the tokens each emitted.
+
+        Rows that would compute the same uncached block (a prompt prefix they share and nobody has cached) are
+        prefilled in rounds: one of them first, the others after it, when they find the block cached."""
         emitted: dict[str, list[int]] = {}
-        joining = sorted(joining, key=lambda seq: len(seq.prompt_ids))
-        for group in prefill_groups([len(seq.prompt_ids) for seq in joining], self.prefill_tokens):
-            seqs = joining[group]
-            emitted.update(self.stepper.prefill(seqs, [self._positions(seq) for seq in seqs]))
+        cache = self.cache
+        while joining:
+            now, later, computing = [], [], set()
+            for seq in joining:
+                key = cache.first_missing_key(cache.own_claim(seq.claims))
+                (later if key is not None and key in computing else now).append(seq)
+                computing.add(key)
+            uncached = {seq.request_id: len(seq.prompt_ids) - cache.block_size * cache.cached_blocks(
+                cache.own_claim(seq.claims)) for seq in now}
+            now.sort(key=lambda seq: uncached[seq.request_id])
+            for group in prefill_groups([uncached[seq.request_id] for seq in now], self.prefill_tokens):
+                emitted.update(self.stepper.prefill(now[group]))
+            joining = later
         return emitted
 
     def _retire(self) -> list[GenerationResult]:

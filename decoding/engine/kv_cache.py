@@ -13,13 +13,25 @@ then moves the accepted path right after the committed prefix: entries already i
 branches are simply overwritten later. Live rows are [0, active); a leaving row is replaced by the last (swap-remove
 of table rows: no key or value moves). The host keeps the committed lengths and the tables (the device's copy of
 the tables is refreshed when they change), so sizing and describing a forward never reads the device.
+
+Prefix caching (vLLM's automatic prefix caching): a full block of a prompt is known by a key, a hash of its tokens
+and its parent block's key (the chain starts from the pool's ``salt``: the model and the element type), so a key
+names the keys and values of a whole prefix. Blocks are reference-counted: once a row's prefill has written its
+full prompt blocks they are registered under their keys, a joining row whose prompt starts with the same blocks
+takes them (read-only) and prefills only the rest, and a block no row holds stays cached, in least-recently-
+released order, until a block is needed and none is free. A row never writes a shared block: it writes positions
+at or after its committed length, and only blocks wholly inside its prompt are ever shared. Admission claims the
+cached blocks a row will take (``claim``), so nothing evicts them before its prefill.
 """
 
 from __future__ import annotations
 
+import hashlib
 import heapq
 import math
-from dataclasses import dataclass
+from array import array
+from collections import OrderedDict
+from dataclasses import dataclass, field
 
 import torch
 
@@ -48,12 +60,42 @@ class CacheShape:
         return cls(config.num_hidden_layers, getattr(config, "num_key_value_heads", None) or heads, head_dim)
 
 
+@dataclass
+class Claim:
+    """What admission promised a joining row in one pool: the cached blocks of its prompt's prefix it holds, and
+    room for ``positions`` positions in all."""
+
+    pool: PagedKVCache
+    positions: int
+    keys: list[bytes] = field(default_factory=list)  # its prompt's full blocks' keys
+    blocks: list[int] = field(default_factory=list)  # cached blocks it holds (the first len(blocks) keys)
+    cacheable: int = 0  # most blocks it may take from the cache: its prompt's last token is always computed
+    prompt_tokens: int = 0  # its prompt's length where caching looked it up
+
+    @property
+    def reserved(self) -> int:
+        """Blocks the pool promises it beyond the cached ones."""
+        return max(0, self.pool.blocks_for(self.positions) - len(self.blocks))
+
+
+def joining_entries(pool: PagedKVCache, claims: list[list[Claim]], positions: list[int] | None
+                    ) -> list[int] | list[Claim]:
+    """What ``pool.add_rows`` takes for joining rows: each row's claim in ``pool`` (``claims``: every claim of
+    each row), or, where ``positions`` are given, that many positions each."""
+    if positions is not None:
+        return positions
+    return [pool.own_claim(row) for row in claims]
+
+
 class PagedKVCache:
     def __init__(
         self, shape: CacheShape, num_blocks: int, max_rows: int, max_positions: int, *, block_size: int = 16,
         dtype: torch.dtype = torch.float32, device: torch.device | None = None, execution: Execution | None = None,
+        prefix_caching: bool = False, salt: str = "",
     ) -> None:
-        """``execution``: how forwards over this pool run (default: the default configuration's on ``device``)."""
+        """``execution``: how forwards over this pool run (default: the default configuration's on ``device``).
+        ``prefix_caching``: full prompt blocks are shared by content (the module's doc); ``salt`` names what else
+        decides an entry's value (the model, the element type)."""
         self.shape = shape
         self.block_size = block_size
         self.num_blocks = num_blocks
@@ -68,16 +110,28 @@ class PagedKVCache:
         # positions a row never wrote (``attention.dense_layout``).
         # One tensor for all layers: a compiled forward takes two inputs, not two per layer. Block 0 is scratch,
         # never handed out: the padding rows of a CUDA graph write there.
-        allocate = torch.zeros if pools_zero_filled(self.device) else torch.empty
+        self.lazy_pages = not pools_zero_filled(self.device)
+        allocate = torch.empty if self.lazy_pages else torch.zeros
         self.keys = allocate(shape.num_layers, num_blocks + 1, shape.kv_heads, shape.head_dim, block_size,
                              dtype=dtype, device=self.device)
         self.values = allocate(shape.num_layers, num_blocks + 1, shape.kv_heads, block_size, shape.head_dim,
                                dtype=dtype, device=self.device)
         self._free = list(range(1, num_blocks + 1))  # a heap: lowest block first
+        self.refs = [0] * (num_blocks + 1)  # rows holding each block
+        self.prefix_caching = prefix_caching
+        self._root_key = hashlib.blake2b(f"{salt}|{dtype}".encode(), digest_size=16).digest()
+        self._cached: dict[bytes, int] = {}  # key -> block
+        self._key_of: dict[int, bytes] = {}  # block -> key
+        self._evictable: OrderedDict[int, None] = OrderedDict()  # cached blocks no row holds, least recent first
+        self._touched = 0  # highest block handed out so far (a CPU pool's pages are committed up to there)
+        self._pending = 0  # blocks promised to claims whose rows are not added yet
+        self.prefix_queries = 0  # prompt tokens of joining rows (vLLM's prefix_cache_queries)
+        self.prefix_hits = 0  # of those, tokens found cached (vLLM's prefix_cache_hits)
         self.tables = torch.zeros(max_rows, self.max_blocks_per_row, dtype=torch.int32)  # host
         self._device_tables = self.tables.to(self.device) if self.device.type != "cpu" else self.tables
         self._tables_stale = False
         self.row_blocks: list[list[int]] = [[] for _ in range(max_rows)]
+        self.row_keys: list[list[bytes]] = [[] for _ in range(max_rows)]  # keys of each row's full prompt blocks
         self.host_lengths = [0] * max_rows  # committed positions per row
         self.reserved = [0] * max_rows  # blocks each row may still take
         self.active = 0
@@ -86,11 +140,16 @@ class PagedKVCache:
     # ---------------------------------------------------------------------------------------------- blocks
     @property
     def blocks_in_use(self) -> int:
-        return self.num_blocks - len(self._free)
+        """Blocks some row holds (cached blocks no row holds count as free: they are evicted on demand)."""
+        return self.num_blocks - len(self._free) - len(self._evictable)
 
     @property
     def blocks_promised(self) -> int:
-        return self.blocks_in_use + sum(self.reserved[: self.active])
+        return self.blocks_in_use + sum(self.reserved[: self.active]) + self._pending
+
+    @property
+    def blocks_cached(self) -> int:
+        return len(self._cached)
 
     def usage(self) -> float:
         """Fraction of the pool's blocks in use (vLLM's kv_cache_usage_perc, as a fraction)."""
@@ -103,17 +162,139 @@ class PagedKVCache:
         """Whether a row needing ``positions`` positions fits beside the blocks promised to the live rows."""
         return self.active < self.max_rows and self.blocks_promised + self.blocks_for(positions) <= self.num_blocks
 
-    def add_rows(self, positions: list[int]) -> slice:
-        """Admit rows after the live ones, each promised the blocks for its ``positions``; returns their slice."""
-        if self.active + len(positions) > self.max_rows:
+    # ------------------------------------------------------------------------------------------- prefixes
+    def prefix_keys(self, prompt: list[int]) -> list[bytes]:
+        """The keys of ``prompt``'s full blocks: each hashes the block's tokens with its parent's key."""
+        if not self.prefix_caching:
+            return []
+        keys, parent, size = [], self._root_key, self.block_size
+        for start in range(0, len(prompt) - size + 1, size):
+            parent = hashlib.blake2b(parent + array("q", prompt[start : start + size]).tobytes(),
+                                     digest_size=16).digest()
+            keys.append(parent)
+        return keys
+
+    def _cached_run(self, keys: list[bytes], start: int, limit: int) -> list[int]:
+        """The cached blocks of ``keys[start:limit]``, up to the first that is not cached."""
+        blocks = []
+        for key in keys[start:limit]:
+            block = self._cached.get(key)
+            if block is None:
+                break
+            blocks.append(block)
+        return blocks
+
+    def _hold(self, blocks: list[int]) -> None:
+        for block in blocks:
+            if self.refs[block] == 0:
+                del self._evictable[block]
+            self.refs[block] += 1
+
+    def _release(self, blocks: list[int]) -> None:
+        # Tail blocks first: the least recently released is evicted first, so a prefix outlives its extensions.
+        for block in reversed(blocks):
+            self.refs[block] -= 1
+            if self.refs[block] == 0:
+                if block in self._key_of:
+                    self._evictable[block] = None
+                else:
+                    heapq.heappush(self._free, block)
+
+    def claim(self, prompt: list[int], positions: int) -> Claim | None:
+        """Admission of a row whose prompt is ``prompt`` and which may reach ``positions`` positions: the cached
+        blocks of its prompt's prefix, held from now on, and the promise of the rest; None if the pool cannot
+        promise it (nothing is held then)."""
+        keys = self.prefix_keys(prompt)
+        cacheable = min(len(keys), (len(prompt) - 1) // self.block_size)
+        blocks = self._cached_run(keys, 0, cacheable)
+        claim = Claim(self, positions, keys, blocks, cacheable, len(prompt) if self.prefix_caching else 0)
+        taken = sum(self.refs[block] == 0 for block in blocks)  # cached blocks it takes off the free side
+        if self.blocks_promised + taken + claim.reserved > self.num_blocks:
+            return None
+        self._hold(blocks)
+        self._pending += claim.reserved
+        return claim
+
+    def release_claim(self, claim: Claim) -> None:
+        """Give back what ``claim`` held (a row that will not be added after all)."""
+        self._pending -= claim.reserved
+        self._release(claim.blocks)
+
+    def own_claim(self, claims: list[Claim]) -> Claim:
+        """This pool's claim among a row's claims."""
+        return next(claim for claim in claims if claim.pool is self)
+
+    def cached_blocks(self, claim: Claim) -> int:
+        """Blocks of the claim's prompt that its row would take from the cache now."""
+        return len(claim.blocks) + len(self._cached_run(claim.keys, len(claim.blocks), claim.cacheable))
+
+    def first_missing_key(self, claim: Claim) -> bytes | None:
+        """The key of the first block of the claim's prompt that it could take from the cache but that is not
+        cached (None if there is none): two joining rows with the same such key would compute the same block."""
+        held = self.cached_blocks(claim)
+        return claim.keys[held] if held < claim.cacheable else None
+
+    def register(self, rows: slice) -> None:
+        """The prefill of ``rows`` has written their prompts: their full prompt blocks become cached (a block whose
+        key another block already has stays the row's own)."""
+        for row in range(rows.start, rows.stop):
+            for key, block in zip(self.row_keys[row], self.row_blocks[row]):
+                if key not in self._cached and block not in self._key_of:
+                    self._cached[key], self._key_of[block] = block, key
+            self.row_keys[row] = []
+
+    def reset_prefix_cache(self) -> None:
+        """Forget every cached prefix (vLLM's reset_prefix_cache): blocks no row holds become free, the others
+        stay their rows' own."""
+        for block in self._evictable:
+            heapq.heappush(self._free, block)
+        self._evictable.clear()
+        self._cached.clear()
+        self._key_of.clear()
+
+    # ---------------------------------------------------------------------------------------------- rows
+    def add_rows(self, joining: list[int] | list[Claim]) -> slice:
+        """Admit rows after the live ones, each with what admission claimed for it (``claim``) or promised the
+        blocks for a number of positions; returns their slice. A claimed row starts with its cached blocks
+        committed: its prefill runs the rest of its prompt."""
+        if self.active + len(joining) > self.max_rows:
             raise ValueError(f"cache holds at most {self.max_rows} rows")
-        rows = slice(self.active, self.active + len(positions))
-        for row, need in zip(range(rows.start, rows.stop), positions):
-            self.row_blocks[row] = []
-            self.host_lengths[row] = 0
-            self.reserved[row] = self.blocks_for(need)
+        rows = slice(self.active, self.active + len(joining))
+        for row, entry in zip(range(rows.start, rows.stop), joining):
+            if isinstance(entry, Claim):
+                assert entry.pool is self, "a claim is added to the pool that made it"
+                self._pending -= entry.reserved
+                # Rows prefilled since the claim may have cached more of its prompt (rows of one step sharing it).
+                more = self._cached_run(entry.keys, len(entry.blocks), entry.cacheable)
+                self._hold(more)
+                blocks = entry.blocks + more
+                claim = entry
+            else:
+                blocks, claim = [], Claim(self, entry)
+            self.row_blocks[row] = list(blocks)
+            self.tables[row, : len(blocks)] = torch.tensor(blocks, dtype=torch.int32)
+            self.row_keys[row] = claim.keys
+            self.host_lengths[row] = len(blocks) * self.block_size
+            self.reserved[row] = max(0, self.blocks_for(claim.positions) - len(blocks))
+            self.prefix_queries += claim.prompt_tokens
+            self.prefix_hits += len(blocks) * self.block_size
+            if blocks:
+                self._tables_stale = True
         self.active = rows.stop
         return rows
+
+    def _take_block(self) -> int:
+        """A block for a row: a free one, else the least recently released cached one. A CPU pool's pages are
+        committed when first written, so there a cached block is reused before a never-touched one: resident
+        memory stays the peak of blocks in use."""
+        if self._evictable and (not self._free or (self.lazy_pages and self._free[0] > self._touched)):
+            block, _ = self._evictable.popitem(last=False)
+            del self._cached[self._key_of.pop(block)]
+        else:
+            block = heapq.heappop(self._free)
+        self._touched = max(self._touched, block)
+        self.refs[block] = 1
+        return block
 
     def ensure(self, rows: Rows, positions: list[int]) -> None:
         """Give each row of ``rows`` blocks for its positions [0, positions[i])."""
@@ -122,9 +303,9 @@ class PagedKVCache:
             missing = self.blocks_for(need) - len(blocks)
             if missing <= 0:
                 continue
-            if missing > len(self._free) or len(blocks) + missing > self.max_blocks_per_row:
+            if missing > len(self._free) + len(self._evictable) or len(blocks) + missing > self.max_blocks_per_row:
                 raise RuntimeError(f"KV cache pool exhausted ({self.num_blocks} blocks of {self.block_size})")
-            new = [heapq.heappop(self._free) for _ in range(missing)]
+            new = [self._take_block() for _ in range(missing)]
             self.tables[row, len(blocks) : len(blocks) + missing] = torch.tensor(new, dtype=torch.int32)
             blocks += new
             self.reserved[row] = max(0, self.reserved[row] - missing)
@@ -133,16 +314,16 @@ class PagedKVCache:
 
     def remove_row(self, row: int) -> None:
         """Return the row's blocks to the pool; the last live row takes its place (its table row moves)."""
-        for block in self.row_blocks[row]:
-            heapq.heappush(self._free, block)
+        self._release(self.row_blocks[row])
         last = self.active - 1
         if row != last:
             self.row_blocks[row] = self.row_blocks[last]
+            self.row_keys[row] = self.row_keys[last]
             self.host_lengths[row] = self.host_lengths[last]
             self.reserved[row] = self.reserved[last]
             self.tables[row] = self.tables[last]
             self._tables_stale = True
-        self.row_blocks[last], self.host_lengths[last], self.reserved[last] = [], 0, 0
+        self.row_blocks[last], self.row_keys[last], self.host_lengths[last], self.reserved[last] = [], [], 0, 0
         self.active = last
 
     def device_tables(self) -> torch.Tensor:

@@ -210,6 +210,13 @@ class EngineRunner:
             return
         log.info("engine built in %.1f s (%s threads)", time.perf_counter() - started, torch_threads or "all")
         ready.set_result(self.engine)
+        try:
+            self._loop()
+        except Exception as exc:  # outside a step (delivering, observing): nobody must wait for this thread
+            log.exception("the engine thread failed")
+            self._fail(exc, [])
+
+    def _loop(self) -> None:
         while self._take_inbox():
             self._progress.before_step()
             try:

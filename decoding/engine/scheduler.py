@@ -4,9 +4,10 @@ Admission is fair between requests: each free row goes to the waiting sequence o
 choices of one HTTP request) with the fewest sequences running, the earliest group on a tie, each group's
 sequences in order. So a 4-token request waits for one free row, not for the 128 sequences of an n=128 request
 that came before it. A sequence joins when the KV pool can promise
-it the positions its prompt, its ``max_tokens`` and one draft tree need (``PagedKVCache.can_admit``); otherwise
-it waits for a finishing row to return its blocks. Joining sequences are prefilled shortest first, in groups
-whose padded size stays within the per-forward token budget (``prefill_groups``).
+it the positions its prompt, its ``max_tokens`` and one draft tree need, less the cached blocks of its prompt's
+prefix it takes (``PagedKVCache.claim``, in the target's pool and in a draft's own); otherwise it waits for a
+finishing row to return its blocks. Joining sequences are prefilled shortest first, in groups whose padded size
+stays within the per-forward token budget (``prefill_groups``).
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from collections import Counter, OrderedDict, deque
 from collections.abc import Callable, Iterable, Iterator
 
 from decoding.engine.batch import Batch
+from decoding.engine.kv_cache import Claim, PagedKVCache
 from decoding.engine.sequence import GenerationResult, Sequence
 
 
@@ -70,10 +72,13 @@ class FairQueue:
 
 
 class Scheduler:
-    def __init__(self, batch: Batch, positions: Callable[[Sequence], int]) -> None:
-        """``positions``: the KV positions a sequence may reach (prompt, generation, one draft tree)."""
+    def __init__(self, batch: Batch, positions: Callable[[Sequence], int],
+                 pools: list[PagedKVCache] | None = None) -> None:
+        """``positions``: the KV positions a sequence may reach (prompt, generation, one draft tree); ``pools``:
+        the KV pools a joining row takes blocks in (default: the batch's)."""
         self.batch = batch
         self.cache = batch.cache
+        self.pools = pools or [batch.cache]
         self.positions = positions
         self.waiting = FairQueue()
         self.rejected: list[GenerationResult] = []  # error results to hand out at the next step
@@ -86,20 +91,31 @@ class Scheduler:
         return rejected
 
     def admit(self) -> list[Sequence]:
-        """The waiting sequences that join now, in fair order (see the module's doc)."""
+        """The waiting sequences that join now, in fair order (see the module's doc), each with its claims."""
         joining: list[Sequence] = []
-        promised = self.cache.blocks_promised
         active = Counter(group_of(seq) for seq in self.batch.seqs)
         while self.waiting and len(self.batch) + len(joining) < self.batch.capacity:
             seq = self.waiting.next_for(active)
-            need = self.cache.blocks_for(self.positions(seq))
-            if promised + need > self.cache.num_blocks:
+            claims = self._claims(seq)
+            if claims is None:
                 break
-            promised += need
+            seq.claims = claims
             self.waiting.pop(seq)
             active[group_of(seq)] += 1
             joining.append(seq)
         return joining
+
+    def _claims(self, seq: Sequence) -> list[Claim] | None:
+        """A claim in every pool, or None (and nothing held) if one cannot promise the sequence its blocks."""
+        claims: list[Claim] = []
+        for pool in self.pools:
+            claim = pool.claim(seq.prompt_ids, self.positions(seq))
+            if claim is None:
+                for held in claims:
+                    held.pool.release_claim(held)
+                return None
+            claims.append(claim)
+        return claims
 
     def drop_waiting(self, request_id: str) -> bool:
         return self.waiting.remove_request(request_id)

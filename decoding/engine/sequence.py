@@ -16,6 +16,7 @@ from decoding.stats import SpecDecodeStats, acceptance_histogram
 
 if TYPE_CHECKING:  # xgrammar loads when a constraint appears
     from decoding.constraints.grammar import RowGrammar
+    from decoding.engine.kv_cache import Claim
 
 
 @dataclass
@@ -57,6 +58,8 @@ class GenerationResult:
     logprobs: list[dict[str, Any]] | None = None
     # Accepted draft tokens that were the only token the row's constraint allowed (structured outputs).
     num_grammar_forced_tokens: int = 0
+    # Prompt tokens whose keys and values came from the prefix cache (vLLM's RequestOutput.num_cached_tokens).
+    num_cached_tokens: int = 0
 
     @property
     def stats(self) -> SpecDecodeStats:
@@ -77,6 +80,9 @@ class StepOutput:
     num_running: int = 0
     num_waiting: int = 0
     kv_cache_usage: float = 0.0  # Engine.kv_cache_usage
+    # Prompt tokens of the rows that joined this step, and those found in the prefix cache (vLLM's counters).
+    prefix_cache_queries: int = 0
+    prefix_cache_hits: int = 0
     # With sampling_params.logprobs: the entries of ``new_tokens`` (for streaming them).
     new_logprobs: dict[str, list[dict[str, Any]]] = field(default_factory=dict)
 
@@ -108,6 +114,8 @@ class Sequence:
     grammar_forced: int = 0  # accepted draft tokens the grammar allowed alone
     error: str | None = None  # why a row ended with finish_reason "error" after it started generating
     group: str = ""  # its request's admission group (Request.group, else its id)
+    claims: list[Claim] = field(default_factory=list)  # KV blocks admission claimed, a claim per pool, until it joins
+    cached_tokens: int = 0  # prompt tokens its prefill found in the prefix cache
 
     @property
     def context(self) -> list[int]:
@@ -173,6 +181,7 @@ class Sequence:
             token_stats=self.token_stats,
             logprobs=self.logprobs[: len(self.generated)] if self.params.logprobs is not None else None,
             num_grammar_forced_tokens=self.grammar_forced,
+            num_cached_tokens=self.cached_tokens,
         )
 
 

@@ -129,12 +129,13 @@ class Step:
 
     # ----------------------------------------------------------------------------------------------- prefill
     @torch.no_grad()
-    def prefill(self, joining: list[Sequence], positions: list[int]) -> dict[str, list[int]]:
-        """Admit ``joining`` into new rows: one target forward over their prompts, the first token of each (returned
-        per request)."""
+    def prefill(self, joining: list[Sequence], positions: list[int] | None = None) -> dict[str, list[int]]:
+        """Admit ``joining`` into new rows (with their claims, or promised ``positions``): one target forward over
+        the part of their prompts not found cached, the first token of each (returned per request)."""
         rows = self.batch.admit(joining, positions)
         meta = self.batch.metadata(joining)
-        ids, lengths = pad_rows([s.prompt_ids for s in joining])
+        cached = self.cache.host_lengths[rows]  # prompt positions each row took from the prefix cache
+        ids, lengths = pad_rows([s.prompt_ids[skip:] for s, skip in zip(joining, cached)])
         width = ids.shape[1]
         valid = torch.arange(width)[None] < lengths[:, None]
         last_positions = sorted(set((lengths - 1).tolist()))
@@ -145,6 +146,7 @@ class Step:
             hidden_at=torch.arange(width) if reads_states else None,
         )
         self.cache.advance(rows, lengths.tolist())
+        self.cache.register(rows)
         at = self._to_device(torch.tensor([last_positions.index(n - 1) for n in lengths.tolist()]))
         raw = logits[torch.arange(len(joining), device=self.device), at].float()  # [B, V]
         last = self._warp(joining, prefill=True).penalize(raw) if meta.penalized else raw
@@ -166,6 +168,8 @@ class Step:
             seq.emit([token], [False], self.max_context, self.tokenizer)
             emitted[seq.request_id] = list(seq.generated)
         self.batch.joined(JoinedRows(rows, joining, positions, states))
+        for seq, skip in zip(joining, cached):
+            seq.claims, seq.cached_tokens = [], skip
         return emitted
 
     # -------------------------------------------------------------------------------------------------- plan
