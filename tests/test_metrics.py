@@ -74,3 +74,27 @@ def test_counters_move_per_step_and_count_an_aborted_requests_tokens(tokenizer, 
     assert len(memory.values["vllm:time_to_first_token_seconds"]) == 3  # the aborted one's first tokens too
     assert len(memory.values["vllm:e2e_request_latency_seconds"]) == 2
     assert memory.values["vllm:num_requests_running"][-1] == 0 and memory.values["vllm:kv_cache_usage_perc"][-1] == 0
+
+
+def test_prefix_cache_counters_are_recorded_per_step(tokenizer, target):
+    """vLLM's prefix_cache_queries / prefix_cache_hits: the prompt tokens of the rows that joined a step, and those
+    found cached; the second row of a shared 3-block prefix finds 48 of them."""
+    config = Config.model_validate({"model": "in-memory", "batch_size": 1, "sampling": {"max_tokens": 4},
+                                    "speculative": {"method": "none"}})
+    memory = Memory()
+    runner = EngineRunner(lambda: Engine(config, target=target, tokenizer=tokenizer), 1,
+                          observer=EngineMetrics([memory], "m"))
+    shared = "the quick brown fox jumps over the lazy dog and "  # 3 full blocks
+    futures, prompt_tokens = [], 0
+    for key, prompt in (("first", shared + "runs"), ("second", shared + "sleeps")):
+        request, future = Request(key, prompt=prompt), Future()
+        prepared = runner.prepare(request)
+        prompt_tokens += len(prepared.prompt_ids)
+        runner.submit(request, prepared, lambda event, future=future: future.set_result(event)
+                      if isinstance(event, GenerationResult) else None)
+        futures.append(future)
+    results = [future.result(timeout=120) for future in futures]
+    runner.close()
+    assert memory.values["vllm:prefix_cache_queries"] == [len(r.prompt_token_ids) for r in results]  # one a step
+    assert memory.total("vllm:prefix_cache_queries") == prompt_tokens
+    assert memory.values["vllm:prefix_cache_hits"] == [48] == [results[1].num_cached_tokens]

@@ -241,6 +241,8 @@ def test_processor_config_takes_ray_data_llms_fields_and_vllms_engine_kwargs(tin
     assert (options.rows_per_batch, options.calls_per_actor, options.accelerator_type) == (48, 6, "H100")
     assert not options.rows.continue_on_error and options.rows.detokenize
     assert specbatch.ProcessorConfig(model_source="m", concurrency=(2, 4)).engine_config().concurrency_range == (2, 4)
+    assert engine.enable_prefix_caching and not specbatch.ProcessorConfig(
+        model_source="m", engine_kwargs={"enable_prefix_caching": False}).engine_config().enable_prefix_caching
     assert specbatch.ProcessorConfig(model_source="m").engine_config().num_gpus == 0  # no accelerator_type: CPU
     ngram = specbatch.ProcessorConfig(model_source="m", engine_kwargs={"speculative_config": {
         "num_speculative_tokens": 4, "prompt_lookup_max": 3}}).engine_config().speculative
