@@ -2,7 +2,9 @@
 
 On the first signal the server drains (``deploy.drain``): new requests get 503, the requests in flight finish
 within ``graceful_shutdown_timeout_s``, the rest are ended cleanly; then Serve shuts down, and so does the Ray
-cluster the command started, with every process it started. A second signal stops at once.
+cluster the command started, with every process it started. A second signal stops at once: no drain and no
+graceful shutdown of Serve, only the cluster the command started and its processes, stopped (later signals are
+ignored while they are).
 """
 
 from __future__ import annotations
@@ -60,6 +62,7 @@ def ray_session() -> Iterator[None]:
 
 def serve_until_signalled(app: Application, host: str, port: int, grace: float, stop: threading.Event) -> None:
     drain = DrainSignal.options(name=signal_name(APP_NAME), namespace=NAMESPACE).remote()
+    interrupted = False
     try:
         url = start(app, host, port)
         log.info("serving at %s (Ctrl-C or SIGTERM to stop)", url)
@@ -73,8 +76,12 @@ def serve_until_signalled(app: Application, host: str, port: int, grace: float, 
         else:
             if left:
                 log.warning("replicas that did not report back from draining: %s", ", ".join(left))
+    except KeyboardInterrupt:  # a second signal: Serve's graceful shutdown would wait for the requests again
+        interrupted = True
+        raise
     finally:
-        serve.shutdown()
+        if not interrupted:
+            serve.shutdown()
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -86,8 +93,11 @@ def main(argv: list[str] | None = None) -> int:
     stop = threading.Event()
 
     def on_signal(signum: int, _: object) -> None:
-        if stop.is_set():
-            raise KeyboardInterrupt  # a second signal: stop now
+        if stop.is_set():  # a second signal: stop now; the cleanup of the cluster must not be interrupted in turn
+            log.warning("received %s again: stopping now, requests in flight are cut", signal.Signals(signum).name)
+            signal.signal(signal.SIGTERM, signal.SIG_IGN)
+            signal.signal(signal.SIGINT, signal.SIG_IGN)
+            raise KeyboardInterrupt
         log.info("received %s", signal.Signals(signum).name)
         stop.set()
 

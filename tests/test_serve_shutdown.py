@@ -42,10 +42,20 @@ def long_context_model(tmp_path_factory, tokenizer, target) -> str:
 def serve_process(long_context_model, tmp_path):
     """`python -m jobs.serve` on its own local Ray cluster, one engine row (requests queue behind each other),
     a one-second grace period, the API key from the environment."""
+    yield from _serve(long_context_model, tmp_path, grace=1.0)
+
+
+@pytest.fixture
+def patient_serve_process(long_context_model, tmp_path):
+    """The same with a grace period longer than any test: only a second signal ends the drain early."""
+    yield from _serve(long_context_model, tmp_path, grace=600.0)
+
+
+def _serve(long_context_model: str, tmp_path: Path, grace: float):
     config = tmp_path / "serve.yaml"
     config.write_text(yaml.safe_dump({
         "model": long_context_model, "speculative": {"method": "none"}, "batch_size": 1,
-        "sampling": {"max_tokens": 8}, "graceful_shutdown_timeout_s": 1.0,
+        "sampling": {"max_tokens": 8}, "graceful_shutdown_timeout_s": grace,
     }))
     port = unused_ports(1)[0]
     log = tmp_path / "serve.log"
@@ -127,6 +137,53 @@ def test_sigterm_drains_even_after_the_drain_actor_died(serve_process):
     time.sleep(1.0)  # the replicas' waits reach it
     _drain_under_sigterm(serve_process)
     assert "Traceback" not in Path(log).read_text()
+
+
+def test_a_second_sigterm_stops_at_once(patient_serve_process):
+    """Requests queued for minutes and a ten-minute grace period: the first SIGTERM starts the drain, a second one
+    stops the server within seconds (no wait for the requests, none for Serve's graceful shutdown); the requests
+    still in flight are cut, and every process the command started is gone."""
+    process, url, log = patient_serve_process
+    requests = 40
+
+    async def scenario() -> tuple[float, list[bool]]:
+        async with httpx.AsyncClient(base_url=url, timeout=600, headers=AUTH) as client:
+            async def request() -> bool:
+                """Whether the request completed."""
+                body = {"prompt": "the cat", "max_tokens": 4000, "ignore_eos": True, "stream": True}
+                try:
+                    async with client.stream("POST", "/v1/completions", json=body) as response:
+                        lines = [line async for line in response.aiter_lines() if line]
+                except httpx.HTTPError:
+                    return False
+                return len(lines) > 2 and '"finish_reason":"length"' in lines[-2].replace(" ", "")
+
+            tasks = [asyncio.create_task(request()) for _ in range(requests)]
+            for _ in range(600):
+                health = (await client.get("/health")).json()
+                if health["running"] + health["waiting"] >= requests:
+                    break
+                await asyncio.sleep(0.05)
+            process.send_signal(signal.SIGTERM)
+            for _ in range(500):
+                if (await client.get("/health")).status_code == 503:
+                    break
+                await asyncio.sleep(0.01)
+            process.send_signal(signal.SIGTERM)
+            started = time.monotonic()
+            await asyncio.to_thread(process.wait, 120)
+            stopped = time.monotonic() - started
+            return stopped, list(await asyncio.gather(*tasks))
+
+    descendants = psutil.Process(process.pid).children(recursive=True)
+    stopped, completed = asyncio.run(scenario())
+    assert process.returncode == 0, log.read_text()[-5000:]
+    # 8 s here beside other work; waiting for Serve's graceful shutdown instead took its controller's 30 s timeout.
+    assert stopped < 25, f"{stopped:.1f} s from the second SIGTERM to the exit"
+    assert completed.count(False) >= requests // 2  # the drain was cut, not waited for
+    assert "stopping now" in log.read_text()
+    left = [p for p in descendants if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+    assert not left, [p.name() for p in left]
 
 
 def _drain_under_sigterm(serve_process) -> None:
