@@ -143,10 +143,9 @@ class GenerationActor:
         rows = _rows(batch)
         # Submitted in the order of their prompts, so rows sharing a prefix join the engine close together and find
         # it cached; results keep the batch's order.
-        futures: list[Future | None] = [None] * len(rows)
-        for index in sorted(range(len(rows)), key=lambda i: _prompt_order(rows[i])):
-            futures[index] = self._submit(rows[index])
-        results = [future.result() for future in futures if future is not None]
+        futures = {index: self._submit(rows[index]) for index in sorted(range(len(rows)),
+                                                                         key=lambda i: _prompt_order(rows[i]))}
+        results = [futures[index].result() for index in range(len(rows))]
         if not self.options.continue_on_error and (failed := [r for r in results if r.finish_reason == "error"]):
             raise RowFailed(f"{len(failed)} of {len(results)} rows failed, the first: {failed[0].error} "
                             "(should_continue_on_error: true makes them error rows)")

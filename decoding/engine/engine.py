@@ -248,13 +248,18 @@ class Engine:
         emitted: dict[str, list[int]] = {}
         cache = self.cache
         while joining:
-            now, later, computing = [], [], set()
+            now, later, computing, uncached = [], [], set(), {}
             for seq in joining:
-                key = cache.first_missing_key(cache.own_claim(seq.claims))
-                (later if key is not None and key in computing else now).append(seq)
+                claim = cache.own_claim(seq.claims)
+                held = cache.cached_blocks(claim)
+                # The first block it could take from the cache but must compute: another row of this round may.
+                key = claim.keys[held] if held < claim.cacheable else None
+                if key is not None and key in computing:
+                    later.append(seq)
+                    continue
                 computing.add(key)
-            uncached = {seq.request_id: len(seq.prompt_ids) - cache.block_size * cache.cached_blocks(
-                cache.own_claim(seq.claims)) for seq in now}
+                now.append(seq)
+                uncached[seq.request_id] = len(seq.prompt_ids) - cache.block_size * held
             now.sort(key=lambda seq: uncached[seq.request_id])
             for group in prefill_groups([uncached[seq.request_id] for seq in now], self.prefill_tokens):
                 emitted.update(self.stepper.prefill(now[group]))

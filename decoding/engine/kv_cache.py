@@ -228,12 +228,6 @@ class PagedKVCache:
         """Blocks of the claim's prompt that its row would take from the cache now."""
         return len(claim.blocks) + len(self._cached_run(claim.keys, len(claim.blocks), claim.cacheable))
 
-    def first_missing_key(self, claim: Claim) -> bytes | None:
-        """The key of the first block of the claim's prompt that it could take from the cache but that is not
-        cached (None if there is none): two joining rows with the same such key would compute the same block."""
-        held = self.cached_blocks(claim)
-        return claim.keys[held] if held < claim.cacheable else None
-
     def register(self, rows: slice) -> None:
         """The prefill of ``rows`` has written their prompts: their full prompt blocks become cached (a block whose
         key another block already has stays the row's own)."""
