@@ -389,6 +389,9 @@ class Config(_Strict):
     # CPU cores per actor / replica (and torch threads on CPU); None = the machine's cores split over actors.
     num_cpus: float | None = Field(None, gt=0)
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    # vLLM's --trust-remote-code: the model's and tokenizer's own Python code (a hub repository's modeling files)
+    # may run when they load; off, such a model fails to load naming the option.
+    trust_remote_code: bool = False
     # vLLM's --chat-template (a file or the template itself; default: the tokenizer's) and
     # --default-chat-template-kwargs (variables the template reads, e.g. enable_thinking); requests and rows may
     # override both.

@@ -323,7 +323,7 @@ class OpenAIServer:
         self.metrics = EngineMetrics([ray_backend(replica_id), prometheus_backend(self.registry)], self.model_id)
         self.loop = EngineLoop(lambda: Engine(config), threads, self.metrics, config.limits.step_timeout_s)
         # The engine thread tokenizes with its own tokenizer; streaming decodes on the event loop with this one.
-        self.tokenizer = load_tokenizer(config.model)
+        self.tokenizer = load_tokenizer(config.model, config.trust_remote_code)
         gate.GATE.api_key = config.api_key.get_secret_value().encode() if config.api_key else None
         drain.watch(serve.get_replica_context().app_name, get_runtime_context().get_actor_id(),
                     start=self._start_draining, busy=lambda: gate.GATE.in_flight, end=self._end_requests)

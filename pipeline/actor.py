@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import threading
 import time
 from concurrent.futures import Future
 from dataclasses import dataclass
@@ -51,7 +52,9 @@ class RowOptions:
     (false: it fails the batch, so the dataset). ``detokenize``: ``generated_text`` decoded from the tokens for rows
     whose sampling asked for none. ``apply_chat_template``: false refuses ``messages``. ``continue_assistant``:
     messages ending with the assistant's are continued (Ray Data LLM's rule). ``metrics``: vLLM's metrics export.
-    ``error_column``: rows get ``INFERENCE_ERROR``."""
+    ``error_column``: rows get ``INFERENCE_ERROR``. ``max_pending``: rows the actor keeps in its engine at once
+    (None: every row of the batches it works on). ``ray_data_llm_rows``: rows as Ray Data LLM's engine stage makes
+    them: ``n`` above 1 gives the first completion only, and the logprob columns hold Python dicts."""
 
     continue_on_error: bool = True
     error_column: bool = False
@@ -59,6 +62,8 @@ class RowOptions:
     apply_chat_template: bool = True
     continue_assistant: bool = False
     metrics: bool = True
+    max_pending: int | None = None
+    ray_data_llm_rows: bool = False
 
 
 class RowFailed(RuntimeError):
@@ -75,10 +80,13 @@ def request_from_row(key: str, row: dict[str, Any], engine: Engine, options: Row
     parsed = parse_request(row.get("prompt"), row.get("messages"), row.get("sampling_params"), **chat)
     if parsed.messages is not None and not options.apply_chat_template:
         raise RequestError("a row with messages needs the chat template (apply_chat_template is false)")
+    sampling = parsed.sampling
+    if options.ray_data_llm_rows and sampling and isinstance(sampling.get("n"), int) and sampling["n"] > 1:
+        # Ray Data LLM keeps a request's first completion (outputs[0]): one sample has that law, so one is made.
+        sampling = {**sampling, "n": 1}
     rendering = parsed.chat.request_fields(engine.config, continue_assistant=options.continue_assistant,
                                            messages=parsed.messages)
-    sampling = resolve_sampling(parsed.sampling, engine.config.sampling, engine.target.config.vocab_size,
-                                engine.eos_ids)
+    sampling = resolve_sampling(sampling, engine.config.sampling, engine.target.config.vocab_size, engine.eos_ids)
     return Request(key, prompt=parsed.prompt, messages=parsed.messages, sampling=sampling, **rendering)
 
 
@@ -129,6 +137,8 @@ class GenerationActor:
         # a request that fails on its own becomes an error row. A failure to build the engine (bad model path, ...)
         # fails the actor here.
         self.runner = EngineRunner(lambda: Engine(self.config), self.torch_threads, metrics)
+        # Ray Data LLM's max_pending_requests: a row waits for a place before it is submitted.
+        self.pending = threading.BoundedSemaphore(options.max_pending) if options.max_pending else None
         spec = self.runner.engine.config.speculative  # as resolved: the default draft may have fallen back to ngram
         self.provenance = {
             "target_model": given.model,
@@ -149,16 +159,21 @@ class GenerationActor:
         if not self.options.continue_on_error and (failed := [r for r in results if r.finish_reason == "error"]):
             raise RowFailed(f"{len(failed)} of {len(results)} rows failed, the first: {failed[0].error} "
                             "(should_continue_on_error: true makes them error rows)")
+        tokenizer = self.runner.thread_tokenizer()
         if self.options.detokenize:
-            tokenizer = self.runner.thread_tokenizer()
             for result in results:
                 if not result.text and result.token_ids:  # its sampling_params had detokenize: false
                     result.text = tokenizer.decode(result.token_ids, skip_special_tokens=True)
-        block = output_block(batch, results, self.provenance, self.token_stats)
+        block = output_block(batch, results, self.provenance, self.token_stats,
+                             decode=lambda ids: [tokenizer.decode([token]) for token in ids],
+                             python_logprobs=self.options.ray_data_llm_rows)
         return block.replace_schema_metadata(self.metadata)
 
     def _submit(self, row: dict[str, Any]) -> Future:
         future: Future = Future()
+        if self.pending is not None:
+            self.pending.acquire()
+            future.add_done_callback(lambda _: self.pending.release())
         key = str(next(self._keys))
         started = time.perf_counter()
         # An error row the actor makes has the engine's shape (decoding.engine.sequence.error_result): its

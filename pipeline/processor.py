@@ -49,6 +49,7 @@ class StageOptions:
     tasks_in_flight_per_actor: int | None = CALLS_PER_ACTOR  # None: Ray Data's default
     accelerator_type: str | None = None
     runtime_env: dict[str, Any] | None = None
+    resources: dict[str, float] | None = None  # custom resources each actor reserves
     rows: RowOptions = field(default_factory=RowOptions)
     preprocess_map_kwargs: dict[str, Any] = field(default_factory=dict)
     postprocess_map_kwargs: dict[str, Any] = field(default_factory=dict)
@@ -60,10 +61,12 @@ class StageOptions:
             rows_per_batch=config.batch_size, calls_per_actor=config.max_concurrent_batches,
             tasks_in_flight_per_actor=config.max_tasks_in_flight_per_actor,
             accelerator_type=config.accelerator_type, runtime_env=config.runtime_env,
+            resources=config.actor_resources().get("resources"),
             rows=RowOptions(
                 continue_on_error=config.should_continue_on_error, error_column=config.should_continue_on_error,
                 detokenize=config.detokenize, apply_chat_template=config.apply_chat_template,
                 continue_assistant=True, metrics=config.log_engine_metrics,
+                max_pending=config.max_pending_requests, ray_data_llm_rows=True,
             ),
             preprocess_map_kwargs=preprocess_map_kwargs or {}, postprocess_map_kwargs=postprocess_map_kwargs or {},
         )
@@ -134,6 +137,7 @@ class Processor:
             num_cpus=self.config.num_cpus,  # None: Ray Data's default of one logical CPU per actor
             accelerator_type=options.accelerator_type,
             runtime_env=_runtime_env(options.runtime_env),
+            **({"resources": options.resources} if options.resources else {}),
         )
         if self.postprocess is not None or options.rows.error_column:
             # Light per-row work after the actors, which may hold every CPU: it must not wait for one.
@@ -188,3 +192,7 @@ def build_processor(
         config = config.model_copy(update={
             "chat_template_kwargs": {**chat_template_kwargs, **config.chat_template_kwargs}})
     return Processor(config, preprocess, postprocess, token_stats, options)
+
+
+# Ray Data LLM's older name of its builder.
+build_llm_processor = build_processor

@@ -1,27 +1,28 @@
-"""``ProcessorConfig``: Ray Data LLM's ``vLLMEngineProcessorConfig``, field for field, for this engine.
+"""``ProcessorConfig``: Ray Data LLM's ``vLLMEngineProcessorConfig`` (matched against Ray 2.60.0's source and docs),
+field for field, for this engine.
 
 A Ray Data LLM job switches by changing the import and the class name::
 
     config = specbatch.ProcessorConfig(
         model_source="smollm2-135m-instruct",
         engine_kwargs={"max_num_seqs": 16, "speculative_config": {"method": "ngram", "num_speculative_tokens": 4}},
+        chat_template_stage={"enabled": True, "chat_template_kwargs": {"enable_thinking": False}},
         batch_size=32, concurrency=2,
     )
 
-The fields mean what they mean there (Ray 2.60): ``batch_size`` is rows per Ray Data batch, ``concurrency`` the
-engine actors (an int ``n`` an autoscaling pool of 1 to ``n``, a pair ``(m, n)`` one of ``m`` to ``n``),
-``accelerator_type`` puts each actor on one GPU of that type (unset: CPU), ``max_concurrent_batches`` the batches
-an actor works on at once. ``engine_kwargs`` are vLLM's engine arguments: ``speculative_config`` (vLLM's dict;
-unset, the engine's default speculation), ``max_num_seqs`` (sequences decoded together), ``dtype``, ``seed``,
-``served_model_name``, and any field of specbatch's ``Config`` (``sampling``, ``num_cpus``, ...). vLLM arguments
-that only tune vLLM's own memory and scheduler are accepted and change nothing here (``TUNING_ONLY``); any other
-is refused by name.
+Every field of ``vLLMEngineProcessorConfig`` is taken, the older boolean flags (``apply_chat_template``,
+``chat_template``, ``tokenize``, ``detokenize``, ``has_image``) and ``resources_per_bundle`` / ``experimental`` too.
+What a field asks for that this engine does not do (images, LoRA, pooling tasks, model parallelism, pre-quantized
+checkpoints) is refused with one message naming the field, the value and what is supported instead; an unknown field
+or ``engine_kwargs`` key is refused by name. docs/reference.md ("ProcessorConfig") lists what each field means here.
 """
 
 from __future__ import annotations
 
 import logging
-from typing import Any, Literal
+from collections import Counter
+from collections.abc import Mapping
+from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
@@ -29,66 +30,239 @@ from decoding.config import Config, format_validation_error
 
 log = logging.getLogger(__name__)
 
-# vLLM engine arguments that tune vLLM's own scheduler and kernels: this engine has no counterpart, and none of
-# them changes what is generated.
-TUNING_ONLY = frozenset({
-    "enable_chunked_prefill", "enforce_eager", "disable_log_stats", "swap_space",
-    "distributed_executor_backend",
+# vLLM engine arguments that tune vLLM's own scheduler, kernels and loading: this engine has no counterpart, and none
+# of them changes what is generated (chunked prefill: the engine prefills in max_num_batched_tokens chunks anyway).
+VLLM_TUNING = frozenset({
+    "enable_chunked_prefill", "enforce_eager", "disable_log_stats", "swap_space", "distributed_executor_backend",
+    "max_seq_len_to_capture", "disable_custom_all_reduce", "compilation_config", "cuda_graph_sizes",
+    "async_scheduling", "max_num_partial_prefills", "long_prefill_token_threshold", "enable_log_requests",
+    "disable_log_requests", "max_logprobs", "max_lora_rank", "max_loras", "max_cpu_loras", "task_type",
 })
+# engine_kwargs values that only name what the engine does anyway.
+VLLM_NEUTRAL = {"kv_cache_dtype": {"auto"}, "generation_config": {"auto", "vllm"},
+                "load_format": {"auto", "safetensors", "pt", "runai_streamer"}, "quantization": {None},
+                "enable_lora": {False, None}, "tensor_parallel_size": {1}, "pipeline_parallel_size": {1},
+                "data_parallel_size": {1}}
+# What the engine supports instead, for each engine_kwargs value it refuses.
+_INSTEAD = {
+    "kv_cache_dtype": "the KV cache is kept in the model's dtype ('auto')",
+    "generation_config": "'auto' or 'vllm' (a row's sampling_params set its decoding)",
+    "load_format": "checkpoints load with transformers from safetensors or pytorch files ('auto')",
+    "quantization": "pre-quantized checkpoints are not loaded: give the full-precision model (the engine's own "
+                    "int4 self-draft needs no quantized checkpoint)",
+    "enable_lora": "LoRA adapters are not loaded: merge the adapter into the model's weights and give that model",
+    "tensor_parallel_size": "one engine runs on one device: use concurrency for more engines",
+    "pipeline_parallel_size": "one engine runs on one device: use concurrency for more engines",
+    "data_parallel_size": "use concurrency for more engines",
+}
 # vLLM's dtype spellings -> Config.dtype.
 _DTYPES = {"half": "float16", "float": "float32"}
 # engine_kwargs that would set what the processor's own fields set.
 _PROCESSOR_FIELDS = {"model": "model_source", "batch_size": "max_num_seqs", "concurrency": "concurrency",
                      "num_gpus": "accelerator_type"}
+# vLLM's SamplingParams defaults where this engine's Config defaults differ: rows built through ProcessorConfig take
+# them for the fields they omit (Ray Data LLM constructs SamplingParams from the row's dict).
+VLLM_SAMPLING_DEFAULTS = {"temperature": 1.0, "max_tokens": 16}
+# vLLM's engine seed default (EngineArgs.seed): the run seed of a ProcessorConfig's engine.
+VLLM_SEED = 0
+
+
+class StageConfig(BaseModel):
+    """A CPU stage of Ray Data LLM's pipeline (its ``_StageConfigBase``). The engine actor does these stages' work
+    on its own request threads, so the pool fields (``batch_size``, ``concurrency``, ``num_cpus``, ``memory``,
+    ``runtime_env``) have no separate actor pool to size here; ``enabled`` and the stage's own fields keep their
+    meaning."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    enabled: bool = True
+    batch_size: int | None = Field(None, ge=1)
+    concurrency: int | tuple[int, int] | None = None
+    runtime_env: dict[str, Any] | None = None
+    num_cpus: float | None = Field(None, ge=0)
+    memory: float | None = Field(None, ge=0)
+    model_source: str | None = None
+
+
+class ChatTemplateStageConfig(StageConfig):
+    chat_template: str | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+
+
+class TokenizerStageConfig(StageConfig):
+    pass
+
+
+class DetokenizeStageConfig(StageConfig):
+    pass
+
+
+class PrepareMultimodalStageConfig(StageConfig):
+    enabled: bool = False
+    model_config_kwargs: dict[str, Any] | None = None
+    chat_template_content_format: str | None = "string"
+    apply_sys_msg_formatting: bool | None = False
+
+
+def _stage(value: Any, cls: type[StageConfig]) -> StageConfig:
+    """A stage config given as a bool, a dict, one of these classes or Ray Data LLM's own (any pydantic model)."""
+    if isinstance(value, bool):
+        return cls(enabled=value)
+    if isinstance(value, StageConfig):
+        return cls.model_validate(value.model_dump(exclude_unset=True))
+    if isinstance(value, Mapping):
+        return cls.model_validate(dict(value))
+    if hasattr(value, "model_dump"):  # ray.data.llm.ChatTemplateStageConfig and its siblings
+        return cls.model_validate({k: v for k, v in value.model_dump().items() if v is not None})
+    raise ValueError(f"expected a bool, a dict or {cls.__name__}, got {type(value).__name__}")
+
+
+def _check_concurrency(value: int | tuple[int, int]) -> int | tuple[int, int]:
+    low, high = (value, value) if isinstance(value, int) else value
+    if low < 1 or high < low:
+        raise ValueError("concurrency must be a positive int or (min, max) with 1 <= min <= max")
+    return value
 
 
 class ProcessorConfig(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", arbitrary_types_allowed=True)
 
     model_source: str = Field(description="model path, hub id, URI or alias (Config.model)")
-    engine_kwargs: dict[str, Any] = Field(default_factory=dict, description="vLLM's engine arguments")
     batch_size: int = Field(32, ge=1, description="rows per Ray Data batch sent to an engine actor")
-    concurrency: int | tuple[int, int] = Field(1, description="engine actors: n (autoscaling 1..n) or (min, max)")
     accelerator_type: str | None = Field(None, description="GPU type per actor (e.g. 'H100'); unset: CPU")
+    concurrency: int | tuple[int, int] = Field(1, description="engine actors: n (a fixed pool) or (min, max)")
     runtime_env: dict[str, Any] | None = None
+    max_pending_requests: int | None = Field(None, ge=1, description="rows an actor keeps in its engine at once")
     max_concurrent_batches: int = Field(8, ge=1, description="Ray Data batches an actor works on at once")
     max_tasks_in_flight_per_actor: int | None = Field(None, ge=1, description="unset: Ray Data's default")
     should_continue_on_error: bool = Field(False, description="false: a failed row fails the dataset")
+    # Stage configs: a bool, a dict or a *StageConfig (validate_default: the defaults become configs too).
+    chat_template_stage: Any = Field(True, validate_default=True)
+    tokenize_stage: Any = Field(True, validate_default=True)
+    detokenize_stage: Any = Field(True, validate_default=True)
+    prepare_multimodal_stage: Any = Field(False, validate_default=True)
+    prepare_image_stage: Any = Field(False, validate_default=True)
+    engine_kwargs: dict[str, Any] = Field(default_factory=dict, description="vLLM's engine arguments")
+    task_type: str = "generate"
+    log_engine_metrics: bool = True
+    dynamic_lora_loading_path: str | None = None
+    placement_group_config: dict[str, Any] | None = None
+    # Older Ray Data LLM releases' fields.
+    resources_per_bundle: dict[str, float] | None = None
+    experimental: dict[str, Any] = Field(default_factory=dict)
     apply_chat_template: bool = True
     chat_template: str | None = None
+    tokenize: bool = True
     detokenize: bool = Field(True, description="generated_text from the tokens, whatever sampling's detokenize")
-    # Ray 2.60's spelling of the three above: a bool, or a dict with `enabled` and (chat) the template options.
-    chat_template_stage: bool | dict[str, Any] = True
-    detokenize_stage: bool | dict[str, Any] = True
-    log_engine_metrics: bool = True
-    task_type: Literal["generate"] = "generate"
+    has_image: bool = False
 
     @field_validator("concurrency")
     @classmethod
-    def _positive(cls, value: int | tuple[int, int]) -> int | tuple[int, int]:
-        low, high = (1, value) if isinstance(value, int) else value
-        if low < 1 or high < low:
-            raise ValueError("concurrency must be a positive int or (min, max) with 1 <= min <= max")
-        return value
+    def _concurrency(cls, value: int | tuple[int, int]) -> int | tuple[int, int]:
+        return _check_concurrency(value)
+
+    @field_validator("chat_template_stage", mode="after")
+    @classmethod
+    def _chat_stage(cls, value: Any) -> ChatTemplateStageConfig:
+        return _stage(value, ChatTemplateStageConfig)
+
+    @field_validator("tokenize_stage", mode="after")
+    @classmethod
+    def _tokenize_stage(cls, value: Any) -> TokenizerStageConfig:
+        return _stage(value, TokenizerStageConfig)
+
+    @field_validator("detokenize_stage", mode="after")
+    @classmethod
+    def _detokenize_stage(cls, value: Any) -> DetokenizeStageConfig:
+        return _stage(value, DetokenizeStageConfig)
+
+    @field_validator("prepare_multimodal_stage", "prepare_image_stage", mode="after")
+    @classmethod
+    def _multimodal_stage(cls, value: Any) -> PrepareMultimodalStageConfig:
+        return _stage(value, PrepareMultimodalStageConfig)
 
     @model_validator(mode="after")
-    def _stages(self) -> ProcessorConfig:
-        for name, allowed in (("chat_template_stage", {"enabled", "chat_template", "chat_template_kwargs"}),
-                              ("detokenize_stage", {"enabled"})):
-            stage = getattr(self, name)
-            if isinstance(stage, dict) and (unknown := set(stage) - allowed):
-                raise ValueError(f"{name}: {sorted(unknown)} not supported (the engine actor does this stage's work; "
-                                 f"accepted: {sorted(allowed)})")
-        chat = self.chat_template_stage
-        if chat is False or (isinstance(chat, dict) and not chat.get("enabled", True)):
-            object.__setattr__(self, "apply_chat_template", False)
-        if isinstance(chat, dict) and chat.get("chat_template"):
-            object.__setattr__(self, "chat_template", chat["chat_template"])
-        detokenize = self.detokenize_stage
-        if detokenize is False or (isinstance(detokenize, dict) and not detokenize.get("enabled", True)):
-            object.__setattr__(self, "detokenize", False)
+    def _resolve(self) -> ProcessorConfig:
+        chat, tokenize, detokenize = self.chat_template_stage, self.tokenize_stage, self.detokenize_stage
+        # The older flags, where set, apply to their stages (as Ray Data LLM did when it took both).
+        if not self.apply_chat_template:
+            chat.enabled = False
+        if self.chat_template is not None and chat.chat_template is None:
+            chat.chat_template = self.chat_template
+        if not self.tokenize:
+            tokenize.enabled = False
+        if not self.detokenize:
+            detokenize.enabled = False
+        self.apply_chat_template, self.detokenize = chat.enabled, detokenize.enabled
+        self.chat_template = chat.chat_template
+        for name, stage in (("chat_template_stage", chat), ("tokenize_stage", tokenize),
+                            ("detokenize_stage", detokenize)):
+            if stage.model_source not in (None, self.model_source):
+                raise ValueError(
+                    f"{name}.model_source={stage.model_source!r}: the engine renders, tokenizes and detokenizes with "
+                    f"the model's own tokenizer ({self.model_source!r}); give chat_template for another template")
+            if stage.concurrency is not None:
+                _check_concurrency(stage.concurrency)
+        images = (("has_image", self.has_image), ("prepare_multimodal_stage", self.prepare_multimodal_stage.enabled),
+                  ("prepare_image_stage", self.prepare_image_stage.enabled))
+        for name, enabled in images:
+            if enabled:
+                raise ValueError(f"{name} enabled: specbatch generates from text only (no images, video or audio); "
+                                 "give prompts or messages with text content")
+        if self.task_type != "generate":
+            raise ValueError(f"task_type={self.task_type!r}: specbatch generates text (task_type 'generate'); "
+                             "embedding, classification and scoring models are not run")
+        if self.dynamic_lora_loading_path is not None:
+            raise ValueError(f"dynamic_lora_loading_path={self.dynamic_lora_loading_path!r}: {_INSTEAD['enable_lora']}")
+        if unknown := set(self.experimental) - {"max_tasks_in_flight_per_actor"}:
+            raise ValueError(f"experimental: {sorted(unknown)} unknown (accepted: max_tasks_in_flight_per_actor)")
+        if self.max_tasks_in_flight_per_actor is None and "max_tasks_in_flight_per_actor" in self.experimental:
+            self.max_tasks_in_flight_per_actor = int(self.experimental["max_tasks_in_flight_per_actor"])
+        self.actor_resources()
         self.engine_config()  # refuse a bad engine_kwargs now, as Ray Data LLM does
         return self
+
+    @property
+    def chat_template_kwargs(self) -> dict[str, Any]:
+        return dict(self.chat_template_stage.chat_template_kwargs or {})
+
+    @property
+    def actor_concurrency(self) -> tuple[int, int]:
+        """(min, max) engine actors: an int is a fixed pool, a pair an autoscaling one."""
+        return (self.concurrency, self.concurrency) if isinstance(self.concurrency, int) else self.concurrency
+
+    def actor_resources(self) -> dict[str, Any]:
+        """What each engine actor reserves: ``num_gpus`` (1 with an ``accelerator_type``, else 0), and from
+        ``placement_group_config`` / ``resources_per_bundle`` its one bundle's ``CPU``, ``GPU`` and custom resources
+        (Ray Data LLM's single-worker engine reserves its bundle the same way)."""
+        resources: dict[str, Any] = {"num_gpus": 1 if self.accelerator_type else 0}
+        bundles: list[dict[str, float]] = []
+        if self.placement_group_config is not None:
+            config = dict(self.placement_group_config)
+            if unknown := set(config) - {"bundles", "bundle_per_worker", "strategy"}:
+                raise ValueError(f"placement_group_config: {sorted(unknown)} unknown "
+                                 "(accepted: bundle_per_worker, bundles, strategy)")
+            if "bundle_per_worker" in config:
+                bundles = [dict(config["bundle_per_worker"])]
+            else:
+                bundles = [dict(bundle) for bundle in config.get("bundles") or []]
+            if len(bundles) > 1:
+                raise ValueError(f"placement_group_config has {len(bundles)} bundles: one engine runs in one worker "
+                                 "on one device; use concurrency for more engines")
+        elif self.resources_per_bundle is not None:
+            bundles = [dict(self.resources_per_bundle)]
+        if bundles:
+            counts = Counter(bundles[0])
+            if counts.get("GPU", 0) > 1:
+                raise ValueError(f"a bundle of {counts['GPU']:g} GPUs: one engine runs on one device; use "
+                                 "concurrency for more engines")
+            if "GPU" in counts:
+                resources["num_gpus"] = counts.pop("GPU")
+            if "CPU" in counts:
+                resources["num_cpus"] = counts.pop("CPU")
+            if counts:
+                resources["resources"] = dict(counts)
+        return resources
 
     def engine_config(self) -> Config:
         """The engine's ``Config``; ``ValueError`` naming the engine_kwargs field that does not fit."""
@@ -96,18 +270,19 @@ class ProcessorConfig(BaseModel):
         for name, field in _PROCESSOR_FIELDS.items():
             if name in kwargs:
                 raise ValueError(f"engine_kwargs.{name}: set it with {field}")
-        tuning = sorted(TUNING_ONLY & set(kwargs))
-        if tuning:
-            log.info("engine_kwargs %s tune vLLM's own caches and scheduler; they change nothing here", tuning)
-        for name in tuning:
-            del kwargs[name]
-        for name in ("tensor_parallel_size", "pipeline_parallel_size"):
-            if kwargs.pop(name, 1) != 1:
-                raise ValueError(f"engine_kwargs.{name}: one engine runs on one device (use concurrency for more)")
-        if kwargs.pop("task_type", "generate") != "generate":
-            raise ValueError("engine_kwargs.task_type: only 'generate' is supported")
-        if kwargs.pop("trust_remote_code", False):
-            raise ValueError("engine_kwargs.trust_remote_code: models load without remote code")
+        for name, accepted in VLLM_NEUTRAL.items():
+            if name in kwargs and kwargs[name] not in accepted:
+                raise ValueError(f"engine_kwargs.{name}={kwargs[name]!r}: {_INSTEAD[name]}")
+            kwargs.pop(name, None)
+        if tuning := sorted(VLLM_TUNING & set(kwargs)):
+            log.info("engine_kwargs %s tune vLLM's own scheduler, kernels and loading; they change nothing here",
+                     tuning)
+            for name in tuning:
+                del kwargs[name]
+        known = set(Config.model_fields) | {"speculative_config", "seed"}
+        if unknown := sorted(set(kwargs) - known):
+            raise ValueError(f"engine_kwargs {unknown}: not an engine argument specbatch takes (it takes vLLM's "
+                             "listed in docs/reference.md, \"ProcessorConfig\", and the fields of its Config)")
         fields: dict[str, Any] = {"model": self.model_source}
         if "speculative_config" in kwargs:
             speculative = dict(kwargs.pop("speculative_config") or {"method": "none"})
@@ -119,15 +294,20 @@ class ProcessorConfig(BaseModel):
         if "dtype" in kwargs:
             dtype = kwargs.pop("dtype")
             fields["dtype"] = _DTYPES.get(dtype, dtype)
-        if "seed" in kwargs:
-            fields["sampling"] = {**kwargs.pop("sampling", {}), "seed": kwargs.pop("seed")}
+        if isinstance(kwargs.get("served_model_name"), list | tuple):  # vLLM takes several names; the first leads
+            kwargs["served_model_name"] = kwargs["served_model_name"][0] if kwargs["served_model_name"] else None
+        seed = kwargs.pop("seed", VLLM_SEED)
+        fields["sampling"] = {**VLLM_SAMPLING_DEFAULTS, "seed": seed, **kwargs.pop("sampling", {})}
         fields.update(kwargs)
-        fields["num_gpus"] = 1 if self.accelerator_type else 0
-        fields["concurrency"] = (1, self.concurrency) if isinstance(self.concurrency, int) else self.concurrency
+        resources = self.actor_resources()
+        fields["num_gpus"] = resources["num_gpus"]
+        if "num_cpus" in resources:
+            fields.setdefault("num_cpus", resources["num_cpus"])
+        fields["concurrency"] = self.concurrency
         if self.chat_template is not None:
             fields["chat_template"] = self.chat_template
-        if isinstance(self.chat_template_stage, dict) and self.chat_template_stage.get("chat_template_kwargs"):
-            fields["chat_template_kwargs"] = self.chat_template_stage["chat_template_kwargs"]
+        if self.chat_template_kwargs:
+            fields["chat_template_kwargs"] = self.chat_template_kwargs
         try:
             return Config.model_validate(fields)
         except ValidationError as exc:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 import pyarrow as pa
@@ -21,9 +22,16 @@ SPEC_DECODE = pa.struct([
     pa.field("num_grammar_forced_tokens", pa.int32()),
 ])
 
+# vLLM's Logprob: a token's log-probability, its 1-based rank in the model's law, and its text.
+LOGPROB = pa.struct([pa.field("logprob", pa.float32()), pa.field("rank", pa.int32()),
+                     pa.field("decoded_token", pa.string())])
+# vLLM's logprobs of one position: token id -> Logprob, the chosen token first, then the top alternatives.
+POSITION_LOGPROBS = pa.map_(pa.int32(), LOGPROB)
+
 OUTPUT_SCHEMA = pa.schema([
     pa.field("id", pa.string()),
     pa.field("prompt", pa.string()),
+    pa.field("prompt_token_ids", pa.list_(pa.int32())),
     pa.field("generated_text", pa.string()),
     pa.field("generated_tokens", pa.list_(pa.int32())),
     pa.field("num_input_tokens", pa.int32()),
@@ -39,15 +47,14 @@ OUTPUT_SCHEMA = pa.schema([
     pa.field("spec_decode", SPEC_DECODE),
     pa.field("target_model", pa.string()),
     pa.field("draft_model", pa.string()),
-    # sampling_params.logprobs (vLLM): per generated token, the target's log-probability and the top alternatives;
-    # null for rows that did not ask.
-    pa.field("logprobs", pa.list_(pa.struct([
-        pa.field("token_id", pa.int32()),
-        pa.field("logprob", pa.float32()),
-        pa.field("top_logprobs", pa.list_(pa.struct([pa.field("token_id", pa.int32()),
-                                                     pa.field("logprob", pa.float32())]))),
-    ]))),
+    # sampling_params.logprobs (vLLM's RequestOutput): per generated token, the target's log-probabilities of the
+    # token and of its top alternatives; null for rows that did not ask.
+    pa.field("logprobs", pa.list_(POSITION_LOGPROBS)),
+    # sampling_params.prompt_logprobs: the same per prompt token, the first null (nothing precedes it).
+    pa.field("prompt_logprobs", pa.list_(POSITION_LOGPROBS)),
 ])
+# The columns a processor hands on as Ray Data LLM's rows hold them: Python dicts keyed by token id.
+PYTHON_OBJECT_COLUMNS = ("logprobs", "prompt_logprobs")
 
 # One row per drafted candidate token; field order matches GenerationResult.token_stats tuples after `id`.
 TOKEN_STATS_SCHEMA = pa.schema([
@@ -73,13 +80,41 @@ PRODUCER_NODE = "specbatch.node"
 ENGINE_READY = "specbatch.engine_ready"
 
 
-def _output_row(result: GenerationResult) -> dict[str, Any]:
+def vllm_logprobs(entries: Sequence[dict[str, Any] | None] | None, decode: Callable[[list[int]], list[str]] | None
+                  ) -> list[dict[int, dict[str, Any]] | None] | None:
+    """The engine's logprob entries (``{token_id, logprob, rank, top_logprobs}`` per position, or None) in vLLM's
+    shape: per position ``{token_id: {logprob, rank, decoded_token}}``, the chosen token first. ``decode`` turns
+    token ids into their texts, one each (None: no texts)."""
+    if entries is None:
+        return None
+    positions: list[dict[int, dict[str, Any]] | None] = []
+    for entry in entries:
+        if entry is None:
+            positions.append(None)
+            continue
+        ranked = [entry, *(alt for alt in entry.get("top_logprobs", ()) if alt["token_id"] != entry["token_id"])]
+        texts = decode([item["token_id"] for item in ranked]) if decode is not None else [None] * len(ranked)
+        positions.append({item["token_id"]: {"logprob": item["logprob"], "rank": item.get("rank"),
+                                             "decoded_token": text} for item, text in zip(ranked, texts, strict=True)})
+    return positions
+
+
+def python_objects(values: list[Any]) -> pa.Array:
+    """``values`` as one Arrow column of Python objects (Ray Data's pickled-object extension type): how Ray Data
+    holds a column of dicts keyed by ints, such as Ray Data LLM's ``logprobs``."""
+    from ray.data._internal.object_extensions.arrow import ArrowPythonObjectArray
+
+    return ArrowPythonObjectArray.from_objects(values)
+
+
+def _output_row(result: GenerationResult, decode: Callable[[list[int]], list[str]] | None) -> dict[str, Any]:
     if result.finish_reason == "error":  # no partial outputs: every list of an error row is empty
         spec_decode = {**result.spec_decode, "acceptance_histogram": []}
     else:
         spec_decode = result.spec_decode
     return {
         "prompt": result.prompt,
+        "prompt_token_ids": result.prompt_token_ids,
         "generated_text": result.text,
         "generated_tokens": result.token_ids,
         "num_input_tokens": len(result.prompt_token_ids),
@@ -92,18 +127,26 @@ def _output_row(result: GenerationResult) -> dict[str, Any]:
         "per_step_drafted": result.per_step_drafted,
         "per_step_accepted": result.per_step_accepted,
         "spec_decode": spec_decode,
-        "logprobs": result.logprobs,
+        "logprobs": vllm_logprobs(result.logprobs, decode),
+        "prompt_logprobs": vllm_logprobs(getattr(result, "prompt_logprobs", None), decode),
     }
 
 
 def output_block(
-    inputs: pa.Table, results: list[GenerationResult], provenance: dict[str, str | None], token_stats: bool = True
+    inputs: pa.Table, results: list[GenerationResult], provenance: dict[str, str | None], token_stats: bool = True,
+    *, decode: Callable[[list[int]], list[str]] | None = None, python_logprobs: bool = False,
 ) -> pa.Table:
     """The output columns for ``results`` (one per input row, same order), carried-through input
     columns after them, and with ``token_stats`` the nested token statistics. ``id`` only where the input has
-    one (build_processor needs none), first and of the input's type (the job's reader makes it a string)."""
-    rows = [{**_output_row(result), **provenance} for result in results]
+    one (build_processor needs none), first and of the input's type (the job's reader makes it a string).
+    ``decode``: token ids to their texts, for the logprobs' ``decoded_token``. ``python_logprobs``: the logprob
+    columns as Python objects, as Ray Data LLM's rows hold them (else Arrow maps, which Parquet stores)."""
+    rows = [{**_output_row(result, decode), **provenance} for result in results]
     table = pa.Table.from_pylist(rows, schema=OUTPUT_SCHEMA.remove(0))
+    if python_logprobs:
+        for name in PYTHON_OBJECT_COLUMNS:
+            index = table.column_names.index(name)
+            table = table.set_column(index, name, python_objects([row[name] for row in rows]))
     if "id" in inputs.column_names:
         table = table.add_column(0, inputs.schema.field("id"), inputs["id"])
     for field in inputs.schema:

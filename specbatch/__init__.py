@@ -13,11 +13,21 @@ The public Python API (docs/reference.md, "Python API"), re-exported from the fo
 from decoding.config import Config, SamplingParams, SpeculativeConfig, load_config
 from decoding.engine import Engine, GenerationResult, Request
 from pipeline.job import run as generate
-from pipeline.processor import Processor, build_processor
-from pipeline.processor_config import ProcessorConfig
+from pipeline.processor import Processor, build_llm_processor, build_processor
+from pipeline.processor_config import (
+    ChatTemplateStageConfig,
+    DetokenizeStageConfig,
+    PrepareMultimodalStageConfig,
+    ProcessorConfig,
+    TokenizerStageConfig,
+)
+
+# Ray Data LLM's class name, so a job switches by changing its import alone.
+vLLMEngineProcessorConfig = ProcessorConfig  # noqa: N816
 
 __all__ = [
-    "Config", "Engine", "GenerationResult", "Processor", "ProcessorConfig", "Request", "SamplingParams",
-    "SpeculativeConfig",
-    "build_processor", "generate", "load_config",
+    "ChatTemplateStageConfig", "Config", "DetokenizeStageConfig", "Engine", "GenerationResult",
+    "PrepareMultimodalStageConfig", "Processor", "ProcessorConfig", "Request", "SamplingParams", "SpeculativeConfig",
+    "TokenizerStageConfig", "build_llm_processor", "build_processor", "generate", "load_config",
+    "vLLMEngineProcessorConfig",
 ]

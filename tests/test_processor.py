@@ -236,7 +236,8 @@ def test_processor_config_takes_ray_data_llms_fields_and_vllms_engine_kwargs(tin
         tiny_dirs["target"], 24, "float16", 7)
     assert (engine.speculative.method, engine.speculative.model, engine.speculative.num_speculative_tokens) == (
         "draft_model", tiny_dirs["draft"], 3)
-    assert engine.concurrency_range == (1, 3) and engine.num_gpus == 1 and engine.chat_template == "{{ messages }}"
+    # concurrency=3: a fixed pool of three engine actors.
+    assert engine.concurrency_range == (3, 3) and engine.num_gpus == 1 and engine.chat_template == "{{ messages }}"
     options = StageOptions.of(config)
     assert (options.rows_per_batch, options.calls_per_actor, options.accelerator_type) == (48, 6, "H100")
     assert not options.rows.continue_on_error and options.rows.detokenize
@@ -255,13 +256,98 @@ def test_processor_config_takes_ray_data_llms_fields_and_vllms_engine_kwargs(tin
     ).engine_config()  # the paged KV cache's vLLM names
     assert (paged.max_model_len, paged.block_size, paged.gpu_memory_utilization, paged.max_num_batched_tokens) == (
         64, 32, 0.5, 512)
-    for engine_kwargs, named in (({"kv_cache_dtype": "fp8"}, "kv_cache_dtype"), ({"tensor_parallel_size": 2},
-                                 "tensor_parallel_size"), ({"batch_size": 4}, "max_num_seqs"),
-                                 ({"speculative_config": {"method": "eagle"}}, "speculative.method")):
+    for engine_kwargs, named in (({"batch_size": 4}, "max_num_seqs"),
+                                 ({"speculative_config": {"method": "eagle"}}, "speculative.method"),
+                                 ({"tokenizer": "x", "swap_space": 4}, r"\['tokenizer'\]: not an engine argument")):
         with pytest.raises(ValueError, match=named):
             specbatch.ProcessorConfig(model_source="m", engine_kwargs=engine_kwargs)
     with pytest.raises(ValueError, match="max_pending"):
         specbatch.ProcessorConfig(model_source="m", max_pending=3)
+
+
+def test_processor_config_has_every_field_of_ray_data_llms_config_and_stage_configs():
+    """Every field of the installed Ray Data LLM's vLLMEngineProcessorConfig and stage configs is a field here, and
+    its stage config objects are taken as they are."""
+    import ray.data.llm as ray_llm
+
+    assert set(ray_llm.vLLMEngineProcessorConfig.model_fields) <= set(specbatch.ProcessorConfig.model_fields)
+    for name in ("ChatTemplateStageConfig", "TokenizerStageConfig", "DetokenizeStageConfig",
+                 "PrepareMultimodalStageConfig"):
+        assert set(getattr(ray_llm, name).model_fields) <= set(getattr(specbatch, name).model_fields), name
+    assert specbatch.vLLMEngineProcessorConfig is specbatch.ProcessorConfig
+    assert specbatch.build_llm_processor is specbatch.build_processor
+    theirs = specbatch.ProcessorConfig(model_source="m", chat_template_stage=ray_llm.ChatTemplateStageConfig(
+        chat_template_kwargs={"enable_thinking": False}, batch_size=8), detokenize_stage=ray_llm.DetokenizeStageConfig(
+        enabled=False))
+    assert theirs.chat_template_kwargs == {"enable_thinking": False} and theirs.apply_chat_template
+    assert not theirs.detokenize and theirs.engine_config().chat_template_kwargs == {"enable_thinking": False}
+
+
+def test_stage_configs_and_the_older_flags_mean_what_they_mean_in_ray_data_llm():
+    per_stage = specbatch.ProcessorConfig(  # Ray Data LLM's documented per-stage configuration
+        model_source="m",
+        chat_template_stage={"enabled": True, "batch_size": 256, "concurrency": 4},
+        tokenize_stage={"enabled": True, "batch_size": 512, "num_cpus": 0.5},
+        detokenize_stage={"enabled": True, "concurrency": (2, 8)},
+    )
+    assert per_stage.apply_chat_template and per_stage.detokenize and per_stage.tokenize_stage.num_cpus == 0.5
+    off = specbatch.ProcessorConfig(model_source="m", chat_template_stage=False, detokenize_stage={"enabled": False},
+                                    tokenize_stage=specbatch.TokenizerStageConfig(enabled=False))
+    assert not off.apply_chat_template and not off.detokenize and not off.tokenize_stage.enabled
+    older = specbatch.ProcessorConfig(model_source="m", apply_chat_template=False, detokenize=False, tokenize=False,
+                                      chat_template="{{ x }}")
+    assert (older.chat_template_stage.enabled, older.detokenize_stage.enabled, older.tokenize_stage.enabled) == (
+        False, False, False)
+    assert older.chat_template_stage.chat_template == "{{ x }}" == older.engine_config().chat_template
+    template = specbatch.ProcessorConfig(model_source="m", chat_template_stage={"chat_template": "{{ y }}"})
+    assert template.engine_config().chat_template == "{{ y }}"
+    for stage, match in (({"bogus": 1}, "chat_template_stage.bogus"), ({"model_source": "other"}, "model_source"),
+                         ({"concurrency": (3, 1)}, "concurrency"), ("yes", "expected a bool, a dict")):
+        with pytest.raises(ValueError, match=match):
+            specbatch.ProcessorConfig(model_source="m", chat_template_stage=stage)
+    queued = specbatch.ProcessorConfig(model_source="m", experimental={"max_tasks_in_flight_per_actor": 5},
+                                       max_pending_requests=7)
+    assert queued.max_tasks_in_flight_per_actor == 5 and queued.max_pending_requests == 7
+    with pytest.raises(ValueError, match=r"experimental: \['other'\]"):
+        specbatch.ProcessorConfig(model_source="m", experimental={"other": 1})
+
+
+@pytest.mark.parametrize(("fields", "named", "instead"), [
+    ({"has_image": True}, "has_image", "text only"),
+    ({"prepare_multimodal_stage": {"enabled": True}}, "prepare_multimodal_stage", "text only"),
+    ({"prepare_image_stage": True}, "prepare_image_stage", "text only"),
+    ({"dynamic_lora_loading_path": "s3://adapters"}, "dynamic_lora_loading_path", "merge the adapter"),
+    ({"engine_kwargs": {"enable_lora": True, "max_lora_rank": 32}}, "enable_lora=True", "merge the adapter"),
+    ({"task_type": "embed"}, "task_type='embed'", "generates text"),
+    ({"engine_kwargs": {"tensor_parallel_size": 2}}, "tensor_parallel_size=2", "use concurrency"),
+    ({"engine_kwargs": {"pipeline_parallel_size": 2}}, "pipeline_parallel_size=2", "use concurrency"),
+    ({"placement_group_config": {"bundle_per_worker": {"GPU": 2}}}, "2 GPUs", "use concurrency"),
+    ({"placement_group_config": {"bundles": [{"GPU": 1}] * 2}}, "2 bundles", "use concurrency"),
+    ({"engine_kwargs": {"quantization": "awq"}}, "quantization='awq'", "full-precision model"),
+    ({"engine_kwargs": {"load_format": "gguf"}}, "load_format='gguf'", "safetensors"),
+    ({"engine_kwargs": {"kv_cache_dtype": "fp8"}}, "kv_cache_dtype='fp8'", "model's dtype"),
+])
+def test_what_specbatch_does_not_do_is_refused_naming_the_field_and_the_alternative(fields, named, instead):
+    with pytest.raises(ValueError, match=re.escape(named)) as refused:
+        specbatch.ProcessorConfig(model_source="m", **fields)
+    assert instead in str(refused.value)
+
+
+def test_everyday_engine_kwargs_are_honoured():
+    config = specbatch.ProcessorConfig(model_source="m", engine_kwargs={
+        "trust_remote_code": True, "max_model_len": 4096, "enable_prefix_caching": False, "seed": 11,
+        "enable_chunked_prefill": True, "kv_cache_dtype": "auto", "max_num_batched_tokens": 4096,
+        "gpu_memory_utilization": 0.85, "block_size": 16, "enforce_eager": True, "generation_config": "auto",
+        "load_format": "runai_streamer", "served_model_name": ["a", "b"]}).engine_config()
+    assert config.trust_remote_code and config.max_model_len == 4096 and not config.enable_prefix_caching
+    assert (config.sampling.seed, config.max_num_batched_tokens, config.served_model_name) == (11, 4096, "a")
+    # vLLM's defaults for what a row's sampling_params omit, and vLLM's engine seed 0; a Config keeps its own.
+    defaults = specbatch.ProcessorConfig(model_source="m").engine_config().sampling
+    assert (defaults.temperature, defaults.max_tokens, defaults.top_p, defaults.top_k, defaults.seed) == (
+        1.0, 16, 1.0, 0, 0)
+    assert (specbatch.Config().sampling.temperature, specbatch.Config().sampling.max_tokens) == (0.0, 256)
+    own = specbatch.ProcessorConfig(model_source="m", engine_kwargs={"sampling": {"max_tokens": 64}})
+    assert own.engine_config().sampling.max_tokens == 64 and own.engine_config().sampling.temperature == 1.0
 
 
 def test_processor_maps_with_the_configs_batches_pool_and_resources(tiny_dirs, monkeypatch):
@@ -293,6 +379,13 @@ def test_processor_maps_with_the_configs_batches_pool_and_resources(tiny_dirs, m
     assert kwargs["compute"].max_concurrent_calls_per_actor == 6
     assert kwargs["runtime_env"] == {"pip": ["x"], "env_vars": {"RAY_worker_niceness": "0", "A": "1"}}
     assert calls["map"] == {"num_cpus": 0.5}
+    # An int concurrency is a fixed pool; a placement group's one bundle is what each engine actor reserves.
+    specbatch.build_processor(specbatch.ProcessorConfig(
+        model_source=tiny_dirs["target"], concurrency=2, placement_group_config={
+            "bundle_per_worker": {"CPU": 3, "GPU": 1, "accelerator_x": 1}, "strategy": "SPREAD"}))(Recorder())
+    kwargs = calls["map_batches"]
+    assert (kwargs["compute"].min_size, kwargs["compute"].max_size) == (2, 2)
+    assert (kwargs["num_cpus"], kwargs["num_gpus"], kwargs["resources"]) == (3, 1, {"accelerator_x": 1})
 
 
 def test_pipeline_actors_export_vllms_metrics_through_ray(ray_cluster, config):
@@ -320,3 +413,159 @@ def test_pipeline_actors_export_vllms_metrics_through_ray(ray_cluster, config):
             break
         time.sleep(1)
     assert {key: scraped.get(key) for key in expected} == expected
+
+
+# Ray Data LLM's documented examples (Ray 2.60: the quickstart, the per-stage configuration, and the quickstart's
+# sampling with vLLM's min_p, logit_bias and n), with the import changed and the model one this machine has.
+RAY_DATA_LLM_QUICKSTART = """
+from specbatch import vLLMEngineProcessorConfig, build_processor
+
+ds = ray.data.from_items([
+    {"prompt": "What is machine learning?"},
+    {"prompt": "Explain neural networks in one sentence."},
+])
+config = vLLMEngineProcessorConfig(
+    model_source=MODEL,
+    concurrency=1,  # 1 vLLM engine replica
+    batch_size=32,  # 32 samples per batch
+    engine_kwargs=ENGINE_KWARGS,
+    **STAGES,
+)
+processor = build_processor(
+    config,
+    preprocess=lambda row: {
+        "messages": [{"role": "user", "content": row["prompt"]}],
+        "sampling_params": SAMPLING,
+    },
+    postprocess=lambda row: dict(**row),
+)
+rows = processor(ds).take_all()
+"""
+PER_STAGE = {"chat_template_stage": {"enabled": True, "batch_size": 256, "concurrency": 4},
+             "tokenize_stage": {"enabled": True, "batch_size": 512, "num_cpus": 0.5},
+             "detokenize_stage": {"enabled": True, "concurrency": (2, 8)}}
+
+
+def _as_list(value: object) -> list:
+    return value.tolist() if hasattr(value, "tolist") else value
+
+
+def _check_vllm_output_columns(row: dict, logprobs: int | None = None, prompt_logprobs: int | None = None) -> None:
+    """A row's engine columns as Ray Data LLM's vLLMOutputData holds them."""
+    prompt_ids, generated = _as_list(row["prompt_token_ids"]), _as_list(row["generated_tokens"])
+    assert isinstance(row["prompt"], str) and isinstance(row["generated_text"], str)
+    assert prompt_ids and all(isinstance(t, int) for t in prompt_ids) and len(prompt_ids) == row["num_input_tokens"]
+    assert all(isinstance(t, int) for t in generated) and len(generated) == row["num_generated_tokens"]
+    assert isinstance(row["time_taken_llm"], float)
+    if logprobs is None:
+        assert row["logprobs"] is None
+    else:  # per generated token {token_id: {logprob, rank, decoded_token}}, the chosen token first
+        assert len(row["logprobs"]) == len(generated)
+        for token, position in zip(generated, row["logprobs"], strict=True):
+            assert next(iter(position)) == token and logprobs <= len(position) <= logprobs + 1
+            for token_id, entry in position.items():
+                assert isinstance(token_id, int) and set(entry) == {"logprob", "rank", "decoded_token"}
+                assert entry["logprob"] <= 0 and entry["rank"] >= 1 and isinstance(entry["decoded_token"], str)
+    if prompt_logprobs is None:
+        assert row["prompt_logprobs"] is None
+    else:
+        assert len(row["prompt_logprobs"]) == len(prompt_ids) and row["prompt_logprobs"][0] is None
+        assert all(next(iter(position)) == token for token, position in zip(prompt_ids[1:],
+                                                                             row["prompt_logprobs"][1:]))
+
+
+@pytest.mark.parametrize(("stages", "sampling", "logprobs", "prompt_logprobs"), [
+    ({}, {"temperature": 0.7, "max_tokens": 100}, None, None),
+    (PER_STAGE, {"temperature": 0.7, "max_tokens": 100}, None, None),
+    ({}, {"temperature": 0.8, "min_p": 0.05, "logit_bias": {"0": -100, 5: 2.5}, "n": 2, "max_tokens": 12,
+          "logprobs": 2, "prompt_logprobs": 1}, 2, 1),
+])
+def test_ray_data_llms_documented_examples_run_with_only_the_import_changed(
+        ray_cluster, config, stages, sampling, logprobs, prompt_logprobs):
+    scope = {"ray": ray, "MODEL": config.model, "STAGES": stages, "SAMPLING": sampling,
+             "ENGINE_KWARGS": {"speculative_config": config.speculative.model_dump(), "max_num_seqs": 2}}
+    exec(RAY_DATA_LLM_QUICKSTART, scope)
+    rows = scope["rows"]
+    assert len(rows) == 2
+    for row in rows:
+        _check_vllm_output_columns(row, logprobs, prompt_logprobs)
+        assert "What is machine learning?" in row["prompt"] or "neural networks" in row["prompt"]
+        assert 0 < row["num_generated_tokens"] <= sampling["max_tokens"]
+    if sampling.get("n", 1) > 1:  # n: Ray Data LLM's row holds the first completion
+        assert all(isinstance(row["generated_text"], str) for row in rows)
+
+
+def test_rows_through_processor_config_take_vllms_sampling_defaults(ray_cluster, config):
+    """No temperature or max_tokens in a row: vLLM's 1.0 and 16, not the Config's greedy 256."""
+    processor = specbatch.build_processor(
+        specbatch.ProcessorConfig(model_source=config.model, engine_kwargs={
+            "speculative_config": config.speculative.model_dump(), "max_num_seqs": 2,
+            "sampling": {"ignore_eos": True}}),
+        preprocess=lambda row: {"prompt": row["question"] or "x", "sampling_params": {}})
+    rows = processor(ray.data.from_items(QUESTIONS * 3)).take_all()
+    assert all(row["num_generated_tokens"] == 16 for row in rows)
+    by_prompt: dict[str, set] = {}
+    for row in rows:  # temperature 1: equal prompts sample apart
+        by_prompt.setdefault(row["prompt"], set()).add(tuple(_as_list(row["generated_tokens"])))
+    assert any(len(outputs) > 1 for outputs in by_prompt.values())
+
+
+@pytest.mark.real_model
+def test_the_ray_data_llm_quickstart_example_file_runs(ray_cluster, tmp_path):
+    env = {**os.environ, "RAY_ADDRESS": ray_cluster.get_runtime_context().gcs_address}
+    done = subprocess.run([sys.executable, str(REPO / "examples" / "ray_data_llm_quickstart.py")], cwd=tmp_path,
+                          env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.count("Q: ") == 2 and done.stdout.count("A: ") == 2
+    assert "What is machine learning?" in done.stdout
+
+
+def test_max_pending_requests_bounds_the_rows_an_actor_keeps_in_its_engine(config):
+    import threading
+
+    import pyarrow as pa
+
+    from decoding.engine import GenerationResult
+    from pipeline.actor import GenerationActor, RowOptions
+
+    actor = GenerationActor(config.model_dump(mode="json"), options=RowOptions(metrics=False, max_pending=2))
+    lock, counts = threading.Lock(), {"now": 0, "peak": 0}
+    submit = actor.runner.submit
+
+    def counting(request, prepared, sink):
+        with lock:
+            counts["now"] += 1
+            counts["peak"] = max(counts["peak"], counts["now"])
+
+        def counted(event):
+            if isinstance(event, GenerationResult | BaseException):
+                with lock:
+                    counts["now"] -= 1
+            sink(event)
+
+        submit(request, prepared, counted)
+
+    actor.runner.submit = counting
+    try:
+        block = actor(pa.table({"prompt": ["the cat sat", "dogs run", "on a mat", "a b c", "x y", "the mat"]}))
+    finally:
+        actor.runner.close()
+    assert block.num_rows == 6 and set(block["finish_reason"].to_pylist()) <= {"stop", "length"}
+    assert counts["peak"] == 2  # unbounded, all six rows would queue at once
+
+
+def test_max_model_len_bounds_prompt_and_output_with_a_per_row_error(config):
+    import pyarrow as pa
+
+    from pipeline.actor import GenerationActor, RowOptions
+
+    bounded = config.model_copy(update={"max_model_len": 16, "sampling": config.sampling.model_copy(
+        update={"max_tokens": 50, "ignore_eos": True})})
+    actor = GenerationActor(bounded.model_dump(mode="json"), options=RowOptions(metrics=False))
+    try:
+        rows = actor(pa.table({"prompt": ["the cat sat", " ".join(["the cat sat on the mat"] * 6)]})).to_pylist()
+    finally:
+        actor.runner.close()
+    short, long = rows
+    assert short["finish_reason"] == "length" and short["num_input_tokens"] + short["num_generated_tokens"] == 16
+    assert long["finish_reason"] == "error" and "max_model_len is 16 tokens" in long["error"]

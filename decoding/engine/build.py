@@ -61,9 +61,10 @@ class _Builder:
 
     def build(self) -> EngineParts:
         config, spec = self.config, self.config.speculative
-        tokenizer = self.tokenizer or load_tokenizer(config.model)
+        tokenizer = self.tokenizer or load_tokenizer(config.model, config.trust_remote_code)
         target_by_path = self.target is None  # its forward costs may be cached on disk under the path
-        loaded = self.target if self.target is not None else load_model(config.model, config.dtype, self.device)
+        loaded = (self.target if self.target is not None
+                  else load_model(config.model, config.dtype, self.device, config.trust_remote_code))
         target = model_view(loaded)
         max_context = int(getattr(loaded.config, "max_position_embeddings", 1 << 30))
         depth = spec.max_depth
@@ -123,8 +124,8 @@ class _Builder:
         if spec.model == SELF_DRAFT:
             draft = loaded
         elif draft is None:
-            check_same_tokenizer(tokenizer, load_tokenizer(spec.model), spec.model)
-            draft = load_draft(spec.model, config.dtype, self.device)
+            check_same_tokenizer(tokenizer, load_tokenizer(spec.model, config.trust_remote_code), spec.model)
+            draft = load_draft(spec.model, config.dtype, self.device, config.trust_remote_code)
         elif draft.config.vocab_size != loaded.config.vocab_size:
             raise ValueError(
                 f"draft vocab size {draft.config.vocab_size} differs from the target's "

@@ -167,7 +167,10 @@ class Engine:
         if not ids:
             raise EngineError("empty prompt")
         if len(ids) >= self.max_context:
-            raise EngineError(f"prompt has {len(ids)} tokens; the model's context is {self.max_context} tokens")
+            bound = ("max_model_len" if self.config.max_model_len == self.max_context
+                     else "the model's context")
+            raise EngineError(f"prompt has {len(ids)} tokens; {bound} is {self.max_context} tokens, and the prompt "
+                              "and its output must fit in it")
         vocab = self.loaded_target.config.vocab_size
         if any(t < 0 or t >= vocab for t in ids):
             raise EngineError(f"prompt token ids must lie in [0, {vocab})")

@@ -241,14 +241,18 @@ def _partial_tensors(function: Any) -> list[torch.Tensor]:
     return found
 
 
-def load_tokenizer(name: str) -> PreTrainedTokenizerBase:
-    return AutoTokenizer.from_pretrained(resolve_model_path(name))
+def load_tokenizer(name: str, trust_remote_code: bool = False) -> PreTrainedTokenizerBase:
+    """``trust_remote_code`` (transformers'): the tokenizer's own Python code, where its repository has some, may
+    run."""
+    return AutoTokenizer.from_pretrained(resolve_model_path(name), trust_remote_code=trust_remote_code)
 
 
-def load_model(name: str, dtype: str = "auto", device: torch.device | None = None) -> PreTrainedModel:
+def load_model(name: str, dtype: str = "auto", device: torch.device | None = None,
+               trust_remote_code: bool = False) -> PreTrainedModel:
     device = device or default_device()
     model = AutoModelForCausalLM.from_pretrained(
-        resolve_model_path(name), dtype=resolve_dtype(dtype, device), attn_implementation="sdpa"
+        resolve_model_path(name), dtype=resolve_dtype(dtype, device), attn_implementation="sdpa",
+        trust_remote_code=trust_remote_code,
     )
     return model.to(device).eval()
 
@@ -267,10 +271,11 @@ def draft_vocab_subset(name: str) -> list[int] | None:
     return _draft_metadata(name).get("vocab_subset")
 
 
-def load_draft(name: str, dtype: str = "auto", device: torch.device | None = None) -> torch.nn.Module:
+def load_draft(name: str, dtype: str = "auto", device: torch.device | None = None,
+               trust_remote_code: bool = False) -> torch.nn.Module:
     """A draft model: a causal LM, or a ``FeatureDraft`` where its training metadata says so."""
     if _draft_metadata(name).get("architecture") != "feature":
-        return load_model(name, dtype, device)
+        return load_model(name, dtype, device, trust_remote_code)
     device = device or default_device()
     return FeatureDraft.load(resolve_model_path(name), resolve_dtype(dtype, device)).to(device)
 
