@@ -4,6 +4,7 @@ fields)."""
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -86,8 +87,18 @@ GREEDY_TEMPERATURE = 1e-5
 MAX_STOPS = 64
 MAX_STOP_CHARS = 1024
 MAX_STOP_TOKEN_IDS = 1024
+# logit_bias entries (OpenAI's bound); allowed_token_ids as long as the largest vocabularies (262,144 tokens).
+MAX_LOGIT_BIAS = 1024
+MAX_ALLOWED_TOKEN_IDS = 1 << 18
+# Bad words are matched against every tree node's history, each against as many tokens as it spells.
+MAX_BAD_WORDS = 64
+MAX_BAD_WORD_CHARS = 128
+# vLLM's bound on each bias (it clamps rather than refuses).
+MAX_LOGIT_BIAS_VALUE = 100.0
 _TOKEN_ID = Annotated[int, Field(ge=0, lt=2**31)]
 _STOP = Annotated[str, Field(min_length=1, max_length=MAX_STOP_CHARS)]
+_BAD_WORD = Annotated[str, Field(min_length=1, max_length=MAX_BAD_WORD_CHARS)]
+_DECIMAL = re.compile(r"-?[0-9]+")
 
 
 # Deepest nesting accepted in a value a request carries (a JSON schema included): deeper values are refused before
@@ -243,6 +254,17 @@ class SamplingParams(_Strict):
     # vLLM's is any finite value above 0; logits are divided or multiplied by it in float32, and dividing by a
     # value near 0 overflows them: the factor and its inverse stay within 100.
     repetition_penalty: float = Field(1.0, ge=0.01, le=100.0)
+    # vLLM's min_p: after temperature, tokens less likely than min_p times the most likely one are dropped (before
+    # top-k and top-p).
+    min_p: float = Field(0.0, ge=0.0, le=1.0, description="0 disables min-p")
+    # Added to the raw logits before anything else, each clamped to [-100, 100] as vLLM does; keys are token ids,
+    # JSON's string keys ("50256") included.
+    logit_bias: dict[_TOKEN_ID, float] | None = Field(None, max_length=MAX_LOGIT_BIAS)
+    # Only these tokens may be generated.
+    allowed_token_ids: list[_TOKEN_ID] | None = Field(None, min_length=1, max_length=MAX_ALLOWED_TOKEN_IDS)
+    # vLLM's: a word's last token is banned where the output so far ends with its other tokens (a one-token word:
+    # always); each word counts with and without a leading space (decoding.params.bad_words_token_ids).
+    bad_words: list[_BAD_WORD] = Field(default_factory=list, max_length=MAX_BAD_WORDS)
     # 20: vLLM's default max_logprobs (its -1, the whole vocabulary, is not offered).
     logprobs: int | None = Field(None, ge=0, le=20, description="top alternatives returned with each token")
     skip_special_tokens: bool = True
@@ -280,6 +302,34 @@ class SamplingParams(_Strict):
             raise ValueError("stop strings must be non-empty")
         return stops
 
+    @field_validator("logit_bias", mode="before")
+    @classmethod
+    def _token_id_keys(cls, value: Any) -> Any:
+        # JSON objects have string keys: a decimal string is the token id it spells; a key neither an integer nor
+        # one is refused here. A bigger mapping is refused by its bound first, before any key is read.
+        if not isinstance(value, Mapping):
+            return value
+        if len(value) > MAX_LOGIT_BIAS:
+            raise ValueError(f"at most {MAX_LOGIT_BIAS} entries, got {len(value)}")
+        keys = [key for key in value if isinstance(key, str)]
+        if bad := [key for key in keys if not _DECIMAL.fullmatch(key)]:
+            raise ValueError(f"keys must be token ids (integers or their decimal strings), got {quote(bad[0])}")
+        return {int(key) if isinstance(key, str) else key: bias for key, bias in value.items()} if keys else value
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _clamped(cls, value: dict[int, float] | None) -> dict[int, float] | None:
+        if value is None:
+            return None
+        return {token: min(MAX_LOGIT_BIAS_VALUE, max(-MAX_LOGIT_BIAS_VALUE, bias)) for token, bias in value.items()}
+
+    @field_validator("bad_words")
+    @classmethod
+    def _spelled_words(cls, value: list[str]) -> list[str]:
+        if any(not word.strip() for word in value):
+            raise ValueError("bad words must have a character other than whitespace")
+        return list(dict.fromkeys(value))  # vLLM's: each word once
+
     @field_validator("top_k")
     @classmethod
     def _top_k_off(cls, value: int) -> int:
@@ -303,10 +353,18 @@ class SamplingParams(_Strict):
         return self.temperature == 0.0
 
     @property
+    def bans_tokens(self) -> bool:
+        """Whether some token may be banned outright (-inf) before the grammar's masks: min_tokens, allowed_token_ids,
+        bad_words."""
+        return bool(self.min_tokens or self.allowed_token_ids is not None or self.bad_words)
+
+    @property
     def penalized(self) -> bool:
-        """Whether logits need the penalty / ban pass (decoding.verification.sampling.Penalties)."""
+        """Whether logits need the penalty / ban pass (decoding.verification.sampling.Penalties): penalties,
+        logit_bias and the bans."""
         return bool(
-            self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0 or self.min_tokens
+            self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0 or self.logit_bias
+            or self.bans_tokens
         )
 
     def stop_ids(self, eos_ids: Any) -> set[int]:

@@ -9,12 +9,12 @@ naming the field. Torch-free: Ray Data's workers and the server's request path i
 from __future__ import annotations
 
 import re
-from collections.abc import Collection, Mapping
+from collections.abc import Callable, Collection, Mapping, Sequence
 from typing import Any
 
 from pydantic import ValidationError
 
-from decoding.config import SamplingParams, format_validation_error
+from decoding.config import SamplingParams, format_validation_error, quote
 
 
 class RequestError(ValueError):
@@ -35,8 +35,9 @@ def resolve_sampling(
     fan_out: bool = False,
 ) -> SamplingParams:
     """A request's sampling parameters: ``overrides`` (vLLM's names, older ones included) over the configured
-    ``defaults`` field by field, validated, and checked against the model: token ids within its ``vocab_size``,
-    ``logprobs`` at most the vocabulary, ``min_tokens`` not banning every token (``eos_ids`` and stop ids), and
+    ``defaults`` field by field, validated, and checked against the model: token ids within its ``vocab_size``
+    (``stop_token_ids``, ``logit_bias``, ``allowed_token_ids``), ``logprobs`` at most the vocabulary,
+    ``min_tokens`` not banning every token (``eos_ids`` and stop ids), and
     ``n`` 1 unless the caller makes the ``n`` sequences itself (``fan_out``: the server's choices; an engine request
     decodes one). The configured seed is the run's, never a request's (``decoding.verification.sampling``).
 
@@ -44,8 +45,11 @@ def resolve_sampling(
     pipeline hand the engine those): only the model checks run again. ``RequestError`` naming the field otherwise.
     """
     params = overrides if isinstance(overrides, SamplingParams) else _merged(overrides, defaults)
-    if any(token >= vocab_size for token in params.stop_token_ids):
-        raise RequestError(f"invalid sampling_params: stop_token_ids must lie in [0, {vocab_size})", "stop_token_ids")
+    for field, what, tokens in (("stop_token_ids", "stop_token_ids", params.stop_token_ids),
+                                ("logit_bias", "logit_bias keys", params.logit_bias or ()),
+                                ("allowed_token_ids", "allowed_token_ids", params.allowed_token_ids or ())):
+        if any(token >= vocab_size for token in tokens):
+            raise RequestError(f"invalid sampling_params: {what} must lie in [0, {vocab_size})", field)
     if params.logprobs is not None and params.logprobs > vocab_size:
         raise RequestError(f"invalid sampling_params: logprobs is more than the {vocab_size} tokens", "logprobs")
     if params.min_tokens and len(params.stop_ids(eos_ids)) >= vocab_size:
@@ -83,3 +87,26 @@ def _param(exc: ValidationError, overrides: Mapping[str, Any]) -> str | None:
     message = str(exc)
     named = {name: found.start() for name in overrides if (found := re.search(rf"\b{name}\b", message))}
     return min(named, key=named.__getitem__) if named else None
+
+
+def bad_words_token_ids(words: Sequence[str], encode: Callable[[str], list[int]], vocab_size: int) -> list[list[int]]:
+    """The token sequences ``bad_words`` ban, as vLLM's ``SamplingParams.update_from_tokenizer`` makes them: each word
+    (leading whitespace stripped) encoded as it is, and with a leading space where that spells it with as many
+    tokens starting differently (the word inside a text rather than at its start). ``encode``: text to token ids
+    without special tokens. A word of no token, or of a token past the model's ``vocab_size``, is refused naming
+    ``bad_words``. Computed once per request, where its tokenizer is known (the engine's ``prepare``)."""
+    found: list[list[int]] = []
+    for word in words:
+        for prefix in ("", " "):
+            ids = list(encode(prefix + word.lstrip()))
+            if not ids:
+                if not prefix:
+                    raise RequestError(f"invalid sampling_params: bad_words entry {quote(word)} spells no token",
+                                       "bad_words")
+                continue
+            if not prefix or (ids[0] != found[-1][0] and len(ids) == len(found[-1])):
+                found.append(ids)
+    if any(not 0 <= token < vocab_size for ids in found for token in ids):
+        raise RequestError(f"invalid sampling_params: bad_words spell token ids outside [0, {vocab_size})",
+                           "bad_words")
+    return found

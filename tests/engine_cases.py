@@ -63,9 +63,17 @@ SMALL_VOCAB = 6  # ids 0..5; id 2 is EOS
 END = SMALL_VOCAB  # "no token": the sequence already ended
 
 
-def reference_warp(logits: torch.Tensor, temperature: float, top_k: int, top_p: float) -> torch.Tensor:
-    """An independent transcription of transformers' warpers: temperature, top-k, then top-p."""
-    logits = logits.double() / temperature
+def reference_warp(logits: torch.Tensor, temperature: float, top_k: int, top_p: float, min_p: float = 0.0,
+                   logit_bias: dict | None = None) -> torch.Tensor:
+    """An independent transcription of vLLM's sampler on raw logits: ``logit_bias`` added first (keys as JSON or
+    Python give them), then transformers' warpers in vLLM's order: temperature, min-p, top-k, then top-p."""
+    logits = logits.double().clone()
+    for token, bias in (logit_bias or {}).items():
+        logits[int(token)] += bias
+    logits = logits / temperature
+    if min_p:
+        probs = logits.softmax(-1)
+        logits[probs < min_p * probs.max()] = -torch.inf
     if top_k:
         logits[logits < logits.topk(top_k).values[-1]] = -torch.inf
     probs = logits.softmax(-1)

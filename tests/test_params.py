@@ -4,6 +4,8 @@ in each refusal, the merge onto the configured values, and the checks against th
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
 from decoding.config import SamplingParams
@@ -36,6 +38,11 @@ BOUNDS = [
     ("ignore_eos", [True, False], [1, "yes", None]),
     ("skip_special_tokens", [True, False], [0]),
     ("detokenize", [True, False], ["maybe", 0]),
+    ("min_p", [0.0, 1.0, 0, 1], [-1e-9, 1.0000001, float("nan"), True, "0.1"]),
+    ("logit_bias", [{0: -100.0}, {VOCAB - 1: 100.0}, {str(i): 1.0 for i in range(VOCAB)}, None, {}],
+     [{"-1": 1.0}, {VOCAB: 1.0}, {"x": 1.0}, {"1.5": 1.0}, {"1": "2"}, {"1": float("inf")}, {"1": True}, [1], 3]),
+    ("allowed_token_ids", [[0], [VOCAB - 1], list(range(VOCAB)), None], [[], [VOCAB], [-1], ["1"], [1.0], 1]),
+    ("bad_words", [["x"], ["x" * 128] * 64, []], [[""], [" "], ["x" * 129], ["x"] * 65, "x", [3], None]),
 ]
 
 
@@ -44,6 +51,10 @@ BOUNDS = [
 def test_a_value_within_the_bounds_is_taken(field, value) -> None:
     params = resolve({field: value}, fan_out=True)
     expected = [value] if field == "stop" and isinstance(value, str) else value
+    if field == "logit_bias" and value:  # JSON's string keys are the token ids they spell
+        expected = {int(token): bias for token, bias in value.items()}
+    if field == "bad_words":  # each word once, as vLLM
+        expected = list(dict.fromkeys(value))
     assert getattr(params, field) == expected or (field in ("top_k",) and value == -1 and params.top_k == 0)
 
 
@@ -75,7 +86,7 @@ def test_an_empty_stop_string_is_refused_in_words(stop) -> None:
 
 
 def test_unknown_and_unsupported_fields_are_refused_by_name() -> None:
-    for field in ("min_p", "best_of", "logit_bias", "bad_words"):
+    for field in ("best_of", "spaces_between_special_tokens", "logprob_token_ids"):
         with pytest.raises(RequestError) as error:
             resolve({field: 1})
         assert error.value.param == field and field in str(error.value)
@@ -162,3 +173,23 @@ def test_the_frontends_error_is_this_error_and_the_servers_models_declare_no_bou
         for name, field in model.model_fields.items():
             if name in sampling:
                 assert field.metadata == [], f"{model.__name__}.{name} declares its own bounds: {field.metadata}"
+
+
+def test_bad_words_are_tokenized_as_vllm_does() -> None:
+    """vLLM's update_from_tokenizer: each word (leading spaces stripped) as it is, and with a leading space where
+    that spells it with as many tokens starting differently; a word of no token or past the vocabulary refused."""
+    from decoding.params import bad_words_token_ids
+
+    pieces = {"new": [1], " new": [2], "york": [3], " york": [4], "zz": [5], " zz": [6, 5], "big": [VOCAB + 2],
+              " big": [VOCAB + 3]}
+
+    def encode(text: str) -> list[int]:  # a word-level tokenizer whose words carry their leading space
+        return [token for piece in re.findall(r" ?[^ ]+", text) for token in pieces[piece]]
+
+    assert bad_words_token_ids(["new york", "  zz", "york"], encode, VOCAB) == [[1, 4], [2, 4], [5], [3], [4]]
+    with pytest.raises(RequestError, match="spells no token") as error:
+        bad_words_token_ids(["\u200b"], lambda text: [], VOCAB)
+    assert error.value.param == "bad_words"
+    with pytest.raises(RequestError, match=rf"outside \[0, {VOCAB}\)") as error:
+        bad_words_token_ids(["big"], encode, VOCAB)
+    assert error.value.param == "bad_words"

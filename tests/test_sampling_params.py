@@ -5,7 +5,16 @@ from __future__ import annotations
 
 import pytest
 import torch
-from engine_cases import END, PROMPTS, SMALL_VOCAB, chi_square_pvalue, make_config, reference_warp, run
+from engine_cases import (
+    END,
+    PROMPTS,
+    SMALL_VOCAB,
+    chi_square_pvalue,
+    make_config,
+    reference_warp,
+    run,
+    sequence_law,
+)
 from pydantic import ValidationError
 from transformers import RepetitionPenaltyLogitsProcessor
 
@@ -76,6 +85,105 @@ def test_penalties_at_tree_nodes_match_transformers_processor_on_each_node_histo
         assert torch.equal(out[0, node], expected)
 
 
+def vllm_processed(logits: torch.Tensor, prompt: list[int], output: list[int], params: SamplingParams,
+                   bad_words: list[list[int]], eos: set[int]) -> torch.Tensor:
+    """vLLM's sampler before temperature on one position, transcribed from its code (float64): allowed_token_ids,
+    bad words (their other tokens ending the output), the min_tokens ban, logit_bias, then the repetition,
+    frequency and presence penalties."""
+    logits = logits.double().clone()
+    if params.allowed_token_ids is not None:
+        keep = torch.zeros_like(logits, dtype=torch.bool)
+        keep[params.allowed_token_ids] = True
+        logits[~keep] = -torch.inf
+    for word in bad_words:
+        before = word[:-1]
+        if len(before) <= len(output) and output[len(output) - len(before):] == before:
+            logits[word[-1]] = -torch.inf
+    if len(output) < params.min_tokens:
+        logits[sorted(params.stop_ids(eos))] = -torch.inf
+    for token, bias in (params.logit_bias or {}).items():
+        logits[token] += bias
+    for token in set(prompt + output):
+        value = logits[token]
+        logits[token] = value / params.repetition_penalty if value > 0 else value * params.repetition_penalty
+    counts = torch.bincount(torch.tensor(output, dtype=torch.long), minlength=len(logits)).double()
+    return logits - params.frequency_penalty * counts - params.presence_penalty * (counts > 0)
+
+
+PROCESSING = {
+    "logit_bias": {"logit_bias": {1: 3.5, 4: -2.0, 8: -100.0}},
+    "allowed_token_ids": {"allowed_token_ids": [0, 2, 3, 5, 7]},
+    "bad_words": {},  # words made from the tree's own paths, below
+    "all": {"logit_bias": {3: 1.5, 6: 2.0}, "allowed_token_ids": [1, 2, 3, 4, 6, 8], "repetition_penalty": 1.4,
+            "frequency_penalty": 0.3, "presence_penalty": 0.2, "min_tokens": 3},
+}
+
+
+@pytest.mark.parametrize("case", list(PROCESSING))
+def test_processing_at_tree_nodes_is_vllms_on_each_node_history(case) -> None:
+    """logit_bias, allowed_token_ids, bad words (with the penalties and min_tokens): every node of a tree gets
+    vLLM's processing with its own history (the committed output, then its path), and a prefill's logits (no tree)
+    with the committed history alone."""
+    torch.manual_seed(1)
+    vocab, topology = 9, TreeTopology(2, 3, 2)
+    size = topology.size(3)
+    tokens = torch.randint(0, vocab, (2, size))
+    logits = torch.randn(2, size, vocab) * 3
+    prompts, outputs = [[1, 2, 3], [4]], [[5, 6], []]
+    paths = [[tokens[row, topology.ancestors[node]].tolist() for node in range(size)] for row in range(2)]
+    deep = max(range(size), key=lambda node: len(paths[0][node]))
+    # Bad words ending where a node's history does (some across the committed output), and some that never match.
+    bad_words = [[paths[0][deep][-2:] + [7], [6, paths[0][0][0], 1], [0], [8, 8, 8, 8]],
+                 [paths[1][deep][-1:] + [3], [5]]]
+    params = [SamplingParams(**PROCESSING[case], bad_words=["x"] if case in ("bad_words", "all") else []),
+              SamplingParams(**{**PROCESSING[case], "min_tokens": 0})]
+    words = bad_words if params[0].bad_words else [[], []]
+    penalties = Penalties.build(params, prompts, outputs, {2}, vocab, words)
+    got = penalties.apply(logits, tokens, topology.ancestors)
+    banned_by_words = 0
+    for row in range(2):
+        for node in range(size):
+            history = outputs[row] + paths[row][node]
+            expected = vllm_processed(logits[row, node], prompts[row], history, params[row], words[row], {2})
+            torch.testing.assert_close(got[row, node].double(), expected, rtol=1e-6, atol=1e-5)
+            plain = vllm_processed(logits[row, node], prompts[row], history, params[row], [], {2})
+            banned_by_words += int((expected.isinf() & ~plain.isinf()).sum())
+    assert banned_by_words > 0 if words[0] else banned_by_words == 0
+    # The nodes of one level at a time (a drafter's), and a prefill's last position (its row's output only).
+    level = topology.level_slice(2)
+    torch.testing.assert_close(penalties.apply(logits[:, level], tokens, topology.ancestors, level), got[:, level])
+    first = WarpParams.from_params(params, prompts, [[], []], {2}, vocab, words).penalize(logits[:, 0])
+    for row in range(2):
+        expected = vllm_processed(logits[row, 0], prompts[row], [], params[row], words[row], {2})
+        torch.testing.assert_close(first[row].double(), expected, rtol=1e-6, atol=1e-5)
+    assert penalties[torch.tensor([1])].apply(logits[1:], tokens[1:], topology.ancestors).equal(got[1:])
+
+
+def test_min_p_warps_as_vllm_before_top_k_and_top_p() -> None:
+    """min_p after temperature, before top-k and top-p (vLLM's order), on the rows that have it only; the facts a
+    device warp needs (which rows filter) follow a selection of rows."""
+    torch.manual_seed(0)
+    logits = torch.randn(4, 3, 11) * 2
+    params = [SamplingParams(temperature=0.7, min_p=0.3), SamplingParams(temperature=1.0),
+              SamplingParams(temperature=1.3, min_p=0.05, top_p=0.8), SamplingParams(temperature=0.9, min_p=1.0,
+                                                                                     top_k=3)]
+    warp = WarpParams.from_params(params)
+    assert warp.min_p_rows == (0, 2, 3)
+    probs = warp_probs(logits, warp)
+    for row, p in enumerate(params):
+        for node in range(3):
+            expected = reference_warp(logits[row, node], p.temperature, p.top_k, p.top_p, p.min_p)
+            torch.testing.assert_close(probs[row, node].double(), expected, rtol=1e-5, atol=1e-6)
+    assert (probs[0] > 0).sum() < (probs[1] > 0).sum()  # min_p dropped tokens
+    assert torch.equal(probs[3] > 0, torch.nn.functional.one_hot(logits[3].argmax(-1), 11).bool())  # min_p 1
+    picked = warp[torch.tensor([3, 1])]
+    assert picked.min_p_rows == (0,) and picked.nucleus_rows == ()
+    torch.testing.assert_close(warp_probs(logits[[3, 1]], picked), probs[[3, 1]])
+    # Greedy rows' statistics are plain softmaxes: sampling_only turns every filter off on them.
+    neutral = warp.sampling_only(torch.tensor([True, False, False, False]))
+    torch.testing.assert_close(warp_probs(logits, neutral)[0], (logits[0] / 0.7).softmax(-1))
+
+
 def _transformers(target, tokenizer, prompts, **kwargs) -> list[list[int]]:
     outputs = []
     for prompt in prompts:
@@ -124,47 +232,47 @@ def test_min_tokens_ignore_eos_and_stop_token_ids(tokenizer, target, draft) -> N
     assert stopped[0].token_ids == plain[0].token_ids[:cut] and stopped[0].finish_reason == "stop"
 
 
-def penalized_joint_law(model, prompt: list[int], warp: dict, presence: float, frequency: float) -> torch.Tensor:
-    """Exact law of the first three generated tokens (END after EOS) under vLLM's presence/frequency penalties
-    (on output tokens), then the warp, by enumerating prefixes."""
+def processed_joint_law(model, prompt: list[int], sampling: dict) -> torch.Tensor:
+    """Exact law of the first three generated tokens (END after EOS) under vLLM's processing of ``sampling``:
+    presence/frequency penalties (on output tokens), logit_bias, then the warp with min-p, by enumerating
+    prefixes (``engine_cases.sequence_law``)."""
+    presence, frequency = sampling.get("presence_penalty", 0.0), sampling.get("frequency_penalty", 0.0)
+    warp = {k: v for k, v in sampling.items() if k not in ("presence_penalty", "frequency_penalty")}
+
+    def penalize(prefix: list[int], logits: torch.Tensor) -> None:
+        counts = torch.bincount(torch.tensor(prefix, dtype=torch.long), minlength=SMALL_VOCAB)[:SMALL_VOCAB]
+        logits -= frequency * counts + presence * (counts > 0)
+
     joint = torch.zeros(SMALL_VOCAB + 1, SMALL_VOCAB + 1, SMALL_VOCAB + 1, dtype=torch.float64)
-
-    def extend(prefix: list[int], weight: float) -> None:
-        if len(prefix) == 3 or (prefix and prefix[-1] == 2):
-            tokens = prefix + [END] * (3 - len(prefix))
-            joint[tokens[0], tokens[1], tokens[2]] += weight
-            return
-        with torch.no_grad():
-            logits = model(torch.tensor([prompt + prefix])).logits[0, -1].double()
-        counts = torch.bincount(torch.tensor(prefix, dtype=torch.long), minlength=SMALL_VOCAB)[:SMALL_VOCAB].double()
-        logits = logits - frequency * counts - presence * (counts > 0)
-        law = reference_warp(logits, **warp)
-        for token in range(SMALL_VOCAB):
-            if law[token] > 0:
-                extend(prefix + [token], weight * float(law[token]))
-
-    extend([], 1.0)
+    for tokens, weight in sequence_law(model, prompt, warp, 3, penalize):
+        joint[tuple(tokens)] += weight
     return joint
 
 
-@pytest.mark.parametrize(("width", "init"), [(2, "draft"), (3, "target")])
-def test_sampling_with_presence_penalty_follows_the_penalized_target_law(width, init, tokenizer) -> None:
-    from tiny import noisy_copy, tiny_model
+WARP = {"temperature": 1.0, "top_k": 0, "top_p": 1.0}
 
-    target = tiny_model(seed=3, vocab_size=SMALL_VOCAB)
-    draft = noisy_copy(target, 0.6, seed=4)
+
+@pytest.mark.parametrize(("processing", "width", "init"), [
+    ({"presence_penalty": 1.5, "frequency_penalty": 0.5}, 2, "draft"),
+    ({"presence_penalty": 1.5, "frequency_penalty": 0.5}, 3, "target"),
+    ({"min_p": 0.3}, 3, "draft"),
+    ({"min_p": 0.2, "top_p": 0.95}, 2, "target"),
+    ({"logit_bias": {"1": 2.0, "4": -1.5, "2": -100}}, 2, "draft"),
+    ({"logit_bias": {"0": 1.5, "3": -2.0}, "min_p": 0.1}, 3, "target"),
+], ids=["penalties-w2", "penalties-w3-target", "min_p", "min_p-top_p", "logit_bias", "logit_bias-min_p"])
+def test_sampling_follows_the_processed_target_law(processing, width, init, small_models, tokenizer) -> None:
+    """Speculative sampling is lossless with respect to the processed target law: penalties, min_p and logit_bias
+    on both sides; the unprocessed law is rejected by the same test."""
+    target, draft = small_models
     prompt = [3, 4, 5, 3, 4, 5, 3]
-    warp = {"temperature": 1.0, "top_k": 0, "top_p": 1.0}
-    presence, frequency = 1.5, 0.5
     samples = 3000
     config = make_config(
         method="draft_model", num_candidates=width, candidate_init=init, num_speculative_tokens=3,
-        length_policy="static", batch_size=64, sampling={"max_tokens": 3, **warp},
+        length_policy="static", batch_size=64, sampling={"max_tokens": 4, **WARP},  # the law of the first three
     )
     engine = Engine(config, target=target, tokenizer=tokenizer, draft=draft)
-    penalties = {"presence_penalty": presence, "frequency_penalty": frequency}
     results = engine.generate(
-        [Request(id=str(i), prompt_token_ids=prompt, sampling={"seed": i, **penalties}) for i in range(samples)]
+        [Request(id=str(i), prompt_token_ids=prompt, sampling={"seed": i, **processing}) for i in range(samples)]
     )
     drafted = sum(sum(r.per_step_drafted) for r in results)
     accepted = sum(sum(r.per_step_accepted) for r in results)
@@ -173,11 +281,57 @@ def test_sampling_with_presence_penalty_follows_the_penalized_target_law(width, 
     for result in results:
         tokens = result.token_ids + [END] * 3
         counts[tokens[0], tokens[1], tokens[2]] += 1
-    law = penalized_joint_law(target, prompt, warp, presence, frequency)
+    law = processed_joint_law(target, prompt, {**WARP, **processing})
     assert chi_square_pvalue(counts, law) > 1e-3
-    # The penalty matters: the unpenalized law is rejected by the same test.
-    plain = penalized_joint_law(target, prompt, warp, 0.0, 0.0)
+    # The processing matters: the law without it is rejected by the same test.
+    plain = processed_joint_law(target, prompt, {**WARP, **{k: v for k, v in processing.items() if k in WARP}})
     assert chi_square_pvalue(counts, plain) < 1e-6
+
+
+# ------------------------------------------------------------------------------- greedy identity under speculation
+SPECULATIVE = {
+    "draft w2": {"method": "draft_model", "num_candidates": 2},
+    "draft w3 target-init + lookup": {"method": "draft_model", "num_candidates": 3, "candidate_init": "target",
+                                      "ngram_candidates": 1},
+    "self-draft int4 w2": {"method": "draft_model", "model": "target", "quantization": "int4", "num_candidates": 2},
+    "ngram w2": {"method": "ngram", "num_candidates": 2},
+    "recycle w2": {"method": "recycle", "num_candidates": 2, "candidate_init": "target"},
+}
+# Characters of the tiny tokenizer are its tokens: a = 3, ..., z = 28, " " = 29, "." = 30, "," = 31.
+GREEDY_FIELDS = {
+    "logit_bias": {"logit_bias": {"5": 4.0, "10": -100, "29": 1.0}},
+    "allowed_token_ids": {"allowed_token_ids": [2, *range(3, 12), 29]},
+    "bad_words": {"bad_words": ["kk", "db", "c", "q,", "abc"]},
+    "min_p": {"min_p": 0.5},  # greedy rows ignore it
+    "all": {"logit_bias": {"7": 3.0}, "bad_words": ["ee", "b"], "allowed_token_ids": [2, *range(3, 16), 29, 30],
+            "repetition_penalty": 1.2, "min_p": 0.2},
+}
+
+
+@pytest.mark.parametrize("field", list(GREEDY_FIELDS))
+def test_greedy_with_each_processing_is_plain_decodings_under_speculation(field, tokenizer, target, draft) -> None:
+    """Greedy rows take the processed logits' argmax: speculative decoding (several drafters, batch 3) gives exactly
+    plain decoding's tokens with each of logit_bias, allowed_token_ids, bad_words and min_p."""
+    sampling = {"max_tokens": MAX_TOKENS, **GREEDY_FIELDS[field]}
+    plain = run(make_config(method="none", batch_size=3, sampling=sampling), tokenizer, target)
+    tokens = [r.token_ids for r in plain]
+    unprocessed = [r.token_ids for r in run(make_config(method="none", batch_size=3,
+                                                        sampling={"max_tokens": MAX_TOKENS}), tokenizer, target)]
+    assert (tokens == unprocessed) == (field == "min_p")  # the processing changes greedy outputs
+    for name, speculative in SPECULATIVE.items():
+        config = make_config(**speculative, num_speculative_tokens=4, length_policy="static", batch_size=3,
+                             sampling=sampling)
+        results = run(config, tokenizer, target, draft if speculative.get("model") is None and
+                      speculative["method"] == "draft_model" else None)
+        assert [r.token_ids for r in results] == tokens, name
+        assert sum(sum(r.per_step_accepted) for r in results) > 0, name  # speculation ran, drafts accepted
+    params = SamplingParams(**GREEDY_FIELDS[field])
+    for output in tokens:
+        if params.allowed_token_ids is not None:
+            assert set(output) <= set(params.allowed_token_ids)
+        for word in params.bad_words:  # a word's tokens never end the output (its first may follow the prompt)
+            ids = tokenizer.encode(word, add_special_tokens=False)
+            assert not any(output[i : i + len(ids)] == ids for i in range(len(output)))
 
 
 # -------------------------------------------------------------------------------------- logprobs, text, refusals
@@ -212,6 +366,20 @@ def test_logprobs_are_the_targets_and_text_options(tokenizer, target, draft) -> 
     assert specials.text == tokenizer.decode(specials.token_ids, skip_special_tokens=False)
     assert "best_of" in results["unknown"].error
     assert results["n"].finish_reason == "error" and "n is 2" in results["n"].error
+
+
+@pytest.mark.parametrize(("sampling", "field"), [
+    ({"logit_bias": {"35": 1.0}}, "logit_bias"), ({"allowed_token_ids": [3, 35]}, "allowed_token_ids"),
+    ({"bad_words": ["  "]}, "bad_words"),
+    ({"logit_bias": {"a": 1.0}}, "logit_bias"), ({"min_p": 2}, "min_p"),
+])
+def test_a_request_past_the_vocabulary_or_a_bound_fails_alone_naming_the_field(sampling, field, tokenizer, target,
+                                                                               reference) -> None:
+    engine = Engine(make_config(method="ngram", batch_size=2), target=target, tokenizer=tokenizer)
+    bad, good = engine.generate([Request(id="bad", prompt="abc", sampling=sampling),
+                                 Request(id="good", prompt=PROMPTS[0])])
+    assert bad.finish_reason == "error" and field in bad.error and bad.token_ids == []
+    assert good.token_ids == reference[0]
 
 
 # ------------------------------------------------------------------------------------------- numerical safety
@@ -255,7 +423,10 @@ def test_warping_never_gives_a_law_with_nan_or_no_mass() -> None:
     ("presence_penalty", float("-inf")), ("repetition_penalty", 1e-300), ("seed", 2**63), ("seed", 1.0),
     ("stop", ["x"] * 65), ("stop", ["x" * 1025]), ("stop", [""]), ("stop", [3]), ("stop_token_ids", [2**31]),
     ("stop_token_ids", [-1]), ("stop_token_ids", [0] * 1025), ("logprobs", 21), ("ignore_eos", "yes"),
-    ("ignore_eos", 1), ("n", 0),
+    ("ignore_eos", 1), ("n", 0), ("min_p", 1.5), ("min_p", -0.1), ("min_p", "0.1"), ("logit_bias", {"x": 1.0}),
+    ("logit_bias", {"1": "2"}), ("logit_bias", {"-3": 1.0}), ("logit_bias", {str(i): 1.0 for i in range(1025)}),
+    ("logit_bias", [[1, 2.0]]), ("allowed_token_ids", []), ("allowed_token_ids", [2**31]), ("bad_words", ["\t"]),
+    ("bad_words", "word"), ("bad_words", ["x" * 129]),
 ])
 def test_every_field_is_bounded_and_strictly_typed(field, value) -> None:
     with pytest.raises(ValidationError) as error:

@@ -101,8 +101,8 @@ class StepGrammar:
         self.tree = TreeMasks([seq.grammar for seq in seqs], parents, device)
         self.batch = len(seqs)
         self.to_host = to_host
-        # The target's laws may lose every allowed token to a min_tokens ban.
-        self.may_empty = any(seq.grammar is not None and seq.params.min_tokens > 0 for seq in seqs)
+        # The target's laws may lose every allowed token to a ban (min_tokens, allowed_token_ids, bad_words).
+        self.may_empty = any(seq.grammar is not None and seq.params.bans_tokens for seq in seqs)
         self.walked_to = [0] * self.batch  # per row: nodes before this were walked
         self.index = {row: index for index, row in enumerate(self.tree.constrained)}
 

@@ -24,7 +24,7 @@ from decoding.engine.sequence import Sequence
 from decoding.verification.sampling import WarpParams
 
 # The per-row tensors of WarpParams kept as batch state; penalties are built per step, from each row's history.
-ROW_FIELDS = ("temperature", "top_k", "top_p")
+ROW_FIELDS = ("temperature", "top_k", "top_p", "min_p")
 
 
 @dataclass(frozen=True)
@@ -54,10 +54,10 @@ class BatchMetadata:
     greedy: torch.Tensor  # [B] bool, host
     sampled: list[int]  # rows that draw random numbers (not greedy)
     reproducible: list[bool]  # sampled rows that must reproduce (their own seed, or the run's)
-    penalized: bool  # some row has a penalty or a token ban
+    penalized: bool  # some row has a penalty, a logit bias or a token ban
     constrained: bool  # some row has a grammar
     room: torch.Tensor  # [B] long, host: tokens a row may still draft this step (max_tokens, the context)
-    row_warp: WarpParams  # on the device: temperature, top-k, top-p
+    row_warp: WarpParams  # on the device: temperature, top-k, top-p, min-p
 
     @property
     def all_greedy(self) -> bool:
@@ -136,9 +136,9 @@ class Batch:
     # --------------------------------------------------------------------------------------- per step
     def row_warp(self, rows: slice) -> WarpParams:
         """The device's sampling parameters of ``rows``, with what warping branches on read from their host copy."""
-        host = WarpParams(*(getattr(self.warp_host, name)[rows] for name in ROW_FIELDS))  # its facts computed
-        return WarpParams(*(getattr(self.warp_device, name)[rows] for name in ROW_FIELDS),
-                          max_top_k=host.max_top_k, nucleus_rows=host.nucleus_rows)
+        host = WarpParams(**{name: getattr(self.warp_host, name)[rows] for name in ROW_FIELDS})  # its facts computed
+        return WarpParams(**{name: getattr(self.warp_device, name)[rows] for name in ROW_FIELDS},
+                          max_top_k=host.max_top_k, nucleus_rows=host.nucleus_rows, min_p_rows=host.min_p_rows)
 
     def metadata(self, seqs: list[Sequence] | None = None) -> BatchMetadata:
         """The step's facts about ``seqs`` (default: every running row; a prefill passes its joining rows, which

@@ -36,7 +36,7 @@ from decoding.engine.sequence import (
     longest_token_bytes,
 )
 from decoding.engine.step import HostReads, Step
-from decoding.params import RequestError, resolve_sampling
+from decoding.params import RequestError, bad_words_token_ids, resolve_sampling
 from decoding.stats import SpecDecodeStats
 from decoding.verification.sampling import row_generator, run_seed
 
@@ -127,6 +127,7 @@ class Engine:
             seq = Sequence(request.id, prompt, prompt_ids, params,
                            row_generator(params, self.run_seed, request.seed_key or request.id), started)
             seq.stop_ids = params.stop_ids(self.eos_ids)
+            seq.bad_words = self._bad_words(params, tokenizer)
             seq.group = request.group or request.id
             seq.grammar = self.constraints.row_grammar(params, seq.stop_ids, tokenizer)  # compiled here, off the step
             need = self.cache.blocks_for(self._positions(seq))
@@ -153,6 +154,16 @@ class Engine:
         try:
             return resolve_sampling(sampling, self.config.sampling, self.loaded_target.config.vocab_size,
                                     self.eos_ids)
+        except RequestError as exc:
+            raise EngineError(str(exc)) from exc
+
+    def _bad_words(self, params: SamplingParams, tokenizer: PreTrainedTokenizerBase) -> list[list[int]]:
+        """The token sequences the request's bad words ban, tokenized once here (never in a step)."""
+        if not params.bad_words:
+            return []
+        try:
+            return bad_words_token_ids(params.bad_words, lambda text: tokenizer.encode(text, add_special_tokens=False),
+                                       self.loaded_target.config.vocab_size)
         except RequestError as exc:
             raise EngineError(str(exc)) from exc
 

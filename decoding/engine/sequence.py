@@ -103,6 +103,7 @@ class Sequence:
     per_step_accepted: list[int] = field(default_factory=list)
     token_stats: list[tuple] = field(default_factory=list)
     logprobs: list[dict[str, Any]] = field(default_factory=list)
+    bad_words: list[list[int]] = field(default_factory=list)  # its bad words' token sequences (params.bad_words)
     forwards: int = 0
     finish_reason: str | None = None
     stop_text: str | None = None

@@ -121,10 +121,12 @@ class Step:
         return self._to_device(row_uniforms([s.generator for s in seqs], meta.sampled, count))
 
     def _warp(self, seqs: list[Sequence], prefill: bool = False) -> WarpParams:
-        """Sampling parameters of ``seqs`` with the committed histories their penalties need (on the device)."""
+        """Sampling parameters of ``seqs`` with the committed histories their penalties and bad words need (on the
+        device)."""
         return WarpParams.from_params(
             [s.params for s in seqs], [s.prompt_ids for s in seqs],
             [[] if prefill else s.generated[:-1] for s in seqs], self.eos_ids, self.target.config.vocab_size,
+            [s.bad_words for s in seqs],
         ).to(self.device)
 
     # ----------------------------------------------------------------------------------------------- prefill
@@ -365,7 +367,7 @@ class Step:
         for log-probabilities)."""
         masked = last.clone() if last is raw else last
         apply_masks(masked[:, None], committed_masks([s.grammar for s in joining], self.device),
-                    any(s.grammar is not None and s.params.min_tokens > 0 for s in joining))
+                    any(s.grammar is not None and s.params.bans_tokens for s in joining))
         return masked
 
     def _grammar_tree(self, seqs: list[Sequence], plan: Plan, roots: torch.Tensor, root_valid: torch.Tensor

@@ -200,11 +200,7 @@ def verify_batch(
     argmax, logsumexp = argmax_logsumexp(logits, not sampling and size > 1)  # [B, N] each
     if sampling:
         # Greedy rows get the plain softmax (their statistics are at temperature 1, unwarped).
-        neutral = WarpParams(
-            warp.temperature, torch.where(greedy, 0, warp.top_k), torch.where(greedy, 1.0, warp.top_p),
-            max_top_k=warp.max_top_k, nucleus_rows=warp.nucleus_rows,  # still upper bounds
-        )
-        probs = warp_probs(logits, neutral)  # [B, N, V] float32
+        probs = warp_probs(logits, warp.sampling_only(greedy))  # [B, N, V] float32
         token_probs = probs[rows[:, None], parents[None], tokens]
     elif size == 1:  # a plain step: no drafted node, no statistic (a vocabulary-wide logsumexp per row saved)
         token_probs = logits.new_zeros(batch, 1, dtype=torch.float32)
