@@ -351,6 +351,10 @@ def test_logprobs_are_the_targets_and_text_options(tokenizer, target, draft) -> 
         assert entry["token_id"] == result.token_ids[i]
         assert abs(entry["logprob"] - float(law[entry["token_id"]])) < 1e-4
         assert [alt["token_id"] for alt in entry["top_logprobs"]] == law.topk(3).indices.tolist()
+        for item in (entry, *entry["top_logprobs"]):  # vLLM's rank: 1 + the tokens strictly more likely
+            assert item["rank"] == 1 + int((law > law[item["token_id"]]).sum())
+            assert abs(item["logprob"] - float(law[item["token_id"]])) < 1e-4
+        assert [alt["rank"] for alt in entry["top_logprobs"]] == [1, 2, 3]
 
     # Ray Data LLM's example sampling_params; skip_special_tokens; unknown fields and n are refused by name.
     requests = [

@@ -54,7 +54,8 @@ class GenerationResult:
     acceptance_histogram: list[int]
     # One tuple per drafted candidate token: (step, depth, candidate, token_id, draft_prob, target_prob, accepted)
     token_stats: list[tuple[int, int, int, int, float, float, bool]] = field(default_factory=list)
-    # With sampling_params.logprobs: per generated token, the target's log-probability and top alternatives.
+    # With sampling_params.logprobs: per generated token, its entry {token_id, logprob, rank, top_logprobs: [{token_id,
+    # logprob, rank}]} under the target's raw law.
     logprobs: list[dict[str, Any]] | None = None
     # Accepted draft tokens that were the only token the row's constraint allowed (structured outputs).
     num_grammar_forced_tokens: int = 0

@@ -129,6 +129,9 @@ class Step:
             [s.bad_words for s in seqs],
         ).to(self.device)
 
+    def _read_stats(self, tensor: torch.Tensor) -> torch.Tensor:
+        return self.to_host(tensor, stats=True)
+
     # ----------------------------------------------------------------------------------------------- prefill
     @torch.no_grad()
     def prefill(self, joining: list[Sequence], positions: list[int] | None = None) -> dict[str, list[int]]:
@@ -166,7 +169,7 @@ class Step:
         for i, (seq, token) in enumerate(zip(joining, self.to_host(tokens).tolist())):
             seq.forwards = 1
             if seq.params.logprobs is not None:
-                seq.logprobs += token_logprobs(self.to_host(raw[i : i + 1], stats=True), [token], seq.params.logprobs)
+                seq.logprobs += token_logprobs(raw[i : i + 1], [token], seq.params.logprobs, self._read_stats)
             seq.emit([token], [False], self.max_context, self.tokenizer)
             emitted[seq.request_id] = list(seq.generated)
         self.batch.joined(JoinedRows(rows, joining, positions, states))
@@ -340,8 +343,8 @@ class Step:
             new_tokens = [verdict.draft_tokens[row][n] for n in accepted_nodes] + [verdict.next_tokens[row]]
             all_emitted.append(new_tokens)
             if seq.params.logprobs is not None:  # opt-in: the target's log-probabilities at the path's nodes
-                at_path = self.to_host(verdict.raw_logits[row, self._to_device(torch.tensor(path))], stats=True)
-                seq.logprobs += token_logprobs(at_path, new_tokens, seq.params.logprobs)
+                at_path = verdict.raw_logits[row, self._to_device(torch.tensor(path))]
+                seq.logprobs += token_logprobs(at_path, new_tokens, seq.params.logprobs, self._read_stats)
             before = len(seq.generated)
             kept = seq.emit(new_tokens, [True] * len(accepted_nodes) + [False], self.max_context, self.tokenizer)
             kept_tokens[seq.request_id] = seq.generated[before:]

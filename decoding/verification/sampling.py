@@ -399,16 +399,26 @@ def row_uniforms(generators: Sequence[torch.Generator], rows: Sequence[int], cou
     return uniforms
 
 
-def token_logprobs(logits: torch.Tensor, tokens: Sequence[int], top: int) -> list[dict]:
-    """vLLM's ``logprobs``: for each token, its log-probability under the model's raw law at the position before
-    it (``logits`` [k, V], one row per token) and the ``top`` most likely tokens there."""
+def token_logprobs(logits: torch.Tensor, tokens: Sequence[int], top: int,
+                   read: Callable[[torch.Tensor], torch.Tensor] = torch.Tensor.cpu) -> list[dict]:
+    """vLLM's ``logprobs`` entries: for each token, its log-probability under the model's raw law at the position
+    before it (``logits`` [k, V], one row per token, on any device), its ``rank`` there (1 + the tokens more
+    likely), and the ``top`` most likely tokens with theirs. Computed where ``logits`` are; ``read`` brings the
+    [k, 2 + 2 top] result to the host in one copy (a step's ``HostReads``), never a vocabulary-wide tensor."""
     logprobs = logits.float().log_softmax(-1)
-    chosen = logprobs.gather(-1, torch.tensor(tokens, dtype=torch.long)[:, None])[:, 0].tolist()
-    best = logprobs.topk(top, dim=-1) if top else None
+    ids = torch.tensor(list(tokens), dtype=torch.long).to(logits.device, non_blocking=True)[:, None]
+    chosen = logprobs.gather(-1, ids)
+    parts = [chosen.double(), ((logprobs > chosen).sum(-1, keepdim=True) + 1).double()]
+    if top:
+        best = logprobs.topk(top, dim=-1)
+        parts += [best.values.double(), best.indices.double()]  # float64 holds every token id exactly
+    host = read(torch.cat(parts, -1)).tolist()
     entries = []
-    for i, (token, value) in enumerate(zip(tokens, chosen)):
-        alternatives = [] if best is None else [
-            {"token_id": t, "logprob": v} for t, v in zip(best.indices[i].tolist(), best.values[i].tolist())
+    for token, row in zip(tokens, host):
+        values, ids_ = row[2 : 2 + top], row[2 + top :]
+        alternatives = [  # ranks from the top values alone: every token more likely than one of them is among them
+            {"token_id": int(t), "logprob": v, "rank": 1 + sum(other > v for other in values[:i])}
+            for i, (t, v) in enumerate(zip(ids_, values))
         ]
-        entries.append({"token_id": token, "logprob": value, "top_logprobs": alternatives})
+        entries.append({"token_id": token, "logprob": row[0], "rank": int(row[1]), "top_logprobs": alternatives})
     return entries
