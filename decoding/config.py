@@ -267,6 +267,7 @@ class SamplingParams(_Strict):
     bad_words: list[_BAD_WORD] = Field(default_factory=list, max_length=MAX_BAD_WORDS)
     # 20: vLLM's default max_logprobs (its -1, the whole vocabulary, is not offered).
     logprobs: int | None = Field(None, ge=0, le=20, description="top alternatives returned with each token")
+    include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     detokenize: bool = True
     # A constraint on the output (decoding.constraints.grammar); also under its older name (OLDER_NAMES).

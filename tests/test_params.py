@@ -43,6 +43,7 @@ BOUNDS = [
      [{"-1": 1.0}, {VOCAB: 1.0}, {"x": 1.0}, {"1.5": 1.0}, {"1": "2"}, {"1": float("inf")}, {"1": True}, [1], 3]),
     ("allowed_token_ids", [[0], [VOCAB - 1], list(range(VOCAB)), None], [[], [VOCAB], [-1], ["1"], [1.0], 1]),
     ("bad_words", [["x"], ["x" * 128] * 64, []], [[""], [" "], ["x" * 129], ["x"] * 65, "x", [3], None]),
+    ("include_stop_str_in_output", [True, False], [1, "yes", None]),
 ]
 
 

@@ -372,6 +372,24 @@ def test_logprobs_are_the_targets_and_text_options(tokenizer, target, draft) -> 
     assert results["n"].finish_reason == "error" and "n is 2" in results["n"].error
 
 
+def test_include_stop_str_in_output_keeps_the_stop_string_in_the_text(tokenizer, target, draft, reference) -> None:
+    """vLLM's include_stop_str_in_output: the text ends after the stop string instead of before it; the tokens and
+    the finish reason are the same."""
+    longest = max(range(len(PROMPTS)), key=lambda i: len(reference[i]))
+    full = tokenizer.decode(reference[longest], skip_special_tokens=True)
+    stop = full[6:8]
+    config = make_config(method="draft_model", num_candidates=2, length_policy="static",
+                         sampling={"max_tokens": len(reference[longest]), "stop": ["zz", stop]})
+    engine = Engine(config, target=target, tokenizer=tokenizer, draft=draft)
+    excluded, included = engine.generate([
+        Request(id=str(flag), prompt=PROMPTS[longest], sampling={"include_stop_str_in_output": flag})
+        for flag in (False, True)
+    ])
+    end = full.index(stop)
+    assert excluded.text == full[:end] and included.text == full[: end + len(stop)]
+    assert included.token_ids == excluded.token_ids and included.finish_reason == excluded.finish_reason == "stop"
+
+
 @pytest.mark.parametrize(("sampling", "field"), [
     ({"logit_bias": {"35": 1.0}}, "logit_bias"), ({"allowed_token_ids": [3, 35]}, "allowed_token_ids"),
     ({"bad_words": ["  "]}, "bad_words"),
@@ -431,6 +449,7 @@ def test_warping_never_gives_a_law_with_nan_or_no_mass() -> None:
     ("logit_bias", {"1": "2"}), ("logit_bias", {"-3": 1.0}), ("logit_bias", {str(i): 1.0 for i in range(1025)}),
     ("logit_bias", [[1, 2.0]]), ("allowed_token_ids", []), ("allowed_token_ids", [2**31]), ("bad_words", ["\t"]),
     ("bad_words", "word"), ("bad_words", ["x" * 129]),
+    ("include_stop_str_in_output", "true"),
 ])
 def test_every_field_is_bounded_and_strictly_typed(field, value) -> None:
     with pytest.raises(ValidationError) as error:

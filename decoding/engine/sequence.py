@@ -148,7 +148,8 @@ class Sequence:
         return len(self.generated) - before
 
     def _apply_stop_strings(self, before: int, tokenizer: PreTrainedTokenizerBase) -> None:
-        """Cut after the first token whose text completes a stop string; the text ends before the stop string.
+        """Cut after the first token whose text completes a stop string; the text ends before the stop string (after
+        it with ``include_stop_str_in_output``: vLLM's). Of stop strings found at once, the first to start wins.
 
         Incremental: each token is decoded once, and only text that the new token could complete is searched (a
         stop string found now must end in the token's text, else an earlier token would have ended the sequence).
@@ -160,10 +161,11 @@ class Sequence:
         for end in range(before, len(self.generated)):
             start = max(0, len(self.text.text) - longest + 1)
             self.text.push([self.generated[end]])
-            hits = [at for stop in stops if (at := self.text.text.find(stop, start)) >= 0]
+            hits = [(at, at + len(stop)) for stop in stops if (at := self.text.text.find(stop, start)) >= 0]
             if hits:
                 del self.generated[end + 1 :], self.accepted[end + 1 :]
-                self.stop_text = self.text.text[: min(hits)]
+                at, after = min(hits, key=lambda hit: hit[0])
+                self.stop_text = self.text.text[: after if self.params.include_stop_str_in_output else at]
                 self.finish_reason = "stop"
                 return
 
