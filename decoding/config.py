@@ -267,6 +267,9 @@ class SamplingParams(_Strict):
     bad_words: list[_BAD_WORD] = Field(default_factory=list, max_length=MAX_BAD_WORDS)
     # 20: vLLM's default max_logprobs (its -1, the whole vocabulary, is not offered).
     logprobs: int | None = Field(None, ge=0, le=20, description="top alternatives returned with each token")
+    # Per prompt token (the first None): its log-probability given the tokens before it, and the top alternatives.
+    # A row asking for them takes nothing from the prefix cache (a cached prefix has no logits), as in vLLM.
+    prompt_logprobs: int | None = Field(None, ge=0, le=20, description="top alternatives per prompt token")
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     detokenize: bool = True

@@ -36,8 +36,8 @@ def resolve_sampling(
 ) -> SamplingParams:
     """A request's sampling parameters: ``overrides`` (vLLM's names, older ones included) over the configured
     ``defaults`` field by field, validated, and checked against the model: token ids within its ``vocab_size``
-    (``stop_token_ids``, ``logit_bias``, ``allowed_token_ids``), ``logprobs`` at most the vocabulary,
-    ``min_tokens`` not banning every token (``eos_ids`` and stop ids), and
+    (``stop_token_ids``, ``logit_bias``, ``allowed_token_ids``), ``logprobs`` and ``prompt_logprobs`` at most the
+    vocabulary, ``min_tokens`` not banning every token (``eos_ids`` and stop ids), and
     ``n`` 1 unless the caller makes the ``n`` sequences itself (``fan_out``: the server's choices; an engine request
     decodes one). The configured seed is the run's, never a request's (``decoding.verification.sampling``).
 
@@ -50,8 +50,9 @@ def resolve_sampling(
                                 ("allowed_token_ids", "allowed_token_ids", params.allowed_token_ids or ())):
         if any(token >= vocab_size for token in tokens):
             raise RequestError(f"invalid sampling_params: {what} must lie in [0, {vocab_size})", field)
-    if params.logprobs is not None and params.logprobs > vocab_size:
-        raise RequestError(f"invalid sampling_params: logprobs is more than the {vocab_size} tokens", "logprobs")
+    for field in ("logprobs", "prompt_logprobs"):
+        if (top := getattr(params, field)) is not None and top > vocab_size:
+            raise RequestError(f"invalid sampling_params: {field} is more than the {vocab_size} tokens", field)
     if params.min_tokens and len(params.stop_ids(eos_ids)) >= vocab_size:
         raise RequestError("invalid sampling_params: min_tokens would ban every token (stop_token_ids and EOS "
                            "cover the vocabulary)", "stop_token_ids")

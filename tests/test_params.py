@@ -44,6 +44,7 @@ BOUNDS = [
     ("allowed_token_ids", [[0], [VOCAB - 1], list(range(VOCAB)), None], [[], [VOCAB], [-1], ["1"], [1.0], 1]),
     ("bad_words", [["x"], ["x" * 128] * 64, []], [[""], [" "], ["x" * 129], ["x"] * 65, "x", [3], None]),
     ("include_stop_str_in_output", [True, False], [1, "yes", None]),
+    ("prompt_logprobs", [0, VOCAB, None], [-1, VOCAB + 1, 21, True, 1.0]),
 ]
 
 

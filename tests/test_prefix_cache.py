@@ -318,3 +318,47 @@ def test_sampling_follows_the_target_law_with_cached_prefixes(speculative, small
         tokens = result.token_ids + [END] * 3
         counts[tokens[1], tokens[2]] += 1
     assert chi_square_pvalue(counts, law) > 1e-3
+
+
+@pytest.mark.parametrize("forward", ["lean", "transformers"])
+@pytest.mark.parametrize("drafter", ["none", "draft w2 target-init", "self-draft int8 w2"])
+def test_prompt_logprobs_cover_every_prompt_token_whatever_the_cache_holds(
+    drafter, forward, tokenizer, target, draft, prefixed_reference, device, monkeypatch
+) -> None:
+    """vLLM's prompt_logprobs: one entry per prompt token, the first None, each other the target's raw
+    log-probability of the token given those before it (a full forward's log_softmax) with its rank and the top
+    alternatives. A row asking takes nothing from the prefix cache (a cached prefix has no logits), whatever others
+    cached before it, while the rows beside it still do; its tokens are the same. ``transformers``: a target run by
+    transformers' own forward, whose logits come at every prompt position instead of through the LM head."""
+    from decoding.engine import step
+    from decoding.model import lean_forward
+
+    monkeypatch.setattr(step, "PROMPT_LOGPROBS_CHUNK", 7)  # several chunks a prompt
+    if forward == "transformers":
+        monkeypatch.setattr(lean_forward, "supports_lean_forward", lambda model: False)
+    engine = _engine(_config(True, 3, **DRAFTERS[drafter]), tokenizer, target, draft, device)
+    assert (type(engine.target).__name__ == "LeanCausalLM") == (forward == "lean")
+    first = engine.generate([Request("cached", prompt=PREFIXED[0])])[0]  # caches BASE's three blocks
+    asked = {1: 3, 5: 0, 6: 2}  # a shared prefix, the very prompt cached, a longer one
+    requests = [Request(str(i), prompt=PREFIXED[i], sampling={"prompt_logprobs": asked.get(i)}) for i in (1, 5, 6, 3)]
+    results = {r.id: r for r in engine.generate(requests)}
+    assert first.prompt_logprobs is None and results["3"].prompt_logprobs is None
+    assert results["3"].num_cached_tokens == 32  # beside them, a row not asking takes the cached blocks
+    for i, top in asked.items():
+        result = results[str(i)]
+        assert result.token_ids == prefixed_reference[i] and result.num_cached_tokens == 0
+        ids = result.prompt_token_ids
+        with torch.no_grad():
+            laws = target(torch.tensor([ids])).logits[0].log_softmax(-1)
+        entries = result.prompt_logprobs
+        assert len(entries) == len(ids) and entries[0] is None
+        for position, entry in enumerate(entries[1:]):
+            law = laws[position]
+            assert entry["token_id"] == ids[position + 1]
+            assert entry["logprob"] == pytest.approx(float(law[ids[position + 1]]), abs=1e-4)
+            assert entry["rank"] == 1 + int((law > law[ids[position + 1]]).sum())
+            alternatives = entry["top_logprobs"]
+            assert [alt["token_id"] for alt in alternatives] == (law.topk(top).indices.tolist() if top else [])
+            assert [alt["rank"] for alt in alternatives] == list(range(1, top + 1))
+    if drafter != "none":
+        assert sum(sum(r.per_step_drafted) for r in results.values()) > 0  # it speculated

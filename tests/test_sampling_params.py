@@ -392,7 +392,7 @@ def test_include_stop_str_in_output_keeps_the_stop_string_in_the_text(tokenizer,
 
 @pytest.mark.parametrize(("sampling", "field"), [
     ({"logit_bias": {"35": 1.0}}, "logit_bias"), ({"allowed_token_ids": [3, 35]}, "allowed_token_ids"),
-    ({"bad_words": ["  "]}, "bad_words"),
+    ({"prompt_logprobs": 36}, "prompt_logprobs"), ({"bad_words": ["  "]}, "bad_words"),
     ({"logit_bias": {"a": 1.0}}, "logit_bias"), ({"min_p": 2}, "min_p"),
 ])
 def test_a_request_past_the_vocabulary_or_a_bound_fails_alone_naming_the_field(sampling, field, tokenizer, target,
@@ -448,7 +448,7 @@ def test_warping_never_gives_a_law_with_nan_or_no_mass() -> None:
     ("ignore_eos", 1), ("n", 0), ("min_p", 1.5), ("min_p", -0.1), ("min_p", "0.1"), ("logit_bias", {"x": 1.0}),
     ("logit_bias", {"1": "2"}), ("logit_bias", {"-3": 1.0}), ("logit_bias", {str(i): 1.0 for i in range(1025)}),
     ("logit_bias", [[1, 2.0]]), ("allowed_token_ids", []), ("allowed_token_ids", [2**31]), ("bad_words", ["\t"]),
-    ("bad_words", "word"), ("bad_words", ["x" * 129]),
+    ("bad_words", "word"), ("bad_words", ["x" * 129]), ("prompt_logprobs", 21), ("prompt_logprobs", -1),
     ("include_stop_str_in_output", "true"),
 ])
 def test_every_field_is_bounded_and_strictly_typed(field, value) -> None:

@@ -200,14 +200,17 @@ class PagedKVCache:
                 else:
                     heapq.heappush(self._free, block)
 
-    def claim(self, prompt: list[int], positions: int) -> Claim | None:
+    def claim(self, prompt: list[int], positions: int, read_cache: bool = True) -> Claim | None:
         """Admission of a row whose prompt is ``prompt`` and which may reach ``positions`` positions: the cached
         blocks of its prompt's prefix, held from now on, and the promise of the rest; None if the pool cannot
-        promise it (nothing is held then)."""
+        promise it (nothing is held then). Without ``read_cache`` the row takes no cached block and prefills its
+        whole prompt (vLLM's skip_reading_prefix_cache: a row asking for prompt logprobs needs the logits at every
+        prompt position); its full blocks are still registered for later rows, and it counts no prefix query."""
         keys = self.prefix_keys(prompt)
-        cacheable = min(len(keys), (len(prompt) - 1) // self.block_size)
+        cacheable = min(len(keys), (len(prompt) - 1) // self.block_size) if read_cache else 0
         blocks = self._cached_run(keys, 0, cacheable)
-        claim = Claim(self, positions, keys, blocks, cacheable, len(prompt) if self.prefix_caching else 0)
+        queried = len(prompt) if self.prefix_caching and read_cache else 0
+        claim = Claim(self, positions, keys, blocks, cacheable, queried)
         taken = sum(self.refs[block] == 0 for block in blocks)  # cached blocks it takes off the free side
         if self.blocks_promised + taken + claim.reserved > self.num_blocks:
             return None

@@ -109,7 +109,8 @@ class Scheduler:
         """A claim in every pool, or None (and nothing held) if one cannot promise the sequence its blocks."""
         claims: list[Claim] = []
         for pool in self.pools:
-            claim = pool.claim(seq.prompt_ids, self.positions(seq))
+            # A row asking for prompt logprobs needs the logits at every prompt position: none from the cache.
+            claim = pool.claim(seq.prompt_ids, self.positions(seq), read_cache=seq.params.prompt_logprobs is None)
             if claim is None:
                 for held in claims:
                     held.pool.release_claim(held)

@@ -57,6 +57,9 @@ class GenerationResult:
     # With sampling_params.logprobs: per generated token, its entry {token_id, logprob, rank, top_logprobs: [{token_id,
     # logprob, rank}]} under the target's raw law.
     logprobs: list[dict[str, Any]] | None = None
+    # With sampling_params.prompt_logprobs: per prompt token, the same entry given the tokens before it (the first
+    # None: nothing precedes it).
+    prompt_logprobs: list[dict[str, Any] | None] | None = None
     # Accepted draft tokens that were the only token the row's constraint allowed (structured outputs).
     num_grammar_forced_tokens: int = 0
     # Prompt tokens whose keys and values came from the prefix cache (vLLM's RequestOutput.num_cached_tokens).
@@ -104,6 +107,7 @@ class Sequence:
     per_step_accepted: list[int] = field(default_factory=list)
     token_stats: list[tuple] = field(default_factory=list)
     logprobs: list[dict[str, Any]] = field(default_factory=list)
+    prompt_logprobs: list[dict[str, Any] | None] | None = None  # filled by its prefill, where asked for
     bad_words: list[list[int]] = field(default_factory=list)  # its bad words' token sequences (params.bad_words)
     forwards: int = 0
     finish_reason: str | None = None
@@ -184,6 +188,7 @@ class Sequence:
             acceptance_histogram=acceptance_histogram(self.per_step_drafted, self.per_step_accepted, max_depth),
             token_stats=self.token_stats,
             logprobs=self.logprobs[: len(self.generated)] if self.params.logprobs is not None else None,
+            prompt_logprobs=self.prompt_logprobs,
             num_grammar_forced_tokens=self.grammar_forced,
             num_cached_tokens=self.cached_tokens,
         )

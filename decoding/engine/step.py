@@ -31,9 +31,13 @@ from decoding.engine.padding import pad_rows
 from decoding.engine.parts import EngineParts
 from decoding.engine.sequence import Contexts, Sequence
 from decoding.model.forward import forward_tree
+from decoding.model.lean_forward import LeanCausalLM
 from decoding.verification.sampling import WarpParams, row_uniforms, token_logprobs, warp_probs
 from decoding.verification.tree import chain_ancestors
 from decoding.verification.verify_batched import BatchVerdict, sample_from, sample_siblings, verify_batch
+
+# Prompt positions whose logits one piece of a prompt-logprobs computation holds (float32 [chunk, V]).
+PROMPT_LOGPROBS_CHUNK = 256
 
 
 class HostReads:
@@ -143,17 +147,27 @@ class Step:
         ids, lengths = pad_rows([s.prompt_ids[skip:] for s, skip in zip(joining, cached)])
         width = ids.shape[1]
         valid = torch.arange(width)[None] < lengths[:, None]
-        last_positions = sorted(set((lengths - 1).tolist()))
         reads_states = self.drafter.reads_target_states
-        logits, states = forward_tree(
+        # Rows asking for prompt logprobs need the law at every prompt position: from the last hidden states through
+        # the LM head (the lean forward's head is the model's), only for those rows, chunk by chunk; a model run by
+        # transformers' own forward (its head may scale or cap logits) gives its logits at every position instead.
+        asking = [i for i, seq in enumerate(joining) if seq.params.prompt_logprobs is not None]
+        by_head = bool(asking) and isinstance(self.target, LeanCausalLM)
+        logits_positions = list(range(width)) if asking and not by_head else sorted(set((lengths - 1).tolist()))
+        want_hidden = reads_states or by_head
+        logits, hidden = forward_tree(
             self.target, self.cache, rows, self._to_device(ids), chain_ancestors(width), valid,
-            logits_at=torch.tensor(last_positions), want_hidden=reads_states,
-            hidden_at=torch.arange(width) if reads_states else None,
+            logits_at=torch.tensor(logits_positions), want_hidden=want_hidden,
+            hidden_at=torch.arange(width) if want_hidden else None,
         )
+        states = hidden if reads_states else None
         self.cache.advance(rows, lengths.tolist())
         self.cache.register(rows)
-        at = self._to_device(torch.tensor([last_positions.index(n - 1) for n in lengths.tolist()]))
+        at = self._to_device(torch.tensor([logits_positions.index(n - 1) for n in lengths.tolist()]))
         raw = logits[torch.arange(len(joining), device=self.device), at].float()  # [B, V]
+        for i in asking:
+            joining[i].prompt_logprobs = self._prompt_logprobs(joining[i], cached[i], hidden[i] if by_head else None,
+                                                               None if by_head else logits[i])
         last = self._warp(joining, prefill=True).penalize(raw) if meta.penalized else raw
         if meta.constrained:
             last = self._masked_first(joining, last, raw)
@@ -176,6 +190,21 @@ class Step:
         for seq, skip in zip(joining, cached):
             seq.claims, seq.cached_tokens = [], skip
         return emitted
+
+    def _prompt_logprobs(self, seq: Sequence, cached: int, hidden: torch.Tensor | None, logits: torch.Tensor | None
+                         ) -> list[dict | None]:
+        """vLLM's prompt logprobs of ``seq`` (its first entry None) from its prefill's last hidden states [T, H]
+        through the LM head, or its logits [T, V] at every position: in chunks of ``PROMPT_LOGPROBS_CHUNK``
+        positions, so a long prompt never holds [T, V] float32 at once. ``cached``: prompt positions its prefill
+        took from the prefix cache (0: such a row claims none); their entries cannot be computed and stay None."""
+        prompt, top = seq.prompt_ids, seq.params.prompt_logprobs or 0
+        entries: list[dict | None] = [None] * (1 + cached)
+        head = self.target.get_output_embeddings() if hidden is not None else None
+        for start in range(0, len(prompt) - 1 - cached, PROMPT_LOGPROBS_CHUNK):
+            end = min(start + PROMPT_LOGPROBS_CHUNK, len(prompt) - 1 - cached)  # position t gives token t + 1
+            chunk = head(hidden[start:end]) if head is not None else logits[start:end]
+            entries += token_logprobs(chunk, prompt[cached + start + 1 : cached + end + 1], top, self._read_stats)
+        return entries
 
     # -------------------------------------------------------------------------------------------------- plan
     def plan(self, seqs: list[Sequence]) -> Plan:
