@@ -38,7 +38,6 @@ class StreamOptions(_Request):
 # OpenAI fields that clients send with default or neutral values: accepted with those values, refused (by name)
 # with any other, since the engine could not honour it.
 _NEUTRAL: dict[str, tuple[Any, ...]] = {
-    "logit_bias": (None, {}),
     "store": (None, False),
     "service_tier": (None, "auto", "default"),
     "guided_whitespace_pattern": (None,),
@@ -114,11 +113,16 @@ class GenerationRequest(_Request):
     stop_token_ids: list[int] | None = None
     ignore_eos: bool | None = None
     skip_special_tokens: bool | None = None
+    min_p: float | None = None
+    allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
+    include_stop_str_in_output: bool | None = None
+    prompt_logprobs: int | None = Field(None, description="extension (vLLM): per prompt token, in the response")
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = Field(None, description="accepted for compatibility; unused")
     metadata: dict[str, str] | None = Field(None, description="accepted for compatibility; unused")
-    logit_bias: Any = None
+    logit_bias: dict[str, float] | None = Field(None, description="token id (a decimal string) -> bias")
     store: Any = None
     service_tier: Any = None
     # Structured outputs: OpenAI's response_format, vLLM's structured_outputs and its older guided_* fields, merged
@@ -196,7 +200,8 @@ class GenerationRequest(_Request):
 
 _SAMPLING_FIELDS = {
     "n", "temperature", "top_p", "top_k", "seed", "frequency_penalty", "presence_penalty", "repetition_penalty",
-    "min_tokens", "stop_token_ids", "ignore_eos", "skip_special_tokens",
+    "min_tokens", "stop_token_ids", "ignore_eos", "skip_special_tokens", "min_p", "logit_bias", "allowed_token_ids",
+    "bad_words", "include_stop_str_in_output", "prompt_logprobs",
 }
 
 
@@ -329,11 +334,25 @@ class CompletionLogprobs(BaseModel):
     text_offset: list[int]
 
 
+class Logprob(BaseModel):
+    """vLLM's ``Logprob`` of one token: its log-probability, its 1-based rank in the model's law, its text."""
+
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
+# vLLM's prompt_logprobs: per prompt token, None (the first: nothing precedes it) or token id -> Logprob, the prompt
+# token first, then the top alternatives.
+PromptLogprobs = list[dict[str, Logprob] | None]
+
+
 class CompletionChoice(BaseModel):
     index: int
     text: str
     logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
+    prompt_logprobs: PromptLogprobs | None = None  # vLLM's extension, with prompt_logprobs
 
 
 class CompletionResponse(_Response):
@@ -372,6 +391,7 @@ class ChatChoice(BaseModel):
 class ChatCompletionResponse(_Response):
     object: Literal["chat.completion"] = "chat.completion"
     choices: list[ChatChoice]
+    prompt_logprobs: PromptLogprobs | None = None  # vLLM's extension, with prompt_logprobs (one prompt)
 
 
 class ChatDelta(BaseModel):
@@ -389,6 +409,7 @@ class ChatChunkChoice(BaseModel):
 class ChatCompletionChunk(_Response):
     object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
     choices: list[ChatChunkChoice]
+    prompt_logprobs: PromptLogprobs | None = None  # with prompt_logprobs: in the chunk that ends a choice
 
 
 class ModelCard(BaseModel):

@@ -61,9 +61,11 @@ from deploy.protocol import (
     ErrorDetail,
     ErrorResponse,
     GenerationRequest,
+    Logprob,
     Metrics,
     ModelCard,
     ModelList,
+    PromptLogprobs,
     SpecDecodeMetrics,
     TokenLogprob,
     TopLogprob,
@@ -211,6 +213,18 @@ def _completion_logprobs(tokenizer: Any, entries: Entries | None, offset: int = 
     )
 
 
+def _prompt_logprobs(tokenizer: Any, entries: list[dict[str, Any] | None] | None) -> PromptLogprobs | None:
+    """``GenerationResult.prompt_logprobs`` in vLLM's shape: per prompt token None or token id -> Logprob, the
+    prompt token first, then its top alternatives."""
+    if entries is None:
+        return None
+    return [None if entry is None else {
+        str(item["token_id"]): Logprob(logprob=item["logprob"], rank=item["rank"],
+                                       decoded_token=_token_text(tokenizer, item["token_id"]))
+        for item in (entry, *entry["top_logprobs"])
+    } for entry in entries]
+
+
 def _token_chars(tokenizer: Any, entries: Entries) -> int:
     return sum(len(_token_text(tokenizer, e["token_id"])) for e in entries)
 
@@ -231,9 +245,9 @@ class _Format(ABC):
 
     @abstractmethod
     def chunk(self, index: int, text: str | None, finish_reason: str | None, role: bool = False,
-              logprobs: Entries | None = None, offset: int = 0) -> BaseModel:
+              logprobs: Entries | None = None, offset: int = 0, prompt_logprobs: Entries | None = None) -> BaseModel:
         """One stream chunk; ``logprobs``: the entries of the tokens it carries, ``offset`` their first
-        character in the choice's token text."""
+        character in the choice's token text; ``prompt_logprobs``: the choice's (with the chunk that ends it)."""
 
     def opening_chunks(self, count: int) -> list[BaseModel]:
         return []
@@ -249,15 +263,18 @@ class _CompletionFormat(_Format):
     def response(self, results: list[GenerationResult]) -> CompletionResponse:
         choices = [
             CompletionChoice(index=i, text=r.text, finish_reason=r.finish_reason,
-                             logprobs=_completion_logprobs(self.tokenizer, r.logprobs))
+                             logprobs=_completion_logprobs(self.tokenizer, r.logprobs),
+                             prompt_logprobs=_prompt_logprobs(self.tokenizer, r.prompt_logprobs))
             for i, r in enumerate(results)
         ]
         return CompletionResponse(**self._fields(), choices=choices, **_totals(results))
 
     def chunk(self, index: int, text: str | None, finish_reason: str | None, role: bool = False,
-              logprobs: Entries | None = None, offset: int = 0) -> CompletionResponse:
+              logprobs: Entries | None = None, offset: int = 0,
+              prompt_logprobs: Entries | None = None) -> CompletionResponse:
         choice = CompletionChoice(index=index, text=text or "", finish_reason=finish_reason,
-                                  logprobs=_completion_logprobs(self.tokenizer, logprobs, offset))
+                                  logprobs=_completion_logprobs(self.tokenizer, logprobs, offset),
+                                  prompt_logprobs=_prompt_logprobs(self.tokenizer, prompt_logprobs))
         return CompletionResponse(**self._fields(), choices=[choice])
 
     def usage_chunk(self, results: list[GenerationResult]) -> CompletionResponse:
@@ -274,14 +291,18 @@ class _ChatFormat(_Format):
                        logprobs=_chat_logprobs(self.tokenizer, r.logprobs))
             for i, r in enumerate(results)
         ]
-        return ChatCompletionResponse(**self._fields(), choices=choices, **_totals(results))
+        prompt_logprobs = _prompt_logprobs(self.tokenizer, results[0].prompt_logprobs) if results else None
+        return ChatCompletionResponse(**self._fields(), choices=choices, prompt_logprobs=prompt_logprobs,
+                                      **_totals(results))
 
     def chunk(self, index: int, text: str | None, finish_reason: str | None, role: bool = False,
-              logprobs: Entries | None = None, offset: int = 0) -> ChatCompletionChunk:
+              logprobs: Entries | None = None, offset: int = 0,
+              prompt_logprobs: Entries | None = None) -> ChatCompletionChunk:
         delta = ChatDelta(role="assistant" if role else None, content=text)
         choice = ChatChunkChoice(index=index, delta=delta, finish_reason=finish_reason,
                                  logprobs=_chat_logprobs(self.tokenizer, logprobs))
-        return ChatCompletionChunk(**self._fields(), choices=[choice])
+        return ChatCompletionChunk(**self._fields(), choices=[choice],
+                                   prompt_logprobs=_prompt_logprobs(self.tokenizer, prompt_logprobs))
 
     def opening_chunks(self, count: int) -> list[ChatCompletionChunk]:
         return [self.chunk(i, "", None, role=True) for i in range(count)]  # OpenAI announces the role first
@@ -481,7 +502,8 @@ class OpenAIServer:
                         results.append(event)
                         rest = None if event.logprobs is None else event.logprobs[sent[index]:]
                         yield _sse(fmt.chunk(index, texts[index].finish(event.text), event.finish_reason,
-                                             logprobs=rest, offset=offsets[index]))
+                                             logprobs=rest, offset=offsets[index],
+                                             prompt_logprobs=event.prompt_logprobs))
                         continue
                     pending[index] += event.logprobs or []
                     if delta := texts[index].push(event):

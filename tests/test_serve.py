@@ -201,6 +201,8 @@ def test_stream_concatenates_to_the_non_streamed_text(client, path, inputs, use_
     assert all(c["choices"] for c in _stream(client, path, body))
 
 
+CHAT = {"messages": [{"role": "user", "content": "x"}]}
+
 BAD_REQUESTS = [
     ("invalid-json", "/v1/completions", b'{"prompt": "ab",', None),
     ("not-an-object", "/v1/completions", ["ab"], None),
@@ -228,7 +230,18 @@ BAD_REQUESTS = [
     ("seed-negative", "/v1/completions", {"prompt": "ab", "seed": -1}, "seed"),
     ("n-zero", "/v1/completions", {"prompt": "ab", "n": 0}, "n"),
     ("unknown-field", "/v1/completions", {"prompt": "ab", "best_of_all": 2}, "best_of_all"),
-    ("logit-bias-set", "/v1/completions", {"prompt": "ab", "logit_bias": {"5": 10}}, "logit_bias"),
+    ("logit-bias-beyond-vocab", "/v1/completions", {"prompt": "ab", "logit_bias": {"35": 10}}, "logit_bias"),
+    ("logit-bias-not-a-token", "/v1/completions", {"prompt": "ab", "logit_bias": {"a": 10}}, "logit_bias"),
+    ("logit-bias-not-a-number", "/v1/completions", {"prompt": "ab", "logit_bias": {"5": "x"}}, "logit_bias"),
+    ("min-p-big", "/v1/completions", {"prompt": "ab", "min_p": 1.5}, "min_p"),
+    ("allowed-token-ids-empty", "/v1/completions", {"prompt": "ab", "allowed_token_ids": []}, "allowed_token_ids"),
+    ("allowed-token-ids-beyond-vocab", "/v1/chat/completions", {**CHAT, "allowed_token_ids": [3, 35]},
+     "allowed_token_ids"),
+    ("bad-words-blank", "/v1/completions", {"prompt": "ab", "bad_words": [" "]}, "bad_words"),
+    ("bad-words-string", "/v1/completions", {"prompt": "ab", "bad_words": "ab"}, "bad_words"),
+    ("prompt-logprobs-big", "/v1/completions", {"prompt": "ab", "prompt_logprobs": 21}, "prompt_logprobs"),
+    ("include-stop-int", "/v1/completions", {"prompt": "ab", "include_stop_str_in_output": 1},
+     "include_stop_str_in_output"),
     ("tools-set", "/v1/chat/completions",
      {"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]}, "tools"),
     ("presence-penalty-big", "/v1/completions", {"prompt": "ab", "presence_penalty": 3}, "presence_penalty"),
@@ -266,8 +279,6 @@ BAD_REQUESTS = [
     ("user-not-string", "/v1/completions", {"prompt": "ab", "user": {"x": 1}}, "user"),
 ]
 
-
-CHAT = {"messages": [{"role": "user", "content": "x"}]}
 SCHEMA = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
 # Each names the field at fault in its message: (id, path, body, param, named).
 BAD_CONSTRAINTS = [
@@ -644,6 +655,43 @@ def test_streaming_with_logprobs_through_the_official_openai_client(server):
     assert [x for p in parts for x in p.token_logprobs] == whole.token_logprobs
     assert [x for p in parts for x in p.text_offset] == whole.text_offset
     assert [x for p in parts for x in p.top_logprobs] == whole.top_logprobs
+
+
+def test_vllms_sampling_extensions_reach_the_engine(client, server, reference, tokenizer):
+    """min_p, logit_bias (OpenAI's string keys), allowed_token_ids, bad_words, include_stop_str_in_output and
+    prompt_logprobs, as the official client sends them (extra_body): the engine's outputs, streamed the same."""
+    openai_client = openai.OpenAI(base_url=f"{server}/v1", api_key="unused", max_retries=0)
+    a, t, space = (tokenizer.convert_tokens_to_ids(c) for c in "at ")
+    fields = {"logit_bias": {str(a): 3.0, str(t): -100}, "bad_words": ["ee", "o"], "min_p": 0.2,
+              "allowed_token_ids": list(range(2, 20)) + [space], "prompt_logprobs": 2}
+    expected = reference(prompt="the dog ran", sampling={"max_tokens": 8, **fields})
+    plain = reference(prompt="the dog ran", sampling={"max_tokens": 8})
+    assert expected.token_ids != plain.token_ids
+    completion = openai_client.completions.create(model=MODEL, prompt="the dog ran", max_tokens=8, temperature=0,
+                                                  extra_body=fields)
+    [choice] = completion.choices
+    assert choice.text == expected.text and "t" not in choice.text and "o" not in choice.text
+    prompt_logprobs = choice.model_extra["prompt_logprobs"]
+    assert prompt_logprobs[0] is None and len(prompt_logprobs) == len(expected.prompt_token_ids)
+    for position, entry in zip(prompt_logprobs[1:], expected.prompt_logprobs[1:], strict=True):
+        first = position[str(entry["token_id"])]
+        assert (first["logprob"], first["rank"]) == (pytest.approx(entry["logprob"]), entry["rank"])
+        assert first["decoded_token"] == tokenizer.decode([entry["token_id"]])
+        assert {str(alt["token_id"]) for alt in entry["top_logprobs"]} <= set(position)
+
+    # include_stop_str_in_output: the stop string stays in the text, streamed or not.
+    stop = expected.text[2:4]
+    body = {"prompt": "the dog ran", "max_tokens": 8, "temperature": 0, "stop": [stop], **fields}
+    whole = {flag: _post(client, "/v1/completions", {**body, "include_stop_str_in_output": flag})
+             for flag in (False, True)}
+    end = expected.text.index(stop)
+    assert whole[False]["choices"][0]["text"] == expected.text[:end]
+    assert whole[True]["choices"][0]["text"] == expected.text[: end + len(stop)]
+    chunks = _stream(client, "/v1/completions", {**body, "include_stop_str_in_output": True})
+    assert _streamed_text("/v1/completions", chunks) == expected.text[: end + len(stop)]
+    assert chunks[-1]["choices"][0]["prompt_logprobs"] == whole[True]["choices"][0]["prompt_logprobs"]
+    chat = _post(client, "/v1/chat/completions", {**CHAT, "max_tokens": 4, "prompt_logprobs": 1})
+    assert chat["prompt_logprobs"][0] is None and all(len(entry) <= 2 for entry in chat["prompt_logprobs"][1:])
 
 
 THINKING_TEMPLATE = ("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
