@@ -71,6 +71,7 @@ from deploy.protocol import (
     TopLogprob,
     Usage,
 )
+from frontend.logprobs import vllm_logprobs
 from frontend.metrics import EngineMetrics, prometheus_backend, ray_backend
 from frontend.resources import check_cluster
 
@@ -214,15 +215,12 @@ def _completion_logprobs(tokenizer: Any, entries: Entries | None, offset: int = 
 
 
 def _prompt_logprobs(tokenizer: Any, entries: list[dict[str, Any] | None] | None) -> PromptLogprobs | None:
-    """``GenerationResult.prompt_logprobs`` in vLLM's shape: per prompt token None or token id -> Logprob, the
-    prompt token first, then its top alternatives."""
-    if entries is None:
+    """``GenerationResult.prompt_logprobs`` in vLLM's shape, its token ids as JSON's string keys."""
+    positions = vllm_logprobs(entries, lambda ids: [_token_text(tokenizer, token) for token in ids])
+    if positions is None:
         return None
-    return [None if entry is None else {
-        str(item["token_id"]): Logprob(logprob=item["logprob"], rank=item["rank"],
-                                       decoded_token=_token_text(tokenizer, item["token_id"]))
-        for item in (entry, *entry["top_logprobs"])
-    } for entry in entries]
+    return [None if position is None else {str(token): Logprob(**entry) for token, entry in position.items()}
+            for position in positions]
 
 
 def _token_chars(tokenizer: Any, entries: Entries) -> int:

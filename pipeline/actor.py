@@ -77,7 +77,12 @@ def request_from_row(key: str, row: dict[str, Any], engine: Engine, options: Row
     if row.get(READ_ERROR):
         raise RequestError(row[READ_ERROR])
     chat = {name: row[name] for name in CHAT_COLUMNS if row.get(name) is not None}
-    parsed = parse_request(row.get("prompt"), row.get("messages"), row.get("sampling_params"), **chat)
+    prompt, messages = row.get("prompt"), row.get("messages")
+    if options.ray_data_llm_rows and prompt is not None and messages is not None:
+        # Ray Data LLM's stages: the chat template renders messages into the prompt (a user's prompt column is
+        # overwritten); without it, the prompt is generated from and messages are carried.
+        prompt, messages = (None, messages) if options.apply_chat_template else (prompt, None)
+    parsed = parse_request(prompt, messages, row.get("sampling_params"), **chat)
     if parsed.messages is not None and not options.apply_chat_template:
         raise RequestError("a row with messages needs the chat template (apply_chat_template is false)")
     sampling = parsed.sampling

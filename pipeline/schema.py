@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import pyarrow as pa
 import pyarrow.compute as pc
+
+from frontend.logprobs import vllm_logprobs
 
 if TYPE_CHECKING:
     from decoding.engine import GenerationResult
@@ -78,25 +80,6 @@ _PRIVATE = (READ_ERROR, TOKEN_STATS)
 # actor's engine was built.
 PRODUCER_NODE = "specbatch.node"
 ENGINE_READY = "specbatch.engine_ready"
-
-
-def vllm_logprobs(entries: Sequence[dict[str, Any] | None] | None, decode: Callable[[list[int]], list[str]] | None
-                  ) -> list[dict[int, dict[str, Any]] | None] | None:
-    """The engine's logprob entries (``{token_id, logprob, rank, top_logprobs}`` per position, or None) in vLLM's
-    shape: per position ``{token_id: {logprob, rank, decoded_token}}``, the chosen token first. ``decode`` turns
-    token ids into their texts, one each (None: no texts)."""
-    if entries is None:
-        return None
-    positions: list[dict[int, dict[str, Any]] | None] = []
-    for entry in entries:
-        if entry is None:
-            positions.append(None)
-            continue
-        ranked = [entry, *(alt for alt in entry.get("top_logprobs", ()) if alt["token_id"] != entry["token_id"])]
-        texts = decode([item["token_id"] for item in ranked]) if decode is not None else [None] * len(ranked)
-        positions.append({item["token_id"]: {"logprob": item["logprob"], "rank": item.get("rank"),
-                                             "decoded_token": text} for item, text in zip(ranked, texts, strict=True)})
-    return positions
 
 
 def python_objects(values: list[Any]) -> pa.Array:

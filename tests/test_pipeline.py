@@ -89,6 +89,27 @@ def by_id(table: pa.Table) -> dict[str, dict]:
     return {row["id"]: row for row in table.to_pylist()}
 
 
+def test_logprob_columns_are_vllms_in_parquet(ray_cluster, config, tmp_path):
+    """prompt_token_ids, and logprobs / prompt_logprobs as maps token id -> {logprob, rank, decoded_token}, the
+    chosen token first, the prompt's first position null; rows that did not ask hold nulls."""
+    rows = [{"id": "asks", "prompt": "the cat sat", "sampling_params": {"max_tokens": 4, "logprobs": 2,
+                                                                        "prompt_logprobs": 1}},
+            {"id": "plain", "prompt": "dogs run"}]
+    run(config, str(write_jsonl(tmp_path / "in.jsonl", rows)), str(tmp_path / "out"))
+    table = pq.read_table(tmp_path / "out" / "outputs")
+    for name in ("logprobs", "prompt_logprobs", "prompt_token_ids"):
+        assert table.schema.field(name).type == OUTPUT_SCHEMA.field(name).type
+    got = {row["id"]: row for row in table.to_pylist(maps_as_pydicts="strict")}
+    asks, plain = got["asks"], got["plain"]
+    assert plain["logprobs"] is None and plain["prompt_logprobs"] is None and plain["prompt_token_ids"]
+    assert len(asks["logprobs"]) == len(asks["generated_tokens"])
+    for token, position in zip(asks["generated_tokens"], asks["logprobs"], strict=True):
+        assert next(iter(position)) == token and 2 <= len(position) <= 3
+        assert all(set(entry) == {"logprob", "rank", "decoded_token"} for entry in position.values())
+    assert asks["prompt_logprobs"][0] is None and len(asks["prompt_logprobs"]) == len(asks["prompt_token_ids"])
+    assert [next(iter(p)) for p in asks["prompt_logprobs"][1:]] == asks["prompt_token_ids"][1:]
+
+
 def test_outputs_follow_spec_schema_one_row_per_input(one_actor_run, mixed_input):
     out, summary = one_actor_run
     outputs = pq.read_table(out / "outputs")

@@ -563,9 +563,10 @@ def test_max_model_len_bounds_prompt_and_output_with_a_per_row_error(config):
         update={"max_tokens": 50, "ignore_eos": True})})
     actor = GenerationActor(bounded.model_dump(mode="json"), options=RowOptions(metrics=False))
     try:
-        rows = actor(pa.table({"prompt": ["the cat sat", " ".join(["the cat sat on the mat"] * 6)]})).to_pylist()
+        rows = actor(pa.table({"prompt": ["the cat sat", "the cat sat on the mat, dogs run", "x" * 200]}))
     finally:
         actor.runner.close()
-    short, long = rows
+    short, long, longer = rows.to_pylist()
     assert short["finish_reason"] == "length" and short["num_input_tokens"] + short["num_generated_tokens"] == 16
     assert long["finish_reason"] == "error" and "max_model_len is 16 tokens" in long["error"]
+    assert longer["finish_reason"] == "error" and "longer than max_model_len of 16 tokens" in longer["error"]

@@ -168,18 +168,16 @@ class Engine:
             raise EngineError(str(exc)) from exc
 
     def _tokenize(self, request: Request, tokenizer: PreTrainedTokenizerBase) -> tuple[str, list[int]]:
+        bound = "max_model_len" if self.config.max_model_len == self.max_context else "the model's context"
         size = input_bytes(request)
         if size > self.max_prompt_bytes:
             what = "prompt" if request.messages is None else "messages' text"
             raise EngineError(f"the {what} has {size} bytes, more than limits.max_prompt_bytes "
-                              f"({self.max_prompt_bytes}): longer than the model's context of {self.max_context} "
-                              "tokens can hold")
+                              f"({self.max_prompt_bytes}): longer than {bound} of {self.max_context} tokens can hold")
         prompt, ids = encode_request(tokenizer, request)
         if not ids:
             raise EngineError("empty prompt")
         if len(ids) >= self.max_context:
-            bound = ("max_model_len" if self.config.max_model_len == self.max_context
-                     else "the model's context")
             raise EngineError(f"prompt has {len(ids)} tokens; {bound} is {self.max_context} tokens, and the prompt "
                               "and its output must fit in it")
         vocab = self.loaded_target.config.vocab_size
