@@ -19,44 +19,14 @@ or ``engine_kwargs`` key is refused by name. docs/reference.md ("ProcessorConfig
 
 from __future__ import annotations
 
-import logging
-from collections import Counter
 from collections.abc import Mapping
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from decoding.config import Config, format_validation_error
+from frontend.engine_args import INSTEAD, bundle_resources, config_fields
 
-log = logging.getLogger(__name__)
-
-# vLLM engine arguments that tune vLLM's own scheduler, kernels and loading: this engine has no counterpart, and none
-# of them changes what is generated (chunked prefill: the engine prefills in max_num_batched_tokens chunks anyway).
-VLLM_TUNING = frozenset({
-    "enable_chunked_prefill", "enforce_eager", "disable_log_stats", "swap_space", "distributed_executor_backend",
-    "max_seq_len_to_capture", "disable_custom_all_reduce", "compilation_config", "cuda_graph_sizes",
-    "async_scheduling", "max_num_partial_prefills", "long_prefill_token_threshold", "enable_log_requests",
-    "disable_log_requests", "max_logprobs", "max_lora_rank", "max_loras", "max_cpu_loras", "task_type",
-})
-# engine_kwargs values that only name what the engine does anyway.
-VLLM_NEUTRAL = {"kv_cache_dtype": {"auto"}, "generation_config": {"auto", "vllm"},
-                "load_format": {"auto", "safetensors", "pt", "runai_streamer"}, "quantization": {None},
-                "enable_lora": {False, None}, "tensor_parallel_size": {1}, "pipeline_parallel_size": {1},
-                "data_parallel_size": {1}}
-# What the engine supports instead, for each engine_kwargs value it refuses.
-_INSTEAD = {
-    "kv_cache_dtype": "the KV cache is kept in the model's dtype ('auto')",
-    "generation_config": "'auto' or 'vllm' (a row's sampling_params set its decoding)",
-    "load_format": "checkpoints load with transformers from safetensors or pytorch files ('auto')",
-    "quantization": "pre-quantized checkpoints are not loaded: give the full-precision model (the engine's own "
-                    "int4 self-draft needs no quantized checkpoint)",
-    "enable_lora": "LoRA adapters are not loaded: merge the adapter into the model's weights and give that model",
-    "tensor_parallel_size": "one engine runs on one device: use concurrency for more engines",
-    "pipeline_parallel_size": "one engine runs on one device: use concurrency for more engines",
-    "data_parallel_size": "use concurrency for more engines",
-}
-# vLLM's dtype spellings -> Config.dtype.
-_DTYPES = {"half": "float16", "float": "float32"}
 # engine_kwargs that would set what the processor's own fields set.
 _PROCESSOR_FIELDS = {"model": "model_source", "batch_size": "max_num_seqs", "concurrency": "concurrency",
                      "num_gpus": "accelerator_type"}
@@ -213,7 +183,7 @@ class ProcessorConfig(BaseModel):
             raise ValueError(f"task_type={self.task_type!r}: specbatch generates text (task_type 'generate'); "
                              "embedding, classification and scoring models are not run")
         if self.dynamic_lora_loading_path is not None:
-            raise ValueError(f"dynamic_lora_loading_path={self.dynamic_lora_loading_path!r}: {_INSTEAD['enable_lora']}")
+            raise ValueError(f"dynamic_lora_loading_path={self.dynamic_lora_loading_path!r}: {INSTEAD['enable_lora']}")
         if unknown := set(self.experimental) - {"max_tasks_in_flight_per_actor"}:
             raise ValueError(f"experimental: {sorted(unknown)} unknown (accepted: max_tasks_in_flight_per_actor)")
         if self.max_tasks_in_flight_per_actor is None and "max_tasks_in_flight_per_actor" in self.experimental:
@@ -236,33 +206,7 @@ class ProcessorConfig(BaseModel):
         ``placement_group_config`` / ``resources_per_bundle`` its one bundle's ``CPU``, ``GPU`` and custom resources
         (Ray Data LLM's single-worker engine reserves its bundle the same way)."""
         resources: dict[str, Any] = {"num_gpus": 1 if self.accelerator_type else 0}
-        bundles: list[dict[str, float]] = []
-        if self.placement_group_config is not None:
-            config = dict(self.placement_group_config)
-            if unknown := set(config) - {"bundles", "bundle_per_worker", "strategy"}:
-                raise ValueError(f"placement_group_config: {sorted(unknown)} unknown "
-                                 "(accepted: bundle_per_worker, bundles, strategy)")
-            if "bundle_per_worker" in config:
-                bundles = [dict(config["bundle_per_worker"])]
-            else:
-                bundles = [dict(bundle) for bundle in config.get("bundles") or []]
-            if len(bundles) > 1:
-                raise ValueError(f"placement_group_config has {len(bundles)} bundles: one engine runs in one worker "
-                                 "on one device; use concurrency for more engines")
-        elif self.resources_per_bundle is not None:
-            bundles = [dict(self.resources_per_bundle)]
-        if bundles:
-            counts = Counter(bundles[0])
-            if counts.get("GPU", 0) > 1:
-                raise ValueError(f"a bundle of {counts['GPU']:g} GPUs: one engine runs on one device; use "
-                                 "concurrency for more engines")
-            if "GPU" in counts:
-                resources["num_gpus"] = counts.pop("GPU")
-            if "CPU" in counts:
-                resources["num_cpus"] = counts.pop("CPU")
-            if counts:
-                resources["resources"] = dict(counts)
-        return resources
+        return {**resources, **bundle_resources(self.placement_group_config, self.resources_per_bundle)}
 
     def engine_config(self) -> Config:
         """The engine's ``Config``; ``ValueError`` naming the engine_kwargs field that does not fit."""
@@ -270,35 +214,10 @@ class ProcessorConfig(BaseModel):
         for name, field in _PROCESSOR_FIELDS.items():
             if name in kwargs:
                 raise ValueError(f"engine_kwargs.{name}: set it with {field}")
-        for name, accepted in VLLM_NEUTRAL.items():
-            if name in kwargs and kwargs[name] not in accepted:
-                raise ValueError(f"engine_kwargs.{name}={kwargs[name]!r}: {_INSTEAD[name]}")
-            kwargs.pop(name, None)
-        if tuning := sorted(VLLM_TUNING & set(kwargs)):
-            log.info("engine_kwargs %s tune vLLM's own scheduler, kernels and loading; they change nothing here",
-                     tuning)
-            for name in tuning:
-                del kwargs[name]
-        known = set(Config.model_fields) | {"speculative_config", "seed"}
-        if unknown := sorted(set(kwargs) - known):
-            raise ValueError(f"engine_kwargs {unknown}: not an engine argument specbatch takes (it takes vLLM's "
-                             "listed in docs/reference.md, \"ProcessorConfig\", and the fields of its Config)")
-        fields: dict[str, Any] = {"model": self.model_source}
-        if "speculative_config" in kwargs:
-            speculative = dict(kwargs.pop("speculative_config") or {"method": "none"})
-            if "method" not in speculative:  # vLLM infers it: a draft model, else n-gram lookup
-                speculative["method"] = "draft_model" if speculative.get("model") else "ngram"
-            fields["speculative"] = speculative
-        if "max_num_seqs" in kwargs:
-            fields["batch_size"] = kwargs.pop("max_num_seqs")
-        if "dtype" in kwargs:
-            dtype = kwargs.pop("dtype")
-            fields["dtype"] = _DTYPES.get(dtype, dtype)
-        if isinstance(kwargs.get("served_model_name"), list | tuple):  # vLLM takes several names; the first leads
-            kwargs["served_model_name"] = kwargs["served_model_name"][0] if kwargs["served_model_name"] else None
-        seed = kwargs.pop("seed", VLLM_SEED)
-        fields["sampling"] = {**VLLM_SAMPLING_DEFAULTS, "seed": seed, **kwargs.pop("sampling", {})}
-        fields.update(kwargs)
+        fields = {"model": self.model_source, **config_fields(kwargs)}
+        sampling = fields.pop("sampling", {})
+        seed = sampling.pop("seed", VLLM_SEED)
+        fields["sampling"] = {**VLLM_SAMPLING_DEFAULTS, "seed": seed, **sampling}
         resources = self.actor_resources()
         fields["num_gpus"] = resources["num_gpus"]
         if "num_cpus" in resources:
