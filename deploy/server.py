@@ -41,7 +41,7 @@ from decoding.model.loading import load_tokenizer, worker_threads
 from decoding.params import RequestError, resolve_sampling
 from decoding.stats import SpecDecodeStats
 from decoding.verification.sampling import row_seed
-from deploy import drain, gate
+from deploy import asgi, drain, gate
 from deploy.detokenize import IncrementalText
 from deploy.engine_loop import REPLICA_RUNTIME_ENV, Draining, EngineFailure, EngineLoop, Event, RequestRejected
 from deploy.protocol import (
@@ -325,9 +325,11 @@ async def _replay(
 
 
 # -------------------------------------------------------------------------------------------------- deployment
-@serve.deployment
-@serve.ingress(api)
-class OpenAIServer:
+class OpenAIReplica:
+    """One replica: its engine, and the routes of ``api`` (Serve's class-based views: each route finds the replica's
+    instance through the replica context, so the routes also serve ``forward`` in a replica with no HTTP of its
+    own)."""
+
     def __init__(self, config: Config) -> None:
         self.config = config
         # Ray starts replicas with OMP_NUM_THREADS=1: a CPU replica takes its num_cpus, else its share of the node.
@@ -516,6 +518,24 @@ class OpenAIServer:
             kind = "invalid_request_error" if isinstance(exc, RequestRejected) else "server_error"
             yield _sse(ErrorResponse(error=ErrorDetail(message=str(exc), type=kind)))
         yield _sse("[DONE]")
+
+    # ------------------------------------------------------- through a DeploymentHandle (deploy.router)
+    async def forward(self, method: str, path: str, headers: list[tuple[str, str]], body: bytes
+                      ) -> AsyncIterator[dict[str, Any] | bytes]:
+        """This replica's HTTP API called in-process by the router of a several-model app: the response's start
+        (status, headers), then its body as it is sent. Called with ``stream=True``."""
+        async for item in asgi.call(api, method, path, headers, body):
+            yield item
+
+    async def card(self) -> dict[str, Any]:
+        return self._card().model_dump()
+
+
+# The one-model application's deployment: the replica class with ``api`` as its HTTP ingress.
+OpenAIServer = serve.deployment(serve.ingress(api)(OpenAIReplica), name="OpenAIServer")
+# A model of a several-model application (deploy.router): the same replicas, reached through DeploymentHandles
+# (Serve gives one deployment of an application HTTP).
+ModelServer = serve.deployment(OpenAIReplica, name="ModelServer")
 
 
 # -------------------------------------------------------------------------------------------------- builders

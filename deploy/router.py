@@ -1,0 +1,206 @@
+"""Several models behind one OpenAI-compatible app: Ray Serve LLM's ``build_openai_app`` for this engine.
+
+Each ``LLMConfig`` becomes its own deployment of ``deploy.server.ModelServer`` (its replicas and autoscaling from
+its ``deployment_config``); an ingress deployment, ``OpenAIRouter``, answers ``/v1/models``, ``/health``, ``/ping``,
+``/version`` and ``/metrics`` itself and hands every other request to the replica of the model its body names,
+through a DeploymentHandle: the replica runs it through its own HTTP API (``OpenAIReplica.forward``), so every route,
+check and error of a one-model server applies unchanged, streams included. An unknown model is a 404 naming the
+models served; a replica that dies or cannot be reached is a 503 (in a stream already answered: an error event,
+then ``[DONE]``).
+
+    serve run specbatch.serve:build_openai_app  (with a Serve config of Ray Serve LLM's form, or from Python:)
+    serve.run(build_openai_app({"llm_configs": [LLMConfig(...), LLMConfig(...)]}))
+"""
+
+import json
+import os
+import re
+from collections.abc import AsyncIterator
+from importlib.metadata import PackageNotFoundError, version
+from typing import Any
+
+import prometheus_client
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client.parser import text_string_to_metric_families
+from pydantic import SecretStr
+from ray import serve
+from ray.serve import Application
+from ray.serve.handle import DeploymentHandle
+
+from deploy import gate
+from deploy.engine_loop import REPLICA_RUNTIME_ENV
+from deploy.llm_config import LLMConfig, ServingArgs
+from deploy.protocol import ErrorDetail, ModelList
+from deploy.server import API_KEY_ENV, MAX_BODY_BYTES, ModelServer, deployment_options, make_app
+from frontend.resources import check_cluster
+
+router_api = FastAPI(title="specbatch", description="OpenAI-compatible generation with speculative decoding")
+router_api.add_middleware(gate.GateMiddleware)
+
+
+def _error(status: int, message: str, kind: str, code: str | None = None, param: str | None = None) -> JSONResponse:
+    response = gate.error(status, ErrorDetail(message=message, type=kind, code=code, param=param))
+    if status == 503:
+        response.headers["Retry-After"] = str(gate.RETRY_AFTER_S)
+    return response
+
+
+def _package_version() -> str:
+    try:
+        return version("specbatch")
+    except PackageNotFoundError:
+        return "unknown"
+
+
+def _merged_metrics(texts: list[str]) -> str:
+    """Several replicas' Prometheus texts as one exposition: each family once, the samples of all (their
+    ``model_name`` labels tell them apart)."""
+    families: dict[str, tuple[str, str, list[str]]] = {}
+    for text in texts:
+        for family in text_string_to_metric_families(text):
+            kind, doc, samples = families.setdefault(family.name, (family.type, family.documentation, []))
+            for sample in family.samples:
+                labels = ",".join(f'{k}="{v}"' for k, v in sample.labels.items())
+                samples.append(f"{sample.name}{{{labels}}} {sample.value}")
+    lines = []
+    for name, (kind, doc, samples) in families.items():
+        lines += [f"# HELP {name} {doc}", f"# TYPE {name} {kind}", *samples]
+    return "\n".join(lines) + "\n"
+
+
+@serve.deployment
+@serve.ingress(router_api)
+class OpenAIRouter:
+    def __init__(self, models: dict[str, DeploymentHandle], api_key: str | None) -> None:
+        self.models = models
+        gate.GATE.api_key = api_key.encode() if api_key else None
+
+    # -------------------------------------------------------------------------------- answered here
+    @router_api.get("/health")
+    async def health(self) -> Any:
+        return {"status": "ok", "models": sorted(self.models)}
+
+    @router_api.api_route("/ping", methods=["GET", "POST"])
+    async def ping(self) -> Any:
+        return Response(status_code=200)
+
+    @router_api.get("/version")
+    async def version(self) -> Any:
+        return {"version": _package_version()}
+
+    @router_api.get("/v1/models")
+    async def list_models(self) -> Any:
+        cards = [await handle.card.remote() for handle in self.models.values()]
+        return ModelList(data=cards).model_dump()
+
+    @router_api.get("/v1/models/{model_id:path}")
+    async def get_model(self, model_id: str) -> Any:
+        if model_id not in self.models:
+            return self._unknown(model_id)
+        return await self.models[model_id].card.remote()
+
+    @router_api.get("/metrics")
+    async def metrics(self) -> Any:
+        """The models' vLLM metrics, one replica of each (all replicas: Ray's metrics export)."""
+        texts = []
+        for handle in self.models.values():
+            body = b"".join([item async for item in handle.options(stream=True).forward.remote(
+                "GET", "/metrics", [], b"") if isinstance(item, bytes)])
+            texts.append(body.decode())
+        return Response(_merged_metrics(texts), media_type=prometheus_client.CONTENT_TYPE_LATEST)
+
+    # ------------------------------------------------------------------------------ handed to a model
+    @router_api.api_route("/{path:path}", methods=["GET", "POST"])
+    async def route(self, request: Request, path: str) -> Any:
+        body = await request.body()
+        if len(body) > MAX_BODY_BYTES:
+            return _error(413, f"the request body is larger than {MAX_BODY_BYTES} bytes", "invalid_request_error")
+        name = self._model_of(body)
+        if name is None:
+            if len(self.models) != 1:
+                return _error(400, f"`model` is required: this server serves {sorted(self.models)}",
+                              "invalid_request_error", param="model")
+            name = next(iter(self.models))
+        if name not in self.models:
+            return self._unknown(name)
+        headers = [(k, v) for k, v in request.headers.items() if k.lower() not in ("host", "content-length")]
+        target = f"/{path}" + (f"?{request.url.query}" if request.url.query else "")  # under the app's route prefix
+        stream = self.models[name].options(stream=True).forward.remote(request.method, target, headers, body)
+        try:
+            start = await stream.__anext__()
+        except StopAsyncIteration:
+            return _error(502, f"the replica of `{name}` ended the request without answering", "server_error")
+        except Exception as exc:  # the replica died, or none could be reached
+            return _error(503, f"the replica of `{name}` is unavailable: {type(exc).__name__}", "server_error",
+                          code="service_unavailable")
+        headers = {k: v for k, v in start["headers"] if k.lower() not in ("content-length", "transfer-encoding")}
+        return StreamingResponse(self._rest(stream, name), status_code=start["status"], headers=headers)
+
+    @staticmethod
+    async def _rest(stream: Any, name: str) -> AsyncIterator[bytes]:
+        try:
+            async for chunk in stream:
+                yield chunk
+        except Exception as exc:  # the replica died mid-response: the status line is sent, report in-band
+            error = {"error": {"message": f"the replica of `{name}` failed during the response: "
+                                          f"{type(exc).__name__}", "type": "server_error", "param": None,
+                               "code": "service_unavailable"}}
+            yield f"data: {json.dumps(error)}\n\ndata: [DONE]\n\n".encode()
+
+    @staticmethod
+    def _model_of(body: bytes) -> str | None:
+        try:
+            parsed = json.loads(body) if body else None
+        except ValueError:
+            return None  # the model's replica answers the malformed body with its own 400
+        model = parsed.get("model") if isinstance(parsed, dict) else None
+        return model if isinstance(model, str) else None
+
+    def _unknown(self, name: str) -> JSONResponse:
+        return _error(404, f"The model `{name}` does not exist; this server serves {sorted(self.models)}",
+                      "invalid_request_error", code="model_not_found", param="model")
+
+
+def _deployment_name(model_id: str) -> str:
+    return "LLMServer:" + re.sub(r"[^A-Za-z0-9_.:-]", "_", model_id)
+
+
+def _model_deployment(llm: LLMConfig, key: str | None) -> Application:
+    config = llm.engine_config()
+    if key and config.api_key is None:
+        config = config.model_copy(update={"api_key": SecretStr(key)})
+    check_cluster(config, "replicas")
+    options = llm.replica_options(deployment_options(config), REPLICA_RUNTIME_ENV)
+    options.setdefault("name", _deployment_name(llm.model_id))
+    return ModelServer.options(**options).bind(config)
+
+
+def _api_key(configs: list[LLMConfig]) -> str | None:
+    """``SPECBATCH_API_KEY`` or ``VLLM_API_KEY`` where the app is built, else the first model's
+    ``specbatch.api_key``."""
+    key = next((os.environ[name] for name in API_KEY_ENV if os.environ.get(name)), None)
+    for llm in configs:
+        given = llm.specbatch.get("api_key")
+        key = key or (given.get_secret_value() if isinstance(given, SecretStr) else given)
+    return key
+
+
+def build_openai_app(builder_config: dict[str, Any] | ServingArgs) -> Application:
+    """Ray Serve LLM's ``build_openai_app``: ``{"llm_configs": [LLMConfig | dict | YAML path, ...],
+    "ingress_deployment_config": {...}}`` -> one application serving every model by its ``model_id``. The API key,
+    when set (``SPECBATCH_API_KEY`` or ``VLLM_API_KEY`` where this runs, or a model's ``specbatch.api_key``),
+    guards the router and every model."""
+    args = builder_config if isinstance(builder_config, ServingArgs) else ServingArgs.model_validate(builder_config)
+    key = _api_key(args.llm_configs)
+    models = {llm.model_id: _model_deployment(llm, key) for llm in args.llm_configs}
+    # The router only relays bytes: it reserves no CPU, so the models' replicas get the cluster's.
+    ingress = {"name": "OpenAiIngress", "num_replicas": 1, "max_ongoing_requests": 4096,
+               "ray_actor_options": {"num_cpus": 0}, **args.ingress_deployment_config}
+    return OpenAIRouter.options(**ingress).bind(models, key)
+
+
+def build_llm_deployment(llm_config: LLMConfig | dict[str, Any]) -> Application:
+    """Ray Serve LLM's ``build_llm_deployment``: one model's own app, without a router."""
+    llm = llm_config if isinstance(llm_config, LLMConfig) else LLMConfig.model_validate(llm_config)
+    return make_app(llm.engine_config())
