@@ -101,12 +101,13 @@ class OpenAIRouter:
         return await self.models[model_id].card.remote()
 
     @router_api.get("/metrics")
-    async def metrics(self) -> Any:
+    async def metrics(self, request: Request) -> Any:
         """The models' vLLM metrics, one replica of each (all replicas: Ray's metrics export)."""
+        headers = [(k, v) for k, v in request.headers.items() if k.lower() == "authorization"]
         texts = []
         for handle in self.models.values():
             body = b"".join([item async for item in handle.options(stream=True).forward.remote(
-                "GET", "/metrics", [], b"") if isinstance(item, bytes)])
+                "GET", "/metrics", headers, b"") if isinstance(item, bytes)])
             texts.append(body.decode())
         return Response(_merged_metrics(texts), media_type=prometheus_client.CONTENT_TYPE_LATEST)
 
