@@ -4,6 +4,8 @@ only the import path changed, talked to with the official ``openai`` client."""
 
 from __future__ import annotations
 
+import time
+
 import httpx
 import openai
 import pytest
@@ -121,6 +123,35 @@ def test_a_models_own_errors_come_back_through_the_router_in_openais_shape(clien
     with pytest.raises(openai.BadRequestError) as refused:
         client.completions.create(model="tiny-a", prompt="the cat", max_tokens=4, extra_body={"top_k": -5})
     assert refused.value.body["param"] == "top_k"
+
+
+def test_a_replica_killed_mid_stream_ends_the_stream_with_an_error_event_and_done(server, client):
+    """The model's replica dies while a stream runs: the client gets an error event and [DONE], not a hung or
+    truncated stream; Serve starts another replica and the model answers again."""
+    import ray
+
+    replicas = [actor for actor in ray.util.list_named_actors(all_namespaces=True)
+                if actor["name"].startswith("SERVE_REPLICA::llm#LLMServer:tiny-a#")]
+    assert replicas
+    body = {"model": "tiny-a", "prompt": "the cat", "max_tokens": 240, "n": 16, "ignore_eos": True, "stream": True}
+    with httpx.stream("POST", f"{server}/v1/completions", json=body, timeout=120) as response:
+        assert response.status_code == 200
+        events = (line for line in response.iter_lines() if line.startswith("data: "))
+        next(events)  # under way
+        for actor in replicas:
+            ray.kill(ray.get_actor(actor["name"], namespace=actor["namespace"]), no_restart=False)
+        rest = list(events)
+    assert rest[-1] == "data: [DONE]"
+    assert '"error"' in rest[-2] and "service_unavailable" in rest[-2]
+    deadline = time.monotonic() + 120
+    while True:  # a new replica comes up; until then the model's requests are 503s, never hangs
+        try:
+            answer = client.completions.create(model="tiny-a", prompt="the cat", max_tokens=4)
+            break
+        except openai.APIStatusError as refused:
+            assert refused.status_code == 503 and time.monotonic() < deadline
+            time.sleep(2)
+    assert answer.choices[0].text is not None
 
 
 def test_the_serve_config_file_form_runs_with_only_the_import_path_changed(server, tiny_dirs, tmp_path):
