@@ -418,9 +418,11 @@ class Config(_Strict):
     model: str = "smollm2-135m-instruct"
     # vLLM's: the model's name in the HTTP API (/v1/models, the ``model`` field of requests); default: ``model``.
     served_model_name: str | None = None
-    # vLLM's --api-key: every HTTP route but /health needs "Authorization: Bearer <key>" (else SPECBATCH_API_KEY or
-    # VLLM_API_KEY). Never written out with the configuration.
+    # vLLM's --api-key: every HTTP route but /health, /ping and /metrics needs "Authorization: Bearer <key>" (else
+    # SPECBATCH_API_KEY or VLLM_API_KEY). Never written out with the configuration.
     api_key: SecretStr | None = Field(None, exclude=True)
+    # /metrics is open to any scraper, as vLLM's server leaves it; true: it needs the API key too (when one is set).
+    metrics_require_api_key: bool = False
     # Serve's name: on SIGTERM/SIGINT the server finishes the requests it holds for up to this long.
     graceful_shutdown_timeout_s: float = Field(20.0, ge=0.0, le=3600.0)
     speculative: SpeculativeConfig = Field(default_factory=SpeculativeConfig)

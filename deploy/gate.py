@@ -1,5 +1,7 @@
 """What every HTTP request meets before a route (``deploy.server``): the API key, and whether the replica still
-admits requests (``deploy.drain``). ``/health`` passes without either.
+admits requests (``deploy.drain``). ``/health`` and ``/ping`` pass without either (they answer 503 themselves while
+draining), and so does ``/metrics`` (a scraper holds no key: vLLM's server exempts it from ``--api-key`` too),
+unless ``metrics_require_api_key`` is set; then it needs the key like every other route.
 
 One replica runs per process, so the gate is a module-level object, set by the replica when it starts.
 """
@@ -28,11 +30,22 @@ def unavailable(message: str) -> JSONResponse:
     return response
 
 
+# Routes every client may call, key or not, draining or not.
+OPEN_PATHS = frozenset({"/health", "/ping"})
+METRICS_PATH = "/metrics"
+
+
 class Gate:
     def __init__(self) -> None:
         self.api_key: bytes | None = None
+        self.metrics_require_api_key = False
         self.draining = False
         self.in_flight = 0  # requests past the gate whose response is not yet complete
+
+    def is_open(self, path: str) -> bool:
+        """Whether ``path`` passes without the key and while draining."""
+        path = path.rstrip("/")
+        return path in OPEN_PATHS or (path == METRICS_PATH and not self.metrics_require_api_key)
 
     def refusal(self, scope: dict[str, Any]) -> JSONResponse | None:
         if self.api_key is not None:
@@ -54,15 +67,15 @@ GATE = Gate()
 
 
 class GateMiddleware:
-    """ASGI middleware: the gate for every route but ``/health``, and the count of requests in flight (a streamed
-    response counts until its last chunk is sent)."""
+    """ASGI middleware: the gate for every route but the open ones (``Gate.is_open``), and the count of requests in
+    flight (a streamed response counts until its last chunk is sent)."""
 
     def __init__(self, app: Any) -> None:
         self.app = app
 
     async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
         path = scope.get("path", "").removeprefix(scope.get("root_path", ""))
-        if scope["type"] != "http" or path.rstrip("/") == "/health":
+        if scope["type"] != "http" or GATE.is_open(path):
             await self.app(scope, receive, send)
             return
         refusal = GATE.refusal(scope)

@@ -32,7 +32,8 @@ class _Request(BaseModel):
 
 class StreamOptions(_Request):
     include_usage: bool = False
-    continuous_usage_stats: bool = False  # vLLM's extension; usage comes in the last chunk only
+    # vLLM's extension: with include_usage, every chunk also carries the usage so far (its choice's tokens).
+    continuous_usage_stats: bool = False
 
 
 # OpenAI fields that clients send with default or neutral values: accepted with those values, refused (by name)
@@ -49,9 +50,9 @@ _NEUTRAL: dict[str, tuple[Any, ...]] = {
     "reasoning_effort": (None,),
     "prediction": (None,),
     "audio": (None,),
-    "echo": (None, False),
     "best_of": (None, 1),
     "suffix": (None, ""),
+    "mm_processor_kwargs": (None, {}),
 }
 
 
@@ -156,6 +157,11 @@ class GenerationRequest(_Request):
         return self.stream_options is not None and self.stream_options.include_usage
 
     @property
+    def continuous_usage(self) -> bool:
+        """vLLM's rule: ``continuous_usage_stats`` puts usage in every chunk when ``include_usage`` is on too."""
+        return self.include_usage and self.stream_options.continuous_usage_stats
+
+    @property
     def top_logprobs(self) -> int | None:
         """Alternatives per token the response reports; None = no logprobs."""
         return None
@@ -205,10 +211,15 @@ _SAMPLING_FIELDS = {
 }
 
 
+# A prompt as vLLM's completions take it: text, or token ids (checked against the vocabulary by the engine).
+Prompt = str | list[int]
+
+
 class CompletionRequest(GenerationRequest):
-    prompt: str | list[str]
+    # vLLM's (and OpenAI's) forms: a string, a list of strings, a list of token ids, a list of token id lists.
+    prompt: str | list[str] | list[int] | list[list[int]]
     logprobs: int | None = Field(None, description="alternatives per token (legacy completions)")
-    echo: Any = None
+    echo: bool = Field(False, description="the text of each choice starts with its prompt")
     best_of: Any = None
     suffix: Any = None
 
@@ -218,17 +229,26 @@ class CompletionRequest(GenerationRequest):
 
     @field_validator("prompt")
     @classmethod
-    def _some_prompt(cls, value: str | list[str], info: ValidationInfo) -> str | list[str]:
+    def _some_prompt(cls, value: str | list[Any], info: ValidationInfo) -> str | list[Any]:
         if isinstance(value, list) and not value:
-            raise ValueError("prompt must be a string or a non-empty list of strings")
-        sequences = (len(value) if isinstance(value, list) else 1) * info.data.get("n", 1)
+            raise ValueError("prompt must be a string, a list of token ids, or a non-empty list of either")
+        if isinstance(value, list) and any(isinstance(p, list) and not p for p in value):
+            raise ValueError("a prompt given as token ids must have at least one")
+        sequences = len(_prompts(value)) * info.data.get("n", 1)
         if sequences > MAX_SEQUENCES:
             raise ValueError(f"a request decodes at most {MAX_SEQUENCES} sequences (prompts times n), not {sequences}")
         return value
 
     @property
-    def prompts(self) -> list[str]:
-        return [self.prompt] if isinstance(self.prompt, str) else self.prompt
+    def prompts(self) -> list[Prompt]:
+        return _prompts(self.prompt)
+
+
+def _prompts(prompt: str | list[Any]) -> list[Prompt]:
+    """The prompts of a completions body: one string, one list of token ids, or a list of either."""
+    if isinstance(prompt, str) or (prompt and isinstance(prompt[0], int)):
+        return [prompt]
+    return list(prompt)
 
 
 class ChatCompletionRequest(GenerationRequest):
@@ -289,7 +309,76 @@ class ChatCompletionRequest(GenerationRequest):
         return field
 
 
+class TokenizeRequest(_Request):
+    """vLLM's ``POST /tokenize`` body, either of its two forms: ``TokenizeCompletionRequest`` (``prompt``;
+    ``add_special_tokens`` defaults to true) or ``TokenizeChatRequest`` (``messages`` rendered with the chat template,
+    vLLM's rendering fields; ``add_special_tokens`` defaults to false: the template adds them)."""
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool | None = None
+    return_token_strs: bool | None = False
+    add_generation_prompt: bool | None = None
+    continue_final_message: bool | None = None
+    chat_template: str | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    tools: Any = None
+    mm_processor_kwargs: Any = None
+
+    _check_neutral = field_validator("tools", "mm_processor_kwargs", mode="before")(_neutral)
+
+    @field_validator("chat_template_kwargs")
+    @classmethod
+    def _bounded(cls, value: dict[str, Any] | None) -> dict[str, Any] | None:
+        if value is not None and too_deep(value):
+            raise ValueError(f"nested deeper than {MAX_DEPTH} levels")
+        return value
+
+    def problem(self) -> tuple[str, str] | None:
+        """What is wrong with the body's combination of fields, and the field to blame; None when nothing."""
+        if (self.prompt is None) == (self.messages is None):
+            return "give either prompt or messages", "prompt" if self.messages is None else "messages"
+        if self.messages is not None and not self.messages:
+            return "messages must not be empty", "messages"
+        if self.prompt is not None:
+            for field in ("add_generation_prompt", "continue_final_message", "chat_template", "chat_template_kwargs"):
+                if getattr(self, field) is not None:
+                    return f"{field} applies to messages, not to a prompt", field
+        if self.add_generation_prompt is not False and self.continue_final_message:
+            return ("Cannot set both `continue_final_message` and `add_generation_prompt` to True (send "
+                    "add_generation_prompt: false with it)", "continue_final_message")
+        return None
+
+    def chat_options(self) -> ChatOptions:
+        return ChatOptions(chat_template=self.chat_template, chat_template_kwargs=self.chat_template_kwargs,
+                           add_generation_prompt=self.add_generation_prompt,
+                           continue_final_message=self.continue_final_message)
+
+
+class DetokenizeRequest(_Request):
+    """vLLM's ``POST /detokenize`` body."""
+
+    model: str | None = None
+    tokens: list[int]
+
+
 # ------------------------------------------------------------------------------------------------ responses
+class TokenizeResponse(BaseModel):
+    count: int
+    max_model_len: int
+    tokens: list[int]
+    token_strs: list[str] | None = None
+
+
+class DetokenizeResponse(BaseModel):
+    prompt: str
+
+
+class VersionResponse(BaseModel):
+    version: str
+
+
 class Usage(BaseModel):
     prompt_tokens: int
     completion_tokens: int

@@ -14,6 +14,7 @@ deployment's methods use is defined above it: the decorator snapshots the class 
 
 
 import asyncio
+import importlib.metadata
 import json
 import logging
 import os
@@ -37,6 +38,7 @@ from starlette.exceptions import HTTPException
 from decoding.config import Config, SamplingParams, load_config
 from decoding.engine import Engine, GenerationResult
 from decoding.engine import Request as EngineRequest
+from decoding.engine.sequence import EngineError, input_bytes, render_messages
 from decoding.model.loading import load_tokenizer, worker_threads
 from decoding.params import RequestError, resolve_sampling
 from decoding.stats import SpecDecodeStats
@@ -58,6 +60,8 @@ from deploy.protocol import (
     CompletionLogprobs,
     CompletionRequest,
     CompletionResponse,
+    DetokenizeRequest,
+    DetokenizeResponse,
     ErrorDetail,
     ErrorResponse,
     GenerationRequest,
@@ -65,11 +69,15 @@ from deploy.protocol import (
     Metrics,
     ModelCard,
     ModelList,
+    Prompt,
     PromptLogprobs,
     SpecDecodeMetrics,
+    TokenizeRequest,
+    TokenizeResponse,
     TokenLogprob,
     TopLogprob,
     Usage,
+    VersionResponse,
 )
 from frontend.logprobs import vllm_logprobs
 from frontend.metrics import EngineMetrics, prometheus_backend, ray_backend
@@ -83,6 +91,17 @@ api = FastAPI(title="specbatch", description="OpenAI-compatible generation with 
 API_KEY_ENV = ("SPECBATCH_API_KEY", "VLLM_API_KEY")
 # A body larger than this is refused before it is read whole (a prompt longer than the context is refused anyway).
 MAX_BODY_BYTES = 64 << 20
+
+
+def _version() -> str:
+    try:
+        return importlib.metadata.version("specbatch")
+    except importlib.metadata.PackageNotFoundError:  # run from a checkout that was never installed
+        return "unknown"
+
+
+# GET /version's answer (vLLM's shape: {"version": ...}), specbatch's version.
+VERSION = _version()
 
 
 # ---------------------------------------------------------------------------------------------------- errors
@@ -173,6 +192,17 @@ def _totals(results: list[GenerationResult]) -> dict[str, Any]:
     return {"usage": usage, "metrics": _metrics(results)}
 
 
+def _usage(prompt: int, completion: int) -> Usage:
+    return Usage(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)
+
+
+def _prompt_tokens(event: Event) -> int:
+    """A sequence's prompt length from its first event (its tokens carry it; a result has the prompt's ids)."""
+    if isinstance(event, GenerationResult):
+        return len(event.prompt_token_ids)
+    return getattr(event, "num_prompt_tokens", None) or 0
+
+
 def _metrics(results: list[GenerationResult]) -> Metrics:
     total = SpecDecodeStats.total(r.stats for r in results)  # the one definition (decoding.stats)
     return Metrics(speculative_decoding=SpecDecodeMetrics(**total.struct()))
@@ -243,11 +273,14 @@ class _Format(ABC):
 
     @abstractmethod
     def chunk(self, index: int, text: str | None, finish_reason: str | None, role: bool = False,
-              logprobs: Entries | None = None, offset: int = 0, prompt_logprobs: Entries | None = None) -> BaseModel:
+              logprobs: Entries | None = None, offset: int = 0, prompt_logprobs: Entries | None = None,
+              usage: Usage | None = None) -> BaseModel:
         """One stream chunk; ``logprobs``: the entries of the tokens it carries, ``offset`` their first
-        character in the choice's token text; ``prompt_logprobs``: the choice's (with the chunk that ends it)."""
+        character in the choice's token text; ``prompt_logprobs``: the choice's (with the chunk that ends it);
+        ``usage``: the choice's so far (vLLM's ``continuous_usage_stats``)."""
 
-    def opening_chunks(self, count: int) -> list[BaseModel]:
+    def opening_chunks(self, usages: list[Usage | None]) -> list[BaseModel]:
+        """The chunks before any token, one per choice (``usages``: each one's, or None)."""
         return []
 
     @abstractmethod
@@ -255,12 +288,13 @@ class _Format(ABC):
 
 
 class _CompletionFormat(_Format):
-    def __init__(self, model: str, tokenizer: Any = None) -> None:
+    def __init__(self, model: str, tokenizer: Any = None, echo: bool = False) -> None:
         super().__init__("cmpl", "prompt", model, tokenizer)
+        self.echo = echo  # each choice's text starts with its prompt's (vLLM's, OpenAI's echo)
 
     def response(self, results: list[GenerationResult]) -> CompletionResponse:
         choices = [
-            CompletionChoice(index=i, text=r.text, finish_reason=r.finish_reason,
+            CompletionChoice(index=i, text=r.prompt + r.text if self.echo else r.text, finish_reason=r.finish_reason,
                              logprobs=_completion_logprobs(self.tokenizer, r.logprobs),
                              prompt_logprobs=_prompt_logprobs(self.tokenizer, r.prompt_logprobs))
             for i, r in enumerate(results)
@@ -269,11 +303,11 @@ class _CompletionFormat(_Format):
 
     def chunk(self, index: int, text: str | None, finish_reason: str | None, role: bool = False,
               logprobs: Entries | None = None, offset: int = 0,
-              prompt_logprobs: Entries | None = None) -> CompletionResponse:
+              prompt_logprobs: Entries | None = None, usage: Usage | None = None) -> CompletionResponse:
         choice = CompletionChoice(index=index, text=text or "", finish_reason=finish_reason,
                                   logprobs=_completion_logprobs(self.tokenizer, logprobs, offset),
                                   prompt_logprobs=_prompt_logprobs(self.tokenizer, prompt_logprobs))
-        return CompletionResponse(**self._fields(), choices=[choice])
+        return CompletionResponse(**self._fields(), choices=[choice], usage=usage)
 
     def usage_chunk(self, results: list[GenerationResult]) -> CompletionResponse:
         return CompletionResponse(**self._fields(), choices=[], **_totals(results))
@@ -295,15 +329,16 @@ class _ChatFormat(_Format):
 
     def chunk(self, index: int, text: str | None, finish_reason: str | None, role: bool = False,
               logprobs: Entries | None = None, offset: int = 0,
-              prompt_logprobs: Entries | None = None) -> ChatCompletionChunk:
+              prompt_logprobs: Entries | None = None, usage: Usage | None = None) -> ChatCompletionChunk:
         delta = ChatDelta(role="assistant" if role else None, content=text)
         choice = ChatChunkChoice(index=index, delta=delta, finish_reason=finish_reason,
                                  logprobs=_chat_logprobs(self.tokenizer, logprobs))
-        return ChatCompletionChunk(**self._fields(), choices=[choice],
+        return ChatCompletionChunk(**self._fields(), choices=[choice], usage=usage,
                                    prompt_logprobs=_prompt_logprobs(self.tokenizer, prompt_logprobs))
 
-    def opening_chunks(self, count: int) -> list[ChatCompletionChunk]:
-        return [self.chunk(i, "", None, role=True) for i in range(count)]  # OpenAI announces the role first
+    def opening_chunks(self, usages: list[Usage | None]) -> list[ChatCompletionChunk]:
+        # OpenAI announces the role first.
+        return [self.chunk(i, "", None, role=True, usage=usage) for i, usage in enumerate(usages)]
 
     def usage_chunk(self, results: list[GenerationResult]) -> ChatCompletionChunk:
         return ChatCompletionChunk(**self._fields(), choices=[], **_totals(results))
@@ -312,6 +347,23 @@ class _ChatFormat(_Format):
 def _sse(payload: BaseModel | str) -> str:
     data = payload if isinstance(payload, str) else payload.model_dump_json()
     return f"data: {data}\n\n"
+
+
+def _prompt_input(prompt: Prompt) -> dict[str, Any]:
+    """An engine request's input for one completions prompt: its text, or its token ids."""
+    return {"prompt": prompt} if isinstance(prompt, str) else {"prompt_token_ids": prompt}
+
+
+class _StreamUsage:
+    """A stream's usage: the final chunk's (``include_usage``), and with vLLM's ``continuous_usage_stats`` every
+    chunk's, its choice's prompt tokens and the tokens it has generated so far."""
+
+    def __init__(self, prompt_tokens: list[int], final: bool, continuous: bool) -> None:
+        self.prompt_tokens, self.final, self.continuous = prompt_tokens, final, continuous
+        self.generated = [0] * len(prompt_tokens)
+
+    def so_far(self, index: int) -> Usage | None:
+        return _usage(self.prompt_tokens[index], self.generated[index]) if self.continuous else None
 
 
 async def _replay(
@@ -343,9 +395,12 @@ class OpenAIReplica:
         replica_id = serve.get_replica_context().replica_id.unique_id
         self.metrics = EngineMetrics([ray_backend(replica_id), prometheus_backend(self.registry)], self.model_id)
         self.loop = EngineLoop(lambda: Engine(config), threads, self.metrics, config.limits.step_timeout_s)
+        self.metrics.bind(self.loop.engine.max_context)  # the token-count histograms' buckets end at the context
         # The engine thread tokenizes with its own tokenizer; streaming decodes on the event loop with this one.
+        # /tokenize and /detokenize use the runner's, one per worker thread (EngineRunner.with_tokenizer).
         self.tokenizer = load_tokenizer(config.model, config.trust_remote_code)
         gate.GATE.api_key = config.api_key.get_secret_value().encode() if config.api_key else None
+        gate.GATE.metrics_require_api_key = config.metrics_require_api_key
         drain.watch(serve.get_replica_context().app_name, get_runtime_context().get_actor_id(),
                     start=self._start_draining, busy=lambda: gate.GATE.in_flight, end=self._end_requests)
 
@@ -371,11 +426,76 @@ class OpenAIReplica:
             "status": "ok", "steps": self.loop.steps, "running": len(engine.running), "waiting": len(engine.waiting),
         }
 
+    @api.get("/ping")
+    @api.post("/ping")
+    async def ping(self) -> Any:
+        """vLLM's (SageMaker's) liveness route: /health's answer."""
+        return await self.health()
+
     @api.get("/metrics")
     async def prometheus(self) -> Response:
-        """This replica's vLLM metrics in Prometheus' text format (all replicas: Ray's metrics export)."""
+        """This replica's vLLM metrics in Prometheus' text format (all replicas: Ray's metrics export). Open without
+        the API key unless ``metrics_require_api_key`` (deploy.gate)."""
         text = prometheus_client.generate_latest(self.registry)
         return Response(text, media_type=prometheus_client.CONTENT_TYPE_LATEST)
+
+    @api.get("/version")
+    async def version(self) -> dict[str, Any]:
+        return VersionResponse(version=VERSION).model_dump()
+
+    @api.post("/tokenize")
+    async def tokenize(self, raw: Request) -> dict[str, Any]:
+        """vLLM's: a prompt, or messages rendered with the chat template, as the model's token ids. Bounded as a
+        generation's input (``limits.max_prompt_bytes``, the context), tokenized in a worker thread."""
+        body: TokenizeRequest = self._parse(await _json_body(raw), TokenizeRequest)
+        if (problem := body.problem()) is not None:
+            raise ApiError(400, problem[0], param=problem[1])
+        field = "prompt" if body.messages is None else "messages"
+        # vLLM's defaults: a prompt gets the tokenizer's special tokens, messages only those of the chat template.
+        add_special_tokens = body.messages is None if body.add_special_tokens is None else body.add_special_tokens
+        if body.messages is None:
+            request = EngineRequest(id="tokenize", prompt=body.prompt)
+        else:
+            try:
+                rendering = body.chat_options().request_fields(self.config)
+            except RequestError as exc:
+                raise ApiError(400, str(exc), param="chat_template") from None
+            request = EngineRequest(id="tokenize", messages=[m.rendered() for m in body.messages], **rendering)
+        engine = self.loop.engine
+        size = input_bytes(request)
+        if size > engine.max_prompt_bytes:
+            raise ApiError(400, f"the {field} has {size} bytes, more than limits.max_prompt_bytes "
+                                f"({engine.max_prompt_bytes})", param=field)
+
+        def work(tokenizer: Any) -> tuple[list[int], list[str] | None]:
+            text = request.prompt if request.messages is None else render_messages(tokenizer, request)
+            ids = tokenizer(text, add_special_tokens=add_special_tokens)["input_ids"]
+            return ids, tokenizer.convert_ids_to_tokens(ids) if body.return_token_strs else None
+
+        try:
+            ids, strs = await asyncio.to_thread(self.loop.runner.with_tokenizer, work, size)
+        except EngineError as exc:
+            raise ApiError(400, str(exc), param=field) from None
+        if len(ids) > engine.max_context:  # vLLM's bound: the model's context
+            raise ApiError(400, f"the {field} has {len(ids)} tokens, more than max_model_len ({engine.max_context})",
+                           param=field)
+        return TokenizeResponse(count=len(ids), max_model_len=engine.max_context, tokens=ids,
+                                token_strs=strs).model_dump(exclude_none=True)
+
+    @api.post("/detokenize")
+    async def detokenize(self, raw: Request) -> dict[str, Any]:
+        """vLLM's: token ids (at most the context's, each in the vocabulary) as text, decoded in a worker thread."""
+        body: DetokenizeRequest = self._parse(await _json_body(raw), DetokenizeRequest)
+        engine = self.loop.engine
+        vocab = engine.loaded_target.config.vocab_size
+        if len(body.tokens) > engine.max_context:
+            raise ApiError(400, f"tokens has {len(body.tokens)} ids, more than max_model_len ({engine.max_context})",
+                           param="tokens")
+        if any(not 0 <= token < vocab for token in body.tokens):
+            raise ApiError(400, f"token ids must lie in [0, {vocab})", param="tokens")
+        text = await asyncio.to_thread(self.loop.runner.with_tokenizer, lambda tokenizer: tokenizer.decode(body.tokens),
+                                       0)
+        return DetokenizeResponse(prompt=text).model_dump()
 
     def _card(self) -> ModelCard:
         return ModelCard(id=self.model_id, max_model_len=self.loop.engine.max_context)
@@ -392,11 +512,20 @@ class OpenAIReplica:
     @api.post("/v1/completions")
     async def completions(self, raw: Request) -> Response:
         body: CompletionRequest = self._parse(await _json_body(raw), CompletionRequest)
+        if body.echo and body.logprobs is not None:
+            raise ApiError(400, "echo with logprobs is not supported (the prompt's entries would lead the choice's); "
+                                "ask for prompt_logprobs instead", param="echo")
         sampling = self._sampling(body)
         # OpenAI's order: the n choices of the first prompt, then those of the next.
-        requests = [self._request(body, sampling, choice, prompt=prompt)
+        requests = [self._request(body, sampling, choice, **_prompt_input(prompt))
                     for prompt in body.prompts for choice in range(body.n)]
-        return await self._generate(body, sampling, requests, _CompletionFormat(self.model_id, self.tokenizer))
+        echo = None
+        if body.echo and body.stream:  # a stream's first chunk of each choice starts with its prompt's text
+            echo = await asyncio.to_thread(self.loop.runner.with_tokenizer, lambda tokenizer: [
+                prompt if isinstance(prompt, str) else tokenizer.decode(prompt)  # as the engine decodes token ids
+                for prompt in body.prompts for _ in range(body.n)], 0)
+        return await self._generate(body, sampling, requests,
+                                    _CompletionFormat(self.model_id, self.tokenizer, echo=body.echo), echo)
 
     @api.post("/v1/chat/completions")
     async def chat_completions(self, raw: Request) -> Response:
@@ -443,15 +572,24 @@ class OpenAIReplica:
         return EngineRequest(id=uuid.uuid4().hex, sampling=sampling.model_copy(update=one), **inputs)
 
     async def _generate(
-        self, body: GenerationRequest, sampling: SamplingParams, requests: list[EngineRequest], fmt: _Format
+        self, body: GenerationRequest, sampling: SamplingParams, requests: list[EngineRequest], fmt: _Format,
+        echo: list[str] | None = None,
     ) -> Response:
+        """``echo``: with a stream, the text each choice's first chunk starts with."""
         group = uuid.uuid4().hex  # one turn in the engine's fair admission for all of this body's sequences
         for request in requests:
             request.group = group
+        if body.n > 1:  # each prompt's n choices: vLLM's parent request, for request_params_n
+            for first in range(0, len(requests), body.n):
+                self.metrics.parent([request.id for request in requests[first:first + body.n]])
         events = self.loop.generate(requests, stream=body.stream)
         head = await self._until_admitted(events, len(requests), fmt.input_field)
         if body.stream:
-            chunks = self._stream(_replay(head, events), len(requests), fmt, sampling.stop, body.include_usage)
+            prompt_tokens = [0] * len(requests)
+            for index, event in head:  # the first event of every sequence
+                prompt_tokens[index] = prompt_tokens[index] or _prompt_tokens(event)
+            usage = _StreamUsage(prompt_tokens, body.include_usage, body.continuous_usage)
+            chunks = self._stream(_replay(head, events), len(requests), fmt, sampling.stop, usage, echo)
             return StreamingResponse(chunks, media_type="text/event-stream")
         results: list[GenerationResult] = [None] * len(requests)  # type: ignore[list-item]
         async with aclosing(_replay(head, events)) as stream:
@@ -485,7 +623,8 @@ class OpenAIReplica:
         return head
 
     async def _stream(
-        self, events: AsyncGenerator[tuple[int, Event], None], count: int, fmt: _Format, stops: list[str], usage: bool
+        self, events: AsyncGenerator[tuple[int, Event], None], count: int, fmt: _Format, stops: list[str],
+        usage: _StreamUsage, echo: list[str] | None = None,
     ) -> AsyncIterator[str]:
         texts = [IncrementalText(self.tokenizer, stops) for _ in range(count)]
         # Logprob entries go out with the chunk that carries their text (a token's text may be held back), the
@@ -493,26 +632,33 @@ class OpenAIReplica:
         pending: list[Entries] = [[] for _ in range(count)]
         sent, offsets = [0] * count, [0] * count
         results: list[GenerationResult] = []
-        for chunk in fmt.opening_chunks(count):
+        # echo: the prompt's text leads the first chunk of each choice (vLLM sends it with the first tokens' text).
+        leads = list(echo) if echo is not None else [""] * count
+        for chunk in fmt.opening_chunks([usage.so_far(i) for i in range(count)]):
             yield _sse(chunk)
         try:
             async with aclosing(events):  # a client that goes away closes this, releasing the engine routes
                 async for index, event in events:
                     if isinstance(event, GenerationResult):
                         results.append(event)
+                        usage.generated[index] = len(event.token_ids)
                         rest = None if event.logprobs is None else event.logprobs[sent[index]:]
-                        yield _sse(fmt.chunk(index, texts[index].finish(event.text), event.finish_reason,
-                                             logprobs=rest, offset=offsets[index],
-                                             prompt_logprobs=event.prompt_logprobs))
+                        text, leads[index] = leads[index] + texts[index].finish(event.text), ""
+                        yield _sse(fmt.chunk(index, text, event.finish_reason, logprobs=rest, offset=offsets[index],
+                                             prompt_logprobs=event.prompt_logprobs, usage=usage.so_far(index)))
                         continue
+                    usage.generated[index] += len(event)
                     pending[index] += event.logprobs or []
-                    if delta := texts[index].push(event):
+                    delta = texts[index].push(event)
+                    if delta or leads[index]:
+                        delta, leads[index] = leads[index] + delta, ""
                         entries = pending[index] if event.logprobs is not None else None
-                        yield _sse(fmt.chunk(index, delta, None, logprobs=entries, offset=offsets[index]))
+                        yield _sse(fmt.chunk(index, delta, None, logprobs=entries, offset=offsets[index],
+                                             usage=usage.so_far(index)))
                         sent[index] += len(pending[index])
                         offsets[index] += _token_chars(self.tokenizer, pending[index])
                         pending[index] = []
-            if usage:
+            if usage.final:
                 yield _sse(fmt.usage_chunk(results))
         except (EngineFailure, Draining, RequestRejected) as exc:  # the status line is sent: report in-band
             kind = "invalid_request_error" if isinstance(exc, RequestRejected) else "server_error"

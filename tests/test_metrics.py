@@ -6,6 +6,8 @@ import threading
 from collections import defaultdict
 from concurrent.futures import Future
 
+import pytest
+
 from decoding.config import Config
 from decoding.engine import Engine, GenerationResult, Request
 from decoding.engine.runner import EngineRunner
@@ -98,3 +100,115 @@ def test_prefix_cache_counters_are_recorded_per_step(tokenizer, target):
     assert memory.values["vllm:prefix_cache_queries"] == [len(r.prompt_token_ids) for r in results]  # one a step
     assert memory.total("vllm:prefix_cache_queries") == prompt_tokens
     assert memory.values["vllm:prefix_cache_hits"] == [48] == [results[1].num_cached_tokens]
+
+
+class Labeled:
+    """A backend keeping every observation with its labels beyond model_name and engine."""
+
+    def __init__(self) -> None:
+        self.values: dict[str, list[tuple[dict[str, str], float]]] = defaultdict(list)
+
+    def __call__(self, spec: MetricSpec):
+        values = self.values
+
+        class Metric:
+            def record(self, value: float, tags: dict[str, str]) -> None:
+                assert set(tags) == set(spec.labels) and tags["model_name"] == "m" and tags["engine"] == "0"
+                assert value > 0 or spec.kind != "counter"
+                extra = {k: v for k, v in tags.items() if k not in ("model_name", "engine")}
+                values[spec.name].append((extra, value))
+
+        return Metric()
+
+    def of(self, name: str) -> list[float]:
+        return [value for _, value in self.values[name]]
+
+
+def test_request_metrics_follow_vllms_intervals_reasons_and_parents(tokenizer, target, draft):
+    """vLLM's per-step and finished-request metrics from the requests' timestamps: one inter-token latency per step
+    after a request's first, the queue / prefill / decode / inference intervals (inference = prefill + decode), a
+    request_success per finished request by reason (an abort counted as such), and the n choices of one prompt
+    observed once (request_params_n, request_max_num_generation_tokens)."""
+    config = Config.model_validate({
+        "model": "in-memory", "batch_size": 2, "sampling": {"max_tokens": 6},
+        "speculative": {"method": "draft_model", "model": "in-memory", "num_speculative_tokens": 3,
+                        "length_policy": "static"},
+    })
+    engine = Engine(config, target=target, tokenizer=tokenizer, draft=draft)
+    backend = Labeled()
+    metrics = EngineMetrics([backend], "m")
+    requests = [Request("gone", prompt="on a mat"), Request("a", prompt="the cat sat"),
+                Request("b0", prompt="a dog ran", sampling={"max_tokens": 8, "ignore_eos": True}),
+                Request("b1", prompt="a dog ran", sampling={"max_tokens": 8, "ignore_eos": True, "seed": 1,
+                                                            "temperature": 1.0})]
+    metrics.parent(["b0", "b1"])
+    for request in requests:
+        prepared = engine.prepare(request)
+        engine.add_prepared(prepared)
+        metrics.submitted(request.id, len(prepared.prompt_ids))
+    steps_with_tokens: dict[str, int] = defaultdict(int)
+    results, order = {}, []
+    while engine.has_unfinished():
+        output = engine.step()
+        metrics.stepped(output)
+        for request_id, tokens in output.new_tokens.items():
+            steps_with_tokens[request_id] += bool(tokens)
+        results.update({result.id: result for result in output.finished})
+        order += [result.id for result in output.finished]
+        if "gone" in steps_with_tokens and engine.abort("gone"):  # a client went away after its first tokens
+            metrics.aborted("gone")
+    finished = [results[key] for key in ("a", "b0", "b1")]
+    assert "gone" not in results and steps_with_tokens["b1"] > 1
+    assert sorted((labels["finished_reason"], value) for labels, value in backend.values["vllm:request_success"]) == \
+        sorted([("abort", 1)] + [(r.finish_reason, 1) for r in finished])
+    assert len(backend.of("vllm:time_to_first_token_seconds")) == 4
+    assert len(backend.of("vllm:inter_token_latency_seconds")) == sum(steps - 1 for steps in steps_with_tokens.values())
+    for name in ("e2e_request_latency_seconds", "request_queue_time_seconds", "request_prefill_time_seconds",
+                 "request_decode_time_seconds", "request_inference_time_seconds",
+                 "request_time_per_output_token_seconds"):
+        assert len(backend.of(f"vllm:{name}")) == 3 and min(backend.of(f"vllm:{name}")) >= 0, name
+    queue, prefill, decode, inference = (backend.of(f"vllm:request_{name}_time_seconds")
+                                         for name in ("queue", "prefill", "decode", "inference"))
+    e2e = backend.of("vllm:e2e_request_latency_seconds")
+    for q, p, d, i, total in zip(queue, prefill, decode, inference, e2e, strict=True):
+        assert i == pytest.approx(p + d) and total >= q + i - 1e-9
+    waited = dict(zip(order, queue, strict=True))
+    assert waited["b1"] > waited["a"]  # b1 waited for a row (two rows, four requests)
+    finished = [results[key] for key in order]
+    assert backend.of("vllm:request_prompt_tokens") == [len(r.prompt_token_ids) for r in finished]
+    assert backend.of("vllm:request_generation_tokens") == [len(r.token_ids) for r in finished]
+    assert backend.of("vllm:request_prefill_kv_computed_tokens") == [
+        len(r.prompt_token_ids) - r.num_cached_tokens for r in finished]
+    assert backend.of("vllm:request_params_max_tokens") == [6 if key == "a" else 8 for key in order]
+    assert sorted(backend.of("vllm:request_params_n")) == [1, 2]
+    assert sorted(zip(backend.of("vllm:request_params_n"), backend.of("vllm:request_max_num_generation_tokens"))) == [
+        (1, len(results["a"].token_ids)), (2, max(len(results["b0"].token_ids), len(results["b1"].token_ids)))]
+    assert sum(backend.of("vllm:iteration_tokens_total")) == (
+        sum(backend.of("vllm:prompt_tokens")) + sum(backend.of("vllm:generation_tokens")))
+    assert backend.of("vllm:num_preemptions") == []  # never preempts: nothing recorded
+
+
+def test_the_prometheus_registry_declares_every_series_vllm_does(tokenizer, target):
+    """A replica's /metrics shows every metric from the start, as vLLM's does: num_preemptions at 0, a request_success
+    series per finish reason, the token-count histograms with vLLM's 1-2-5 buckets up to the context."""
+    import prometheus_client
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from frontend.metrics import FINISHED_REASONS, SPECS, build_1_2_5_buckets, prometheus_backend
+
+    assert build_1_2_5_buckets(100) == (1, 2, 5, 10, 20, 50, 100) and build_1_2_5_buckets(1) == (1,)
+    registry = prometheus_client.CollectorRegistry()
+    EngineMetrics([prometheus_backend(registry)], "m", max_model_len=128)
+    families = {family.name: family for family in text_string_to_metric_families(
+        prometheus_client.generate_latest(registry).decode())}
+    assert {name for name in families if not name.endswith("_created")} == set(SPECS)
+    assert "vllm:time_per_output_token_seconds" not in families  # vLLM removed it (inter_token_latency_seconds)
+    samples = {(s.name, tuple(sorted(s.labels.items()))): s.value for f in families.values() for s in f.samples}
+    base = (("engine", "0"), ("model_name", "m"))
+    assert samples[("vllm:num_preemptions_total", base)] == 0
+    for reason in FINISHED_REASONS:
+        assert samples[("vllm:request_success_total", tuple(sorted((*base, ("finished_reason", reason)))))] == 0
+    buckets = [s.labels["le"] for s in families["vllm:request_prompt_tokens"].samples if s.name.endswith("_bucket")]
+    assert buckets == ["1.0", "2.0", "5.0", "10.0", "20.0", "50.0", "100.0", "+Inf"]
+    assert {s.labels["le"] for s in families["vllm:inter_token_latency_seconds"].samples
+            if s.name.endswith("_bucket")} >= {"0.01", "80.0"}

@@ -8,6 +8,7 @@ import json
 import re
 import threading
 import time
+from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
@@ -209,7 +210,16 @@ BAD_REQUESTS = [
     ("missing-prompt", "/v1/completions", {"max_tokens": 4}, "prompt"),
     ("missing-messages", "/v1/chat/completions", {"max_tokens": 4}, "messages"),
     ("prompt-not-string", "/v1/completions", {"prompt": 5}, "prompt"),
-    ("prompt-token-list", "/v1/completions", {"prompt": [1, 2]}, "prompt"),
+    ("prompt-token-beyond-vocab", "/v1/completions", {"prompt": [1, 99]}, "prompt"),
+    ("prompt-token-negative-stream", "/v1/completions", {"prompt": [-1, 3], "stream": True}, "prompt"),
+    ("prompt-token-lists-one-beyond-vocab", "/v1/completions", {"prompt": [[3, 4], [5, 2**40]]}, "prompt"),
+    ("prompt-token-list-empty", "/v1/completions", {"prompt": [[3], []]}, "prompt"),
+    ("prompt-token-float", "/v1/completions", {"prompt": [3, 4.5]}, "prompt"),
+    ("prompt-token-bool", "/v1/completions", {"prompt": [True]}, "prompt"),
+    ("prompt-tokens-mixed", "/v1/completions", {"prompt": ["ab", 3]}, "prompt"),
+    ("prompt-tokens-too-many", "/v1/completions", {"prompt": [3] * 1000}, "prompt"),
+    ("echo-with-logprobs", "/v1/completions", {"prompt": "ab", "echo": True, "logprobs": 1}, "echo"),
+    ("echo-not-bool", "/v1/completions", {"prompt": "ab", "echo": "yes"}, "echo"),
     ("prompt-empty-list", "/v1/completions", {"prompt": []}, "prompt"),
     ("prompt-empty", "/v1/completions", {"prompt": ""}, "prompt"),
     ("messages-not-list", "/v1/chat/completions", {"messages": "hi"}, "messages"),
@@ -277,6 +287,23 @@ BAD_REQUESTS = [
     ("prompt-list-huge", "/v1/completions", {"prompt": ["ab"] * 5000}, "prompt"),
     ("seed-float", "/v1/completions", {"prompt": "ab", "seed": 1.5}, "seed"),
     ("user-not-string", "/v1/completions", {"prompt": "ab", "user": {"x": 1}}, "user"),
+    # vLLM's /tokenize and /detokenize: bounded as prompts are, errors naming the field.
+    ("tokenize-nothing", "/tokenize", {}, "prompt"),
+    ("tokenize-both", "/tokenize", {"prompt": "ab", **CHAT}, "messages"),
+    ("tokenize-prompt-not-string", "/tokenize", {"prompt": [1, 2]}, "prompt"),
+    ("tokenize-prompt-too-long", "/tokenize", {"prompt": "a" * 300}, "prompt"),
+    ("tokenize-messages-too-long", "/tokenize", {"messages": [{"role": "user", "content": "a" * 300}]}, "messages"),
+    ("tokenize-chat-field-on-prompt", "/tokenize", {"prompt": "ab", "add_generation_prompt": False},
+     "add_generation_prompt"),
+    ("tokenize-continue-and-add", "/tokenize", {**CHAT, "continue_final_message": True}, "continue_final_message"),
+    ("tokenize-unknown-field", "/tokenize", {"prompt": "ab", "tokens": [1]}, "tokens"),
+    ("tokenize-tools", "/tokenize", {**CHAT, "tools": [{"type": "function"}]}, "tools"),
+    ("tokenize-bad-role", "/tokenize", {"messages": [{"role": "robot", "content": "x"}]}, "messages"),
+    ("detokenize-missing", "/detokenize", {}, "tokens"),
+    ("detokenize-beyond-vocab", "/detokenize", {"tokens": [1, 99]}, "tokens"),
+    ("detokenize-negative", "/detokenize", {"tokens": [-1]}, "tokens"),
+    ("detokenize-not-ints", "/detokenize", {"tokens": ["a"]}, "tokens"),
+    ("detokenize-too-many", "/detokenize", {"tokens": [3] * 5000}, "tokens"),
 ]
 
 SCHEMA = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
@@ -448,13 +475,17 @@ def monkeypatch_module():
         yield patch
 
 
-def test_an_api_key_guards_every_route_but_health(keyed_server):
-    routes = [("GET", "/v1/models", None), ("GET", f"/v1/models/{MODEL}", None), ("GET", "/metrics", None),
+def test_an_api_key_guards_every_route_but_health_ping_and_metrics(keyed_server):
+    routes = [("GET", "/v1/models", None), ("GET", f"/v1/models/{MODEL}", None),
               ("POST", "/v1/completions", {"prompt": "ab", "max_tokens": 2}),
               ("POST", "/v1/chat/completions", {"messages": [{"role": "user", "content": "ab"}], "max_tokens": 2}),
-              ("GET", "/v1/nothing", None)]
+              ("POST", "/tokenize", {"prompt": "ab"}), ("POST", "/detokenize", {"tokens": [3]}),
+              ("GET", "/version", None), ("GET", "/v1/nothing", None)]
     with httpx.Client(base_url=keyed_server, timeout=60) as client:
         assert client.get("/health").status_code == 200
+        # Open, as vLLM leaves them: liveness, and the metrics a scraper reads (metrics_require_api_key guards them).
+        assert [client.request(m, p).status_code for m, p in (("GET", "/ping"), ("POST", "/ping"),
+                                                               ("GET", "/metrics"))] == [200, 200, 200]
         for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "sk-test-key"},
                         {"Authorization": "Basic sk-test-key"}):
             for method, path, body in routes:
@@ -465,7 +496,7 @@ def test_an_api_key_guards_every_route_but_health(keyed_server):
                 assert "sk-test-key" not in response.text
         good = {"Authorization": "Bearer sk-test-key"}
         assert [client.request(m, p, json=b, headers=good).status_code for m, p, b in routes] == [
-            200, 200, 200, 200, 200, 404]
+            200, 200, 200, 200, 200, 200, 200, 404]
     client = openai.OpenAI(base_url=f"{keyed_server}/v1", api_key="sk-test-key", max_retries=0)
     assert client.completions.create(model=MODEL, prompt="ab", max_tokens=2).choices[0].text is not None
     with pytest.raises(openai.AuthenticationError):
@@ -511,7 +542,7 @@ def _check_vllm_metrics(delta: dict[tuple[str, str], float], responses: list[dic
     assert delta[("generation_tokens_total", "")] == sum(r["usage"]["completion_tokens"] for r in responses)
     assert delta[("time_to_first_token_seconds_count", "")] == sequences
     assert delta[("e2e_request_latency_seconds_count", "")] == sequences
-    assert delta[("time_per_output_token_seconds_count", "")] > 0
+    assert delta[("inter_token_latency_seconds_count", "")] > 0  # vLLM's name (time_per_output_token is gone)
     assert delta[("spec_decode_num_drafts_total", "")] == sum(s["num_spec_steps"] for s in specs)
     assert delta[("spec_decode_num_draft_tokens_total", "")] == sum(s["num_draft_tokens"] for s in specs)
     assert delta[("spec_decode_num_accepted_tokens_total", "")] == sum(s["num_accepted_draft_tokens"] for s in specs)
@@ -811,6 +842,154 @@ def test_official_openai_client_with_a_json_schema_response_format(json_server):
                                            extra_body={"guided_json": PERSON, "structured_outputs": {
                                                "disable_any_whitespace": True}})
     jsonschema.validate(json.loads(completion.choices[0].text), PERSON)
+
+
+# ------------------------------------------------------------------------- vLLM's metrics and extra routes
+def _documented_metrics() -> list[str]:
+    """The metric names docs/serve.md's metrics table lists."""
+    text = (Path(__file__).resolve().parents[1] / "docs" / "serve.md").read_text()
+    return re.findall(r"^\| `(vllm:[a-z0-9_]+)` \|", text[text.index("### Metrics"):], re.M)
+
+
+def _metric_totals(base_url: str, names: list[str]) -> dict[str, float]:
+    """``/metrics`` scraped without an Authorization header: per metric of the served model, its counters' sum over
+    series, its histograms' observation count, its gauges' value; absent metrics are left out."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    response = httpx.get(f"{base_url}/metrics", timeout=60)
+    assert response.status_code == 200, response.text
+    families = {family.name: family for family in text_string_to_metric_families(response.text)}
+    totals = {}
+    for name in names:
+        family = families.get(name)
+        suffix = {"histogram": "_count", "counter": "_total"}.get(family.type, "") if family else ""
+        values = [sample.value for sample in (family.samples if family else [])
+                  if sample.labels.get("model_name") == MODEL and sample.name == name + suffix]
+        if values:
+            totals[name] = sum(values)
+    return totals
+
+
+def test_metrics_need_no_api_key_and_every_documented_metric_moves(keyed_server):
+    """vLLM leaves /metrics open: scraped without the key (the keyed application), it shows every metric the docs
+    list (and the docs list every metric exported), each counter and histogram moving with a few requests but
+    num_preemptions (this engine never preempts), which exists at 0."""
+    from frontend.metrics import SPECS
+
+    documented = _documented_metrics()
+    assert sorted(documented) == sorted(SPECS) and len(documented) == len(set(documented))
+    before = _metric_totals(keyed_server, documented)
+    shared = "the quick brown fox jumps over the lazy dog and "  # 3 full blocks: the second choice finds them cached
+    with httpx.Client(base_url=keyed_server, timeout=60, headers={"Authorization": "Bearer sk-test-key"}) as client:
+        _post(client, "/v1/completions", {"prompt": [shared + "runs", "a dog"], "n": 2, "max_tokens": 10})
+        _post(client, "/v1/chat/completions", {"messages": [{"role": "user", "content": "home"}], "max_tokens": 8})
+        _stream(client, "/v1/completions", {"prompt": "the cat", "max_tokens": 6})
+    after = _metric_totals(keyed_server, documented)
+    assert [name for name in documented if name not in after] == []
+    gauges = {name for name, spec in SPECS.items() if spec.kind == "gauge"}
+    still = [name for name in documented if name not in gauges and after[name] == before.get(name, 0.0)]
+    assert still == ["vllm:num_preemptions"] and after["vllm:num_preemptions"] == 0
+    text = httpx.get(f"{keyed_server}/metrics", timeout=60).text
+    assert re.search(r'^vllm:request_success_total\{[^}]*finished_reason="abort"[^}]*\} ', text, re.M)
+    assert "vllm:time_per_output_token_seconds" not in text
+
+
+def test_the_metrics_switch_puts_metrics_behind_the_api_key():
+    from deploy.gate import Gate
+
+    gate = Gate()
+    gate.api_key = b"sk-test-key"
+    scope = {"type": "http", "headers": []}
+    assert gate.is_open("/metrics") and gate.is_open("/ping") and gate.is_open("/health/")
+    assert not gate.is_open("/tokenize") and not gate.is_open("/version")
+    gate.metrics_require_api_key = True
+    assert not gate.is_open("/metrics") and gate.is_open("/health") and gate.is_open("/ping")
+    assert gate.refusal(scope).status_code == 401
+    assert gate.refusal({**scope, "headers": [(b"authorization", b"Bearer sk-test-key")]}) is None
+    assert Config.model_validate({"metrics_require_api_key": True}).metrics_require_api_key
+    assert not Config().metrics_require_api_key
+
+
+def test_tokenize_detokenize_version_and_ping_have_vllms_shapes(client, reference, tokenizer):
+    import importlib.metadata
+
+    max_model_len = client.get(f"/v1/models/{MODEL}").json()["max_model_len"]
+    ids = tokenizer("the cat sat")["input_ids"]
+    plain = _post(client, "/tokenize", {"model": MODEL, "prompt": "the cat sat"})
+    assert plain == {"count": len(ids), "max_model_len": max_model_len, "tokens": ids}  # vLLM's fields, no others
+    with_strs = _post(client, "/tokenize", {"prompt": "the cat sat", "return_token_strs": True,
+                                            "add_special_tokens": False})
+    assert with_strs["tokens"] == tokenizer("the cat sat", add_special_tokens=False)["input_ids"]
+    assert with_strs["token_strs"] == tokenizer.convert_ids_to_tokens(with_strs["tokens"])
+    messages = [{"role": "user", "content": "a cat"}, {"role": "assistant", "content": "the"}]
+    for options in ({}, {"add_generation_prompt": False, "continue_final_message": True}):
+        chat = _post(client, "/tokenize", {"messages": messages, **options})
+        expected = reference(messages=messages, sampling={"max_tokens": 1}, **options)
+        assert chat["tokens"] == expected.prompt_token_ids and chat["count"] == len(expected.prompt_token_ids)
+    assert _post(client, "/tokenize", {"prompt": ""})["count"] == 0
+    assert _post(client, "/detokenize", {"model": MODEL, "tokens": ids}) == {"prompt": "the cat sat"}
+    assert _post(client, "/detokenize", {"tokens": []}) == {"prompt": ""}
+    unknown = client.post("/tokenize", json={"model": "gpt-4", "prompt": "ab"})
+    assert unknown.status_code == 404 and unknown.json()["error"]["code"] == "model_not_found"
+    assert client.get("/version").json() == {"version": importlib.metadata.version("specbatch")}
+    for method in ("GET", "POST"):
+        ping = client.request(method, "/ping")
+        assert ping.status_code == 200 and ping.json()["status"] == "ok"
+
+
+def test_token_id_prompts_run_as_their_text_does(client, server, reference, tokenizer):
+    prompts = ["the cat sat", "a dog ran far"]
+    ids = [tokenizer(p)["input_ids"] for p in prompts]
+    expected = [reference(prompt=p) for p in prompts]
+    one = _post(client, "/v1/completions", {"prompt": ids[0], "temperature": 0})
+    assert one["choices"][0]["text"] == expected[0].text and one["usage"]["prompt_tokens"] == len(ids[0])
+    both = _post(client, "/v1/completions", {"prompt": ids, "temperature": 0, "n": 2})
+    assert [c["text"] for c in both["choices"]] == [e.text for e in expected for _ in range(2)]
+    assert _streamed_text("/v1/completions", _stream(client, "/v1/completions", {"prompt": ids[1]})) == \
+        expected[1].text
+    official = openai.OpenAI(base_url=f"{server}/v1", api_key="unused", max_retries=0)
+    assert official.completions.create(model=MODEL, prompt=ids[0], temperature=0).choices[0].text == expected[0].text
+
+
+def test_echo_puts_the_prompt_before_each_choice_streamed_or_not(client, reference, tokenizer):
+    expected = reference(prompt="the cat sat")
+    ids = tokenizer("a dog ran")["input_ids"]
+    whole = _post(client, "/v1/completions", {"prompt": ["the cat sat", "a dog ran"], "echo": True, "temperature": 0})
+    assert whole["choices"][0]["text"] == "the cat sat" + expected.text
+    assert whole["choices"][1]["text"] == "a dog ran" + reference(prompt="a dog ran").text
+    assert whole["usage"]["completion_tokens"] == len(expected.token_ids) + len(reference(prompt="a dog ran").token_ids)
+    from_ids = _post(client, "/v1/completions", {"prompt": [ids], "echo": True, "temperature": 0})
+    assert from_ids["choices"][0]["text"] == whole["choices"][1]["text"]  # the token ids decoded
+    streamed = _stream(client, "/v1/completions", {"prompt": ids, "echo": True, "temperature": 0})
+    assert streamed[0]["choices"][0]["text"].startswith("a dog ran")
+    for n in (1, 2):
+        chunks = _stream(client, "/v1/completions", {"prompt": "the cat sat", "echo": True, "temperature": 0, "n": n})
+        for index in range(n):
+            texts = [c["choices"][0]["text"] for c in chunks if c["choices"] and c["choices"][0]["index"] == index]
+            assert texts[0].startswith("the cat sat") and "".join(texts) == "the cat sat" + expected.text
+    plain = _post(client, "/v1/completions", {"prompt": "the cat sat", "echo": False, "temperature": 0})
+    assert plain["choices"][0]["text"] == expected.text
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+def test_continuous_usage_stats_put_the_usage_so_far_in_every_chunk(client, path):
+    body = {**({"prompt": "the cat"} if path == "/v1/completions" else CHAT), "max_tokens": 12, "n": 2,
+            "ignore_eos": True}
+    chunks = _stream(client, path, {**body, "stream_options": {"include_usage": True, "continuous_usage_stats": True}})
+    *choice_chunks, final = chunks
+    assert final["choices"] == [] and final["usage"]["completion_tokens"] == 24
+    assert all(c["usage"] is not None for c in choice_chunks)
+    for index in range(2):
+        usages = [c["usage"] for c in choice_chunks if c["choices"][0]["index"] == index]
+        assert {u["prompt_tokens"] for u in usages} == {final["usage"]["prompt_tokens"] // 2}
+        generated = [u["completion_tokens"] for u in usages]
+        assert generated == sorted(generated) and generated[-1] == 12
+        assert all(u["total_tokens"] == u["prompt_tokens"] + u["completion_tokens"] for u in usages)
+        if path == "/v1/chat/completions":  # the role chunk comes before any token
+            assert generated[0] == 0
+    # vLLM's rule: continuous_usage_stats without include_usage adds nothing.
+    alone = _stream(client, path, {**body, "stream_options": {"continuous_usage_stats": True}})
+    assert all(c.get("usage") is None and c["choices"] for c in alone)
 
 
 # --------------------------------------------------------------------------------------- replica internals

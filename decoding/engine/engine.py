@@ -174,16 +174,30 @@ class Engine:
             what = "prompt" if request.messages is None else "messages' text"
             raise EngineError(f"the {what} has {size} bytes, more than limits.max_prompt_bytes "
                               f"({self.max_prompt_bytes}): longer than {bound} of {self.max_context} tokens can hold")
+        if request.prompt_token_ids is not None:
+            self._check_prompt_ids(request.prompt_token_ids, bound)  # before they are decoded into the prompt's text
         prompt, ids = encode_request(tokenizer, request)
-        if not ids:
+        self._check_prompt_ids(ids, bound)
+        return prompt, ids
+
+    def _check_prompt_ids(self, ids: Any, bound: str) -> None:
+        """A prompt's token ids: some, fewer than the context, each an integer in the vocabulary."""
+        try:
+            count = len(ids)
+        except TypeError:
+            raise EngineError(f"prompt token ids must be a list, got {type(ids).__name__}") from None
+        if count == 0:
             raise EngineError("empty prompt")
-        if len(ids) >= self.max_context:
-            raise EngineError(f"prompt has {len(ids)} tokens; {bound} is {self.max_context} tokens, and the prompt "
+        if count >= self.max_context:
+            raise EngineError(f"prompt has {count} tokens; {bound} is {self.max_context} tokens, and the prompt "
                               "and its output must fit in it")
         vocab = self.loaded_target.config.vocab_size
-        if any(t < 0 or t >= vocab for t in ids):
+        try:
+            outside = any(not 0 <= int(t) < vocab for t in ids)
+        except (TypeError, ValueError, OverflowError):
+            raise EngineError("prompt token ids must be integers") from None
+        if outside:
             raise EngineError(f"prompt token ids must lie in [0, {vocab})")
-        return prompt, ids
 
     def abort(self, request_id: str) -> bool:
         """Drop a request (e.g. its client went away) between steps; returns whether it was still pending."""
@@ -222,6 +236,7 @@ class Engine:
     # ------------------------------------------------------------------------------------------- stepping
     @torch.no_grad()
     def step(self) -> StepOutput:
+        started = time.perf_counter()
         finished = self.scheduler.take_rejected()
         joining = self.scheduler.admit()
         queries, hits = self.cache.prefix_queries, self.cache.prefix_hits
@@ -249,7 +264,9 @@ class Engine:
         }
         return StepOutput(finished, emitted, spec, len(self.running), len(self.waiting), self.kv_cache_usage(),
                           new_logprobs=new_logprobs, prefix_cache_queries=self.cache.prefix_queries - queries,
-                          prefix_cache_hits=self.cache.prefix_hits - hits)
+                          prefix_cache_hits=self.cache.prefix_hits - hits,
+                          scheduled={seq.request_id: seq.params.max_tokens for seq in joining}, started=started,
+                          max_context=self.max_context)
 
     def _admit(self, joining: list[Sequence]) -> dict[str, list[int]]:
         """Prefill the joining sequences into new rows: shortest uncached part first, in ragged forwards of bounded

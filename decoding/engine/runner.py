@@ -34,7 +34,7 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from contextlib import nullcontext
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar
 
 from transformers import PreTrainedTokenizerBase
 
@@ -44,11 +44,15 @@ from decoding.engine.sequence import input_bytes
 from decoding.model.loading import use_torch_threads
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
+
 
 class NewTokens(list[int]):
-    """A step's new token ids of one sequence; ``logprobs``: their entries, when its request asked for them."""
+    """A step's new token ids of one sequence; ``logprobs``: their entries, when its request asked for them;
+    ``num_prompt_tokens``: its prompt's length (a stream's usage before the result)."""
 
     logprobs: list[dict[str, Any]] | None = None
+    num_prompt_tokens: int | None = None
 
 
 Event = NewTokens | GenerationResult | BaseException
@@ -166,12 +170,17 @@ class EngineRunner:
             tokenizer = self._local.tokenizer = copy.deepcopy(self.engine.tokenizer)
         return tokenizer
 
+    def with_tokenizer(self, work: Callable[[PreTrainedTokenizerBase], T], size: int) -> T:
+        """``work`` given the calling thread's own tokenizer (``thread_tokenizer``); an input of more than
+        ``LARGE_INPUT_BYTES`` (``size``: its UTF-8 bytes) waits its turn among the large ones, as ``prepare``'s do."""
+        tokenizer = self.thread_tokenizer()
+        with self._large_inputs if size > LARGE_INPUT_BYTES else nullcontext():
+            return work(tokenizer)
+
     def prepare(self, request: Request) -> Prepared:
         """Validate and tokenize ``request`` on the calling thread (never call it on the engine thread)."""
-        tokenizer = self.thread_tokenizer()
         try:
-            with self._large_inputs if input_bytes(request) > LARGE_INPUT_BYTES else nullcontext():
-                return self.engine.prepare(request, tokenizer)
+            return self.with_tokenizer(lambda tokenizer: self.engine.prepare(request, tokenizer), input_bytes(request))
         except Exception as exc:
             log.exception("prepare raised for request %s", request.id)
             raise RequestRejected(f"invalid request: {exc}") from exc
@@ -287,6 +296,7 @@ class EngineRunner:
                                            "from the tokens already streamed"))
             elif request_id not in finished and fresh:
                 event = NewTokens(fresh)
+                event.num_prompt_tokens = len(job.prepared.prompt_ids)
                 if (logprobs := output.new_logprobs.get(request_id)) is not None:
                     event.logprobs = logprobs[len(logprobs) - len(fresh):]
                 job.sink(event)

@@ -89,6 +89,12 @@ class StepOutput:
     prefix_cache_hits: int = 0
     # With sampling_params.logprobs: the entries of ``new_tokens`` (for streaming them).
     new_logprobs: dict[str, list[dict[str, Any]]] = field(default_factory=dict)
+    # For vLLM's request intervals (queue, prefill, decode): the requests that joined the batch this step (vLLM's
+    # SCHEDULED event) with their max_tokens, when the step began (a time.perf_counter() reading), and the engine's
+    # context (vLLM's max_model_len: where the request-size histograms' buckets end).
+    scheduled: dict[str, int] = field(default_factory=dict)
+    started: float = 0.0
+    max_context: int = 0
 
 
 @dataclass
@@ -255,20 +261,26 @@ def encode_request(tokenizer: PreTrainedTokenizerBase, request: Request) -> tupl
         ids = [int(t) for t in request.prompt_token_ids]
         return (request.prompt if isinstance(request.prompt, str) else tokenizer.decode(ids)), ids
     if request.messages is not None:
-        if request.add_generation_prompt and request.continue_final_message:
-            raise EngineError("add_generation_prompt and continue_final_message cannot both be true")
-        options = {"chat_template": request.chat_template, "add_generation_prompt": request.add_generation_prompt,
-                   "continue_final_message": request.continue_final_message}
-        try:
-            prompt = tokenizer.apply_chat_template(
-                request.messages, **{**(request.chat_template_kwargs or {}), **options, "tokenize": False}
-            )
-        except Exception as exc:  # templates raise many types on malformed messages
-            raise EngineError(f"cannot render messages with the chat template: {exc}") from exc
+        prompt = render_messages(tokenizer, request)
         return prompt, tokenizer(prompt, add_special_tokens=False)["input_ids"]
     if isinstance(request.prompt, str):
         return request.prompt, tokenizer(request.prompt)["input_ids"]
     raise EngineError(f"prompt must be a string, got {type(request.prompt).__name__}")
+
+
+def render_messages(tokenizer: PreTrainedTokenizerBase, request: Request) -> str:
+    """``request.messages`` as prompt text: through the chat template (the request's or the tokenizer's), with the
+    generation prompt unless the request continues its final message."""
+    if request.add_generation_prompt and request.continue_final_message:
+        raise EngineError("add_generation_prompt and continue_final_message cannot both be true")
+    options = {"chat_template": request.chat_template, "add_generation_prompt": request.add_generation_prompt,
+               "continue_final_message": request.continue_final_message}
+    try:
+        return tokenizer.apply_chat_template(
+            request.messages, **{**(request.chat_template_kwargs or {}), **options, "tokenize": False}
+        )
+    except Exception as exc:  # templates raise many types on malformed messages
+        raise EngineError(f"cannot render messages with the chat template: {exc}") from exc
 
 
 def eos_token_ids(tokenizer: PreTrainedTokenizerBase, model: PreTrainedModel) -> set[int]:
