@@ -16,7 +16,6 @@ import json
 import os
 import re
 from collections.abc import AsyncIterator
-from importlib.metadata import PackageNotFoundError, version
 from typing import Any
 
 import prometheus_client
@@ -31,8 +30,8 @@ from ray.serve.handle import DeploymentHandle
 from deploy import gate
 from deploy.engine_loop import REPLICA_RUNTIME_ENV
 from deploy.llm_config import LLMConfig, ServingArgs
-from deploy.protocol import ErrorDetail, ModelList
-from deploy.server import API_KEY_ENV, MAX_BODY_BYTES, ModelServer, deployment_options, make_app
+from deploy.protocol import ErrorDetail, ErrorResponse, ModelList, VersionResponse
+from deploy.server import API_KEY_ENV, MAX_BODY_BYTES, VERSION, ModelServer, deployment_options, make_app
 from frontend.resources import check_cluster
 
 router_api = FastAPI(title="specbatch", description="OpenAI-compatible generation with speculative decoding")
@@ -40,17 +39,7 @@ router_api.add_middleware(gate.GateMiddleware)
 
 
 def _error(status: int, message: str, kind: str, code: str | None = None, param: str | None = None) -> JSONResponse:
-    response = gate.error(status, ErrorDetail(message=message, type=kind, code=code, param=param))
-    if status == 503:
-        response.headers["Retry-After"] = str(gate.RETRY_AFTER_S)
-    return response
-
-
-def _package_version() -> str:
-    try:
-        return version("specbatch")
-    except PackageNotFoundError:
-        return "unknown"
+    return gate.error(status, ErrorDetail(message=message, type=kind, code=code, param=param))
 
 
 def _merged_metrics(texts: list[str]) -> str:
@@ -87,7 +76,7 @@ class OpenAIRouter:
 
     @router_api.get("/version")
     async def version(self) -> Any:
-        return {"version": _package_version()}
+        return VersionResponse(version=VERSION).model_dump()
 
     @router_api.get("/v1/models")
     async def list_models(self) -> Any:
@@ -133,8 +122,7 @@ class OpenAIRouter:
         except StopAsyncIteration:
             return _error(502, f"the replica of `{name}` ended the request without answering", "server_error")
         except Exception as exc:  # the replica died, or none could be reached
-            return _error(503, f"the replica of `{name}` is unavailable: {type(exc).__name__}", "server_error",
-                          code="service_unavailable")
+            return gate.unavailable(f"the replica of `{name}` is unavailable: {type(exc).__name__}")
         headers = {k: v for k, v in start["headers"] if k.lower() not in ("content-length", "transfer-encoding")}
         return StreamingResponse(self._rest(stream, name), status_code=start["status"], headers=headers)
 
@@ -144,10 +132,10 @@ class OpenAIRouter:
             async for chunk in stream:
                 yield chunk
         except Exception as exc:  # the replica died mid-response: the status line is sent, report in-band
-            error = {"error": {"message": f"the replica of `{name}` failed during the response: "
-                                          f"{type(exc).__name__}", "type": "server_error", "param": None,
-                               "code": "service_unavailable"}}
-            yield f"data: {json.dumps(error)}\n\ndata: [DONE]\n\n".encode()
+            error = ErrorResponse(error=ErrorDetail(
+                message=f"the replica of `{name}` failed during the response: {type(exc).__name__}",
+                type="server_error", code="service_unavailable"))
+            yield f"data: {error.model_dump_json()}\n\ndata: [DONE]\n\n".encode()
 
     @staticmethod
     def _model_of(body: bytes) -> str | None:

@@ -196,11 +196,6 @@ class ProcessorConfig(BaseModel):
     def chat_template_kwargs(self) -> dict[str, Any]:
         return dict(self.chat_template_stage.chat_template_kwargs or {})
 
-    @property
-    def actor_concurrency(self) -> tuple[int, int]:
-        """(min, max) engine actors: an int is a fixed pool, a pair an autoscaling one."""
-        return (self.concurrency, self.concurrency) if isinstance(self.concurrency, int) else self.concurrency
-
     def actor_resources(self) -> dict[str, Any]:
         """What each engine actor reserves: ``num_gpus`` (1 with an ``accelerator_type``, else 0), and from
         ``placement_group_config`` / ``resources_per_bundle`` its one bundle's ``CPU``, ``GPU`` and custom resources
