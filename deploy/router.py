@@ -1,12 +1,14 @@
-"""Several models behind one OpenAI-compatible app: Ray Serve LLM's ``build_openai_app`` for this engine.
+"""The ingress in front of the models' replicas: Ray Serve LLM's ``build_openai_app`` for this engine, and the
+one-model application of ``specbatch serve`` (``deploy.server.make_app``).
 
-Each ``LLMConfig`` becomes its own deployment of ``deploy.server.ModelServer`` (its replicas and autoscaling from
-its ``deployment_config``); an ingress deployment, ``OpenAIRouter``, answers ``/v1/models``, ``/health``, ``/ping``,
-``/version`` and ``/metrics`` itself and hands every other request to the replica of the model its body names,
-through a DeploymentHandle: the replica runs it through its own HTTP API (``OpenAIReplica.forward``), so every route,
-check and error of a one-model server applies unchanged, streams included. An unknown model is a 404 naming the
-models served; a replica that dies or cannot be reached is a 503 (in a stream already answered: an error event,
-then ``[DONE]``).
+Each model is its own deployment of ``deploy.server.ModelServer`` (its replicas and autoscaling from its
+configuration); an ingress deployment, ``OpenAIRouter``, hands each request to the replica of the model its body
+names, through a DeploymentHandle: the replica runs it through its own HTTP API (``OpenAIReplica.forward``), so
+every route, check and error of the replica's API applies unchanged, streams included. With several models the
+router answers ``/v1/models``, ``/health``, ``/ping``, ``/version`` and ``/metrics`` itself; with one, only
+``/v1/models`` and ``/version``, the rest being the replica's. An unknown model is a 404 naming the models served; a
+replica that dies or cannot be reached is an OpenAI-shaped 503 (in a stream already answered: an error event, then
+``[DONE]``), where Serve's proxy alone would answer a plain-text 500 and cut a stream short.
 
     serve run specbatch.serve:build_openai_app  (with a Serve config of Ray Serve LLM's form, or from Python:)
     serve.run(build_openai_app({"llm_configs": [LLMConfig(...), LLMConfig(...)]}))
@@ -63,15 +65,21 @@ def _merged_metrics(texts: list[str]) -> str:
 class OpenAIRouter:
     def __init__(self, models: dict[str, DeploymentHandle], api_key: str | None) -> None:
         self.models = models
+        # The model whose replica answers /health, /ping and /metrics itself (its engine's state), when only one.
+        self.only = next(iter(models)) if len(models) == 1 else None
         gate.GATE.api_key = api_key.encode() if api_key else None
 
     # -------------------------------------------------------------------------------- answered here
     @router_api.get("/health")
-    async def health(self) -> Any:
+    async def health(self, request: Request) -> Any:
+        if self.only is not None:
+            return await self._forward(request, self.only, "/health")
         return {"status": "ok", "models": sorted(self.models)}
 
     @router_api.api_route("/ping", methods=["GET", "POST"])
-    async def ping(self) -> Any:
+    async def ping(self, request: Request) -> Any:
+        if self.only is not None:
+            return await self._forward(request, self.only, "/ping")
         return Response(status_code=200)
 
     @router_api.get("/version")
@@ -80,24 +88,35 @@ class OpenAIRouter:
 
     @router_api.get("/v1/models")
     async def list_models(self) -> Any:
-        cards = [await handle.card.remote() for handle in self.models.values()]
+        try:
+            cards = [await handle.card.remote() for handle in self.models.values()]
+        except Exception as exc:  # a replica died, or none could be reached
+            return gate.unavailable(f"a model's replica is unavailable: {type(exc).__name__}")
         return ModelList(data=cards).model_dump()
 
     @router_api.get("/v1/models/{model_id:path}")
     async def get_model(self, model_id: str) -> Any:
         if model_id not in self.models:
             return self._unknown(model_id)
-        return await self.models[model_id].card.remote()
+        try:
+            return await self.models[model_id].card.remote()
+        except Exception as exc:
+            return gate.unavailable(f"the replica of `{model_id}` is unavailable: {type(exc).__name__}")
 
     @router_api.get("/metrics")
     async def metrics(self, request: Request) -> Any:
         """The models' vLLM metrics, one replica of each (all replicas: Ray's metrics export)."""
+        if self.only is not None:
+            return await self._forward(request, self.only, "/metrics")
         headers = [(k, v) for k, v in request.headers.items() if k.lower() == "authorization"]
         texts = []
-        for handle in self.models.values():
-            body = b"".join([item async for item in handle.options(stream=True).forward.remote(
-                "GET", "/metrics", headers, b"") if isinstance(item, bytes)])
-            texts.append(body.decode())
+        try:
+            for handle in self.models.values():
+                body = b"".join([item async for item in handle.options(stream=True).forward.remote(
+                    "GET", "/metrics", headers, b"") if isinstance(item, bytes)])
+                texts.append(body.decode())
+        except Exception as exc:
+            return gate.unavailable(f"a model's replica is unavailable: {type(exc).__name__}")
         return Response(_merged_metrics(texts), media_type=prometheus_client.CONTENT_TYPE_LATEST)
 
     # ------------------------------------------------------------------------------ handed to a model
@@ -106,16 +125,20 @@ class OpenAIRouter:
         body = await request.body()
         if len(body) > MAX_BODY_BYTES:
             return _error(413, f"the request body is larger than {MAX_BODY_BYTES} bytes", "invalid_request_error")
+        if self.only is not None:  # its replica judges the body's `model` (a model's path names it too)
+            return await self._forward(request, self.only, f"/{path}", body)
         name = self._model_of(body)
         if name is None:
-            if len(self.models) != 1:
-                return _error(400, f"`model` is required: this server serves {sorted(self.models)}",
-                              "invalid_request_error", param="model")
-            name = next(iter(self.models))
+            return _error(400, f"`model` is required: this server serves {sorted(self.models)}",
+                          "invalid_request_error", param="model")
         if name not in self.models:
             return self._unknown(name)
+        return await self._forward(request, name, f"/{path}", body)
+
+    async def _forward(self, request: Request, name: str, path: str, body: bytes = b"") -> Any:
+        """``request`` answered by a replica of model ``name``, as ``path`` under the app's route prefix."""
         headers = [(k, v) for k, v in request.headers.items() if k.lower() not in ("host", "content-length")]
-        target = f"/{path}" + (f"?{request.url.query}" if request.url.query else "")  # under the app's route prefix
+        target = path + (f"?{request.url.query}" if request.url.query else "")
         stream = self.models[name].options(stream=True).forward.remote(request.method, target, headers, body)
         try:
             start = await stream.__anext__()
@@ -175,6 +198,14 @@ def _api_key(configs: list[LLMConfig]) -> str | None:
     return key
 
 
+def routed_app(models: dict[str, Application], api_key: str | None, **ingress_options: Any) -> Application:
+    """The models' deployments behind one ``OpenAIRouter`` (options: ``ingress_options``)."""
+    # The router only relays bytes: it reserves no CPU, so the models' replicas get the cluster's.
+    ingress = {"name": "OpenAiIngress", "num_replicas": 1, "max_ongoing_requests": 4096,
+               "ray_actor_options": {"num_cpus": 0}, **ingress_options}
+    return OpenAIRouter.options(**ingress).bind(models, api_key)
+
+
 def build_openai_app(builder_config: dict[str, Any] | ServingArgs) -> Application:
     """Ray Serve LLM's ``build_openai_app``: ``{"llm_configs": [LLMConfig | dict | YAML path, ...],
     "ingress_deployment_config": {...}}`` -> one application serving every model by its ``model_id``. The API key,
@@ -183,13 +214,11 @@ def build_openai_app(builder_config: dict[str, Any] | ServingArgs) -> Applicatio
     args = builder_config if isinstance(builder_config, ServingArgs) else ServingArgs.model_validate(builder_config)
     key = _api_key(args.llm_configs)
     models = {llm.model_id: _model_deployment(llm, key) for llm in args.llm_configs}
-    # The router only relays bytes: it reserves no CPU, so the models' replicas get the cluster's.
-    ingress = {"name": "OpenAiIngress", "num_replicas": 1, "max_ongoing_requests": 4096,
-               "ray_actor_options": {"num_cpus": 0}, **args.ingress_deployment_config}
-    return OpenAIRouter.options(**ingress).bind(models, key)
+    return routed_app(models, key, **args.ingress_deployment_config)
 
 
 def build_llm_deployment(llm_config: LLMConfig | dict[str, Any]) -> Application:
-    """Ray Serve LLM's ``build_llm_deployment``: one model's own app, without a router."""
+    """Ray Serve LLM's ``build_llm_deployment``: one model's own app, without a router (its replicas are the
+    HTTP ingress)."""
     llm = llm_config if isinstance(llm_config, LLMConfig) else LLMConfig.model_validate(llm_config)
-    return make_app(llm.engine_config())
+    return make_app(llm.engine_config(), routed=False)

@@ -3,7 +3,8 @@
 Each replica owns one ``Engine`` driven as a continuous batch by ``EngineLoop``; this module only translates
 between OpenAI's wire format and engine requests/results. Entry points:
 
-- ``make_app(config)``: the application for a ``Config`` (used by ``specbatch serve``);
+- ``make_app(config)``: the application for a ``Config`` (used by ``specbatch serve``): the replicas behind
+  ``deploy.router``'s ingress;
 - ``build_app(args)``: Serve's application builder, for ``serve run deploy.server:build_app config=FILE`` and
   a Serve config file's ``import_path`` (``args`` hold ``config`` and/or config fields, dotted or nested).
 
@@ -707,15 +708,26 @@ def deployment_options(config: Config) -> dict[str, Any]:
     return options
 
 
-def make_app(config: Config) -> Application:
-    """The application; ``api_key`` unset in ``config`` comes from ``SPECBATCH_API_KEY`` or ``VLLM_API_KEY`` here,
-    where the command runs (replicas may run on other nodes)."""
+def make_app(config: Config, routed: bool = True) -> Application:
+    """The application: the model's replicas (deployment ``OpenAIServer``) behind ``deploy.router``'s ingress, which
+    turns a replica that dies mid-request into OpenAI-shaped 503s (Serve's proxy alone answers a plain-text 500 and
+    cuts a stream short); ``routed=False``: the replicas are the HTTP ingress themselves. ``api_key`` unset in
+    ``config`` comes from ``SPECBATCH_API_KEY`` or ``VLLM_API_KEY`` here, where the command runs (replicas may run
+    on other nodes)."""
     if config.api_key is None:
         key = next((os.environ[name] for name in API_KEY_ENV if os.environ.get(name)), None)
         if key is not None:
             config = config.model_copy(update={"api_key": SecretStr(key)})
     check_cluster(config, "replicas")
-    return OpenAIServer.options(**deployment_options(config)).bind(config)
+    options = deployment_options(config)
+    if not routed:
+        return OpenAIServer.options(**options).bind(config)
+    from deploy.router import routed_app  # the router's module builds on this one
+
+    model = ModelServer.options(name="OpenAIServer", **options).bind(config)
+    key = config.api_key.get_secret_value() if config.api_key is not None else None
+    return routed_app({config.served_model_name or config.model: model}, key,
+                      max_ongoing_requests=max(4096, options["max_ongoing_requests"]))
 
 
 def _flatten(args: dict[str, Any], prefix: str = "") -> dict[str, str]:

@@ -458,6 +458,50 @@ def test_health_answers_while_200_streams_are_in_flight(client, server):
     assert last_lines == ["data: [DONE]"] * 200
 
 
+def test_a_replica_killed_mid_request_is_an_openai_503_and_ends_streams_with_an_error_event(server, config_file):
+    """The replica dies under a plain and a streamed request: the plain one gets an OpenAI-shaped 503 (Serve's
+    proxy alone answered a plain-text 500), the stream an error event and [DONE] (it ended without either); until
+    Serve's new replica answers, requests are 503s, never hangs."""
+    import ray
+    from ray import serve
+
+    with pytest.MonkeyPatch.context() as patch:
+        for name in ("SPECBATCH_API_KEY", "VLLM_API_KEY"):
+            patch.delenv(name, raising=False)
+        serve.run(build_app({"config": config_file, "batch_size": 8}), name="killed", route_prefix="/killed")
+    try:
+        replicas = [actor for actor in ray.util.list_named_actors(all_namespaces=True)
+                    if actor["name"].startswith("SERVE_REPLICA::killed#OpenAIServer#")]
+        assert len(replicas) == 1
+        long = {"prompt": "the cat", "max_tokens": 240, "n": 16, "ignore_eos": True}
+
+        async def scenario() -> tuple[httpx.Response, list[str]]:
+            async with httpx.AsyncClient(base_url=f"{server}/killed", timeout=120) as aclient:
+                plain = asyncio.create_task(aclient.post("/v1/completions", json=long))
+                async with aclient.stream("POST", "/v1/completions", json={**long, "stream": True}) as response:
+                    assert response.status_code == 200
+                    lines = aiter(line async for line in response.aiter_lines() if line.startswith("data: "))
+                    await anext(lines)  # under way
+                    for actor in replicas:
+                        ray.kill(ray.get_actor(actor["name"], namespace=actor["namespace"]), no_restart=False)
+                    rest = [line async for line in lines]
+                return await plain, rest
+
+        plain, rest = asyncio.run(scenario())
+        assert plain.status_code == 503 and plain.headers["retry-after"], plain.text
+        assert plain.json()["error"]["code"] == "service_unavailable"
+        assert rest[-1] == "data: [DONE]"
+        assert json.loads(rest[-2][len("data: "):])["error"]["code"] == "service_unavailable"
+        deadline = time.monotonic() + 120
+        while (answer := httpx.post(f"{server}/killed/v1/completions", json={"prompt": "ab", "max_tokens": 2},
+                                    timeout=60)).status_code != 200:
+            assert answer.status_code == 503 and answer.json()["error"]["code"] == "service_unavailable", answer.text
+            assert time.monotonic() < deadline
+            time.sleep(1)
+    finally:
+        serve.delete("killed")
+
+
 @pytest.fixture(scope="module")
 def keyed_server(server, config_file, ray_cluster, monkeypatch_module) -> str:
     """A second application, behind an API key from the environment, under its own route prefix."""
