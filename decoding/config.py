@@ -409,8 +409,9 @@ class LimitsConfig(_Strict):
     # grammar_cache_bytes (least recently used first out).
     max_grammar_bytes: int = Field(64 << 20, ge=1)
     grammar_cache_bytes: int = Field(512 << 20, ge=0)
-    # A server whose engine step runs longer than this reports unhealthy (/health 503) and Serve replaces it. A
-    # step prefills what it admits: 64 rows of 2,048 tokens take about a minute of prefill on a 2-core CPU.
+    # An engine step running longer than this inside one request's constraint work is stopped and that request
+    # fails alone; elsewhere, a server reports unhealthy (/health 503) and Serve replaces it. A step prefills what
+    # it admits: 64 rows of 2,048 tokens take about a minute of prefill on a 2-core CPU.
     step_timeout_s: float = Field(300.0, gt=0.0)
 
 

@@ -60,12 +60,13 @@ async def _in_own_thread(work: Callable[[], Any]) -> Any:
 class EngineLoop:
     def __init__(self, make_engine: Callable[[], Engine], torch_threads: int | None = None,
                  observer: StepObserver | None = None, step_timeout_s: float = float("inf")) -> None:
-        """``step_timeout_s``: a step running longer makes the replica unhealthy (``check_health`` raises), so
-        Serve replaces it instead of a hung engine answering /health with ok."""
+        """``step_timeout_s``: a step running longer in one request's constraint work fails that request alone
+        (``EngineRunner``'s watchdog); one running longer elsewhere makes the replica unhealthy (``check_health``
+        raises), so Serve replaces it instead of a hung engine answering /health with ok."""
         self.step_timeout_s = step_timeout_s
         # A step that fails is rerun without the requests that make it fail (decoding.engine.runner); only an engine
         # that cannot recover fails the replica, which Serve then replaces.
-        self.runner = EngineRunner(make_engine, torch_threads, observer)
+        self.runner = EngineRunner(make_engine, torch_threads, observer, step_timeout_s)
         # Each generate call's event queue, so that a shutdown can end the requests still running.
         self._routes: dict[int, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self._ended: BaseException | None = None

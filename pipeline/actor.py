@@ -139,9 +139,10 @@ class GenerationActor:
         # vLLM's metrics through Ray's metrics export, recorded by the runner as the engine steps.
         metrics = EngineMetrics([ray_backend()], given.served_model_name or given.model) if options.metrics else None
         # An engine failure must not lose rows or stop the job: the runner reruns the requests in flight and only
-        # a request that fails on its own becomes an error row. A failure to build the engine (bad model path, ...)
-        # fails the actor here.
-        self.runner = EngineRunner(lambda: Engine(self.config), self.torch_threads, metrics)
+        # a request that fails on its own becomes an error row, as does one whose constraint keeps a step busy past
+        # limits.step_timeout_s. A failure to build the engine (bad model path, ...) fails the actor here.
+        self.runner = EngineRunner(lambda: Engine(self.config), self.torch_threads, metrics,
+                                   self.config.limits.step_timeout_s)
         # Ray Data LLM's max_pending_requests: a row waits for a place before it is submitted.
         self.pending = threading.BoundedSemaphore(options.max_pending) if options.max_pending else None
         spec = self.runner.engine.config.speculative  # as resolved: the default draft may have fallen back to ngram

@@ -61,3 +61,42 @@ def test_a_failure_outside_the_step_fails_the_requests_instead_of_leaving_them_w
     events = [future.result(timeout=60) for future in futures]
     assert all(isinstance(event, RuntimeError) and "observer broke" in str(event) for event in events)
     runner.close()
+
+
+def test_a_step_stuck_in_one_requests_constraint_fails_that_request_alone(tokenizer, target, monkeypatch) -> None:
+    """The watchdog: a step that runs past limits.step_timeout_s inside one request's grammar work is stopped; that
+    request fails alone, naming the limit, and the others (one constrained too) finish with the outputs they would
+    have had. Before, the step ran on and every request on the engine waited for it."""
+    import time
+
+    from decoding.constraints.grammar import RowGrammar
+    from decoding.engine.runner import RequestRejected
+
+    config = Config.model_validate({"model": "in-memory", "batch_size": 4, "sampling": {"max_tokens": 8},
+                                    "speculative": {"method": "ngram", "num_speculative_tokens": 3}})
+    constrained = {"structured_outputs": {"regex": "(ran|sat) (far|home)\\."}, "max_tokens": 8}
+    requests = [Request("plain", prompt="the cat sat"), Request("regex", prompt="a dog", sampling=constrained),
+                Request("slow", prompt="a dog", sampling=constrained), Request("other", prompt="far away home")]
+    expected = {r.id: r.token_ids for r in Engine(config, target=target, tokenizer=tokenizer).generate(
+        [r for r in requests if r.id != "slow"])}
+    commit = RowGrammar.commit
+
+    def stuck(self, tokens):  # a grammar's work that never ends, in Python (a C call returns before it is stopped)
+        while self.owner == "slow":
+            time.sleep(0.01)
+        return commit(self, tokens)
+
+    monkeypatch.setattr(RowGrammar, "commit", stuck)
+    runner = EngineRunner(lambda: Engine(config, target=target, tokenizer=tokenizer), step_timeout_s=1.0)
+    futures: dict[str, Future] = {}
+    for request in requests:
+        futures[request.id] = future = Future()
+        runner.submit(request, runner.prepare(request), lambda event, future=future: future.set_result(event)
+                      if isinstance(event, GenerationResult | BaseException) else None)
+    outcomes = {name: future.result(timeout=60) for name, future in futures.items()}
+    assert isinstance(outcomes["slow"], RequestRejected), outcomes["slow"]
+    assert "limits.step_timeout_s (1 s)" in str(outcomes["slow"])
+    assert {name: outcome.token_ids for name, outcome in outcomes.items() if name != "slow"} == expected
+    assert outcomes["regex"].finish_reason in ("stop", "length") and runner.failure is None
+    assert runner.step_running_for() == 0.0  # idle and healthy: a server's /health is ok again
+    runner.close()

@@ -30,6 +30,7 @@ from decoding.config import SamplingParams
 from decoding.constraints.grammar import (
     CONSTRAINT_FIELDS,
     DEFAULT_BUDGET,
+    ConstraintWork,
     GrammarBudget,
     GrammarCompiler,
     GrammarError,
@@ -49,12 +50,14 @@ class Constraints:
 
     def __init__(self, vocab_size: int, budget: GrammarBudget = DEFAULT_BUDGET) -> None:
         self.vocab_size, self.budget = vocab_size, budget
+        self.work = ConstraintWork()  # whose grammar the step works on (the runner's watchdog reads it)
         self._compiler: GrammarCompiler | None = None
         self._lock = threading.Lock()
 
-    def row_grammar(self, params: SamplingParams, stop_ids: set[int],
-                    tokenizer: PreTrainedTokenizerBase) -> RowGrammar | None:
-        """The grammar of a row with ``params``, or None without a constraint; ``EngineError`` naming the field."""
+    def row_grammar(self, params: SamplingParams, stop_ids: set[int], tokenizer: PreTrainedTokenizerBase,
+                    owner: str = "") -> RowGrammar | None:
+        """The grammar of a row with ``params`` (``owner``: its request id), or None without a constraint;
+        ``EngineError`` naming the field."""
         if params.structured_outputs is None:
             return None
         if not stop_ids:
@@ -67,7 +70,7 @@ class Constraints:
             compiled = self._compiler.compile(params.structured_outputs.constraint)
         except GrammarError as exc:
             raise EngineError(f"invalid sampling_params: {exc}") from None
-        grammar = RowGrammar(compiled, stop_ids, self._compiler.byte_tokens)
+        grammar = RowGrammar(compiled, stop_ids, self._compiler.byte_tokens, owner, self.work)
         if not grammar.allows_any():
             field = CONSTRAINT_FIELDS[params.structured_outputs.constraint.kind]
             raise EngineError(f"invalid sampling_params: {field} cannot be spelled with this model's vocabulary "
@@ -187,9 +190,10 @@ def grammar_drafts(seqs: list[Row], limits: Sequence[int], encode: Callable[[str
             drafts.append([])
             continue
         after = [seq.generated[-1]]
-        forced = grammar.forced(after, limit)
-        room = limit - len(forced)
-        drafts.append(forced + (grammar.jump_forward(encode, after + forced, room) if room > 0 else []))
+        with grammar.working():
+            forced = grammar.forced(after, limit)
+            room = limit - len(forced)
+            drafts.append(forced + (grammar.jump_forward(encode, after + forced, room) if room > 0 else []))
     return drafts
 
 
@@ -202,9 +206,11 @@ def advance(seqs: list[Row]) -> None:
         if grammar is None or seq.finish_reason is not None:
             continue
         tokens = seq.generated[seq.grammar_committed :]
-        accepted = grammar.commit(tokens[:-1])
+        with grammar.working():
+            accepted = grammar.commit(tokens[:-1])
+            follows = accepted == len(tokens) - 1 and grammar.accepts(tokens[-1:])
         seq.grammar_committed += accepted
-        if accepted < len(tokens) - 1 or not grammar.accepts(tokens[-1:]):
+        if not follows:
             field = CONSTRAINT_FIELDS[seq.params.structured_outputs.constraint.kind]  # type: ignore[union-attr]
             seq.finish_reason = "error"
             seq.error = f"{field} reached a point that no token of this model's vocabulary continues"

@@ -217,6 +217,41 @@ def bitmask_words(vocab_size: int) -> int:
     return math.ceil(vocab_size / BITS)
 
 
+class ConstraintWork:
+    """Whose constraint each thread works on now: the request id, for as long as it runs its grammar's work (a
+    context manager, ``on(owner)``). A watchdog on another thread reads it (``owner``) to tell which request keeps
+    a step busy."""
+
+    def __init__(self) -> None:
+        self._owners: dict[int, str] = {}  # thread ident -> request id; set and popped by that thread only
+
+    def owner(self, thread: int) -> str | None:
+        return self._owners.get(thread)
+
+    def on(self, owner: str) -> _Working:
+        return _Working(self._owners, owner)
+
+
+class _Working:
+    """``ConstraintWork.on``'s context (a class, not a generator: it runs once per row and tree level)."""
+
+    __slots__ = ("_outer", "_owner", "_owners", "_thread")
+
+    def __init__(self, owners: dict[int, str], owner: str) -> None:
+        self._owners, self._owner = owners, owner
+
+    def __enter__(self) -> None:
+        self._thread = threading.get_ident()
+        self._outer = self._owners.get(self._thread)
+        self._owners[self._thread] = self._owner
+
+    def __exit__(self, *_: object) -> None:
+        if self._outer is None:
+            self._owners.pop(self._thread, None)
+        else:
+            self._owners[self._thread] = self._outer
+
+
 class RowGrammar:
     """A row's constraint at its committed position: the grammar state after the tokens the row has committed.
 
@@ -226,12 +261,14 @@ class RowGrammar:
     """
 
     def __init__(self, compiled: xgr.CompiledGrammar, stop_token_ids: Collection[int],
-                 byte_tokens: np.ndarray | None = None) -> None:
+                 byte_tokens: np.ndarray | None = None, owner: str = "", work: ConstraintWork | None = None) -> None:
         """``stop_token_ids``: the tokens that end the output once the grammar is complete (the row's EOS and
         stop_token_ids); at least one. ``byte_tokens``: ``single_byte_tokens`` of the vocabulary (its compiler's;
-        computed here when not given)."""
+        computed here when not given). ``owner``: the row's request id, marked on ``work`` while the step works on
+        this grammar (``working``)."""
         if not stop_token_ids:
             raise ValueError("a constrained row needs a stop token to end its grammar")
+        self.owner, self.work = owner, work or ConstraintWork()
         self.compiled = compiled
         self.matcher = xgr.GrammarMatcher(compiled, override_stop_tokens=sorted(stop_token_ids))
         self.vocab_size = compiled.tokenizer_info.vocab_size
@@ -240,6 +277,10 @@ class RowGrammar:
         spelled = np.flatnonzero(byte_tokens >= 0)
         self._bytes, self._byte_tokens = spelled, byte_tokens[spelled]
         self._stops = np.array(sorted(stop_token_ids), dtype=np.int64)
+
+    def working(self) -> _Working:
+        """The context in which the step does this row's grammar work (marks ``owner`` on ``work``)."""
+        return self.work.on(self.owner)
 
     @property
     def terminated(self) -> bool:
@@ -359,7 +400,8 @@ def committed_masks(grammars: Sequence[RowGrammar | None], device: torch.device)
     words = bitmask_words(grammars[rows[0]].vocab_size) if rows else 0  # type: ignore[union-attr]
     host = torch.empty(len(rows), words, dtype=torch.int32)
     for index, row in enumerate(rows):
-        grammars[row].fill(host, index)  # type: ignore[union-attr]
+        with grammars[row].working():  # type: ignore[union-attr]
+            grammars[row].fill(host, index)  # type: ignore[union-attr]
     return RowMasks(_rows_on(rows, device), host[:, None].to(device, non_blocking=True))
 
 
@@ -424,34 +466,40 @@ class TreeMasks:
         Returns the level's masks ([R, n, words] on the device, a view of ``packed``)."""
         start, stop = nodes.start or 0, nodes.stop
         flat = self._host.view(-1, self._host.shape[-1])
-        size = len(self.parents)
         token_rows, valid_rows = tokens.tolist(), valid.tolist()
         for index, row in enumerate(self.constrained):
-            matcher = self.grammars[row].matcher  # type: ignore[union-attr]
-            paths, refused, terminal = self._paths[index], self._refused[row], self._terminal[row]
-            walked: list[int] = []
-            for offset, node in enumerate(range(start, stop)):
-                if not valid_rows[row][offset]:
-                    continue
-                parent = self.parents[node]
-                if parent >= 0 and (refused[parent] or terminal[parent] or paths[parent] is None):
-                    refused[node] = True
-                    continue
-                path = (paths[parent] if parent >= 0 else []) + [token_rows[row][offset]]  # type: ignore[operator]
-                walked = _walk(matcher, walked, path[:-1])
-                if not matcher.accept_token(path[-1]):
-                    refused[node] = True
-                    continue
-                paths[node] = path
-                if matcher.is_terminated():
-                    terminal[node] = True
-                else:
-                    matcher.fill_next_token_bitmask(flat, index * size + node)
-                matcher.rollback(1)
-            _walk(matcher, walked, [])
+            grammar = self.grammars[row]
+            with grammar.working():  # type: ignore[union-attr]
+                self._walk_row(grammar.matcher, index, row, start, stop, token_rows[row], valid_rows[row], flat)  # type: ignore[union-attr]
         if self.packed is not self._host and self.constrained:
             self.packed[:, start:stop].copy_(self._host[:, start:stop], non_blocking=True)
         return RowMasks(self.rows, self.packed[:, start:stop])
+
+    def _walk_row(self, matcher: xgr.GrammarMatcher, index: int, row: int, start: int, stop: int,
+                  tokens: list[int], valid: list[bool], flat: torch.Tensor) -> None:
+        """``level`` for one constrained row (``index`` among them, ``row`` of the batch)."""
+        size = len(self.parents)
+        paths, refused, terminal = self._paths[index], self._refused[row], self._terminal[row]
+        walked: list[int] = []
+        for offset, node in enumerate(range(start, stop)):
+            if not valid[offset]:
+                continue
+            parent = self.parents[node]
+            if parent >= 0 and (refused[parent] or terminal[parent] or paths[parent] is None):
+                refused[node] = True
+                continue
+            path = (paths[parent] if parent >= 0 else []) + [tokens[offset]]  # type: ignore[operator]
+            walked = _walk(matcher, walked, path[:-1])
+            if not matcher.accept_token(path[-1]):
+                refused[node] = True
+                continue
+            paths[node] = path
+            if matcher.is_terminated():
+                terminal[node] = True
+            else:
+                matcher.fill_next_token_bitmask(flat, index * size + node)
+            matcher.rollback(1)
+        _walk(matcher, walked, [])
 
 
 def _walk(matcher: xgr.GrammarMatcher, walked: list[int], path: list[int]) -> list[int]:

@@ -129,7 +129,8 @@ class Engine:
             seq.stop_ids = params.stop_ids(self.eos_ids)
             seq.bad_words = self._bad_words(params, tokenizer)
             seq.group = request.group or request.id
-            seq.grammar = self.constraints.row_grammar(params, seq.stop_ids, tokenizer)  # compiled here, off the step
+            # Compiled here, off the step.
+            seq.grammar = self.constraints.row_grammar(params, seq.stop_ids, tokenizer, request.id)
             need = self.cache.blocks_for(self._positions(seq))
             if need > self.cache.num_blocks:
                 raise EngineError(

@@ -18,13 +18,18 @@ reach their callers (futures, asyncio queues). Everything else is here, free of 
 - a step that raises fails only the requests that make it fail: the runner rebuilds the engine and reruns the
   requests that were in flight, halving the group that fails until each failing request is alone (and a canary
   request shows that the engine itself works); the others finish as if nothing had happened (a stream resumes where
-  it was). Only an engine that cannot be rebuilt, or fails even the canary, fails every request (``failure``).
+  it was). Only an engine that cannot be rebuilt, or fails even the canary, fails every request (``failure``);
+- a watchdog thread bounds each step (``step_timeout_s``): past it, while the step works on one request's
+  constraint (``ConstraintWork``), it stops the step by raising ``StepTimedOut`` in the engine thread; that request
+  fails alone and the others rerun as above. A step stuck elsewhere (or inside one call that never returns to
+  Python) is only reported: ``step_running_for`` (a server then turns unhealthy and is replaced).
 """
 
 from __future__ import annotations
 
 import collections
 import copy
+import ctypes
 import logging
 import os
 import queue
@@ -76,6 +81,17 @@ class StepObserver(Protocol):
 
 class RequestRejected(ValueError):
     """Preparing or admitting this request raised (their contract is to never raise): only this request fails."""
+
+
+class StepTimedOut(Exception):
+    """Raised in the engine thread by the watchdog: the step ran past ``step_timeout_s`` in one request's constraint
+    work (the runner knows which)."""
+
+
+def _raise_in(thread: threading.Thread, exc: type[BaseException] | None) -> None:
+    """Raise ``exc`` in ``thread`` at its next Python instruction (None: drop one raised and not yet delivered)."""
+    ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(thread.ident or 0),
+                                               ctypes.py_object(exc) if exc is not None else None)
 
 
 class StreamLost(RuntimeError):
@@ -144,8 +160,12 @@ class _Progress:
 
 class EngineRunner:
     def __init__(self, make_engine: Callable[[], Engine], torch_threads: int | None = None,
-                 observer: StepObserver | None = None) -> None:
+                 observer: StepObserver | None = None, step_timeout_s: float = float("inf")) -> None:
+        """``step_timeout_s``: the watchdog's bound on one step (module docstring)."""
         self._make_engine = make_engine
+        self.step_timeout_s = step_timeout_s
+        self._step_lock = threading.Lock()  # the watchdog raises in a step only while it runs
+        self._timed_out: tuple[str, float] | None = None  # the request the watchdog stopped a step for, and when
         self._observer = observer
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._deferred: collections.deque = collections.deque()  # inbox items held back while recovering
@@ -161,6 +181,8 @@ class EngineRunner:
         self._thread = threading.Thread(target=self._run, args=(ready, torch_threads), name="engine", daemon=True)
         self._thread.start()
         self.engine: Engine = ready.result()  # a failure to build (bad model path, ...) raises here
+        if step_timeout_s != float("inf"):
+            threading.Thread(target=self._watch, name="engine-watchdog", daemon=True).start()
 
     # ------------------------------------------------------------------------------------- any thread
     def thread_tokenizer(self) -> PreTrainedTokenizerBase:
@@ -208,6 +230,20 @@ class EngineRunner:
         self._inbox.put(_STOP)
         self._thread.join()
 
+    def _watch(self) -> None:
+        """The watchdog: stops a step past ``step_timeout_s`` while it works on one request's constraint."""
+        period = min(1.0, self.step_timeout_s / 4)
+        while self._thread.is_alive():
+            time.sleep(period)
+            with self._step_lock:
+                running = self.step_running_for()
+                owner = self.engine.constraints.work.owner(self._thread.ident or 0)
+                if running > self.step_timeout_s and owner is not None and self._timed_out is None:
+                    log.error("an engine step has run for %.0f s, past limits.step_timeout_s, in the constraint of "
+                              "request %s: stopping it", running, owner)
+                    self._timed_out = (owner, running)
+                    _raise_in(self._thread, StepTimedOut)
+
     # ---------------------------------------------------------------------------------- engine thread
     def _run(self, ready: Future, torch_threads: int | None) -> None:
         use_torch_threads(torch_threads)
@@ -231,6 +267,7 @@ class EngineRunner:
             try:
                 output = self._step()
             except Exception as exc:
+                self._step_started = None  # a watchdog's exception may have cut _step's own cleanup short
                 if not self._recover(exc):
                     return
                 continue
@@ -242,10 +279,18 @@ class EngineRunner:
 
     def _step(self) -> StepOutput:
         self._step_started = time.monotonic()
+        timed_out = False
         try:
             return self.engine.step()
+        except StepTimedOut:
+            timed_out = True
+            raise
         finally:
-            self._step_started = None
+            with self._step_lock:
+                self._step_started = None
+                if not timed_out:  # the watchdog raised as the step ended: that belongs to no step
+                    _raise_in(self._thread, None)
+                    self._timed_out = None
 
     def _next_item(self, block: bool) -> object:
         if self._deferred:
@@ -331,7 +376,7 @@ class EngineRunner:
         request has finished or failed alone; False when the engine itself is broken (then everything failed)."""
         log.exception("engine step failed with %d requests in flight; rerunning them on a rebuilt engine",
                       len(self._jobs))
-        groups = [list(self._jobs.values())]
+        groups = [self._without_timed_out(list(self._jobs.values()))]
         self._jobs = {}
         while groups:
             group = groups.pop()
@@ -340,6 +385,9 @@ class EngineRunner:
             except Exception as rebuild_exc:  # the engine cannot even be rebuilt
                 self._fail(rebuild_exc, group + [job for g in groups for job in g])
                 return False
+            if self._timed_out is not None:  # the watchdog named the request: it fails alone, the rest rerun whole
+                groups.append(self._without_timed_out(failed))
+                continue
             if not failed:
                 continue
             if len(failed) > 1:
@@ -353,6 +401,18 @@ class EngineRunner:
             log.error("request %s fails the engine step on its own; it alone gets the error", job.request.id)
             job.sink(RequestRejected(f"the engine failed on this request: {exc!r}"))
         return True
+
+    def _without_timed_out(self, jobs: list[_Job]) -> list[_Job]:
+        """``jobs`` but the one the watchdog stopped a step for, which gets its error."""
+        if self._timed_out is None:
+            return jobs
+        (owner, seconds), self._timed_out = self._timed_out, None
+        for job in jobs:
+            if job.request.id == owner:
+                job.sink(RequestRejected(
+                    f"the work on this request's structured_outputs constraint kept an engine step busy for "
+                    f"{seconds:.0f} s, past limits.step_timeout_s ({self.step_timeout_s:g} s)"))
+        return [job for job in jobs if job.request.id != owner]
 
     def _rebuild(self) -> None:
         run_seed = self.engine.run_seed
@@ -386,6 +446,7 @@ class EngineRunner:
             try:
                 output = self._step()
             except Exception:
+                self._step_started = None
                 log.exception("engine step failed again with %d of a group of %d in flight", len(self._jobs),
                               len(group))
                 unfinished, self._jobs = list(self._jobs.values()), {}
