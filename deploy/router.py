@@ -15,7 +15,6 @@ replica that dies or cannot be reached is an OpenAI-shaped 503 (in a stream alre
 """
 
 import json
-import os
 import re
 from collections.abc import AsyncIterator
 from typing import Any
@@ -33,7 +32,7 @@ from deploy import gate
 from deploy.engine_loop import REPLICA_RUNTIME_ENV
 from deploy.llm_config import LLMConfig, ServingArgs
 from deploy.protocol import ErrorDetail, ErrorResponse, ModelList, VersionResponse
-from deploy.server import API_KEY_ENV, MAX_BODY_BYTES, VERSION, ModelServer, deployment_options, make_app
+from deploy.server import MAX_BODY_BYTES, VERSION, ModelServer, deployment_options, env_api_key, make_app
 from frontend.resources import check_cluster
 
 router_api = FastAPI(title="specbatch", description="OpenAI-compatible generation with speculative decoding")
@@ -191,7 +190,7 @@ def _model_deployment(llm: LLMConfig, key: str | None) -> Application:
 def _api_key(configs: list[LLMConfig]) -> str | None:
     """``SPECBATCH_API_KEY`` or ``VLLM_API_KEY`` where the app is built, else the first model's
     ``specbatch.api_key``."""
-    key = next((os.environ[name] for name in API_KEY_ENV if os.environ.get(name)), None)
+    key = env_api_key()
     for llm in configs:
         given = llm.specbatch.get("api_key")
         key = key or (given.get_secret_value() if isinstance(given, SecretStr) else given)

@@ -90,6 +90,11 @@ api = FastAPI(title="specbatch", description="OpenAI-compatible generation with 
 
 # Environment variables that set the API key when the configuration does not (vLLM's name too).
 API_KEY_ENV = ("SPECBATCH_API_KEY", "VLLM_API_KEY")
+
+
+def env_api_key() -> str | None:
+    """The API key from the environment where an application is built (``API_KEY_ENV``, in that order)."""
+    return next((os.environ[name] for name in API_KEY_ENV if os.environ.get(name)), None)
 # A body larger than this is refused before it is read whole (a prompt longer than the context is refused anyway).
 MAX_BODY_BYTES = 64 << 20
 
@@ -715,7 +720,7 @@ def make_app(config: Config, routed: bool = True) -> Application:
     ``config`` comes from ``SPECBATCH_API_KEY`` or ``VLLM_API_KEY`` here, where the command runs (replicas may run
     on other nodes)."""
     if config.api_key is None:
-        key = next((os.environ[name] for name in API_KEY_ENV if os.environ.get(name)), None)
+        key = env_api_key()
         if key is not None:
             config = config.model_copy(update={"api_key": SecretStr(key)})
     check_cluster(config, "replicas")

@@ -385,7 +385,9 @@ class EngineRunner:
             except Exception as rebuild_exc:  # the engine cannot even be rebuilt
                 self._fail(rebuild_exc, group + [job for g in groups for job in g])
                 return False
-            if self._timed_out is not None:  # the watchdog named the request: it fails alone, the rest rerun whole
+            # The watchdog named the request: it fails alone, the rest rerun whole (none left: the rerun still
+            # rebuilds the engine the stopped step left broken).
+            if self._timed_out is not None:
                 groups.append(self._without_timed_out(failed))
                 continue
             if not failed:
