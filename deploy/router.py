@@ -64,6 +64,8 @@ def _merged_metrics(texts: list[str]) -> str:
 class OpenAIRouter:
     def __init__(self, models: dict[str, DeploymentHandle], api_key: str | None) -> None:
         self.models = models
+        # Each model's streaming handle, made once: a request only calls it (options() builds a new handle).
+        self.streams = {name: handle.options(stream=True) for name, handle in models.items()}
         # The model whose replica answers /health, /ping and /metrics itself (its engine's state), when only one.
         self.only = next(iter(models)) if len(models) == 1 else None
         gate.GATE.api_key = api_key.encode() if api_key else None
@@ -110,8 +112,8 @@ class OpenAIRouter:
         headers = [(k, v) for k, v in request.headers.items() if k.lower() == "authorization"]
         texts = []
         try:
-            for handle in self.models.values():
-                body = b"".join([item async for item in handle.options(stream=True).forward.remote(
+            for handle in self.streams.values():
+                body = b"".join([item async for item in handle.forward.remote(
                     "GET", "/metrics", headers, b"") if isinstance(item, bytes)])
                 texts.append(body.decode())
         except Exception as exc:
@@ -138,7 +140,7 @@ class OpenAIRouter:
         """``request`` answered by a replica of model ``name``, as ``path`` under the app's route prefix."""
         headers = [(k, v) for k, v in request.headers.items() if k.lower() not in ("host", "content-length")]
         target = path + (f"?{request.url.query}" if request.url.query else "")
-        stream = self.models[name].options(stream=True).forward.remote(request.method, target, headers, body)
+        stream = self.streams[name].forward.remote(request.method, target, headers, body)
         try:
             start = await stream.__anext__()
         except StopAsyncIteration:

@@ -440,7 +440,8 @@ def test_health_answers_while_200_streams_are_in_flight(client, server):
 
             async def stream(i: int) -> str:
                 # Long enough that the first rows do not finish before the last requests arrive.
-                body = {"prompt": WORDS[i % len(WORDS)], "max_tokens": 120, "ignore_eos": True, "stream": True}
+                # Behind the router the last of 200 requests arrive later: 240 tokens keep the first ones running.
+                body = {"prompt": WORDS[i % len(WORDS)], "max_tokens": 240, "ignore_eos": True, "stream": True}
                 async with aclient.stream("POST", "/v1/completions", json=body) as response:
                     return [line async for line in response.aiter_lines() if line][-1]
 
@@ -468,7 +469,9 @@ def test_a_replica_killed_mid_request_is_an_openai_503_and_ends_streams_with_an_
     with pytest.MonkeyPatch.context() as patch:
         for name in ("SPECBATCH_API_KEY", "VLLM_API_KEY"):
             patch.delenv(name, raising=False)
-        serve.run(build_app({"config": config_file, "batch_size": 8}), name="killed", route_prefix="/killed")
+        # Its own model name: the module's metrics tests count tiny-llm's series.
+        serve.run(build_app({"config": config_file, "batch_size": 32, "served_model_name": "tiny-killed"}),
+                  name="killed", route_prefix="/killed")
     try:
         replicas = [actor for actor in ray.util.list_named_actors(all_namespaces=True)
                     if actor["name"].startswith("SERVE_REPLICA::killed#OpenAIServer#")]
@@ -482,6 +485,10 @@ def test_a_replica_killed_mid_request_is_an_openai_503_and_ends_streams_with_an_
                     assert response.status_code == 200
                     lines = aiter(line async for line in response.aiter_lines() if line.startswith("data: "))
                     await anext(lines)  # under way
+                    # Both requests' 32 sequences decode (one batch) before the kill, whichever came first.
+                    while (await aclient.get("/health")).json()["running"] < 32:
+                        assert not plain.done(), plain.result().text
+                        await asyncio.sleep(0.05)
                     for actor in replicas:
                         ray.kill(ray.get_actor(actor["name"], namespace=actor["namespace"]), no_restart=False)
                     rest = [line async for line in lines]
