@@ -113,9 +113,8 @@ class OpenAIRouter:
         texts = []
         try:
             for handle in self.streams.values():
-                body = b"".join([item async for item in handle.forward.remote(
-                    "GET", "/metrics", headers, b"") if isinstance(item, bytes)])
-                texts.append(body.decode())
+                items = [item async for item in handle.forward.remote("GET", "/metrics", headers, b"")]
+                texts.append(b"".join(item["body"] if isinstance(item, dict) else item for item in items).decode())
         except Exception as exc:
             return gate.unavailable(f"a model's replica is unavailable: {type(exc).__name__}")
         return Response(_merged_metrics(texts), media_type=prometheus_client.CONTENT_TYPE_LATEST)
@@ -148,11 +147,16 @@ class OpenAIRouter:
         except Exception as exc:  # the replica died, or none could be reached
             return gate.unavailable(f"the replica of `{name}` is unavailable: {type(exc).__name__}")
         headers = {k: v for k, v in start["headers"] if k.lower() not in ("content-length", "transfer-encoding")}
-        return StreamingResponse(self._rest(stream, name), status_code=start["status"], headers=headers)
+        if start["complete"]:
+            return Response(start["body"], status_code=start["status"], headers=headers)
+        return StreamingResponse(self._rest(start["body"], stream, name), status_code=start["status"],
+                                 headers=headers)
 
     @staticmethod
-    async def _rest(stream: Any, name: str) -> AsyncIterator[bytes]:
+    async def _rest(first: bytes, stream: Any, name: str) -> AsyncIterator[bytes]:
         try:
+            if first:
+                yield first
             async for chunk in stream:
                 yield chunk
         except Exception as exc:  # the replica died mid-response: the status line is sent, report in-band

@@ -674,8 +674,9 @@ class OpenAIReplica:
     # ------------------------------------------------------- through a DeploymentHandle (deploy.router)
     async def forward(self, method: str, path: str, headers: list[tuple[str, str]], body: bytes
                       ) -> AsyncIterator[dict[str, Any] | bytes]:
-        """This replica's HTTP API called in-process by the router of a several-model app: the response's start
-        (status, headers), then its body as it is sent. Called with ``stream=True``."""
+        """This replica's HTTP API called in-process by the router (``deploy.router``): the response's start (status,
+        headers, the body sent with them), then the rest of its body as it is sent (``asgi.call``). Called with
+        ``stream=True``."""
         async for item in asgi.call(api, method, path, headers, body):
             yield item
 

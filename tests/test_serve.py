@@ -643,6 +643,50 @@ def test_ray_metrics_export_has_vllms_names_labels_and_totals(client, ray_cluste
     assert not scrape_ray_metrics(ray_cluster, model_name=MODEL, ReplicaId="")
 
 
+def test_a_replica_hands_the_router_what_was_sent_at_once_as_one_item():
+    """asgi.call: the body sent with the status line travels with it (a whole JSON response is one item, answered
+    by the router without streaming), and body chunks sent together are one item (one Ray object each, not one per
+    choice's chunk); a chunk sent later is an item of its own; the app's failure mid-body reaches the caller."""
+    from deploy import asgi
+
+    async def items(path: str) -> list:
+        later = asyncio.Event()
+
+        async def app(scope, receive, send) -> None:
+            await receive()
+            await send({"type": "http.response.start", "status": 200, "headers": [(b"x-a", b"1")]})
+            for part in (b"a", b"b", b"c"):
+                await send({"type": "http.response.body", "body": part, "more_body": True})
+            await later.wait()
+            await send({"type": "http.response.body", "body": b"d", "more_body": path == "/fails"})
+            if path == "/fails":
+                raise RuntimeError("gone")
+
+        stream = asgi.call(app, "POST", path, [], b"{}")
+        got = [await anext(stream)]
+        later.set()
+        try:
+            async for item in stream:
+                got.append(item)
+        except RuntimeError as exc:
+            got.append(exc)
+        return got
+
+    start, *rest = asyncio.run(items("/ok"))
+    assert (start["status"], start["headers"], start["body"], start["complete"], rest) == (
+        200, [("x-a", "1")], b"abc", False, [b"d"])
+    assert [type(item) for item in asyncio.run(items("/fails"))[1:]] == [bytes, RuntimeError]
+
+    async def whole(scope, receive, send) -> None:
+        await send({"type": "http.response.start", "status": 404, "headers": []})
+        await send({"type": "http.response.body", "body": b'{"error": {}}'})
+
+    async def collect() -> list:
+        return [item async for item in asgi.call(whole, "GET", "/x", [], b"")]
+
+    assert asyncio.run(collect()) == [{"status": 404, "headers": [], "body": b'{"error": {}}', "complete": True}]
+
+
 def test_unknown_route_has_an_openai_error_body(client):
     response = client.get("/v1/nothing")
     assert response.status_code == 404
@@ -668,7 +712,10 @@ def _steps(client: httpx.Client) -> int:
 
 def test_64_concurrent_requests_match_sequential_and_share_steps(client, server):
     prompts = [" ".join(WORDS[(i * k) % len(WORDS)] for k in (1, 3, 7)) + f" {WORDS[i // 12]}" for i in range(64)]
-    bodies = [{"prompt": p, "max_tokens": 8 + i % 5, "temperature": 0} for i, p in enumerate(prompts)]
+    # Each request lives ~30 steps: longer than its 64 arrivals take through Serve's proxy and the router (seconds
+    # on 2 cores, while the first arrivals already step with few rows), so the steps they share dominate.
+    bodies = [{"prompt": p, "max_tokens": 60 + i % 5, "temperature": 0, "ignore_eos": True}
+              for i, p in enumerate(prompts)]
 
     before = _steps(client)
     sequential = [_post(client, "/v1/completions", b)["choices"][0]["text"] for b in bodies]
