@@ -28,7 +28,7 @@ from ray import serve
 from ray.serve import Application
 from ray.serve.handle import DeploymentHandle
 
-from deploy import gate
+from deploy import asgi, gate
 from deploy.engine_loop import REPLICA_RUNTIME_ENV
 from deploy.llm_config import LLMConfig, ServingArgs
 from deploy.protocol import ErrorDetail, ErrorResponse, ModelList, VersionResponse
@@ -57,6 +57,11 @@ def _merged_metrics(texts: list[str]) -> str:
     for name, (kind, doc, samples) in families.items():
         lines += [f"# HELP {name} {doc}", f"# TYPE {name} {kind}", *samples]
     return "\n".join(lines) + "\n"
+
+
+def _relayed(start: asgi.ResponseStart) -> dict[str, str]:
+    """A replica's response headers, as the router's response sends them (its own framing)."""
+    return {k: v for k, v in start["headers"] if k.lower() not in ("content-length", "transfer-encoding")}
 
 
 @serve.deployment
@@ -113,8 +118,11 @@ class OpenAIRouter:
         texts = []
         try:
             for handle in self.streams.values():
-                items = [item async for item in handle.forward.remote("GET", "/metrics", headers, b"")]
-                texts.append(b"".join(item["body"] if isinstance(item, dict) else item for item in items).decode())
+                start, *rest = [item async for item in handle.forward.remote("GET", "/metrics", headers, b"")]
+                body = b"".join([start["body"], *rest])
+                if start["status"] != 200:  # e.g. 401: the replicas' metrics_require_api_key, without the key
+                    return Response(body, status_code=start["status"], headers=_relayed(start))
+                texts.append(body.decode())
         except Exception as exc:
             return gate.unavailable(f"a model's replica is unavailable: {type(exc).__name__}")
         return Response(_merged_metrics(texts), media_type=prometheus_client.CONTENT_TYPE_LATEST)
@@ -146,7 +154,7 @@ class OpenAIRouter:
             return _error(502, f"the replica of `{name}` ended the request without answering", "server_error")
         except Exception as exc:  # the replica died, or none could be reached
             return gate.unavailable(f"the replica of `{name}` is unavailable: {type(exc).__name__}")
-        headers = {k: v for k, v in start["headers"] if k.lower() not in ("content-length", "transfer-encoding")}
+        headers = _relayed(start)
         if start["complete"]:
             return Response(start["body"], status_code=start["status"], headers=headers)
         return StreamingResponse(self._rest(start["body"], stream, name), status_code=start["status"],

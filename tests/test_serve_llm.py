@@ -177,6 +177,25 @@ def test_the_serve_config_file_form_runs_with_only_the_import_path_changed(serve
         serve.delete(application["name"])
 
 
+def test_metrics_behind_the_api_key_are_refused_by_the_router_as_the_replicas_refuse_them(server, tiny_dirs):
+    """With ``metrics_require_api_key``, the merged /metrics of several models is the replicas' 401 without the key
+    (not their error bodies parsed as Prometheus text), and every model's metrics with it."""
+    from ray import serve
+
+    serve.delete("llm")  # room on the test cluster's CPUs
+    guarded = {"api_key": "sk-metrics", "metrics_require_api_key": True, "batch_size": 2}
+    configs = [LLMConfig(model_loading_config={"model_id": name, "model_source": tiny_dirs["target"]},
+                         specbatch=guarded) for name in ("tiny-m1", "tiny-m2")]
+    serve.run(build_openai_app({"llm_configs": configs}), name="guarded", route_prefix="/guarded")
+    try:
+        refused = httpx.get(f"{server}/guarded/metrics", timeout=60)
+        assert refused.status_code == 401 and refused.json()["error"]["type"] == "invalid_request_error"
+        text = httpx.get(f"{server}/guarded/metrics", headers={"Authorization": "Bearer sk-metrics"}, timeout=60).text
+        assert 'model_name="tiny-m1"' in text and 'model_name="tiny-m2"' in text
+    finally:
+        serve.delete("guarded")
+
+
 def test_llm_config_takes_ray_serve_llms_fields_and_refuses_what_specbatch_does_not_do(tiny_dirs):
     # ray.serve.llm itself imports vLLM; its config classes do not.
     from ray.llm._internal.serve.core.configs.llm_config import LLMConfig as RayLLMConfig
