@@ -10,7 +10,8 @@ checkout (``baseline.py``), that checkout's engine beside each of this one's.
 Profiling is measured from the outside: forward hooks time the target (and a transformers assistant), and the
 engine's drafter methods are wrapped, so the engine itself is benchmarked unmodified. Times are device time
 (``measure.Clock``: CUDA events on a GPU, read once a turn); each row also gets its decode steps' mean time, the
-bytes they move (weights and cached keys and values read) and the share of the device's memory bandwidth.
+bytes they move (weights and cached keys and values read) and the share of the device's memory bandwidth, and
+each engine row the kernel launches of one decode step, counted apart from the timed runs.
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from bench.baseline import convert_model
-from bench.measure import Bandwidth, Clock, ForwardBytes, bandwidth_fraction, device_bandwidth
+from bench.measure import Bandwidth, Clock, ForwardBytes, bandwidth_fraction, count_launches, device_bandwidth
 from decoding import stats as stats_module
 from decoding.config import Config, SamplingParams
 from decoding.engine import Request, encode_request, eos_token_ids
@@ -234,6 +235,11 @@ class BenchRow(BaseModel):
     ms_per_step: float | None = None
     bytes_per_step: float | None = None  # weights and cached keys/values read by the step's forwards
     bandwidth_fraction: float | None = None  # bytes_per_step / ms_per_step over the device's memory bandwidth
+    # Kernel launches of one decode step over batch_size rows (engine; counted after the timed runs): device kernels
+    # on CUDA (the profiler), aten operations dispatched elsewhere; per layer: over the layer forwards of that step
+    # (target layers x target forwards + draft layers x draft forwards), embedding, head and sampling included.
+    launches_per_step: int | None = None
+    launches_per_layer: float | None = None
     drafted_per_step: float | None = None  # draft tokens per decode step (engine)
     prefix_cache_hit_rate: float | None = None  # prompt tokens found in the prefix cache / prompt tokens (engine)
 
@@ -312,6 +318,16 @@ def _time_methods(obj: Any, names: tuple[str, ...], clock: Clock, on_done: Calla
         setattr(obj, name, timed)
 
 
+@dataclass(frozen=True)
+class Launches:
+    per_step: int
+    layer_forwards: int  # target layers x target forwards + draft layers x draft forwards, in that step
+
+    @property
+    def per_layer(self) -> float | None:
+        return self.per_step / self.layer_forwards if self.layer_forwards else None
+
+
 @dataclass
 class _Measurement:
     """One contender on one prompt set, summed over the chunks of prompts it decoded."""
@@ -328,6 +344,7 @@ class _Measurement:
     cached_tokens: int = 0  # of those, found in the prefix cache (engine)
     decode_tokens: int = 0  # tokens the decode steps emitted (engine)
     rounds: list[tuple[float, int]] = field(default_factory=list)  # (decode seconds, decode steps) per chunk
+    launches: Launches | None = None  # of one decode step (engine), counted after the timed runs
 
     def add(self, name: str, value: float) -> None:
         setattr(self, name, getattr(self, name) + value)
@@ -549,7 +566,39 @@ def _engine_runner(models: Models, contender: Contender) -> _Runner:
         if max_tokens and hasattr(engine, "reset_prefix_cache"):
             engine.reset_prefix_cache()  # a warm-up: what it cached must not speed up the timed prompts
 
-    return _Runner(turns)
+    layers = _layers(models.target), _layers(draft_model)
+
+    def launches(prompt: list[int]) -> Launches | None:
+        """The launches of one decode step over ``batch_size`` rows of ``prompt``: untimed (the counter slows the
+        step it counts), after the timed runs."""
+        ids = [f"launches-{row}" for row in range(contender.batch_size)]
+        for request_id in ids:  # long enough to be decoding after the step that admits them, whatever drafts
+            engine.add_request(package.Request(request_id, prompt_token_ids=prompt,
+                                               sampling={"max_tokens": 64, "ignore_eos": True}))
+        forwards = [0, 0]  # target, draft
+
+        def on_target(_args: tuple, _kwargs: dict[str, Any]) -> None:
+            forwards[0] += 1
+
+        def on_draft(_args: tuple, _kwargs: dict[str, Any]) -> None:
+            forwards[1] += 1
+
+        counted = None
+        with _on_forward(engine.target, on_target), _on_forward(draft_model, on_draft):
+            while engine.has_unfinished():
+                if counted is None and not engine.waiting:  # a decode step: every row admitted before it
+                    forwards[:] = [0, 0]
+                    per_step = count_launches(engine.step, models.target.device)
+                    counted = Launches(per_step, layers[0] * forwards[0] + layers[1] * forwards[1])
+                    for request_id in ids if hasattr(engine, "abort") else ():
+                        engine.abort(request_id)
+                else:
+                    engine.step()
+        if hasattr(engine, "reset_prefix_cache"):
+            engine.reset_prefix_cache()
+        return counted
+
+    return _Runner(turns, launches)
 
 
 @dataclass
@@ -557,6 +606,8 @@ class _Runner:
     # Decodes one chunk of prompts, adding to the measurement it is given, in turns: the time between two yields is
     # the runner's. ``max_tokens`` shortens the decode (a warm-up).
     turns: Callable[..., Iterator[bool]]
+    # One decode step's kernel launches over a prompt (engine runners), counted apart from the timed turns.
+    launches: Callable[[list[int]], Launches | None] | None = None
     total: _Measurement = field(default_factory=_Measurement)  # what the timed turns have measured so far
 
     def run(self, prompts: dict[str, list[int]], clock: Clock | None = None) -> None:
@@ -564,6 +615,10 @@ class _Runner:
         for _ in self.turns(prompts, self.total):
             if clock is not None:
                 clock.settle()
+
+
+def _layers(model: torch.nn.Module | None) -> int:
+    return getattr(getattr(model, "config", None), "num_hidden_layers", 0) if model is not None else 0
 
 
 def _runner(models: Models, contender: Contender) -> _Runner:
@@ -597,6 +652,8 @@ def _row(prompt_set: str, contender: Contender, m: _Measurement, bandwidth: Band
         other_s=max(m.seconds - m.profile.draft_s - m.profile.target_s, 0.0),
         decode_steps=m.decode_steps, ms_per_step=ms_per_step, bytes_per_step=bytes_per_step,
         bandwidth_fraction=bandwidth_fraction(bytes_per_step, ms_per_step, bandwidth),
+        launches_per_step=m.launches.per_step if m.launches is not None else None,
+        launches_per_layer=m.launches.per_layer if m.launches is not None else None,
         drafted_per_step=m.drafted / m.decode_steps if contender.is_engine and m.decode_steps else None,
         prefix_cache_hit_rate=m.cached_tokens / m.prompt_tokens if contender.is_engine and m.prompt_tokens else None,
     )
@@ -712,6 +769,9 @@ def _interleaved(
         for runner, (seconds, steps) in zip(runners, before, strict=True):
             runner.total.close_round(seconds, steps)
         rounds(turn + 1, len(chunks))
+    for runner in runners:
+        if runner.launches is not None:
+            runner.total.launches = runner.launches(prompts[ids[0]])
     return [runner.total for runner in runners]
 
 
@@ -784,7 +844,8 @@ _COLUMNS: list[tuple[str, str | None, Format]] = [  # header, field, format
     ("tok/fwd", "tokens_per_forward", "{:.2f}"),
     ("accept rate", "acceptance_rate", "{:.2f}"), ("fwd/token", "target_forwards_per_token", "{:.3f}"),
     ("identical", "identical", "{}"), ("ms/step", "ms_per_step", "{:.2f}"), ("MB/step", "bytes_per_step", megabytes),
-    ("bw %", "bandwidth_fraction", percent), ("prefix hit %", "prefix_cache_hit_rate", percent),
+    ("bw %", "bandwidth_fraction", percent), ("launches/step", "launches_per_step", "{}"),
+    ("launches/layer", "launches_per_layer", "{:.1f}"), ("prefix hit %", "prefix_cache_hit_rate", percent),
     ("draft/target/other s", None, ""),
 ]
 

@@ -17,7 +17,15 @@ from pydantic import BaseModel
 from bench import harness as benchmark
 from bench.baseline import _known_fields, convert_model, load_baseline
 from bench.harness import BenchGrid, Models, Sweep, contenders, run_bench
-from bench.measure import Clock, ForwardBytes, device_bandwidth, known_bandwidth, measured_bandwidth, weight_bytes
+from bench.measure import (
+    Clock,
+    ForwardBytes,
+    count_launches,
+    device_bandwidth,
+    known_bandwidth,
+    measured_bandwidth,
+    weight_bytes,
+)
 from bench.overhead import (
     CYCLE,
     cycle_prompts,
@@ -29,7 +37,7 @@ from bench.overhead import (
 )
 from bench.shape_costs import SHAPES, format_shape_costs, random_model, run_shape_costs
 from decoding.config import Config
-from decoding.engine import Request
+from decoding.engine import Engine, Request
 from decoding.model.quantize import quantized
 from jobs import bench
 
@@ -220,6 +228,18 @@ def test_bench_rows_report_decode_steps_bytes_and_bandwidth(target, tokenizer):
     # One token a decode step; the step that admits the prompt emits the first token or two and is no decode step.
     assert plain.generated_tokens - 2 <= plain.decode_steps <= plain.generated_tokens - 1
     assert plain.drafted_per_step == 0
+
+    # One decode step's launches: those of a fresh engine's first decode step on the prompt, counted alike (aten
+    # operations on the CPU); one target forward a step, plain or verifying n-gram drafts.
+    none = next(c for c in contenders(config, grid) if c.name == "engine none")
+    engine = Engine(none.config, target=target, tokenizer=tokenizer)
+    engine.add_request(Request("x", prompt="abc abc abc abc", sampling={"max_tokens": 64, "ignore_eos": True}))
+    engine.step()  # admits the prompt
+    assert plain.launches_per_step == count_launches(engine.step, target.device) > 0
+    engine_rows = [row for row in result.rows if row.name != "transformers generate"]
+    assert len(engine_rows) == 2 and {r.launches_per_step for r in result.rows if r not in engine_rows} == {None}
+    for row in engine_rows:
+        assert row.launches_per_layer == row.launches_per_step / target.config.num_hidden_layers
 
 
 # ---------------------------------------------------------------------------------------------------- overhead
