@@ -590,8 +590,9 @@ def _engine_runner(models: Models, contender: Contender) -> _Runner:
                     forwards[:] = [0, 0]
                     per_step = count_launches(engine.step, models.target.device)
                     counted = Launches(per_step, layers[0] * forwards[0] + layers[1] * forwards[1])
-                    for request_id in ids if hasattr(engine, "abort") else ():
-                        engine.abort(request_id)
+                    if hasattr(engine, "abort"):  # a baseline checkout's engine may not abort: it decodes on
+                        for request_id in ids:
+                            engine.abort(request_id)
                 else:
                     engine.step()
         if hasattr(engine, "reset_prefix_cache"):
