@@ -52,11 +52,12 @@ class _Strict(BaseModel):
 
 class DraftChoice(_Strict):
     """The draft of ``draft_model`` contenders: a model (``target``: the target drafts for itself), its
-    weight-only quantization, and n-gram lookup siblings beside its candidates."""
+    weight-only quantization, n-gram lookup siblings beside its candidates, and the layers a self-draft skips."""
 
     model: str | None = None  # None: the config's speculative.model
     quantization: Literal["int4", "int8"] | None = None
     ngram_candidates: int = 0
+    layer_skip: Literal["auto"] | list[int] | None = None
 
 
 class Sweep(_Strict):
@@ -140,6 +141,8 @@ class Contender:
             draft = "self" if spec.model == SELF_DRAFT else ""
             draft += f"-{spec.quantization}" if spec.quantization else ""
             draft += f"+lookup{spec.ngram_candidates}" if spec.ngram_candidates else ""
+            if spec.layer_skip is not None:
+                draft += "-skip" + ("auto" if spec.layer_skip == "auto" else ",".join(map(str, spec.layer_skip)))
             draft = f" {draft.lstrip('-')}" if draft else ""
         return (f"engine {self.method}{draft} w{spec.num_candidates} d{spec.num_speculative_tokens} "
                 f"init={spec.candidate_init} {spec.length_policy}")
@@ -176,9 +179,9 @@ def contenders(config: Config, grid: BenchGrid, baseline: bool = False) -> list[
             for choice in drafts:
                 draft = {} if choice is None else {
                     "model": choice.model or spec.model, "quantization": choice.quantization,
-                    "ngram_candidates": choice.ngram_candidates,
+                    "ngram_candidates": choice.ngram_candidates, "layer_skip": choice.layer_skip,
                 }
-                key = (batch, method, width, depth, init, policy, caching, tuple(draft.values()))
+                key = (batch, method, width, depth, init, policy, caching, repr(tuple(draft.values())))
                 engine.setdefault(key, _variant(
                     config, batch, caching, method=method, num_candidates=width, num_speculative_tokens=depth,
                     candidate_init=init, length_policy=policy, **draft,

@@ -47,6 +47,9 @@ class SpeculativeConfig(_Strict):
     length_policy: Literal["static", "heuristic", "online", "threshold", "decision"] = "online"
     acceptance_head: str | None = None
     decision_model: str | None = None
+    # SWIFT: the self-draft runs only some of the target's layers. A list names the layers it skips (indices from
+    # 0); 'auto' finds the set during the run among a few candidates, by measured tokens per second.
+    layer_skip: Literal["auto"] | list[Annotated[int, Field(ge=0)]] | None = None
     # SpecDec++: stop drafting once the predicted P(at least one rejection) exceeds this.
     stop_threshold: float = Field(0.7, gt=0.0, lt=1.0)
     # ngram lookup: longest and shortest suffix matched against prompt + output.
@@ -67,6 +70,17 @@ class SpeculativeConfig(_Strict):
             if (not self_draft and name not in explicit) or (name == "ngram_candidates" and
                                                             self.method != "draft_model"):
                 object.__setattr__(self, name, None if name == "quantization" else 0)
+        if self.method != "draft_model":  # like lookup siblings: a self-draft's option, off for other methods
+            object.__setattr__(self, "layer_skip", None)
+        elif self.layer_skip is not None and self.model != "target":
+            raise ValueError("speculative.layer_skip needs speculative.model 'target' (the target drafting for "
+                             "itself with some of its layers)")
+        if isinstance(self.layer_skip, list):
+            if not self.layer_skip:
+                raise ValueError("speculative.layer_skip is an empty list: give the layers to skip, 'auto' or null")
+            if len(set(self.layer_skip)) != len(self.layer_skip):
+                raise ValueError(f"speculative.layer_skip lists a layer twice: {self.layer_skip}")
+            object.__setattr__(self, "layer_skip", sorted(self.layer_skip))
         if self.length_policy == "threshold" and not self.acceptance_head:
             raise ValueError("speculative.acceptance_head is required for length_policy 'threshold'")
         if self.length_policy == "decision" and not self.decision_model:

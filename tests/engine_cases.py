@@ -110,6 +110,14 @@ def sequence_law(model, prompt: list[int], warp: dict, length: int,
     return extend([], 1.0)
 
 
+def exact_joint_law(model, prompt: list[int], warp: dict, positions: tuple[int, int]) -> torch.Tensor:
+    """Exact law of generated tokens at ``positions`` (0-based), END after EOS, by enumerating prefixes."""
+    joint = torch.zeros(SMALL_VOCAB + 1, SMALL_VOCAB + 1, dtype=torch.float64)
+    for tokens, weight in sequence_law(model, prompt, warp, max(positions) + 1):
+        joint[tokens[positions[0]], tokens[positions[1]]] += weight
+    return joint
+
+
 def chi_square_pvalue(counts: torch.Tensor, law: torch.Tensor) -> float:
     counts, law = counts.flatten().double(), law.flatten()
     total = counts.sum()

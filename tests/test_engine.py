@@ -14,10 +14,10 @@ from engine_cases import (
     PROMPTS,
     SMALL_VOCAB,
     chi_square_pvalue,
+    exact_joint_law,
     make_config,
     on_device,
     run,
-    sequence_law,
 )
 from tiny import tiny_model
 
@@ -134,14 +134,6 @@ def test_self_draft_and_lookup_siblings_greedy_match_transformers(
 
 
 # -------------------------------------------------------------------------------------------------------- sampling laws
-
-
-def exact_joint_law(model, prompt: list[int], warp: dict, positions: tuple[int, int]) -> torch.Tensor:
-    """Exact law of generated tokens at ``positions`` (0-based), END after EOS, by enumerating prefixes."""
-    joint = torch.zeros(SMALL_VOCAB + 1, SMALL_VOCAB + 1, dtype=torch.float64)
-    for tokens, weight in sequence_law(model, prompt, warp, max(positions) + 1):
-        joint[tokens[positions[0]], tokens[positions[1]]] += weight
-    return joint
 
 
 SAMPLING_GRID = [

@@ -24,7 +24,7 @@ import torch
 from decoding.engine.kv_cache import CacheShape, PagedKVCache, Rows, joining_entries
 from decoding.engine.padding import pad_rows
 from decoding.model.forward import forward_tree
-from decoding.model.lean_forward import lean_view, supports_lean_forward
+from decoding.model.lean_forward import LeanCausalLM, lean_view, supports_lean_forward
 from decoding.model.loading import for_inference
 from decoding.verification.sampling import WarpParams, row_uniforms, warp_probs
 from decoding.verification.tree import TreeTopology, chain_ancestors, with_prefix_chain
@@ -32,6 +32,7 @@ from decoding.verification.verify_batched import sample_from, sample_tokens
 
 if TYPE_CHECKING:
     from decoding.constraints.constrained import GrammarView
+    from decoding.drafting.layer_skip import LayerSkipSearch
     from decoding.engine.batch import JoinedRows
     from decoding.engine.sequence import Sequence
 
@@ -101,6 +102,7 @@ class Draft:
     forwarded_levels: int = 0
     prefix: int = 0
     forward_shapes: list[tuple[int, int]] = dataclasses.field(default_factory=list)
+    candidate: int = 0  # a layer-skipping draft's candidate layer set that drafted (``layer_skip.py``)
 
     @classmethod
     def roots_only(cls, inputs: DraftInputs, depth: int = 0) -> Draft:
@@ -127,7 +129,7 @@ class Draft:
             laws[0].new_zeros(batch, size, laws[0].shape[-1]) if laws else None, depth,
             some.valid.new_zeros(batch, size) if marks else None,
             forwarded_levels=max(part.forwarded_levels for _, part in parts),
-            forward_shapes=[shape for _, part in parts for shape in part.forward_shapes],
+            forward_shapes=[shape for _, part in parts for shape in part.forward_shapes], candidate=some.candidate,
         )
         device = joined.token_probs.device
         for rows, part in parts:
@@ -332,6 +334,8 @@ SOME_ROWS_MAX_SHARE = 0.5
 def model_view(model: torch.nn.Module) -> torch.nn.Module:
     """The forward the engine runs a model through: the lean forward for the Llama family, else transformers'
     (with prepacked CPU weights and grouped-query SDPA)."""
+    if isinstance(model, LeanCausalLM):
+        return model
     return lean_view(model) if supports_lean_forward(model) else for_inference(model)
 
 
@@ -350,6 +354,7 @@ class DraftModelDrafter(Drafter):
     def __init__(
         self, model: torch.nn.Module, capacity: int, device: torch.device, vocab_subset: list[int] | None = None,
         lookup: NgramDrafter | None = None, lookup_candidates: int = 0, shares_target_cache: bool = False,
+        search: LayerSkipSearch | None = None,
     ) -> None:
         self.device = device
         # A self-draft (``shares_target_cache``) drafts in the target's own cache: the committed entries are what its
@@ -374,6 +379,10 @@ class DraftModelDrafter(Drafter):
             if not self.reads_target_states:  # a feature draft's head is stored cut
                 model = _with_reduced_head(model, tuple(vocab_subset))
         self.model = model if self.reads_target_states else model_view(model)
+        # ``layer_skip: auto``: which of the candidate layer sets drafts is chosen on the fly; ``model`` is it.
+        self.search = search
+        if search is not None:
+            self.model = search.model
         self.capacity = capacity
         self.cache: PagedKVCache | None = None  # ``attach``
         self.uncached: list[list[int]] = []
@@ -620,7 +629,13 @@ class DraftModelDrafter(Drafter):
             laws[:, prefix:size] if laws is not None else None, depth,
             point_mass[:, prefix:size].to(device, non_blocking=True) if point_mass is not None else None,
             forwarded_levels=forwarded, prefix=prefix, forward_shapes=shapes,
+            candidate=self.search.current if self.search is not None else 0,
         )
+
+    @property
+    def models(self) -> list[torch.nn.Module]:
+        """Every forward this drafter may run (a layer-skip search's candidates), to prepare and capture at build."""
+        return self.search.views if self.search is not None else [self.model]
 
     def observe(self, paths: list[list[int]], path_tokens: list[list[int]], draft: Draft, topology: TreeTopology,
                 target_states: torch.Tensor | None = None, target_topk: torch.Tensor | None = None) -> None:
@@ -629,6 +644,10 @@ class DraftModelDrafter(Drafter):
         Final: what the draft ran on with the inputs it will always have; for a token draft every level it ran,
         for a feature draft only the root level (deeper levels read its own states, not the target's).
         """
+        if self.search is not None and draft.forwarded_levels:
+            self.search.observe(draft.candidate, len(paths), draft.tokens.shape[1], draft.forward_shapes,
+                                sum(len(path) for path in paths))
+            self.model = self.search.model
         if self.target_cache is not None:  # the target has committed this step in the cache both read
             return
         ran = draft.forwarded_levels > 0

@@ -46,6 +46,7 @@ class StepRecord:
     lookup_matched: list[int] | None = None
     timing: StepTiming | None = None
     fixed: list[bool] | None = None  # rows planned as ``fixed`` (seeded sampling): they count their own steps
+    draft_scale: float = 1.0  # the draft's forward cost relative to its calibration (a layer set: ``layer_skip.py``)
 
 
 class LengthPolicy:
@@ -223,6 +224,7 @@ class OnlinePolicy(LengthPolicy):
         verify_cost: BatchCosts,
         draft_cost: BatchCosts | None,
         capacity: int = 1,
+        draft_scale: Callable[[], float] | None = None,
         decay: float = 0.9,
         probe_every: int = 8,
         probe_budget: float = 0.02,
@@ -236,6 +238,9 @@ class OnlinePolicy(LengthPolicy):
         self.draft_cost = (LearnedCosts(draft_cost, until_timed=self.verify_cost) if draft_cost is not None
                            else None)
         self.capacity = capacity
+        # The drafting forward's cost relative to the draft's calibration, which a layer-skipping draft changes as
+        # it switches layer sets: draft costs are learnt and predicted in units of the calibrated draft.
+        self.draft_scale = draft_scale or (lambda: 1.0)
         self.decay = decay
         self.probe_every = probe_every
         self.probe_budget = probe_budget
@@ -273,8 +278,9 @@ class OnlinePolicy(LengthPolicy):
         if model_depth and draft is not None:
             first = src.prefix_tokens + src.root_width
             later = src.model_width + (src.lookup_width if lookup_depth else 0)
+            scale = self.draft_scale()
             for width in [first] + [later] * (model_depth - 1):
-                seconds += draft(rows, width) if fixed else draft(rows, width, context)
+                seconds += scale * (draft(rows, width) if fixed else draft(rows, width, context))
         return seconds
 
     # ------------------------------------------------------------------------------------------ choices
@@ -327,13 +333,14 @@ class OnlinePolicy(LengthPolicy):
         costs: dict[tuple, list[float]] = {}  # per cost key, every option's seconds; per (key, probe) its own
         payable: dict[tuple, bool] = {}
         step = self.steps + 1  # this step's number; ``observe`` counts it
+        scale = self.draft_scale()  # a switch of the draft's layer set prices every option anew
         for row, (seq_id, context, is_fixed) in enumerate(zip(ids, contexts, fixed)):
             # Rows probe on the same steps: one row drafting deepens the whole batch's forwards, so probes on
             # different steps cost every step (0.59x of plain at batch 16). A seeded row counts its own steps (its
             # choices must not depend on other rows).
             steps = self.row_steps.get(seq_id, 0) + 1 if is_fixed else step
             batch = self.capacity if is_fixed else rows
-            key = (batch, 0 if is_fixed else context // 64, is_fixed)
+            key = (batch, 0 if is_fixed else context // 64, is_fixed, scale)
             if key not in costs:
                 # Costs move slowly (corrections by timed steps): reused for COST_REUSE_STEPS steps, for ever from
                 # the fixed calibration. Every option's cost for every row bucket each step took 2% of a batch-16
@@ -435,7 +442,7 @@ class OnlinePolicy(LengthPolicy):
             timing = record.timing
             self.verify_cost.observe([timing.verify], timing.verify_seconds)
             if self.draft_cost is not None and timing.drafts:
-                self.draft_cost.observe(timing.drafts, timing.draft_seconds)
+                self.draft_cost.observe(timing.drafts, timing.draft_seconds / record.draft_scale)
         self._observe_gain(record)
 
     def forget(self, seq_id: str) -> None:
@@ -492,15 +499,17 @@ def make_policy(
     sources: Sources,
     costs: Callable[[], tuple[BatchCosts, BatchCosts | None]],
     capacity: int = 1,
+    draft_scale: Callable[[], float] | None = None,
 ) -> LengthPolicy:
-    """The configured policy; ``costs`` (verify, draft) is only measured when the online policy needs it."""
+    """The configured policy; ``costs`` (verify, draft) is only measured when the online policy needs it;
+    ``draft_scale``: the drafting forward's cost relative to the calibrated draft's, as it changes."""
     depth = config.max_depth
     if config.length_policy == "static" or depth == 0:
         return LengthPolicy(depth)
     if config.length_policy == "heuristic":
         return HeuristicPolicy(depth)
     if config.length_policy == "online":
-        return OnlinePolicy(depth, sources, *costs(), capacity=capacity)
+        return OnlinePolicy(depth, sources, *costs(), capacity=capacity, draft_scale=draft_scale)
     if config.length_policy == "threshold":
         return ThresholdPolicy(depth, DraftSignalMLP.load(config.acceptance_head), config.stop_threshold)
     return DecisionPolicy(depth, DraftSignalMLP.load(config.decision_model))

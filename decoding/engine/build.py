@@ -11,6 +11,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 from decoding.config import Config
 from decoding.drafting.costs import BatchCosts, calibrate_batch
 from decoding.drafting.drafters import Drafter, DraftModelDrafter, NgramDrafter, RecycleDrafter, model_view
+from decoding.drafting.layer_skip import LayerSkipSearch, kept_layers
 from decoding.drafting.length_policies import Sources, make_policy
 from decoding.engine.kv_cache import CacheShape, PagedKVCache
 from decoding.engine.parts import EngineParts
@@ -87,14 +88,24 @@ class _Builder:
             (spec.ngram_candidates if model_drafts else model_width) if depth else 0,
             prefix_tokens=0 if spec.model == SELF_DRAFT else 1,  # a self-draft never catches up
         )
-        for model in (target, getattr(drafter, "model", None)):
+        for model in (target, *getattr(drafter, "models", [])):
             if isinstance(model, LeanCausalLM):
                 model.prepare(execution)  # packed and compiled (or loaded) now, at build, never mid-run
-        policy = make_policy(
-            spec, sources,
-            lambda: self._calibrate(target, drafter, topology, execution, target_by_path, self.draft is None),
-            capacity=config.batch_size,
-        )
+        measured: list[tuple[BatchCosts, BatchCosts | None]] = []
+
+        def costs() -> tuple[BatchCosts, BatchCosts | None]:
+            if not measured:
+                measured.append(self._calibrate(target, drafter, topology, execution, target_by_path,
+                                                self.draft is None))
+            return measured[0]
+
+        search = getattr(drafter, "search", None)
+        if search is not None:  # the layer sets are priced by their calibrated forwards (``layer_skip.py``)
+            verify, _ = costs()
+            search.price(verify, [self._calibrate_draft(view, drafter, topology, execution, target_by_path)
+                                  for view in search.views])
+        policy = make_policy(spec, sources, costs, capacity=config.batch_size,
+                             draft_scale=(lambda: search.cost_scale) if search is not None else None)
         drafter.uses_hidden_states = policy.needs_hidden_states
         policy.to(self.device)  # a trained stop head reads the draft's states where they are
         parts = EngineParts(
@@ -136,10 +147,20 @@ class _Builder:
         draft = draft.to(self.device).eval()
         if spec.quantization:
             draft = quantized(draft, spec.quantization)
+        search = None
+        if spec.layer_skip is not None:
+            view = model_view(draft)
+            if not isinstance(view, LeanCausalLM):
+                raise ValueError(f"speculative.layer_skip needs a target of the Llama family (the engine's lean "
+                                 f"forward); model type '{loaded.config.model_type}' runs transformers' forward")
+            if spec.layer_skip == "auto":
+                search = LayerSkipSearch(view)
+            else:
+                draft = view.with_layers(kept_layers(view.num_layers, spec.layer_skip))
         lookup = NgramDrafter(spec.prompt_lookup_max, spec.prompt_lookup_min) if spec.ngram_candidates else None
         return DraftModelDrafter(
             draft, config.batch_size, self.device, subset, lookup, spec.ngram_candidates,
-            shares_target_cache=spec.model == SELF_DRAFT,
+            shares_target_cache=spec.model == SELF_DRAFT, search=search,
         ), max_context
 
     def _cache(self, loaded: PreTrainedModel, topology: TreeTopology, max_context: int, execution: Execution,
@@ -181,13 +202,24 @@ class _Builder:
         )
         if not isinstance(drafter, DraftModelDrafter):
             return verify, None  # n-gram lookup costs next to nothing beside a forward
-        draft_key = None  # the quantization is part of what was timed
-        if spec.model == SELF_DRAFT and target_from_path:
-            draft_key = f"{resolve_model_path(config.model)}|self-draft|{spec.quantization}"
-        elif draft_from_path and spec.model and spec.model != SELF_DRAFT:
-            draft_key = f"{resolve_model_path(spec.model)}|{spec.quantization}"
-        return verify, calibrate_batch(drafter.model, topology.root_width + 1, config.batch_size, draft_key,
+        model = drafter.search.views[0] if drafter.search is not None else drafter.model  # auto: the whole draft
+        if spec.model == SELF_DRAFT or not draft_from_path:
+            return verify, self._calibrate_draft(model, drafter, topology, execution, target_from_path)
+        draft_key = f"{resolve_model_path(spec.model)}|{spec.quantization}" if spec.model else None
+        return verify, calibrate_batch(model, topology.root_width + 1, config.batch_size, draft_key,
                                        graphs=drafter.graphs, execution=execution)
+
+    def _calibrate_draft(self, model: torch.nn.Module, drafter: DraftModelDrafter, topology: TreeTopology,
+                         execution: Execution, target_from_path: bool) -> BatchCosts:
+        """A self-draft's forward costs (``model``: the draft or one of its layer sets), cached on disk under the
+        target's path, the quantization and the layers it runs."""
+        config, spec = self.config, self.config.speculative
+        draft_key = None  # the quantization and the layers are part of what was timed
+        if spec.model == SELF_DRAFT and target_from_path:
+            layers = getattr(getattr(model, "stack", None), "layers", None)
+            draft_key = f"{resolve_model_path(config.model)}|self-draft|{spec.quantization}|{layers}"
+        return calibrate_batch(model, topology.root_width + 1, config.batch_size, draft_key, graphs=drafter.graphs,
+                               execution=execution)
 
 
 def _capture_graphs(parts: EngineParts) -> None:
@@ -198,9 +230,9 @@ def _capture_graphs(parts: EngineParts) -> None:
     positions = cache.max_blocks_per_row * cache.block_size
     tokens = [1, *(topology.size(depth) for depth in range(topology.max_depth + 1))]
     captures = [(parts.target, tokens, drafter.reads_target_states)]
-    draft = getattr(drafter, "model", None)
-    if drafter.graphs and isinstance(draft, LeanCausalLM):  # a self-draft's levels: its roots, then widths
-        captures.append((draft, [topology.root_width, topology.num_candidates], drafter.uses_hidden_states))
+    for draft in getattr(drafter, "models", []):  # a self-draft's levels (each layer set's): roots, then widths
+        if drafter.graphs and isinstance(draft, LeanCausalLM):
+            captures.append((draft, [topology.root_width, topology.num_candidates], drafter.uses_hidden_states))
 
     def memory() -> int:
         return torch.cuda.memory_reserved(parts.device)

@@ -426,6 +426,8 @@ class Step:
         draft = drafted.draft
         path_tokens = [[verdict.draft_tokens[row][n] for n in path] for row, path in enumerate(verdict.paths)]
         topk = self.drafter.reads_target_topk
+        search = getattr(self.drafter, "search", None)
+        draft_scale = search.cost_scale if search is not None else 1.0  # before the drafter may switch layer sets
         self.drafter.observe(verdict.paths, path_tokens, draft, self.topology, verdict.states,
                              verdict.raw_logits.topk(topk, dim=-1).indices if topk else None)
         size = draft.tokens.shape[1]
@@ -438,7 +440,7 @@ class Step:
             accepted=committed.kept,
             lookup_planned=(plan.lookup_depths if plan.lookup_depths is not None else plan.depths).tolist(),
             model_matched=matched[0], lookup_matched=matched[1], timing=verdict.timing,
-            fixed=plan.meta.reproducible,
+            fixed=plan.meta.reproducible, draft_scale=draft_scale,
         ))
 
     def _matched_by_source(

@@ -43,19 +43,19 @@ def _key(stack: torch.nn.Module, weights: list[torch.Tensor], config: Any) -> st
     sources = [(_HERE / name).read_bytes() for name in _SOURCES]
     described = json.dumps([
         [hashlib.sha256(s).hexdigest() for s in sources], torch.__version__, torch.backends.cpu.get_cpu_capability(),
-        repr(stack.specs), stack.counts, stack.final_eps, [(list(w.shape), str(w.dtype)) for w in weights],
-        getattr(config, "model_type", ""), EXAMPLE_BLOCK_SIZE,
+        repr(stack.specs), stack.counts, stack.layers, stack.final_eps,
+        [(list(w.shape), str(w.dtype)) for w in weights], getattr(config, "model_type", ""), EXAMPLE_BLOCK_SIZE,
     ])
     return hashlib.sha256(described.encode()).hexdigest()[:16]
 
 
-def _examples(stack: torch.nn.Module, weights: list[torch.Tensor]) -> tuple[tuple, tuple]:
+def _examples(stack: torch.nn.Module, weights: list[torch.Tensor], pool_layers: int) -> tuple[tuple, tuple]:
     """Example inputs with every dynamic dimension at least 2 (a size of 1 would be traced as a constant), and
-    their dynamic shapes."""
+    their dynamic shapes; the pool has ``pool_layers`` layers (a layer-skipping stack runs some of them)."""
     spec = stack.specs[0]
     dtype, tokens, rows, words, blocks, width = weights[0].dtype, 4, 2, 2, 4, 2
     block_size = EXAMPLE_BLOCK_SIZE
-    layers = len(stack.specs)
+    layers = pool_layers
     hidden_size = weights[0].shape[0]
     examples = (
         torch.zeros(tokens, hidden_size, dtype=dtype), torch.ones(tokens, 1, spec.head_dim, dtype=dtype),
@@ -86,7 +86,8 @@ def compiled_stack(stack: torch.nn.Module, weights: list[torch.Tensor], config: 
             from decoding.paths import cache_dir
 
             try:
-                _loaded[key] = _load_or_compile(stack, weights, cache_dir() / "compiled" / key)
+                pool_layers = int(getattr(config, "num_hidden_layers", 0) or max(stack.layers) + 1)
+                _loaded[key] = _load_or_compile(stack, weights, cache_dir() / "compiled" / key, pool_layers)
             except Exception as exc:  # no compiler, an unsupported operation: the eager stack computes the same
                 log.warning("could not compile the forward (%s: %s); running the eager forward",
                             type(exc).__name__, str(exc).splitlines()[0] if str(exc) else "")
@@ -94,14 +95,14 @@ def compiled_stack(stack: torch.nn.Module, weights: list[torch.Tensor], config: 
         return _loaded[key]
 
 
-def _load_or_compile(stack: torch.nn.Module, weights: list[torch.Tensor], folder: Path
+def _load_or_compile(stack: torch.nn.Module, weights: list[torch.Tensor], folder: Path, pool_layers: int
                      ) -> Callable[[list[torch.Tensor]], torch.Tensor]:
     path = folder / "stack.pt2"
     if not path.is_file():
         started = time.perf_counter()
         log.info("compiling the %d-layer forward for this machine (once; cached in %s)", len(stack.specs), folder)
         folder.mkdir(parents=True, exist_ok=True)
-        examples, dynamic = _examples(stack, weights)
+        examples, dynamic = _examples(stack, weights, pool_layers)
         with warnings.catch_warnings(), tempfile.TemporaryDirectory(dir=folder) as scratch, torch.no_grad():
             warnings.simplefilter("ignore", FutureWarning)  # torch's own pytree internals, on every export
             exported = torch.export.export(stack, examples, dynamic_shapes=dynamic)

@@ -17,6 +17,7 @@ greedy outputs to transformers' ``generate`` except at near-ties.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 import weakref
@@ -237,19 +238,20 @@ def fused_stack(
     specs: list[LayerSpec], counts: list[int], final_eps: float, hidden: torch.Tensor, cos: torch.Tensor,
     sin: torch.Tensor, slots: torch.Tensor, block_tables: torch.Tensor, prefix_len: torch.Tensor,
     tree_mask: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, weights: list[torch.Tensor],
+    layers: tuple[int, ...],
 ) -> torch.Tensor:
     """The decoder layers and the final norm with the fused Triton kernels (``triton_kernels.py``), about ten
     launches a layer: add + RMSNorm, the qkv GEMM, rotary + the new keys and values into their slots, attention
     over the paged pool (and its split reduction), the o GEMM, add + RMSNorm, the gate|up GEMM, SiLU x up, the down
     GEMM (whose output the next layer's norm adds). Each row has ``N / rows`` tokens; sequence lengths are read on
-    the device, so one captured graph serves every context."""
+    the device, so one captured graph serves every context. ``layers``: each layer's index in the pool."""
     from decoding.model import triton_kernels as tk  # Triton loads where this path runs (``execution.py``)
 
     tokens = hidden.shape[0]
     per_row = tokens // block_tables.shape[0]
     cos, sin = cos.reshape(tokens, -1), sin.reshape(tokens, -1)
     residual, delta, at = hidden, None, 0
-    for index, (spec, count) in enumerate(zip(specs, counts)):
+    for index, spec, count in zip(layers, specs, counts):
         w = LayerWeights.of(spec, weights[at : at + count])
         at += count
         dtype = spec.kernel_dtype or hidden.dtype
@@ -273,11 +275,15 @@ def fused_stack(
 
 class LayerStack(nn.Module):
     """The decoder layers and the final norm over flat tokens, every weight an input: the part of the forward that
-    is compiled (one graph, whatever the batch; the same function runs eagerly where it is not)."""
+    is compiled (one graph, whatever the batch; the same function runs eagerly where it is not). ``layers``: the
+    pool layer each runs over (default: one after the other; a layer-skipping draft runs some of the target's
+    layers over the target's pool)."""
 
-    def __init__(self, specs: list[LayerSpec], counts: list[int], final_eps: float) -> None:
+    def __init__(self, specs: list[LayerSpec], counts: list[int], final_eps: float,
+                 layers: tuple[int, ...] | None = None) -> None:
         super().__init__()
         self.specs, self.counts, self.final_eps = specs, counts, final_eps
+        self.layers = layers if layers is not None else tuple(range(len(specs)))
 
     def forward(
         self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, slots: torch.Tensor,
@@ -289,13 +295,13 @@ class LayerStack(nn.Module):
         compiled stack is the CPU kernels')."""
         if kernels == "triton":
             return fused_stack(self.specs, self.counts, self.final_eps, hidden, cos, sin, slots, block_tables,
-                               prefix_len, tree_mask, keys, values, weights)
+                               prefix_len, tree_mask, keys, values, weights, self.layers)
         layout = None
         if kernels != "cpu":  # the reference attention: its metadata part once, not per layer
             meta = AttentionMetadata(slots, block_tables, row_starts, prefix_len, tree_mask, max_keys)
             layout = dense_layout(meta, keys.shape[-1], zero_filled=pools_zero_filled(keys.device))
         at = 0
-        for index, (spec, count) in enumerate(zip(self.specs, self.counts)):
+        for index, spec, count in zip(self.layers, self.specs, self.counts):
             hidden = decoder_layer(spec, hidden, cos, sin, slots, block_tables, row_starts, prefix_len, tree_mask,
                                    max_keys, keys[index], values[index], *weights[at : at + count], layout=layout,
                                    cpu_kernels=kernels == "cpu")
@@ -308,16 +314,23 @@ class LeanCausalLM(nn.Module):
 
     reads_features = False
 
-    def __init__(self, model: nn.Module) -> None:
+    def __init__(self, model: nn.Module, parts: tuple[LayerStack, list[torch.Tensor], LeanCausalLM] | None = None
+                 ) -> None:
+        """``parts``: (stack, weights, whole) of a view running some of ``whole``'s layers (``with_layers``)."""
         super().__init__()
         self.inner = model
         self.config = model.config
         base = model.model
-        layers = [_layer_tensors(layer, model.config.hidden_act) for layer in base.layers]
-        specs = [spec for spec, _ in layers]
-        self.weights = [t for _, tensors in layers for t in tensors] + [base.norm.weight.detach()]
-        self.stack = LayerStack(specs, [len(tensors) for _, tensors in layers], base.norm.variance_epsilon)
-        first = specs[0]
+        if parts is None:
+            layers = [_layer_tensors(layer, model.config.hidden_act) for layer in base.layers]
+            self.weights = [t for _, tensors in layers for t in tensors] + [base.norm.weight.detach()]
+            self.stack = LayerStack([spec for spec, _ in layers], [len(tensors) for _, tensors in layers],
+                                    base.norm.variance_epsilon)
+            self._whole = self
+        else:
+            self.stack, self.weights, self._whole = parts
+        self._subsets: dict[tuple[int, ...], LeanCausalLM] = {}
+        first = self.stack.specs[0]
         self.head_dim, self.q_heads, self.kv_heads = first.head_dim, first.q_heads, first.kv_heads
         self._compiled: Callable[[list[torch.Tensor]], torch.Tensor] | None = None
         self._compile_tried = False
@@ -328,9 +341,42 @@ class LeanCausalLM(nn.Module):
         float_head = type(head) is nn.Linear and "forward" not in vars(head)
         self.head_weight = head.weight if float_head else None
 
+    @property
+    def num_layers(self) -> int:
+        """The model's decoder layers (those of its pool), whichever of them this forward runs."""
+        return len(self._whole.stack.specs)
+
+    def with_layers(self, layers: tuple[int, ...]) -> LeanCausalLM:
+        """This forward running only ``layers`` (ascending indices of the model's decoder layers) over the same pool,
+        then the final norm and the head: a layer-skipping draft (SWIFT). It shares every weight and packed copy;
+        one view per subset. Its entries at the positions it runs are tentative: the whole forward rewrites them."""
+        whole = self._whole
+        layers = tuple(layers)
+        if layers == tuple(range(whole.num_layers)):
+            return whole
+        if not layers or list(layers) != sorted(set(layers)) or layers[-1] >= whole.num_layers or layers[0] < 0:
+            raise ValueError(f"layers {list(layers)}: expected distinct ascending indices below {whole.num_layers}")
+        if layers not in whole._subsets:
+            stack, at, weights = whole.stack, 0, []
+            starts = []
+            for count in stack.counts:
+                starts.append(at)
+                at += count
+            for index in layers:
+                weights += whole.weights[starts[index] : starts[index] + stack.counts[index]]
+            subset = LayerStack([stack.specs[i] for i in layers], [stack.counts[i] for i in layers], stack.final_eps,
+                                layers)
+            whole._subsets[layers] = LeanCausalLM(whole.inner, (subset, [*weights, whole.weights[-1]], whole))
+        return whole._subsets[layers]
+
     def prepare(self, execution: Execution) -> None:
         """What ``execution`` needs before the first forward, done at build: the CPU kernels' packed weights, the
         layer stack compiled (or loaded) for this machine."""
+        if self._whole is not self:  # a subset's weights are the whole forward's: packed there, once
+            self._whole.prepare(dataclasses.replace(execution, compile=False))
+            if execution.compile:
+                self.compiled()
+            return
         if execution.cpu_kernel and not self._packed:
             self._packed = True
             float_weights = [w for spec_weights in self._float_weights() for w in spec_weights]
