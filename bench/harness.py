@@ -64,7 +64,7 @@ class Sweep(_Strict):
     """A cartesian product of engine configurations; a field left out keeps the config's value."""
 
     batch_sizes: list[int] | None = None
-    methods: list[Literal["ngram", "draft_model"]] | None = None
+    methods: list[Literal["ngram", "draft_model", "recycle"]] | None = None
     num_candidates: list[int] | None = None
     num_speculative_tokens: list[int] | None = None
     candidate_init: list[Literal["target", "draft"]] | None = None
@@ -194,7 +194,8 @@ def contenders(config: Config, grid: BenchGrid, baseline: bool = False) -> list[
             runs.append(Contender("transformers", _variant(config, batch, method="none")))
         if grid.assisted and batch == 1:
             # transformers can assist with a loaded draft or with prompt lookup, not with a self-draft
-            assistable = [m for m in methods if m == "ngram" or config.speculative.model != SELF_DRAFT]
+            assistable = [m for m in methods if m == "ngram" or (m == "draft_model"
+                                                                 and config.speculative.model != SELF_DRAFT)]
             runs += [Contender("assisted", _variant(config, 1, method=m)) for m in assistable]
         cachings = sorted({config.enable_prefix_caching} | {
             caching for sweep in grid.sweeps if batch in (sweep.batch_sizes or [config.batch_size])

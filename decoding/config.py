@@ -38,7 +38,8 @@ class SpeculativeConfig(_Strict):
     # vLLM's speculative_config.quantization: the draft's weights only, weight-only (int4 groupwise, int8 per
     # channel); null keeps them as loaded. With model 'target' it makes the target its own draft.
     quantization: Literal["int4", "int8"] | None = "int4"
-    # n-gram lookup continuations added as extra siblings of a draft_model tree, verified in the same forward.
+    # n-gram lookup continuations added as extra siblings of a draft_model or recycle tree, verified in the same
+    # forward.
     ngram_candidates: int = Field(0, ge=0, le=8)
     num_speculative_tokens: int = Field(5, ge=0, le=32, description="maximum draft depth")
     num_candidates: int = Field(1, ge=1, le=16, description="width: candidates verified per step")
@@ -68,7 +69,7 @@ class SpeculativeConfig(_Strict):
         self_draft = self.method == "draft_model" and self.model == "target"
         for name in ("quantization", "ngram_candidates"):
             if (not self_draft and name not in explicit) or (name == "ngram_candidates" and
-                                                            self.method != "draft_model"):
+                                                            self.method not in ("draft_model", "recycle")):
                 object.__setattr__(self, name, None if name == "quantization" else 0)
         if self.method != "draft_model":  # like lookup siblings: a self-draft's option, off for other methods
             object.__setattr__(self, "layer_skip", None)

@@ -133,6 +133,28 @@ def test_self_draft_and_lookup_siblings_greedy_match_transformers(
             assert any(stat[-1] for stat in lookup_stats)
 
 
+@pytest.mark.parametrize("batch_size", [1, 3, 8])
+@pytest.mark.parametrize(("width", "lookups", "init", "policy"), [
+    (1, 1, "draft", "static"), (2, 1, "target", "static"), (2, 2, "draft", "online"), (1, 2, "draft", "heuristic"),
+])
+def test_recycling_trees_with_lookup_siblings_greedy_match_transformers(
+    width, lookups, init, policy, batch_size, tokenizer, target, reference
+) -> None:
+    config = make_config(method="recycle", num_candidates=width, ngram_candidates=lookups, candidate_init=init,
+                         length_policy=policy, num_speculative_tokens=4, batch_size=batch_size)
+    assert config.speculative.ngram_candidates == lookups
+    results = run(config, tokenizer, target)
+    assert [r.token_ids for r in results] == reference
+    for result in results:
+        assert sum(result.token_accepted) == sum(result.per_step_accepted)
+        assert len(result.token_stats) == sum(result.per_step_drafted)
+    if policy == "static":  # both kinds of candidate were verified (lookups are kept in the sampling test's
+        # repetitive text; this target's greedy text rarely repeats), and recycled ones were kept
+        lookup = [stat[-1] for r in results for stat in r.token_stats if stat[2] >= width]
+        recycled = [stat[-1] for r in results for stat in r.token_stats if stat[2] < width]
+        assert lookup and sum(recycled) > 0
+
+
 # -------------------------------------------------------------------------------------------------------- sampling laws
 
 
@@ -154,6 +176,7 @@ SAMPLING_GRID = [
         ("self_draft_some_rows", 2, False, "target"), ("lookup_some_rows", 2, True, "target"),
         ("lookup_siblings", 1, False, "draft"), ("lookup_siblings", 1, True, "draft"),
         ("lookup_siblings", 2, False, "target"), ("lookup_siblings", 2, True, "target"),
+        ("recycle_lookup", 2, False, "draft"), ("recycle_lookup", 1, True, "target"),
     ]
 ]
 
@@ -163,6 +186,7 @@ SAMPLING_METHODS = {
     "self_draft_int4": {"method": "draft_model", "model": "target", "quantization": "int4"},
     "self_draft_int8": {"method": "draft_model", "model": "target", "quantization": "int8"},
     "lookup_siblings": {"method": "draft_model", "ngram_candidates": 1},
+    "recycle_lookup": {"method": "recycle", "ngram_candidates": 1},  # a recycling tree with a lookup sibling
     # A self-draft, or a draft with lookup siblings, where each step only some rows draft, at different depths: the
     # draft forwards run over those rows alone (see DraftModelDrafter.propose). The lookup case uses the noisy
     # draft: beside the tiny self-draft, which the target almost always accepts, a lookup sibling was kept once in

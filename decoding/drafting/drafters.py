@@ -220,6 +220,31 @@ class NgramDrafter(Drafter):
             draft = draft + next(iter(self.continuations([*context, *draft], depth - len(draft), 1)), [])
         return [draft, *(chain for chain in chains if chain[0] != draft[0])][:width]
 
+    def siblings(self, inputs: DraftInputs, count: int, offset: int, tokens: torch.Tensor, valid: torch.Tensor,
+                 point_mass: torch.Tensor | None = None) -> int:
+        """Write ``count`` lookup continuations of each row's pending token as the last candidates of every level of
+        a model's tree (host tensors [B, >= offset + size], the tree from node ``offset``), to each row's lookup
+        depth; returns the deepest written. A constrained row's grammar draft goes first."""
+        topology, lookup_depths = inputs.topology, inputs.lookup_depths
+        first = topology.num_candidates - count
+        deepest = 0
+        for row, context in enumerate(inputs.contexts):
+            depth = int(lookup_depths[row]) if lookup_depths is not None else int(inputs.depths[row])
+            if depth == 0:
+                continue
+            pending = [*context, int(inputs.pending[row])]
+            chains = self.continuations(pending, depth, count)
+            if inputs.grammar_drafts is not None:
+                chains = self.with_grammar_draft(pending, chains, inputs.grammar_drafts[row], depth, count)
+            for candidate, chain in enumerate(chains, start=first):
+                for level, token in enumerate(chain, start=1):
+                    node = offset + topology.level_slice(level).start + candidate
+                    tokens[row, node], valid[row, node] = token, True
+                    if point_mass is not None:
+                        point_mass[row, node] = True
+                deepest = max(deepest, len(chain))
+        return deepest
+
     def propose(self, inputs: DraftInputs) -> Draft:
         topology, max_depth = inputs.topology, inputs.max_depth
         draft = Draft.roots_only(inputs, max_depth)
@@ -265,35 +290,59 @@ class RecycleDrafter(Drafter):
     (with target-initialized roots, root c's first successor) and continues with each token's first successor.
     Tokens never seen have no successors, and a chain ends there. The table, the tree and its update stay on the
     device: nothing is read back. Proposals are deterministic (one-hot laws), verified like lookups.
+
+    ``lookup``: ``lookup_candidates`` n-gram continuations of the pending token join as the last candidates of every
+    level, to the rows' lookup depths (a heterogeneous tree: recycling where text is new, lookup where it repeats).
     """
 
-    def __init__(self, vocab_size: int, width: int, device: torch.device) -> None:
+    def __init__(self, vocab_size: int, width: int, device: torch.device, lookup: NgramDrafter | None = None,
+                 lookup_candidates: int = 0) -> None:
         self.reads_target_topk = width
         self.table = torch.full((vocab_size, width), -1, dtype=torch.long, device=device)
+        self.lookup = lookup if lookup_candidates else None
+        self.lookup_candidates = lookup_candidates if self.lookup is not None else 0
+
+    @property
+    def takes_grammar_drafts(self) -> bool:  # type: ignore[override]
+        return self.lookup is not None
 
     def propose(self, inputs: DraftInputs) -> Draft:
-        topology, max_depth = inputs.topology, inputs.max_depth
+        topology = inputs.topology
+        recycle_depth = inputs.max_depth
+        lookup_depth = 0
+        if self.lookup is not None and len(inputs.depths):
+            lookup_depth = int((inputs.lookup_depths if inputs.lookup_depths is not None else inputs.depths).max())
+        max_depth = max(recycle_depth, lookup_depth)
         draft = Draft.roots_only(inputs, max_depth)
         if max_depth == 0:
             return draft
         device = self.table.device
+        tokens, valid = draft.tokens.to(device), draft.valid.to(device)
+        if self.lookup is not None:  # written on the host, moved once; the chains below fill the other candidates
+            found, found_valid = draft.tokens.new_zeros(draft.tokens.shape).cpu(), torch.zeros_like(draft.valid.cpu())
+            lookup_depth = self.lookup.siblings(inputs, self.lookup_candidates, 0, found, found_valid)
+            tokens = torch.where(found_valid.to(device), found.to(device), tokens)
+            valid = valid | found_valid.to(device)
+        chains = topology.num_candidates - self.lookup_candidates
         roots, root_valid = inputs.roots.to(device), inputs.root_valid.to(device)
         depths = inputs.depths.to(device)
         if topology.root_width == 1:
-            current = self.table[roots[:, 0]][:, : topology.num_candidates]  # [B, C]
+            current = self.table[roots[:, 0]][:, :chains]  # [B, C]
             alive = current >= 0
         else:  # chain c continues root c
             current = self.table[roots, 0]
             alive = root_valid & (current >= 0)
-        tokens, valid = draft.tokens.to(device), draft.valid.to(device)
-        for level in range(1, max_depth + 1):
-            nodes = topology.level_slice(level)
+        for level in range(1, recycle_depth + 1):
+            start = topology.level_slice(level).start
+            nodes = slice(start, start + chains)
             alive = alive & (depths >= level)[:, None]
             tokens[:, nodes] = torch.where(alive, current, 0)
             valid[:, nodes] = alive
             current = self.table[current.clamp(min=0), 0]
             alive = alive & (current >= 0)
-        return Draft(tokens, valid, draft.token_probs, None, max_depth)
+        depth = max(recycle_depth, lookup_depth)
+        size = topology.size(depth)
+        return Draft(tokens[:, :size], valid[:, :size], draft.token_probs[:, :size], None, depth)
 
     def observe(self, paths: list[list[int]], path_tokens: list[list[int]], draft: Draft, topology: TreeTopology,
                 target_states: torch.Tensor | None = None, target_topk: torch.Tensor | None = None) -> None:
@@ -490,29 +539,6 @@ class DraftModelDrafter(Drafter):
             tokens = torch.where(sampled[:, None], drawn, tokens)
         return tokens, laws.gather(-1, tokens[..., None]).squeeze(-1)
 
-    def _lookup_siblings(
-        self, inputs: DraftInputs, prefix: int, tokens: torch.Tensor, valid: torch.Tensor, point_mass: torch.Tensor
-    ) -> int:
-        """Write the n-gram siblings (the last candidates of each level) into the tree; returns their depth."""
-        topology, lookup_depths = inputs.topology, inputs.lookup_depths
-        first = topology.num_candidates - self.lookup_candidates
-        deepest = 0
-        for row, context in enumerate(inputs.contexts):
-            depth = int(lookup_depths[row]) if lookup_depths is not None else int(inputs.depths[row])
-            if depth == 0:
-                continue
-            pending = [*context, int(inputs.pending[row])]
-            chains = self.lookup.continuations(pending, depth, self.lookup_candidates)
-            if inputs.grammar_drafts is not None:
-                chains = self.lookup.with_grammar_draft(pending, chains, inputs.grammar_drafts[row], depth,
-                                                        self.lookup_candidates)
-            for candidate, chain in enumerate(chains, start=first):
-                for level, token in enumerate(chain, start=1):
-                    node = prefix + topology.level_slice(level).start + candidate
-                    tokens[row, node], valid[row, node], point_mass[row, node] = token, True, True
-                deepest = max(deepest, len(chain))
-        return deepest
-
     def propose(self, inputs: DraftInputs) -> Draft:
         drafting = inputs.depths > 0
         count = int(drafting.sum())
@@ -552,7 +578,7 @@ class DraftModelDrafter(Drafter):
             # Filled before the model drafts, so each draft forward also runs the lookup nodes of its level: the
             # draft cache then holds every node a path can take, whichever candidate wins.
             point_mass = torch.zeros(batch, total, dtype=torch.bool)
-            depth = self._lookup_siblings(inputs, prefix, tokens, valid, point_mass)
+            depth = self.lookup.siblings(inputs, self.lookup_candidates, prefix, tokens, valid, point_mass)
         device = self.device
         states = None  # feature draft: the state each node reads
         if self.root_states is not None:

@@ -82,7 +82,8 @@ class _Builder:
         cache = self._cache(loaded, topology, max_context, execution, drafter)
         if isinstance(drafter, DraftModelDrafter):
             drafter.attach(cache)
-        model_drafts = spec.method == "draft_model"
+        # A recycling tree with lookup siblings counts its chains as the "model" source (no forward to price).
+        model_drafts = spec.method == "draft_model" or (spec.method == "recycle" and spec.ngram_candidates > 0)
         sources = Sources(
             root_width, model_width if model_drafts else 0,
             (spec.ngram_candidates if model_drafts else model_width) if depth else 0,
@@ -131,7 +132,9 @@ class _Builder:
         if spec.method == "ngram":
             return NgramDrafter(spec.prompt_lookup_max, spec.prompt_lookup_min), max_context
         if spec.method == "recycle":
-            return RecycleDrafter(loaded.config.vocab_size, width, self.device), max_context
+            lookup = NgramDrafter(spec.prompt_lookup_max, spec.prompt_lookup_min) if spec.ngram_candidates else None
+            return RecycleDrafter(loaded.config.vocab_size, width - spec.ngram_candidates, self.device, lookup,
+                                  spec.ngram_candidates), max_context
         if spec.model == SELF_DRAFT:
             draft = loaded
         elif draft is None:

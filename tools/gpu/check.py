@@ -1,7 +1,8 @@
 """The GPU check: what speculation buys on one lent GPU, within one call (see tools/gpu/README.md).
 
 1. The embedded SmolLM2-135M in bf16, greedy, on chat prompts and on code (HumanEval) at batch 1, 8 and 64: plain
-   decoding captured (CUDA graphs) and eager, the default configuration, n-gram lookup; at batch 1 and temperature 1
+   decoding captured (CUDA graphs) and eager, the default configuration, n-gram lookup, token recycling (width 2),
+   the default with ``layer_skip: auto``; at batch 1 and temperature 1
    the int4 self-draft at widths 1, 2 and 4 (static depth 4) against plain decoding. Contenders take turns, the
    first one rotating each round; every engine runs its batch once untimed first (graph capture, warm-up).
 2. Step costs of a Llama-3-8B-shaped target (32 layers, hidden 4096, 32 heads / 8 KV heads, MLP 14336) with random
@@ -143,7 +144,9 @@ def smollm2_contenders(batch: int) -> list[Contender]:
     reference = {"kernels": "reference"}
     greedy = [Contender("plain", plain), Contender("plain-eager", plain, execution={"graphs": "off"}),
               Contender("plain-reference", plain, execution=reference), Contender("default", {}),
-              Contender("default-reference", {}, execution=reference), Contender("ngram", {"method": "ngram"})]
+              Contender("default-reference", {}, execution=reference), Contender("ngram", {"method": "ngram"}),
+              Contender("recycle", {"method": "recycle", "num_candidates": 2}),
+              Contender("layer-skip-auto", {"layer_skip": "auto"})]
     if batch != 1:
         return greedy
     self_draft = {"method": "draft_model", "model": "target", "num_speculative_tokens": 4, "length_policy": "static"}
