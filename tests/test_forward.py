@@ -10,6 +10,7 @@ import weakref
 
 import pytest
 import torch
+from engine_cases import PROMPTS
 from tiny import tiny_model, tiny_tokenizer
 from transformers import (
     GemmaConfig,
@@ -463,6 +464,42 @@ def test_a_self_draft_captures_its_levels_at_build_beside_the_target(tokenizer, 
     assert {s.per_row for s in lean._graphs["cpu"].graphs} == {1, *(engine.topology.size(d) for d in range(1, 6))}
     results = engine.generate([Request(id="0", prompt_token_ids=[3, 4, 5, 3, 4, 5, 3])])
     assert results[0].error is None and results[0].token_ids
+
+
+def test_every_layer_set_of_auto_captures_its_levels_at_build(tokenizer, monkeypatch) -> None:
+    """Mode ``all`` with ``layer_skip: auto``: each candidate layer set's levels are captured at build over the
+    target's pool and calibrated as they will run, and the engine, switching sets, decodes what plain decoding
+    does."""
+    from decoding.drafting import layer_skip
+    from decoding.model import cuda_graphs
+    from decoding.model.cuda_graphs import pool_key, record_eagerly
+
+    deep = tiny_model(seed=11, layers=6)
+    requests = [Request(id=str(i), prompt=p) for i, p in enumerate(PROMPTS)]
+    plain = Config.model_validate({"model": "in-memory", "batch_size": 2, "sampling": {"max_tokens": 24},
+                                   "speculative": {"method": "none"}})
+    expected = [r.token_ids for r in Engine(plain, target=deep, tokenizer=tokenizer).generate(requests)]
+    monkeypatch.setattr(layer_skip, "TRIAL_STEPS", 2)
+    monkeypatch.setattr(cuda_graphs.GraphedForward.__init__, "__defaults__", (record_eagerly, True))
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device=None: 0)
+    monkeypatch.setattr(build._Builder, "execution", _capturing)
+    calibrated = []
+    costs = BatchCosts(one_row=CostTable([(1, 0.01), (8, 0.012)]), full=CostTable([(1, 0.02), (8, 0.03)]),
+                       full_rows=2)
+    monkeypatch.setattr(build, "calibrate_batch", lambda model, *args, graphs=False, **kwargs: (
+        calibrated.append((model, graphs)) or costs))
+    config = Config.model_validate({"model": "in-memory", "batch_size": 2, "sampling": {"max_tokens": 24},
+                                    "speculative": {"layer_skip": "auto", "length_policy": "static",
+                                                    "num_speculative_tokens": 3}})
+    engine = Engine(config, target=deep, tokenizer=tokenizer)
+    views = engine.drafter.search.views
+    assert len(views) == 3 and all((view, True) in calibrated for view in views)
+    pool = pool_key(engine.cache.keys)
+    for view in views:  # the whole int4 draft and two sets skipping layers, each with its own graphs
+        assert {s.cache for s in view._graphs["cpu"].graphs} == {pool}
+        assert {s.rows for s in view._graphs["cpu"].graphs} == {1, 2}
+    assert [r.token_ids for r in engine.generate(requests)] == expected
+    assert engine.drafter.search.candidates[1].steps > 0  # a set skipping layers drafted
 
 
 def test_prepacked_inference_model_matches_and_leaves_the_original(target, monkeypatch) -> None:
