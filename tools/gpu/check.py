@@ -8,7 +8,8 @@
 2. Step costs of a Llama-3-8B-shaped target (32 layers, hidden 4096, 32 heads / 8 KV heads, MLP 14336) with random
    bf16 weights, the vocabulary of SmolLM2's tokenizer: one forward of 1 token per row after 512 cached, at batch
    1 / 8 / 64, its bytes (weights + keys and values read) over its time against the card's memory bandwidth; the
-   int4 self-draft's forward against it; trees' verification costs; and the speedups those costs give with the
+   int4 self-draft's forward against it, whole and skipping the layer sets ``layer_skip: auto`` tries; trees'
+   verification costs; and the speedups those costs give with the
    acceptance measured on the real model in part 1 (a projection: random weights accept nothing).
 
 Writes gpu_check.json and gpu_check.md to --output after each batch, so a run cut short keeps what it measured;
@@ -34,6 +35,7 @@ import torch
 from decoding.config import Config, ExecutionConfig
 from decoding.drafting.costs import forward_timer
 from decoding.drafting.drafters import model_view
+from decoding.drafting.layer_skip import candidate_skips, kept_layers
 from decoding.engine import Engine, Request
 from decoding.model.execution import Execution
 from decoding.model.loading import load_model, load_tokenizer
@@ -271,6 +273,11 @@ def part_shape_costs(args: argparse.Namespace, device: torch.device, report: dic
         with contextlib.suppress(Exception):
             row["draft_graph_ms"] = round(timed(draft, batch, 1, graphs=True) * 1e3, 3)
         row["draft_over_target"] = round(row["draft_ms"][1] / row["target_eager_ms"], 3)
+        # The layer-skipping draft's candidate sets (``layer_skip: auto``): each one's forward against the target's.
+        row["skip_draft_over_target"] = {
+            len(skipped): round(timed(draft.with_layers(kept_layers(draft.num_layers, skipped)), batch, 1)
+                                / plain, 3)
+            for skipped in candidate_skips(draft.num_layers)[1:]}
         row["verify_ms"] = {d: round(timed(target, batch, d + 1) * 1e3, 3) for d in range(1, 6)}
         row["tree_verify_ms"] = {w: round(timed(target, batch, t.size(4)) * 1e3, 3) for w, t in topologies.items()}
         log.info("shape costs at batch %d: %s", batch, row)
@@ -316,17 +323,19 @@ def markdown(report: dict[str, Any]) -> str:
         lines += ["## Llama-3-8B shape, random bf16 weights: one forward after "
                   f"{costs['cached']} cached tokens", "",
                   "| batch | target ms (graph) | eager | GB/s | of peak | int4 draft ms (eager / graph) | "
-                  "draft / target (eager) | projected depth 1..5 | projected widths 1/2/4, T=1 |",
-                  "|---|---|---|---|---|---|---|---|---|"]
+                  "draft / target (eager) | skipping k layers: draft / target | projected depth 1..5 | "
+                  "projected widths 1/2/4, T=1 |",
+                  "|---|---|---|---|---|---|---|---|---|---|"]
         for r in costs["rows"]:
             chain = " / ".join(f"{v}x" for v in r.get("projected_chain", {}).values()) or "-"
             widths = " / ".join(f"{v}x" for v in r.get("projected_width_t1", {}).values()) or "-"
             draft = r.get("draft_ms", {})
             draft_1 = draft.get(1, draft.get("1", "-"))
+            skips = ", ".join(f"{k}: {v}" for k, v in r.get("skip_draft_over_target", {}).items()) or "-"
             lines.append(f"| {r['batch']} | {r.get('target_ms', '-')} | {r['target_eager_ms']} | "
                          f"{r.get('bandwidth', '-')} | {r.get('bandwidth_fraction', '-')} | "
                          f"{draft_1} / {r.get('draft_graph_ms', '-')} | {r.get('draft_over_target', '-')} | "
-                         f"{chain} | {widths} |")
+                         f"{skips} | {chain} | {widths} |")
         lines.append("")
     if errors:
         lines += ["## Failures", ""] + [f"- {e}" for e in errors] + [""]
