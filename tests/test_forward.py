@@ -387,6 +387,27 @@ def _capturing(builder: build._Builder, target: torch.nn.Module) -> Execution:
     return dataclasses.replace(Execution.resolve(builder.config.execution, builder.device), graphs=True)
 
 
+def _capture_at_build(monkeypatch) -> None:
+    """Engines built from here on capture graphs at build as a CUDA engine does, with the eager stand-in recorder
+    and no device memory to count."""
+    from decoding.model import cuda_graphs
+    from decoding.model.cuda_graphs import record_eagerly
+
+    monkeypatch.setattr(cuda_graphs.GraphedForward.__init__, "__defaults__", (record_eagerly, True))
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device=None: 0)
+    monkeypatch.setattr(build._Builder, "execution", _capturing)
+
+
+def _record_calibrations(monkeypatch) -> list[tuple[torch.nn.Module, bool]]:
+    """The (model, graphs) of every cost calibration engines built from here on ask for, each answered at once."""
+    calibrated: list[tuple[torch.nn.Module, bool]] = []
+    costs = BatchCosts(one_row=CostTable([(1, 0.01), (8, 0.012)]), full=CostTable([(1, 0.02), (8, 0.03)]),
+                       full_rows=2)
+    monkeypatch.setattr(build, "calibrate_batch", lambda model, *args, graphs=False, **kwargs: (
+        calibrated.append((model, graphs)) or costs))
+    return calibrated
+
+
 def test_an_engine_capturing_at_build_plans_its_shapes_and_verifies_whole_trees(tokenizer, target, monkeypatch
                                                                                  ) -> None:
     """With graphs captured at build (mode ``all``): the engine plans the target's decode and whole-tree
@@ -394,8 +415,7 @@ def test_an_engine_capturing_at_build_plans_its_shapes_and_verifies_whole_trees(
     verifications carry whole trees, a host draft's dead nodes as padding queries rather than pruned (only whole
     trees are captured), emitting the tokens the pruned forwards emit."""
     from decoding.engine import step
-    from decoding.model import cuda_graphs
-    from decoding.model.cuda_graphs import key_buckets, pool_key, record_eagerly
+    from decoding.model.cuda_graphs import key_buckets, pool_key
 
     config = Config.model_validate({
         "model": "in-memory", "batch_size": 3, "sampling": {"max_tokens": 16},
@@ -417,9 +437,7 @@ def test_an_engine_capturing_at_build_plans_its_shapes_and_verifies_whole_trees(
 
     lean = lean_view(target)
     monkeypatch.setattr(lean, "_graphs", {})
-    monkeypatch.setattr(cuda_graphs.GraphedForward.__init__, "__defaults__", (record_eagerly, True))
-    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device=None: 0)
-    monkeypatch.setattr(build._Builder, "execution", _capturing)  # a CUDA engine's choice, on this CPU
+    _capture_at_build(monkeypatch)  # a CUDA engine's choice, on this CPU
     engine = Engine(config, target=target, tokenizer=tokenizer)
     positions = engine.cache.max_blocks_per_row * engine.cache.block_size
     sizes = [1, *(engine.topology.size(depth) for depth in range(1, 4))]  # size(0) is 1: one root
@@ -437,21 +455,14 @@ def test_a_self_draft_captures_its_levels_at_build_beside_the_target(tokenizer, 
     """Mode ``all``: the self-draft's levels (one token per row in the default chain) are captured at build for
     every row and key bucket beside the target's shapes, over the same pool, and its cost calibration times them as
     they will run; other drafters and modes leave draft levels eager."""
-    from decoding.model import cuda_graphs
-    from decoding.model.cuda_graphs import key_buckets, pool_key, record_eagerly
+    from decoding.model.cuda_graphs import key_buckets, pool_key
 
     config = Config.model_validate({"model": "in-memory", "batch_size": 2, "sampling": {"max_tokens": 8}})
     assert not Engine(config, target=target, tokenizer=tokenizer).drafter.graphs  # no graphs: eager levels
     lean = lean_view(target)
     monkeypatch.setattr(lean, "_graphs", {})
-    monkeypatch.setattr(cuda_graphs.GraphedForward.__init__, "__defaults__", (record_eagerly, True))
-    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device=None: 0)
-    monkeypatch.setattr(build._Builder, "execution", _capturing)
-    calibrated = []
-    costs = BatchCosts(one_row=CostTable([(1, 0.01), (8, 0.012)]), full=CostTable([(1, 0.02), (8, 0.03)]),
-                       full_rows=2)
-    monkeypatch.setattr(build, "calibrate_batch", lambda model, *args, graphs=False, **kwargs: (
-        calibrated.append((model, graphs)) or costs))
+    _capture_at_build(monkeypatch)
+    calibrated = _record_calibrations(monkeypatch)
     engine = Engine(config, target=target, tokenizer=tokenizer)
     draft = engine.drafter.model
     assert engine.drafter.graphs and isinstance(draft, LeanCausalLM) and draft is not lean
@@ -471,8 +482,7 @@ def test_every_layer_set_of_auto_captures_its_levels_at_build(tokenizer, monkeyp
     target's pool and calibrated as they will run, and the engine, switching sets, decodes what plain decoding
     does."""
     from decoding.drafting import layer_skip
-    from decoding.model import cuda_graphs
-    from decoding.model.cuda_graphs import pool_key, record_eagerly
+    from decoding.model.cuda_graphs import pool_key
 
     deep = tiny_model(seed=11, layers=6)
     requests = [Request(id=str(i), prompt=p) for i, p in enumerate(PROMPTS)]
@@ -480,14 +490,8 @@ def test_every_layer_set_of_auto_captures_its_levels_at_build(tokenizer, monkeyp
                                    "speculative": {"method": "none"}})
     expected = [r.token_ids for r in Engine(plain, target=deep, tokenizer=tokenizer).generate(requests)]
     monkeypatch.setattr(layer_skip, "TRIAL_STEPS", 2)
-    monkeypatch.setattr(cuda_graphs.GraphedForward.__init__, "__defaults__", (record_eagerly, True))
-    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device=None: 0)
-    monkeypatch.setattr(build._Builder, "execution", _capturing)
-    calibrated = []
-    costs = BatchCosts(one_row=CostTable([(1, 0.01), (8, 0.012)]), full=CostTable([(1, 0.02), (8, 0.03)]),
-                       full_rows=2)
-    monkeypatch.setattr(build, "calibrate_batch", lambda model, *args, graphs=False, **kwargs: (
-        calibrated.append((model, graphs)) or costs))
+    _capture_at_build(monkeypatch)
+    calibrated = _record_calibrations(monkeypatch)
     config = Config.model_validate({"model": "in-memory", "batch_size": 2, "sampling": {"max_tokens": 24},
                                     "speculative": {"layer_skip": "auto", "length_policy": "static",
                                                     "num_speculative_tokens": 3}})
