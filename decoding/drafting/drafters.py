@@ -319,10 +319,12 @@ class RecycleDrafter(Drafter):
         device = self.table.device
         tokens, valid = draft.tokens.to(device), draft.valid.to(device)
         if self.lookup is not None:  # written on the host, moved once; the chains below fill the other candidates
-            found, found_valid = draft.tokens.new_zeros(draft.tokens.shape).cpu(), torch.zeros_like(draft.valid.cpu())
+            found = torch.zeros(draft.tokens.shape, dtype=torch.long)
+            found_valid = torch.zeros(draft.valid.shape, dtype=torch.bool)
             lookup_depth = self.lookup.siblings(inputs, self.lookup_candidates, 0, found, found_valid)
-            tokens = torch.where(found_valid.to(device), found.to(device), tokens)
-            valid = valid | found_valid.to(device)
+            found_valid = found_valid.to(device)
+            tokens = torch.where(found_valid, found.to(device), tokens)
+            valid = valid | found_valid
         chains = topology.num_candidates - self.lookup_candidates
         roots, root_valid = inputs.roots.to(device), inputs.root_valid.to(device)
         depths = inputs.depths.to(device)

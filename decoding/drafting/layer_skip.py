@@ -68,7 +68,8 @@ def kept_layers(num_layers: int, skipped: list[int] | tuple[int, ...]) -> tuple[
     if beyond:
         raise ValueError(f"speculative.layer_skip names layer(s) {beyond}: the target has {num_layers} layers (0 to "
                          f"{num_layers - 1})")
-    kept = tuple(layer for layer in range(num_layers) if layer not in set(skipped))
+    dropped = set(skipped)
+    kept = tuple(layer for layer in range(num_layers) if layer not in dropped)
     if not kept:
         raise ValueError(f"speculative.layer_skip skips all {num_layers} layers: the draft must run at least one")
     return kept
@@ -122,10 +123,14 @@ class LayerSkipSearch:
     @property
     def cost_scale(self) -> float:
         """The drafting layer set's forward cost over the whole draft's (1 until priced)."""
-        whole, current = self.candidates[0].costs, self.candidates[self.current].costs
-        if whole is None or current is None:
+        return self.cost_scale_of(self.current)
+
+    def cost_scale_of(self, candidate: int) -> float:
+        """``candidate``'s forward cost over the whole draft's (1 until priced)."""
+        whole, chosen = self.candidates[0].costs, self.candidates[candidate].costs
+        if whole is None or chosen is None:
             return 1.0
-        return current(1, 1) / max(whole(1, 1), 1e-12)
+        return chosen(1, 1) / max(whole(1, 1), 1e-12)
 
     def price(self, verify: BatchCosts, drafts: list[BatchCosts]) -> None:
         """The build's calibration: verification seconds and each candidate's draft forward seconds."""

@@ -208,7 +208,7 @@ class _Builder:
         model = drafter.search.views[0] if drafter.search is not None else drafter.model  # auto: the whole draft
         if spec.model == SELF_DRAFT or not draft_from_path:
             return verify, self._calibrate_draft(model, drafter, topology, execution, target_from_path)
-        draft_key = f"{resolve_model_path(spec.model)}|{spec.quantization}" if spec.model else None
+        draft_key = f"{resolve_model_path(spec.model)}|{spec.quantization}"
         return verify, calibrate_batch(model, topology.root_width + 1, config.batch_size, draft_key,
                                        graphs=drafter.graphs, execution=execution)
 

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import itertools
 import logging
 import weakref
 from collections.abc import Callable
@@ -357,11 +358,8 @@ class LeanCausalLM(nn.Module):
         if not layers or list(layers) != sorted(set(layers)) or layers[-1] >= whole.num_layers or layers[0] < 0:
             raise ValueError(f"layers {list(layers)}: expected distinct ascending indices below {whole.num_layers}")
         if layers not in whole._subsets:
-            stack, at, weights = whole.stack, 0, []
-            starts = []
-            for count in stack.counts:
-                starts.append(at)
-                at += count
+            stack, weights = whole.stack, []
+            starts = [0, *itertools.accumulate(stack.counts)]
             for index in layers:
                 weights += whole.weights[starts[index] : starts[index] + stack.counts[index]]
             subset = LayerStack([stack.specs[i] for i in layers], [stack.counts[i] for i in layers], stack.final_eps,
