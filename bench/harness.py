@@ -70,6 +70,7 @@ class Sweep(_Strict):
     candidate_init: list[Literal["target", "draft"]] | None = None
     length_policy: list[LengthPolicyName] | None = None
     drafts: list[DraftChoice] | None = None  # for method draft_model
+    tree_nodes: list[int | None] | None = None  # for method recycle: nodes of its static tree (null: sized by default)
     prefix_caching: list[bool] | None = None  # enable_prefix_caching (engine none runs each value too)
 
 
@@ -144,6 +145,8 @@ class Contender:
             if spec.layer_skip is not None:
                 draft += "-skip" + ("auto" if spec.layer_skip == "auto" else ",".join(map(str, spec.layer_skip)))
             draft = f" {draft.lstrip('-')}" if draft else ""
+        if self.method == "recycle" and spec.tree_nodes:
+            draft = f" tree{spec.tree_nodes}"
         return (f"engine {self.method}{draft} w{spec.num_candidates} d{spec.num_speculative_tokens} "
                 f"init={spec.candidate_init} {spec.length_policy}")
 
@@ -176,11 +179,14 @@ def contenders(config: Config, grid: BenchGrid, baseline: bool = False) -> list[
         for batch, method, width, depth, init, policy, caching in axes:
             init = "draft" if width == 1 else init  # one candidate: both inits build the same chain
             drafts = (sweep.drafts or [None]) if method == "draft_model" else [None]
-            for choice in drafts:
+            trees = (sweep.tree_nodes or [spec.tree_nodes]) if method == "recycle" else [None]
+            for choice, nodes in itertools.product(drafts, trees):
                 draft = {} if choice is None else {
                     "model": choice.model or spec.model, "quantization": choice.quantization,
                     "ngram_candidates": choice.ngram_candidates, "layer_skip": choice.layer_skip,
                 }
+                if nodes is not None:
+                    draft["tree_nodes"] = nodes
                 key = (batch, method, width, depth, init, policy, caching, repr(tuple(draft.values())))
                 engine.setdefault(key, _variant(
                     config, batch, caching, method=method, num_candidates=width, num_speculative_tokens=depth,

@@ -51,6 +51,9 @@ class SpeculativeConfig(_Strict):
     # SWIFT: the self-draft runs only some of the target's layers. A list names the layers it skips (indices from
     # 0); 'auto' finds the set during the run among a few candidates, by measured tokens per second.
     layer_skip: Literal["auto"] | list[Annotated[int, Field(ge=0)]] | None = None
+    # recycle: nodes per row of the static recycling tree (num_candidates: successors kept per token, the most
+    # children a node has); null sizes it by the device and batch_size.
+    tree_nodes: int | None = Field(None, ge=1, le=1024)
     # SpecDec++: stop drafting once the predicted P(at least one rejection) exceeds this.
     stop_threshold: float = Field(0.7, gt=0.0, lt=1.0)
     # ngram lookup: longest and shortest suffix matched against prompt + output.
@@ -71,6 +74,8 @@ class SpeculativeConfig(_Strict):
             if (not self_draft and name not in explicit) or (name == "ngram_candidates" and
                                                             self.method not in ("draft_model", "recycle")):
                 object.__setattr__(self, name, None if name == "quantization" else 0)
+        if self.method != "recycle":  # like lookup siblings: off for other methods
+            object.__setattr__(self, "tree_nodes", None)
         if self.method != "draft_model":  # like lookup siblings: a self-draft's option, off for other methods
             object.__setattr__(self, "layer_skip", None)
         elif self.layer_skip is not None and self.model != "target":

@@ -10,6 +10,7 @@ import torch
 from scipy.stats import chi2
 
 from decoding import Config, Engine, Request
+from decoding.verification.tree import TreeTopology
 
 PROMPTS = [
     "abc abc abc abc",
@@ -47,6 +48,13 @@ def on_device(model, device: torch.device | None):
     if key not in _MOVED:
         _MOVED[key] = copy.deepcopy(model).to(device)
     return _MOVED[key]
+
+
+def lookup_flags(topology: TreeTopology, results: list, lookups: int) -> list[bool]:
+    """Whether each drafted token of the lookup siblings (the last ``lookups`` chains of every level, after a static
+    tree's nodes) was accepted, from the results' token statistics (step, depth, candidate, ..., accepted)."""
+    first = topology.num_candidates - lookups
+    return [stat[-1] for r in results for stat in r.token_stats if stat[2] >= topology.tree_width(stat[1]) + first]
 
 
 def run(config: Config, tokenizer, target, draft=None, prompts=PROMPTS, device=None) -> list:

@@ -80,13 +80,14 @@ def test_layer_skipping_and_recycling_contenders_are_named_and_never_assisted(ti
         Sweep(batch_sizes=[1], methods=["draft_model"], num_candidates=[1], num_speculative_tokens=[3],
               drafts=[{"model": "target", "quantization": "int4", "layer_skip": "auto"},
                       {"model": "target", "layer_skip": [1]}]),
-        Sweep(batch_sizes=[1], methods=["recycle"], num_candidates=[2], num_speculative_tokens=[3]),
+        Sweep(batch_sizes=[1], methods=["recycle"], num_candidates=[2], num_speculative_tokens=[3],
+              tree_nodes=[None, 12]),
     ])
     runs = contenders(_config(tiny_dirs["draft"]), grid)
     names = {c.name for c in runs}
     assert {"engine draft_model self-int4-skipauto w1 d3 init=draft online",
             "engine draft_model self-skip1 w1 d3 init=draft online",
-            "engine recycle w2 d3 init=draft online"} <= names
+            "engine recycle w2 d3 init=draft online", "engine recycle tree12 w2 d3 init=draft online"} <= names
     assert not any(c.kind == "assisted" and c.method == "recycle" for c in runs)  # transformers has no recycling
 
 

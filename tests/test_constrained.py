@@ -72,6 +72,8 @@ def plain_constrained(tokenizer, target) -> list[list[int]]:
 SPECULATIVE = {
     "self_draft": {"method": "draft_model", "model": "target", "quantization": "int4"},
     "lookup_siblings": {"method": "draft_model", "ngram_candidates": 1},
+    # a static recycling tree with a lookup chain (which carries a constrained row's grammar draft)
+    "recycling_tree": {"method": "recycle", "tree_nodes": 10, "ngram_candidates": 1},
 }
 GREEDY_GRID = (
     [("none", 1, "draft")]
@@ -79,6 +81,7 @@ GREEDY_GRID = (
     + [("draft_model", w, init) for w, init in itertools.product([1, 2, 4], ["draft", "target"])]
     + [("lookup_siblings", w, init) for w, init in [(1, "draft"), (2, "target")]]
     + [("self_draft", w, init) for w, init in [(1, "draft"), (2, "target")]]
+    + [("recycling_tree", 3, "draft")]
 )
 
 

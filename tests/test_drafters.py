@@ -9,7 +9,13 @@ import torch
 from engine_cases import PROMPTS, make_config, run
 
 from decoding import Config, Engine, Request
-from decoding.drafting.drafters import SOME_ROWS_MAX_SHARE, DraftInputs, NgramDrafter
+from decoding.drafting.drafters import (
+    SOME_ROWS_MAX_SHARE,
+    DraftInputs,
+    NgramDrafter,
+    RecycleDrafter,
+    recycling_tree_nodes,
+)
 from decoding.drafting.signal_head import DraftSignalMLP
 from decoding.verification.tree import TreeTopology
 
@@ -81,6 +87,36 @@ def test_lookup_continues_each_target_initialized_root_alone() -> None:
     assert draft.depth == 2
     assert draft.tokens.tolist() == [[3, 6, 9, 8, 6, 1], [3, 6, 9, 0, 6, 0]]
     assert draft.valid.int().tolist() == [[1, 1, 1, 1, 1, 1], [1, 0, 1, 0, 1, 0]]
+
+
+def test_a_recycling_tree_proposes_each_parent_tokens_successor_of_its_rank() -> None:
+    """The static tree (a, b under the pending token; c, d under a; e under b) over a hand-filled table: node of rank
+    r proposes table[parent's token, r]; a token without successors ends its branch; a row drafts to its depth."""
+    topology = TreeTopology(num_candidates=0, max_depth=2, root_width=1, tree=(-1, -1, 0, 0, 1))
+    drafter = RecycleDrafter(vocab_size=10, width=2, device=torch.device("cpu"))
+    drafter.table[3] = torch.tensor([4, 5])
+    drafter.table[4] = torch.tensor([6, 7])
+    drafter.table[5] = torch.tensor([8, -1])
+    drafter.table[8] = torch.tensor([-1, -1])
+    inputs = _ngram_inputs(topology, [[1], [1], [1]], [[3], [4], [3]], [[True]] * 3, [2, 2, 1])
+    draft = drafter.propose(inputs)
+    assert draft.depth == 2 and draft.draft_probs is None  # deterministic proposals
+    #                                pending a  b  c  d  e
+    assert draft.tokens.tolist() == [[3, 4, 5, 6, 7, 8],
+                                     [4, 6, 7, 0, 0, 0],  # 6 and 7 have no successors yet
+                                     [3, 4, 5, 0, 0, 0]]  # a row drafting one level
+    assert draft.valid.int().tolist() == [[1, 1, 1, 1, 1, 1], [1, 1, 1, 0, 0, 0], [1, 1, 1, 0, 0, 0]]
+
+
+def test_a_recycling_tree_is_sized_by_the_device_and_the_batch() -> None:
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    assert recycling_tree_nodes(cuda, 1, 5) > recycling_tree_nodes(cuda, 8, 5) > recycling_tree_nodes(cuda, 64, 5)
+    assert recycling_tree_nodes(cuda, 64, 5) == 5  # at least a chain as deep as the policy may draft
+    assert recycling_tree_nodes(cpu, 1, 5) < recycling_tree_nodes(cuda, 1, 5)  # a CPU pays for every node
+    assert make_config(method="recycle", tree_nodes=12).speculative.tree_nodes == 12
+    assert make_config(method="draft_model", tree_nodes=12).speculative.tree_nodes is None  # a recycling option
+    with pytest.raises(ValueError, match="tree_nodes"):
+        make_config(method="recycle", tree_nodes=0)
 
 
 # --------------------------------------------------------------------------------------------------------- model drafts

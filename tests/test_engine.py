@@ -15,6 +15,7 @@ from engine_cases import (
     SMALL_VOCAB,
     chi_square_pvalue,
     exact_joint_law,
+    lookup_flags,
     make_config,
     on_device,
     run,
@@ -134,25 +135,57 @@ def test_self_draft_and_lookup_siblings_greedy_match_transformers(
 
 
 @pytest.mark.parametrize("batch_size", [1, 3, 8])
-@pytest.mark.parametrize(("width", "lookups", "init", "policy"), [
-    (1, 1, "draft", "static"), (2, 1, "target", "static"), (2, 2, "draft", "online"), (1, 2, "draft", "heuristic"),
+@pytest.mark.parametrize(("width", "nodes", "lookups", "init", "policy"), [
+    (1, None, 1, "draft", "static"), (2, None, 1, "target", "static"), (2, None, 2, "draft", "online"),
+    (1, None, 2, "draft", "heuristic"), (4, 24, 0, "draft", "static"), (3, 9, 1, "draft", "static"),
+    (4, 24, 1, "draft", "online"),
 ])
-def test_recycling_trees_with_lookup_siblings_greedy_match_transformers(
-    width, lookups, init, policy, batch_size, tokenizer, target, reference
+def test_recycling_trees_greedy_match_transformers(
+    width, nodes, lookups, init, policy, batch_size, tokenizer, target, reference
 ) -> None:
+    """Recycling trees (static trees of ``nodes`` nodes, or by default sized by the batch; chains per root where
+    target-initialized), alone or with lookup siblings, equal plain greedy decoding."""
     config = make_config(method="recycle", num_candidates=width, ngram_candidates=lookups, candidate_init=init,
-                         length_policy=policy, num_speculative_tokens=4, batch_size=batch_size)
+                         length_policy=policy, num_speculative_tokens=4, batch_size=batch_size, tree_nodes=nodes)
     assert config.speculative.ngram_candidates == lookups
-    results = run(config, tokenizer, target)
+    engine = Engine(config, target=target, tokenizer=tokenizer)
+    topology = engine.topology
+    if nodes is not None:  # the tree of that many nodes, branching where the table has successors to spare
+        assert len(topology.tree) == nodes and topology.tree_width(1) == width
+    results = engine.generate([Request(id=str(i), prompt=p) for i, p in enumerate(PROMPTS)])
     assert [r.token_ids for r in results] == reference
     for result in results:
         assert sum(result.token_accepted) == sum(result.per_step_accepted)
         assert len(result.token_stats) == sum(result.per_step_drafted)
-    if policy == "static":  # both kinds of candidate were verified (lookups are kept in the sampling test's
-        # repetitive text; this target's greedy text rarely repeats), and recycled ones were kept
-        lookup = [stat[-1] for r in results for stat in r.token_stats if stat[2] >= width]
-        recycled = [stat[-1] for r in results for stat in r.token_stats if stat[2] < width]
-        assert lookup and sum(recycled) > 0
+    if policy == "static":  # the candidates were verified (lookups are kept in the sampling test's repetitive text;
+        # this target's greedy text rarely repeats) and recycled ones were kept, also below the first rank
+        lookup = lookup_flags(topology, results, lookups)
+        assert bool(lookup) == bool(lookups)
+        recycled = [stat for r in results for stat in r.token_stats
+                    if stat[2] < topology.tree_width(stat[1]) + topology.num_candidates - lookups]
+        assert sum(stat[-1] for stat in recycled) > 0
+        if nodes is not None:
+            assert any(stat[-1] and stat[2] > 0 for stat in recycled)
+
+
+def test_each_source_of_a_recycling_tree_with_lookups_is_matched_along_its_own_paths(tokenizer, target) -> None:
+    """What the policy learns per drafter: the deepest node of the static tree, and of the lookup chain, whose path
+    agrees with the emitted tokens (x, y). The tree: a, b under the pending token, a0, a1 under a."""
+    config = make_config(method="recycle", num_candidates=2, tree_nodes=4, ngram_candidates=1,
+                         num_speculative_tokens=2, batch_size=3)
+    engine = Engine(config, target=target, tokenizer=tokenizer)
+    assert engine.topology.parents == [-1, 0, 0, 0, 1, 1, 3]  # pending | a b lookup | a0 a1 lookup
+    x, y, other = 7, 8, 9
+    tokens = [
+        [5, x, other, x, other, y, other],  # the tree along a, a1; the lookup one deep
+        [5, other, x, x, y, y, y],  # b agrees but has no child, a0 and a1 sit under a: one deep; the lookup two
+        [5, x, x, other, y, y, y],  # a agrees, a1 too, but a1 is not drafted for this row: a0 gives two
+    ]
+    drafted = torch.ones(3, 7, dtype=torch.bool)
+    drafted[2, 5] = False
+    drafted[:, 0] = False
+    model, lookup = engine.stepper._matched_by_source(2, tokens, drafted, [[x, y, 1]] * 3)
+    assert (model, lookup) == ([2, 1, 2], [1, 2, 0])
 
 
 # -------------------------------------------------------------------------------------------------------- sampling laws
@@ -177,6 +210,7 @@ SAMPLING_GRID = [
         ("lookup_siblings", 1, False, "draft"), ("lookup_siblings", 1, True, "draft"),
         ("lookup_siblings", 2, False, "target"), ("lookup_siblings", 2, True, "target"),
         ("recycle_lookup", 2, False, "draft"), ("recycle_lookup", 1, True, "target"),
+        ("recycle_tree", 3, False, "draft"), ("recycle_tree_lookup", 2, True, "draft"),
     ]
 ]
 
@@ -187,6 +221,9 @@ SAMPLING_METHODS = {
     "self_draft_int8": {"method": "draft_model", "model": "target", "quantization": "int8"},
     "lookup_siblings": {"method": "draft_model", "ngram_candidates": 1},
     "recycle_lookup": {"method": "recycle", "ngram_candidates": 1},  # a recycling tree with a lookup sibling
+    # Static recycling trees of 8 nodes (at batch 64 the default tree on a CPU is a chain), with a lookup sibling.
+    "recycle_tree": {"method": "recycle", "tree_nodes": 8},
+    "recycle_tree_lookup": {"method": "recycle", "tree_nodes": 8, "ngram_candidates": 1},
     # A self-draft, or a draft with lookup siblings, where each step only some rows draft, at different depths: the
     # draft forwards run over those rows alone (see DraftModelDrafter.propose). The lookup case uses the noisy
     # draft: beside the tiny self-draft, which the target almost always accepts, a lookup sibling was kept once in
@@ -242,8 +279,13 @@ def test_sampling_follows_target_law(
     if forwards is not None:  # and draft forwards ran over some of the batch's rows
         assert any(0 < rows < batch for rows, batch in forwards)
     if config.speculative.ngram_candidates:  # the lookup siblings were verified: some kept, some rejected
-        lookup = [stat[-1] for r in results for stat in r.token_stats if stat[2] >= width]
+        lookup = lookup_flags(engine.topology, results, config.speculative.ngram_candidates)
         assert 0 < sum(lookup) < len(lookup)
+    if config.speculative.tree_nodes:  # a static tree's nodes below the first rank were verified, some kept
+        ranks = dict(zip(engine.topology.tree_nodes, engine.topology.tree_ranks))
+        starts = [engine.topology.level_slice(level).start for level in range(4)]
+        below = [stat[-1] for r in results for stat in r.token_stats if ranks.get(starts[stat[1]] + stat[2], 0)]
+        assert 0 < sum(below) < len(below)
     for positions in ((0, 1), (1, 2)):
         counts = torch.zeros(SMALL_VOCAB + 1, SMALL_VOCAB + 1)
         for result in results:

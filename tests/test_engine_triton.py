@@ -38,7 +38,9 @@ def short_reference(tokenizer, target) -> list[list[int]]:
      "candidate_init": "target"},
     {"method": "draft_model", "num_candidates": 1, "ngram_candidates": 1},
     {"method": "draft_model", "model": "target", "quantization": None, "layer_skip": [0]},
-], ids=["none", "ngram", "self-draft", "draft-and-lookup", "layer-skip"])
+    # a static tree of 70 nodes and a lookup chain: tree masks of two words
+    {"method": "recycle", "num_candidates": 4, "tree_nodes": 70, "ngram_candidates": 1},
+], ids=["none", "ngram", "self-draft", "draft-and-lookup", "layer-skip", "recycling-tree"])
 def test_greedy_with_the_triton_kernels_matches_transformers(speculative, tokenizer, target, draft,
                                                              short_reference) -> None:
     config = with_triton(make_config(**speculative, length_policy="static", num_speculative_tokens=3,

@@ -202,3 +202,13 @@ def test_rows_never_probe_where_no_acceptance_could_make_drafting_pay() -> None:
                           full_rows=ROWS)
     assert set(run_policy(4, 4, steps=256, costs=hopeless)) == {0}
     assert set(run_policy(4, 0, steps=256)) != {0}  # probes of drafting that could pay keep coming
+
+
+def test_a_static_tree_is_priced_by_its_nodes_at_each_depth() -> None:
+    """A recycling tree's levels widen (4, 8, 16 nodes): depth d costs the forward over all of its nodes."""
+    seconds_per_token = CostTable([(1, 1.0), (101, 101.0)])
+    verify = BatchCosts(one_row=seconds_per_token, full=seconds_per_token, full_rows=1)
+    policy = OnlinePolicy(3, Sources(root_width=1, model_width=4, model_levels=(4, 8, 16)), verify, None)
+    assert [policy.step_seconds(depth, 0, rows=1) for depth in range(4)] == pytest.approx([1, 5, 13, 29])
+    chains = OnlinePolicy(3, Sources(root_width=1, model_width=4), verify, None)
+    assert [chains.step_seconds(depth, 0, rows=1) for depth in range(4)] == pytest.approx([1, 5, 9, 13])

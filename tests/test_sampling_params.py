@@ -296,6 +296,7 @@ SPECULATIVE = {
     "self-draft int4 w2": {"method": "draft_model", "model": "target", "quantization": "int4", "num_candidates": 2},
     "ngram w2": {"method": "ngram", "num_candidates": 2},
     "recycle w2": {"method": "recycle", "num_candidates": 2, "candidate_init": "target"},
+    "recycling tree": {"method": "recycle", "num_candidates": 3, "tree_nodes": 10},
 }
 # Characters of the tiny tokenizer are its tokens: a = 3, ..., z = 28, " " = 29, "." = 30, "," = 31.
 GREEDY_FIELDS = {

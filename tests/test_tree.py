@@ -3,9 +3,10 @@ ancestor mask a tree forward attends by, on literal expectations."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
-from decoding.verification.tree import TreeTopology, chain_ancestors, with_prefix_chain
+from decoding.verification.tree import TreeTopology, best_first_tree, chain_ancestors, with_prefix_chain
 
 
 def test_sliced_mask_equals_rebuilt_mask() -> None:
@@ -72,3 +73,61 @@ def test_a_prefix_chain_precedes_every_tree_node() -> None:
         [1, 1, 1, 0, 1],
     ]
     assert torch.equal(with_prefix_chain(tree, 0), tree)
+
+
+def test_a_static_tree_comes_before_each_levels_chains() -> None:
+    """A static tree (a, b under the pending token; c, d under a; e under b; f under c) and one chain: each level
+    lays out the tree's nodes, siblings together in rank order, then the chain's node."""
+    topology = TreeTopology(num_candidates=1, max_depth=3, root_width=1, tree=(-1, -1, 0, 0, 1, 2))
+    assert [topology.size(depth) for depth in range(4)] == [1, 4, 8, 10]
+    assert [topology.tree_width(level) for level in range(4)] == [0, 2, 3, 1]
+    #                          pending  a  b  chain  c  d  e  chain  f  chain
+    assert topology.parents == [-1, 0, 0, 0, 1, 1, 2, 3, 4, 7]
+    assert topology.tree_nodes == [1, 2, 4, 5, 6, 8]
+    assert topology.tree_ranks == [0, 1, 0, 1, 0, 0]
+    assert [topology.chain_node(level, 0) for level in (1, 2, 3)] == [3, 7, 9]
+    assert topology.depths.tolist() == [0, 1, 1, 1, 2, 2, 2, 2, 3, 3]
+    assert topology.candidate_index.tolist() == [0, 0, 1, 2, 0, 1, 2, 3, 0, 1]  # the place within the level
+    assert topology.ancestors[8].nonzero().flatten().tolist() == [0, 1, 4, 8]
+    assert topology.ancestors[9].nonzero().flatten().tolist() == [0, 3, 7, 9]
+    assert torch.equal(topology.sliced_ancestors(2), ancestor_rows(topology.parents[:8]))
+
+
+def ancestor_rows(parents: list[int]) -> torch.Tensor:
+    """The ancestor mask by walking each node up to the root (independent of ``ancestor_matrix``)."""
+    mask = torch.zeros(len(parents), len(parents), dtype=torch.bool)
+    for node in range(len(parents)):
+        walk = node
+        while walk >= 0:
+            mask[node, walk] = True
+            walk = parents[walk]
+    return mask
+
+
+def test_a_best_first_tree_takes_the_likeliest_paths_and_keeps_siblings_together() -> None:
+    """Priors 0.5 and 0.3 by rank: a (0.5), b (0.3), a's first child (0.25), then b's first child and a's second
+    (0.15 each: the earlier taken wins the tie), laid out a, b | a0, a1, b0."""
+    assert best_first_tree([0.5, 0.3], depth=3, nodes=5) == (-1, -1, 0, 0, 1)
+    assert best_first_tree([0.5, 0.3], depth=3, nodes=4) == (-1, -1, 0, 1)
+    assert best_first_tree([0.9], depth=4, nodes=10) == (-1, 0, 1, 2)  # one successor a token: a chain
+    assert best_first_tree([0.5, 0.3], depth=1, nodes=10) == (-1, -1)  # as many as the ranks at depth 1
+    tree = best_first_tree([0.45, 0.15, 0.08, 0.05], depth=5, nodes=40)
+    topology = TreeTopology(0, 5, 1, tree)
+    assert len(tree) == 40 and topology.tree_width(1) == 4
+    # Every prefix of a level is a set of siblings groups in their parents' order, each group in rank order.
+    for node, (parent, rank) in enumerate(zip(tree, topology.tree_ranks)):
+        earlier = [other for other in range(node) if tree[other] == parent]
+        assert rank == len(earlier) and all(tree[other] <= parent for other in range(node) if
+                                            topology.depths[topology.tree_nodes[other]] ==
+                                            topology.depths[topology.tree_nodes[node]])
+
+
+@pytest.mark.parametrize(("kwargs", "message"), [
+    ({"root_width": 2, "tree": (-1,)}, "root_width"),
+    ({"tree": (-1, 2, 0)}, "parents before children"),
+    ({"tree": (-1, 0, -1)}, "level by level"),
+    ({"tree": (-1, 0, 1, 2)}, "deeper than max_depth"),
+])
+def test_a_static_tree_is_checked_when_made(kwargs, message) -> None:
+    with pytest.raises(ValueError, match=message):
+        TreeTopology(num_candidates=1, max_depth=3, **kwargs)

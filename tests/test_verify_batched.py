@@ -66,7 +66,9 @@ def reference(monkeypatch, tokens, parents, valid, target_probs, root_probs, dra
                                          replacement, None)
 
 
-TOPOLOGIES = [TreeTopology(2, 2, 1), TreeTopology(2, 2, 2), TreeTopology(3, 1, 1), TreeTopology(1, 3, 1)]
+TOPOLOGIES = [TreeTopology(2, 2, 1), TreeTopology(2, 2, 2), TreeTopology(3, 1, 1), TreeTopology(1, 3, 1),
+              # static (recycling) trees: nodes with several children below the root level, alone or with a chain
+              TreeTopology(0, 3, 1, (-1, -1, 0, 0, 1, 2)), TreeTopology(1, 3, 1, (-1, -1, -1, 0, 0, 1, 3, 3))]
 
 
 def _case(topology: TreeTopology, seed: int, deterministic: bool):

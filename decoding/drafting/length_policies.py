@@ -142,10 +142,15 @@ class Sources:
     model_width: int = 0  # model candidates per level (0: no model draft)
     lookup_width: int = 0  # lookup candidates per level
     prefix_tokens: int = 1  # typical catch-up tokens in the first draft forward
+    model_levels: tuple[int, ...] = ()  # a static tree's nodes at each depth, where they vary (recycling)
 
     @property
     def names(self) -> list[str]:
         return [name for name, width in (("model", self.model_width), ("lookup", self.lookup_width)) if width]
+
+    def model_nodes(self, depth: int) -> int:
+        """The model source's nodes in a tree ``depth`` deep."""
+        return sum(self.model_levels[:depth]) if self.model_levels else self.model_width * depth
 
 
 class _Rates:
@@ -273,7 +278,7 @@ class OnlinePolicy(LengthPolicy):
         src = self.sources
         verify = self.prior_verify if fixed else self.verify_cost
         draft = self.prior_draft if fixed else self.draft_cost
-        tokens = src.root_width + src.model_width * model_depth + src.lookup_width * lookup_depth
+        tokens = src.root_width + src.model_nodes(model_depth) + src.lookup_width * lookup_depth
         seconds = verify(rows, tokens) if fixed else verify(rows, tokens, context)
         if model_depth and draft is not None:
             first = src.prefix_tokens + src.root_width

@@ -10,7 +10,15 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from decoding.config import Config
 from decoding.drafting.costs import BatchCosts, calibrate_batch
-from decoding.drafting.drafters import Drafter, DraftModelDrafter, NgramDrafter, RecycleDrafter, model_view
+from decoding.drafting.drafters import (
+    Drafter,
+    DraftModelDrafter,
+    NgramDrafter,
+    RecycleDrafter,
+    model_view,
+    recycling_tree,
+    recycling_tree_nodes,
+)
 from decoding.drafting.layer_skip import LayerSkipSearch, kept_layers
 from decoding.drafting.length_policies import Sources, make_policy
 from decoding.engine.kv_cache import CacheShape, PagedKVCache
@@ -73,8 +81,12 @@ class _Builder:
         # n-gram siblings are extra candidates after the model's own in every level (one target forward for all).
         width = model_width + (spec.ngram_candidates if depth else 0)
         root_width = model_width if spec.candidate_init == "target" else 1
-        topology = TreeTopology(width, depth, root_width)
-        drafter, max_context = self._drafter(loaded, tokenizer, max_context, width)
+        tree: tuple[int, ...] = ()
+        if spec.method == "recycle" and depth and root_width == 1:  # a static tree under the pending token
+            nodes = spec.tree_nodes or recycling_tree_nodes(self.device, config.batch_size, depth)
+            tree, width = recycling_tree(model_width, depth, nodes), spec.ngram_candidates
+        topology = TreeTopology(width, depth, root_width, tree)
+        drafter, max_context = self._drafter(loaded, tokenizer, max_context)
         if config.max_model_len:
             max_context = min(max_context, config.max_model_len)
         execution = self.execution(target)
@@ -82,12 +94,13 @@ class _Builder:
         cache = self._cache(loaded, topology, max_context, execution, drafter)
         if isinstance(drafter, DraftModelDrafter):
             drafter.attach(cache)
-        # A recycling tree with lookup siblings counts its chains as the "model" source (no forward to price).
-        model_drafts = spec.method == "draft_model" or (spec.method == "recycle" and spec.ngram_candidates > 0)
+        # A recycling tree is the "model" source, with no forward to price.
+        model_drafts = spec.method in ("draft_model", "recycle")
         sources = Sources(
             root_width, model_width if model_drafts else 0,
             (spec.ngram_candidates if model_drafts else model_width) if depth else 0,
             prefix_tokens=0 if spec.model == SELF_DRAFT else 1,  # a self-draft never catches up
+            model_levels=tuple(topology.tree_width(level) for level in range(1, depth + 1)) if tree else (),
         )
         for model in (target, *getattr(drafter, "models", [])):
             if isinstance(model, LeanCausalLM):
@@ -123,7 +136,7 @@ class _Builder:
         graphs, verifications run whole trees (only whole trees are captured)."""
         return Execution.resolve(self.config.execution, self.device, lean=isinstance(target, LeanCausalLM))
 
-    def _drafter(self, loaded: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, max_context: int, width: int
+    def _drafter(self, loaded: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, max_context: int
                  ) -> tuple[Drafter, int]:
         """The configured drafter, and the context limit with the draft's."""
         config, spec, draft = self.config, self.config.speculative, self.draft
@@ -133,7 +146,7 @@ class _Builder:
             return NgramDrafter(spec.prompt_lookup_max, spec.prompt_lookup_min), max_context
         if spec.method == "recycle":
             lookup = NgramDrafter(spec.prompt_lookup_max, spec.prompt_lookup_min) if spec.ngram_candidates else None
-            return RecycleDrafter(loaded.config.vocab_size, width - spec.ngram_candidates, self.device, lookup,
+            return RecycleDrafter(loaded.config.vocab_size, spec.num_candidates, self.device, lookup,
                                   spec.ngram_candidates), max_context
         if spec.model == SELF_DRAFT:
             draft = loaded

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
+from functools import cached_property
 
 import torch
 
@@ -446,21 +447,29 @@ class Step:
     def _matched_by_source(
         self, depth: int, tokens: list[list[int]], drafted: torch.Tensor, emitted: list[list[int]]
     ) -> tuple[list[int] | None, list[int] | None]:
-        """How far the best chain of the model's candidates, and of the lookup siblings, agrees with the tokens
-        each row emitted: what each drafter alone would have had accepted, so the policy learns both from every
-        step whichever won. None where the tree has one drafter (its accepted run says it)."""
+        """How deep the model's candidates (its chains or static tree), and the lookup siblings, agree with the
+        tokens each row emitted: what each drafter alone would have had accepted, so the policy learns both from
+        every step whichever won. None where the tree has one drafter (its accepted run says it)."""
         sources, topology = self.sources, self.topology
         if not (sources.model_width and sources.lookup_width) or depth == 0:
             return None, None
-        levels = torch.tensor([topology.level_slice(level).start for level in range(1, depth + 1)])
-        nodes = levels[None, :] + torch.arange(topology.num_candidates)[:, None]  # [C, D]
-        chains = torch.tensor(tokens)[:, nodes]  # [B, C, D]
-        target = torch.full((len(emitted), depth), -1, dtype=torch.long)
+        size = topology.size(depth)
+        node_depths = topology.depths[:size]
+        target = torch.full((len(emitted), depth + 1), -1, dtype=torch.long)
         for row, row_tokens in enumerate(emitted):
-            target[row, : min(len(row_tokens), depth)] = torch.tensor(row_tokens[:depth])
-        parents = torch.tensor(topology.parents)[nodes[:, 0]]
-        under_pending = (parents == 0)[None, :, None]  # target-initialized siblings' chains never count
-        agree = (chains == target[:, None, :]) & drafted[:, nodes] & under_pending
-        matched = agree.long().cumprod(-1).sum(-1)  # [B, C]
-        width = sources.model_width
-        return matched[:, :width].amax(1).tolist(), matched[:, width:].amax(1).tolist()
+            target[row, 1 : 1 + min(len(row_tokens), depth)] = torch.tensor(row_tokens[:depth])
+        agree = (torch.tensor(tokens)[:, :size] == target[:, node_depths]) & drafted[:, :size]
+        agree[:, 0] = True  # the pending token; target-initialized siblings' chains never count
+        on_path = ~((~agree)[:, None, :] & topology.sliced_ancestors(depth)[None]).any(-1)  # [B, N]
+        matched = torch.where(on_path, node_depths, 0)
+        lookup = self._lookup_nodes[:size]
+        return matched[:, ~lookup].amax(1).tolist(), matched[:, lookup].amax(1).tolist()
+
+    @cached_property
+    def _lookup_nodes(self) -> torch.Tensor:
+        """[N]: the lookup siblings' nodes (the last ``lookup_width`` chains of every level)."""
+        topology, first = self.topology, self.topology.num_candidates - self.sources.lookup_width
+        lookup = torch.zeros(topology.size(topology.max_depth), dtype=torch.bool)
+        for level in range(1, topology.max_depth + 1):
+            lookup[topology.chain_node(level, first) : topology.level_slice(level).stop] = True
+        return lookup

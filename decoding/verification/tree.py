@@ -1,13 +1,16 @@
 """Candidate-tree topology and the topology-aware attention mask (Lu et al.: built once, sliced per step).
 
 Nodes are laid out level by level. Level 0 holds the root-level nodes (the pending token, plus its
-target-initialized siblings when ``candidate_init: target``); each deeper level holds one node per candidate.
-Because parents always precede children and levels are contiguous, the tree of depth d is the prefix of the
-largest tree, so its ancestor matrix is a slice of the largest one: dynamic draft lengths never rebuild it.
+target-initialized siblings when ``candidate_init: target``); each deeper level holds one node per candidate
+(chains), after the nodes of a static tree where there is one (a recycling tree: ``best_first_tree``). Because
+parents always precede children and levels are contiguous, the tree of depth d is the prefix of the largest tree,
+so its ancestor matrix is a slice of the largest one: dynamic draft lengths never rebuild it.
 """
 
 from __future__ import annotations
 
+import heapq
+from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import cached_property
 
@@ -16,27 +19,83 @@ import torch
 
 @dataclass(frozen=True)
 class TreeTopology:
-    num_candidates: int  # width: candidate continuations per step
+    num_candidates: int  # chains: candidate continuations per level (after the static tree's nodes)
     max_depth: int  # drafted tokens per candidate
     root_width: int = 1  # 1 (draft-initialized) or num_candidates (target-initialized)
+    # A static tree under the pending token, level by level: each of its nodes' parent among its nodes (-1: the
+    # pending token), siblings in rank order. Its nodes at a level come before that level's chains.
+    tree: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.tree and self.root_width != 1:
+            raise ValueError("a static tree grows under the pending token: root_width must be 1")
+        if any(parent >= node for node, parent in enumerate(self.tree)) or \
+                self._tree_depths != sorted(self._tree_depths):
+            raise ValueError(f"a static tree lists parents before children, level by level: {self.tree}")
+        if self.tree and self._tree_depths[-1] > self.max_depth:
+            raise ValueError(f"the static tree is {self._tree_depths[-1]} deep, deeper than max_depth "
+                             f"{self.max_depth}")
+
+    @cached_property
+    def _tree_depths(self) -> list[int]:
+        depths: list[int] = []
+        for parent in self.tree:
+            depths.append(1 if parent < 0 else depths[parent] + 1)
+        return depths
+
+    @cached_property
+    def _level_starts(self) -> list[int]:
+        """The first node of each level 0..max_depth, then the largest tree's size."""
+        starts = [0, self.root_width]
+        for level in range(1, self.max_depth + 1):
+            starts.append(starts[-1] + self.tree_width(level) + self.num_candidates)
+        return starts
+
+    def tree_width(self, level: int) -> int:
+        """The static tree's nodes at ``level`` (0 at the root level)."""
+        return self._tree_depths.count(level) if level else 0
 
     def size(self, depth: int) -> int:
         """Number of nodes in the tree of the given depth."""
-        return self.root_width + self.num_candidates * depth
+        return self._level_starts[depth + 1]
 
     def level_slice(self, level: int) -> slice:
-        start = 0 if level == 0 else self.size(level - 1)
-        return slice(start, self.size(level))
+        return slice(self._level_starts[level], self._level_starts[level + 1])
+
+    def chain_node(self, level: int, candidate: int) -> int:
+        """The node of chain ``candidate`` at ``level`` (>= 1)."""
+        return self._level_starts[level] + self.tree_width(level) + candidate
+
+    @cached_property
+    def tree_nodes(self) -> list[int]:
+        """Each static tree node's index in the layout."""
+        nodes, seen = [], [0] * (self.max_depth + 1)
+        for depth in self._tree_depths:
+            nodes.append(self._level_starts[depth] + seen[depth])
+            seen[depth] += 1
+        return nodes
+
+    @cached_property
+    def tree_ranks(self) -> list[int]:
+        """Each static tree node's rank among its siblings (0: its parent's first child)."""
+        ranks, children = [], {}
+        for parent in self.tree:
+            ranks.append(children.get(parent, 0))
+            children[parent] = ranks[-1] + 1
+        return ranks
 
     @cached_property
     def parents(self) -> list[int]:
         parents = [-1] * self.root_width
+        nodes = self.tree_nodes
         for level in range(1, self.max_depth + 1):
-            above = self.level_slice(level - 1)
-            width_above = above.stop - above.start
+            parents += [nodes[parent] if parent >= 0 else 0
+                        for parent, depth in zip(self.tree, self._tree_depths) if depth == level]
             for candidate in range(self.num_candidates):
                 # Candidates beyond the target-initialized roots (n-gram siblings) branch from the pending token.
-                parents.append(above.start + (candidate if candidate < width_above else 0))
+                above = (candidate if candidate < self.root_width else 0) if level == 1 else \
+                    self.chain_node(level - 1, candidate)
+                parents.append(above)
         return parents
 
     @cached_property
@@ -48,9 +107,9 @@ class TreeTopology:
 
     @cached_property
     def candidate_index(self) -> torch.Tensor:
-        """Which candidate (0..width-1) each node belongs to; the shared draft-initialized root is 0."""
-        index = [0] * self.root_width if self.root_width == 1 else list(range(self.root_width))
-        return torch.tensor(index + list(range(self.num_candidates)) * self.max_depth)
+        """Each node's position among the nodes of its level: for chains, which candidate (0..width-1) it belongs
+        to; the shared draft-initialized root is 0."""
+        return torch.tensor([node - self._level_starts[depth] for node, depth in enumerate(self.depths.tolist())])
 
     @cached_property
     def ancestors(self) -> torch.Tensor:
@@ -60,6 +119,42 @@ class TreeTopology:
     def sliced_ancestors(self, depth: int) -> torch.Tensor:
         n = self.size(depth)
         return self.ancestors[:n, :n]
+
+
+def best_first_tree(rank_prior: Sequence[float], depth: int, nodes: int) -> tuple[int, ...]:
+    """The static tree (``TreeTopology.tree``) of the ``nodes`` nodes, at most ``depth`` deep, most likely to be
+    accepted when a node of rank r is accepted with probability ``rank_prior[r]`` given its parent was (Sequoia's
+    and token recycling's static trees): taken best first, a node's score is the product of its path's priors, so
+    every parent is taken before its children and every rank before the next. Ties go to the earlier node."""
+    taken: list[tuple[int, int]] = []  # (parent, depth) in the order taken
+    order = 0
+    frontier = [(-rank_prior[0], order, 1.0, -1, 0, 1)]  # (-score, tie, parent's score, parent, rank, depth)
+    while frontier and len(taken) < nodes:
+        negative, _, parent_score, parent, rank, level = heapq.heappop(frontier)
+        node = len(taken)
+        taken.append((parent, level))
+        if rank + 1 < len(rank_prior):  # the next sibling
+            order += 1
+            heapq.heappush(frontier, (-parent_score * rank_prior[rank + 1], order, parent_score, parent, rank + 1,
+                                      level))
+        if level < depth:  # the first child
+            order += 1
+            heapq.heappush(frontier, (negative * rank_prior[0], order, -negative, node, 0, level + 1))
+    # Level by level, children grouped under their parents in the parents' order, in rank order (taken order).
+    layout = sorted(range(len(taken)), key=lambda n: (taken[n][1], _position(taken, n)))
+    index = {node: i for i, node in enumerate(layout)}
+    return tuple(index[taken[n][0]] if taken[n][0] >= 0 else -1 for n in layout)
+
+
+def _position(taken: list[tuple[int, int]], node: int) -> tuple[int, ...]:
+    """The ranks along ``node``'s path, each rank's order among its siblings: its place in a level-by-level layout
+    that keeps siblings together and in rank order."""
+    path = []
+    while node >= 0:
+        parent = taken[node][0]
+        path.append(sum(1 for other in range(node) if taken[other][0] == parent))
+        node = parent
+    return tuple(reversed(path))
 
 
 def ancestor_matrix(parents: list[int]) -> torch.Tensor:

@@ -154,7 +154,11 @@ def smollm2_contenders(batch: int) -> list[Contender]:
     self_draft = {"method": "draft_model", "model": "target", "num_speculative_tokens": 4, "length_policy": "static"}
     sampled = [Contender("plain-t1", plain, temperature=1.0)] + [
         Contender(f"width{w}-t1", {**self_draft, "num_candidates": w}, temperature=1.0) for w in (1, 2, 4)]
-    return greedy + sampled + [Contender("chain5", {**self_draft, "num_speculative_tokens": 5})]
+    # Static recycling trees of several sizes (width 8: up to 8 children a node), greedy and sampled.
+    recycling = {"method": "recycle", "num_candidates": 8, "num_speculative_tokens": 6, "length_policy": "static"}
+    trees = [Contender(f"recycle{n}{suffix}", {**recycling, "tree_nodes": n}, temperature=temperature)
+             for n in (16, 64, 256) for suffix, temperature in (("", 0.0), ("-t1", 1.0))]
+    return greedy + sampled + trees + [Contender("chain5", {**self_draft, "num_speculative_tokens": 5})]
 
 
 def part_smollm2(args: argparse.Namespace, device: torch.device, report: dict[str, Any], save: Any) -> None:
@@ -206,7 +210,7 @@ def part_smollm2(args: argparse.Namespace, device: torch.device, report: dict[st
                 if "chain5" in tallies:
                     report["chain_tokens_per_step"] = tokens_per_step_by_depth(tallies["chain5"], 5)
                 for name, t in tallies.items():
-                    if name.startswith("width"):
+                    if name.startswith(("width", "recycle")):
                         report.setdefault("width_tokens_per_step", {})[name] = t.tokens / t.steps
             save()
         del engines
