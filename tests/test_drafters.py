@@ -4,6 +4,8 @@ loaded, a draft over a vocabulary subset stays lossless, lookup siblings join a 
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 from engine_cases import PROMPTS, make_config, run
@@ -14,6 +16,8 @@ from decoding.drafting.drafters import (
     DraftInputs,
     NgramDrafter,
     RecycleDrafter,
+    TokenHistory,
+    lookup_continuations,
     recycling_tree_nodes,
 )
 from decoding.drafting.signal_head import DraftSignalMLP
@@ -117,6 +121,57 @@ def test_a_recycling_tree_is_sized_by_the_device_and_the_batch() -> None:
     assert make_config(method="draft_model", tree_nodes=12).speculative.tree_nodes is None  # a recycling option
     with pytest.raises(ValueError, match="tree_nodes"):
         make_config(method="recycle", tree_nodes=0)
+
+
+@pytest.mark.parametrize(("max_ngram", "min_ngram", "depth", "count"), [(4, 1, 3, 2), (3, 2, 5, 4), (1, 1, 1, 1)])
+def test_the_device_lookup_finds_what_the_reference_finds(max_ngram, min_ngram, depth, count) -> None:
+    """Rows of random tokens from a small vocabulary (many repeats), of different lengths, with stale tokens past
+    each row's end: the same continuations, in the same order, as the host reference for every row."""
+    generator = torch.Generator().manual_seed(max_ngram * 100 + depth * 10 + count)
+    reference = NgramDrafter(max_ngram, min_ngram)
+    for _ in range(20):
+        batch, width = 6, 40
+        history = torch.randint(0, 5, (batch, width), generator=generator)
+        lengths = torch.randint(0, width + 1, (batch,), generator=generator)
+        tokens, valid = lookup_continuations(history, lengths, depth, count, max_ngram, min_ngram)
+        for row in range(batch):
+            expected = reference.continuations(history[row, : lengths[row]].tolist(), depth, count)
+            got = [tokens[row, c][valid[row, c]].tolist() for c in range(count) if valid[row, c].any()]
+            assert got == expected, (row, history[row, : lengths[row]].tolist())
+            assert not valid[row, len(expected):].any()
+            for c, chain in enumerate(expected):  # a continuation's flags are a prefix of its levels
+                assert valid[row, c].tolist() == [True] * len(chain) + [False] * (depth - len(chain))
+
+
+def test_the_token_history_appends_what_rows_gained_and_follows_swap_removal() -> None:
+    history = TokenHistory(torch.device("cpu"))
+    joined = type("Joined", (), {"seqs": [None, None, None]})()
+    history.rows_joined(joined)
+    tokens, lengths = history.sync([[1, 2], [3], [4, 5, 6]], torch.tensor([9, 8, 7]))
+    assert lengths.tolist() == [3, 2, 4]
+    assert [tokens[r, :n].tolist() for r, n in enumerate(lengths.tolist())] == [[1, 2, 9], [3, 8], [4, 5, 6, 7]]
+    history.row_removed(0, None)  # the last row takes row 0's place
+    tokens, lengths = history.sync([[4, 5, 6, 7, 1] + list(range(100)), [3, 8, 2]], torch.tensor([5, 5]))
+    assert lengths.tolist() == [106, 4] and tokens.shape[1] == 106  # grown past its first width
+    assert tokens[0, :8].tolist() == [4, 5, 6, 7, 1, 0, 1, 2] and tokens[1, :4].tolist() == [3, 8, 2, 5]
+    tokens, lengths = history.sync([[1], [3, 8, 2, 5]], torch.tensor([2, 6]))  # row 0 is another sequence now
+    assert [tokens[r, :n].tolist() for r, n in enumerate(lengths.tolist())] == [[1, 2], [3, 8, 2, 5, 6]]
+
+
+def test_lookup_on_the_device_drafts_the_host_lookups_tree() -> None:
+    """The same tree from a drafter that looks up on the device and one on the host, a constrained row's grammar
+    draft first in both (that row continued on the host), rows at different depths."""
+    topology = TreeTopology(num_candidates=2, max_depth=3, root_width=1)
+    contexts = [[4, 2, 3, 5, 1, 2, 3, 6, 2], [7, 7, 7], [9, 8], [1, 2, 1, 2, 1]]
+    inputs = _ngram_inputs(topology, contexts, [[3], [7], [8], [2]], [[True]] * 4, [3, 1, 0, 2])
+    inputs = dataclasses.replace(inputs, grammar_drafts=[[], [], [], [5, 5]])
+    host = NgramDrafter().propose(inputs)
+    device = NgramDrafter(device=torch.device("cpu")).propose(inputs)
+    size = host.tokens.shape[1]
+    assert host.depth == 3 and device.depth == 3
+    assert torch.equal(device.valid[:, :size], host.valid) and not device.valid[:, size:].any()
+    assert torch.equal(torch.where(host.valid, device.tokens[:, :size], 0), torch.where(host.valid, host.tokens, 0))
+    assert host.tokens[3, topology.chain_node(1, 0)] == 5  # the grammar draft's candidate
 
 
 # --------------------------------------------------------------------------------------------------------- model drafts

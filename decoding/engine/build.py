@@ -142,10 +142,12 @@ class _Builder:
         config, spec, draft = self.config, self.config.speculative, self.draft
         if spec.method == "none":
             return Drafter(), max_context
+        # Lookups on the device, but beside a draft model (its tree is built on the host).
         if spec.method == "ngram":
-            return NgramDrafter(spec.prompt_lookup_max, spec.prompt_lookup_min), max_context
+            return NgramDrafter(spec.prompt_lookup_max, spec.prompt_lookup_min, self.device), max_context
         if spec.method == "recycle":
-            lookup = NgramDrafter(spec.prompt_lookup_max, spec.prompt_lookup_min) if spec.ngram_candidates else None
+            lookup = NgramDrafter(spec.prompt_lookup_max, spec.prompt_lookup_min, self.device) \
+                if spec.ngram_candidates else None
             return RecycleDrafter(loaded.config.vocab_size, spec.num_candidates, self.device, lookup,
                                   spec.ngram_candidates), max_context
         if spec.model == SELF_DRAFT:
