@@ -3,8 +3,10 @@
 1. The embedded SmolLM2-135M in bf16, greedy, on chat prompts and on code (HumanEval) at batch 1, 8 and 64: plain
    decoding captured (CUDA graphs) and eager, the default configuration, n-gram lookup, token recycling (width 2),
    the default with ``layer_skip: auto``; at batch 1 and temperature 1
-   the int4 self-draft at widths 1, 2 and 4 (static depth 4) against plain decoding. Contenders take turns, the
-   first one rotating each round; every engine runs its batch once untimed first (graph capture, warm-up).
+   the int4 self-draft at widths 1, 2 and 4 (static depth 4), and at batch 1 static recycling trees of 16, 64 and
+   256 nodes greedy and at temperature 1, against plain decoding. Contenders take turns, the first one rotating
+   each round; every engine runs a batch once untimed first (graph capture, warm-up), each run on prompts of its
+   own where the set has enough.
 2. Step costs of a Llama-3-8B-shaped target (32 layers, hidden 4096, 32 heads / 8 KV heads, MLP 14336) with random
    bf16 weights, the vocabulary of SmolLM2's tokenizer: one forward of 1 token per row after 512 cached, at batch
    1 / 8 / 64, its bytes (weights + keys and values read) over its time against the card's memory bandwidth; the
@@ -82,7 +84,11 @@ def requests(prompts: list[dict[str, Any]], max_tokens: int, temperature: float,
             for i, p in enumerate(prompts)]
 
 
-def run_once(engine: Engine, batch: list[Request], tally: Tally | None) -> None:
+def run_once(engine: Engine, batch: list[Request], tally: Tally | None, fresh_table: bool = False) -> None:
+    """One timed ``generate``; ``fresh_table``: a recycling drafter starts from an empty table."""
+    table = getattr(engine.drafter, "table", None)
+    if fresh_table and table is not None:
+        table.fill_(-1)
     device = engine.device
     steps = engine.steps
     sync(device)
@@ -111,27 +117,28 @@ def build(contender: Contender, batch: int, target: torch.nn.Module, tokenizer: 
     return Engine(config, target=target, tokenizer=tokenizer)
 
 
-def compare(engines: dict[str, Engine], contenders: list[Contender], batches: dict[str, list[Request]],
-            rounds: int, failures: dict[str, str]) -> dict[str, Tally]:
+def compare(engines: dict[str, Engine], contenders: list[Contender], batches: dict[str, list[list[Request]]],
+            rounds: int, failures: dict[str, str], fresh_tables: bool = False) -> dict[str, Tally]:
     """Tallies of the contenders that ran every round; a contender that fails is dropped, its error in
-    ``failures``, and the others go on."""
+    ``failures``, and the others go on. ``batches[name][run]``: the requests of the warm-up (run 0) and of each
+    round; ``fresh_tables``: recycling contenders start every run with an empty table."""
     tallies = {c.name: Tally() for c in contenders}
     live = list(contenders)
 
-    def attempt(c: Contender, tally: Tally | None) -> None:
+    def attempt(c: Contender, tally: Tally | None, run: int) -> None:
         try:
-            run_once(engines[c.name], batches[c.name], tally)
+            run_once(engines[c.name], batches[c.name][run], tally, fresh_tables)
         except Exception as exc:
             log.error("%s failed: %s", c.name, traceback.format_exc())
             failures[c.name] = f"{type(exc).__name__}: {exc}"
             live.remove(c)
 
     for c in list(live):  # untimed: captures, warm-up
-        attempt(c, None)
+        attempt(c, None, 0)
     for r in range(rounds):
         order = live[r % max(len(live), 1):] + live[: r % max(len(live), 1)]
         for c in order:
-            attempt(c, tallies[c.name])
+            attempt(c, tallies[c.name], r + 1)
     return {c.name: tallies[c.name] for c in live}
 
 
@@ -184,12 +191,18 @@ def part_smollm2(args: argparse.Namespace, device: torch.device, report: dict[st
                 rows.append({"batch": batch, "contender": c.name, "error": f"build: {type(exc).__name__}: {exc}"})
         contenders = [c for c in contenders if c.name in engines]
         for set_name, prompts in prompt_sets.items():
+            # Each run (the warm-up, then every round) decodes prompts of its own as far as the set has them: a
+            # recycling table learns the text it decodes, and a prompt decoded twice would find its continuation
+            # there. Where the set is too small, the rounds wrap around it, and recycling contenders start each run
+            # with an empty table.
             take = batch * args.prompt_batches
-            chosen = (prompts * (take // len(prompts) + 1))[:take]
-            batches = {c.name: requests(chosen, args.max_tokens, c.temperature, f"{set_name}{batch}")
-                       for c in contenders}
+            runs = args.rounds + 1
+            chosen = (prompts * (runs * take // len(prompts) + 1))[: runs * take]
+            wraps = runs * take > len(prompts)
+            batches = {c.name: [requests(chosen[run * take : (run + 1) * take], args.max_tokens, c.temperature,
+                                         f"{set_name}{batch}-{run}") for run in range(runs)] for c in contenders}
             failures: dict[str, str] = {}
-            tallies = compare(engines, contenders, batches, args.rounds, failures)
+            tallies = compare(engines, contenders, batches, args.rounds, failures, wraps)
             rows += [{"batch": batch, "prompts": set_name, "contender": name, "error": error}
                      for name, error in failures.items()]
             for c in contenders:
@@ -199,7 +212,7 @@ def part_smollm2(args: argparse.Namespace, device: torch.device, report: dict[st
                 t = tallies[c.name]
                 rows.append({
                     "batch": batch, "prompts": set_name, "contender": c.name, "temperature": c.temperature,
-                    "graphs": c.graphs or "default",
+                    "execution": c.execution or "default",
                     "tokens": t.tokens, "steps": t.steps, "seconds": round(t.seconds, 4),
                     "tok_per_s": round(t.tokens / t.seconds, 1), "ms_per_step": round(1e3 * t.seconds / t.steps, 3),
                     "tokens_per_step": round(t.tokens / t.steps / batch, 3),
@@ -314,10 +327,10 @@ def markdown(report: dict[str, Any]) -> str:
     rows = [r for r in report.get("smollm2", []) if "tok_per_s" in r]
     if rows:
         lines += ["## SmolLM2-135M-Instruct, bf16", "",
-                  "| batch | prompts | contender | T | graphs | tok/s | ms/step | tokens/step/row | vs plain |",
+                  "| batch | prompts | contender | T | execution | tok/s | ms/step | tokens/step/row | vs plain |",
                   "|---|---|---|---|---|---|---|---|---|"]
         lines += [f"| {r['batch']} | {r['prompts']} | {r['contender']} | {r['temperature']:g} | "
-                  f"{r.get('graphs', '-')} | {r['tok_per_s']} | {r['ms_per_step']} | {r['tokens_per_step']} | "
+                  f"{r.get('execution', '-')} | {r['tok_per_s']} | {r['ms_per_step']} | {r['tokens_per_step']} | "
                   f"{r['vs_plain']}x |" for r in rows]
         lines.append("")
     errors = [f"{r.get('batch')} {r.get('prompts', '')} {r.get('contender', '')}: {r['error']}"
