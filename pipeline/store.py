@@ -66,6 +66,20 @@ class LeaseLost(InputError):
         return text[start : end + len(cls.END)] if start >= 0 and end >= 0 else text
 
 
+def write_whole(fs: pafs.FileSystem, path: str, data: bytes) -> None:
+    """``data`` at ``path`` such that a reader sees the old file or the new one, never a part: on a local disk
+    written aside and renamed over it (a file written in place reads back empty meanwhile, and the lease read
+    so by a committing write task failed a run as lapsed); an object store replaces an object whole anyway."""
+    if isinstance(fs, pafs.LocalFileSystem):
+        aside = f"{path}.{uuid.uuid4().hex}.tmp"
+        with fs.open_output_stream(aside) as f:
+            f.write(data)
+        fs.move(aside, path)
+        return
+    with fs.open_output_stream(path) as f:
+        f.write(data)
+
+
 def check_fence(fs: pafs.FileSystem, root: str, owner: str, uri: str) -> None:
     """``LeaseLost`` unless ``_lease.json`` under ``root`` names ``owner`` and has not lapsed (a write task calls
     this just before it commits a part, the driver before ``summary.json``)."""
@@ -121,8 +135,7 @@ class OutputStore:
         return self._read_folder(TOKEN_STATS, TOKEN_STATS_SCHEMA, columns)
 
     def write_json(self, relative: str, value: Any) -> None:
-        with self.fs.open_output_stream(self.path(relative)) as f:
-            f.write((json.dumps(value, indent=2) + "\n").encode())
+        write_whole(self.fs, self.path(relative), (json.dumps(value, indent=2) + "\n").encode())
 
     def read_json(self, relative: str) -> Any:
         return self._read_json(self.path(relative))
@@ -201,8 +214,8 @@ class OutputSink(Datasink[list[dict[str, Any]]]):
         marker = {"part": part, "run": self.run_id, "node": node, "engine_ready": engine_ready, "ids": ids,
                   **part_stats(outputs, stats)}
         check_fence(self.fs, self.root, self.owner, self.uri)
-        with self.fs.open_output_stream(posixpath.join(self.root, COMMITS, part + ".json")) as f:
-            f.write(json.dumps(marker).encode())  # last: the part counts from here on
+        write_whole(self.fs, posixpath.join(self.root, COMMITS, part + ".json"),
+                    json.dumps(marker).encode())  # last: the part counts from here on
         # To the driver only the sums: it must not hold every output id in memory.
         return {key: value for key, value in marker.items() if key != "ids"}
 

@@ -6,11 +6,12 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
 
-from pipeline.store import LEASE, DirectoryInUse, Lease, OutputStore, _live
+from pipeline.store import LEASE, DirectoryInUse, Lease, LeaseLost, OutputStore, _live, check_fence
 
 
 def test_second_run_into_a_held_directory_is_refused(tmp_path, capsys):
@@ -138,3 +139,35 @@ def test_a_run_whose_lease_is_taken_commits_nothing_more_and_stops(ray_cluster, 
     assert taken and committed <= taken[0] + 1 and committed < 48 // 8
     assert not (out / "summary.json").exists()
     assert store.read_json(LEASE)["owner"] == "second-run"
+
+
+def test_a_write_task_never_reads_the_lease_half_rewritten(tmp_path):
+    """The lease is rewritten at every beat while write tasks check it before each commit: a check meeting a
+    rewrite must see the old record or the new one (written in place, the file read back empty mid-write and the
+    run failed as lapsed)."""
+    store = OutputStore(str(tmp_path))
+    lease = Lease(store)
+    lease.acquire()
+    try:
+        stop = threading.Event()
+        lost: list[Exception] = []
+
+        def fence() -> None:
+            while not stop.is_set():
+                try:
+                    check_fence(store.fs, store.root, lease.record["owner"], store.uri)
+                except LeaseLost as exc:
+                    lost.append(exc)
+                    return
+
+        readers = [threading.Thread(target=fence) for _ in range(2)]
+        for reader in readers:
+            reader.start()
+        for _ in range(300):  # as many beats as a run of ~100 minutes at the default lease
+            lease._write()
+        stop.set()
+        for reader in readers:
+            reader.join()
+        assert not lost, lost[0]
+    finally:
+        lease.release()
