@@ -51,9 +51,16 @@ class TreeTopology:
             starts.append(starts[-1] + self.tree_width(level) + self.num_candidates)
         return starts
 
+    @cached_property
+    def _tree_widths(self) -> list[int]:
+        widths = [0] * (self.max_depth + 1)
+        for depth in self._tree_depths:
+            widths[depth] += 1
+        return widths
+
     def tree_width(self, level: int) -> int:
         """The static tree's nodes at ``level`` (0 at the root level)."""
-        return self._tree_depths.count(level) if level else 0
+        return self._tree_widths[level]
 
     def size(self, depth: int) -> int:
         """Number of nodes in the tree of the given depth."""
