@@ -178,7 +178,7 @@ def test_a_second_sigterm_stops_at_once(patient_serve_process):
     descendants = psutil.Process(process.pid).children(recursive=True)
     stopped, completed = asyncio.run(scenario())
     assert process.returncode == 0, log.read_text()[-5000:]
-    # 8 s here beside other work; waiting for Serve's graceful shutdown instead took its controller's 30 s timeout.
+    # 4 s here on an idle machine; waiting for Serve's graceful shutdown instead took its controller's 30 s timeout.
     assert stopped < 25, f"{stopped:.1f} s from the second SIGTERM to the exit"
     assert completed.count(False) >= requests // 2  # the drain was cut, not waited for
     assert "stopping now" in log.read_text()
