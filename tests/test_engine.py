@@ -5,6 +5,7 @@ bad requests end their own rows alone."""
 from __future__ import annotations
 
 import itertools
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -24,6 +25,7 @@ from tiny import tiny_model
 
 from decoding import Engine, Request
 from decoding.drafting.feature_draft import FeatureDraft
+from decoding.drafting.length_policies import RowPlan
 from decoding.drafting.signal_head import DraftSignalMLP
 from decoding.engine import prefill_groups
 
@@ -184,8 +186,71 @@ def test_each_source_of_a_recycling_tree_with_lookups_is_matched_along_its_own_p
     drafted = torch.ones(3, 7, dtype=torch.bool)
     drafted[2, 5] = False
     drafted[:, 0] = False
-    model, lookup = engine.stepper._matched_by_source(2, tokens, drafted, [[x, y, 1]] * 3)
-    assert (model, lookup) == ([2, 1, 2], [1, 2, 0])
+    matched = engine.stepper._matched_by_source(2, tokens, drafted, [[x, y, 1]] * 3, cut=False)
+    assert (matched.model, matched.lookup, matched.by_size) == ([2, 1, 2], [1, 2, 0], None)
+
+
+def cut_trees(engine: Engine) -> Callable[[str, int], int]:
+    """Make ``engine`` cut each row's tree to a size that changes with the row and the step (its policy's depths
+    kept; two sizes a step, so that on some steps no row keeps the whole tree); returns the size given to (request
+    id, engine step)."""
+    sizes = len(engine.parts.nested_trees)
+    assert sizes > 1
+
+    def size_of(request_id: str, step: int) -> int:
+        return (step // 2 + int(request_id) % 2) % sizes
+
+    plan_rows = engine.policy.plan_rows
+
+    def planned(ids: list[str], contexts: list[int] | None = None, fixed: list[bool] | None = None) -> RowPlan:
+        plan = plan_rows(ids, contexts, fixed)
+        step = engine.stepper.steps + 1  # the step number its statistics will carry
+        return RowPlan(plan.depths, plan.lookup_depths, torch.tensor([size_of(i, step) for i in ids]))
+
+    engine.policy.plan_rows = planned
+    return size_of
+
+
+def assert_verified_within_cuts(engine: Engine, results: list, size_of: Callable[[str, int], int]) -> None:
+    """Every node a row verified was in its cut of the tree, and some outside the smallest cut were verified."""
+    topology, cuts = engine.topology, engine.parts.nested_trees
+    starts = [topology.level_slice(level).start for level in range(topology.max_depth + 1)]
+    beyond_smallest = 0
+    for result in results:
+        for step, depth, candidate, *_ in result.token_stats:
+            node = starts[depth] + candidate
+            assert cuts[size_of(result.id, step), node], (result.id, step, depth, candidate)
+            beyond_smallest += not bool(cuts[0, node])
+    assert beyond_smallest > 0
+
+
+@pytest.mark.parametrize("whole_trees", [False, True])
+@pytest.mark.parametrize("batch_size", [1, 8])
+@pytest.mark.parametrize("speculative", [
+    {"method": "recycle", "num_candidates": 4, "tree_nodes": 24, "ngram_candidates": 1},
+    {"method": "recycle", "num_candidates": 3, "candidate_init": "target"},
+    {"method": "draft_model", "model": "target", "quantization": "int4", "num_candidates": 3},
+    {"method": "draft_model", "num_candidates": 2, "ngram_candidates": 1, "candidate_init": "target"},
+])
+def test_trees_cut_per_row_greedy_match_transformers(speculative, batch_size, whole_trees, tokenizer, target, draft,
+                                                     reference) -> None:
+    """Rows planned with different cuts of the tree (``Sources.model_sizes``) in one step, changing every step:
+    greedy decoding is unchanged and no row verifies a node outside its cut. ``whole_trees``: as where CUDA graphs
+    verify whole trees, the verify forward runs the plan's largest cut, not the nodes the rows' drafts hold."""
+    config = make_config(**speculative, length_policy="static", num_speculative_tokens=4, batch_size=batch_size)
+    uses_draft = speculative.get("model") is None and speculative["method"] == "draft_model"
+    engine = Engine(config, target=target, tokenizer=tokenizer, draft=draft if uses_draft else None)
+    size_of = cut_trees(engine)
+    planned_cuts: list[bool] = []
+    if whole_trees:
+        step, planned_nodes = engine.stepper, engine.stepper._planned_nodes
+        step.whole_trees = True
+        step._planned_nodes = lambda plan, size: planned_cuts.append(planned_nodes(plan, size) is not None) or \
+            planned_nodes(plan, size)
+    results = engine.generate([Request(id=str(i), prompt=p) for i, p in enumerate(PROMPTS)])
+    assert [r.token_ids for r in results] == reference
+    assert_verified_within_cuts(engine, results, size_of)
+    assert any(planned_cuts) == whole_trees  # some verify forwards ran over a cut of the tree alone
 
 
 # -------------------------------------------------------------------------------------------------------- sampling laws
@@ -211,6 +276,7 @@ SAMPLING_GRID = [
         ("lookup_siblings", 2, False, "target"), ("lookup_siblings", 2, True, "target"),
         ("recycle_lookup", 2, False, "draft"), ("recycle_lookup", 1, True, "target"),
         ("recycle_tree", 3, False, "draft"), ("recycle_tree_lookup", 2, True, "draft"),
+        ("recycle_tree_cut", 3, False, "draft"), ("draft_model_cut", 3, False, "target"),
     ]
 ]
 
@@ -224,6 +290,10 @@ SAMPLING_METHODS = {
     # Static recycling trees of 8 nodes (at batch 64 the default tree on a CPU is a chain), with a lookup sibling.
     "recycle_tree": {"method": "recycle", "tree_nodes": 8},
     "recycle_tree_lookup": {"method": "recycle", "tree_nodes": 8, "ngram_candidates": 1},
+    # Each row's tree cut to a size that changes by row and step (``cut_trees``): its 4 or 8 nodes, its 1 to 3
+    # target-initialized chains.
+    "recycle_tree_cut": {"method": "recycle", "tree_nodes": 8},
+    "draft_model_cut": {"method": "draft_model"},
     # A self-draft, or a draft with lookup siblings, where each step only some rows draft, at different depths: the
     # draft forwards run over those rows alone (see DraftModelDrafter.propose). The lookup case uses the noisy
     # draft: beside the tiny self-draft, which the target almost always accepts, a lookup sibling was kept once in
@@ -270,6 +340,7 @@ def test_sampling_follows_target_law(
     engine = Engine(config, target=on_device(target, device), tokenizer=tokenizer,
                     draft=on_device(draft, device) if uses_draft else None)
     forwards = plan_some_rows(engine) if method.endswith("some_rows") else None
+    size_of = cut_trees(engine) if method.endswith("_cut") else None
     results = engine.generate(
         [Request(id=str(i), prompt_token_ids=prompt, sampling={"seed": i}) for i in range(samples)]
     )
@@ -278,6 +349,8 @@ def test_sampling_follows_target_law(
     assert drafted > samples and 0 < accepted < drafted  # speculation really happened, with rejections
     if forwards is not None:  # and draft forwards ran over some of the batch's rows
         assert any(0 < rows < batch for rows, batch in forwards)
+    if size_of is not None:  # and rows verified the cuts of their trees planned for them
+        assert_verified_within_cuts(engine, results, size_of)
     if config.speculative.ngram_candidates:  # the lookup siblings were verified: some kept, some rejected
         lookup = lookup_flags(engine.topology, results, config.speculative.ngram_candidates)
         assert 0 < sum(lookup) < len(lookup)

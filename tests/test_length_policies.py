@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from collections import Counter
+
+import numpy as np
 import pytest
 
 from decoding.drafting.costs import BatchCosts, CostTable, LearnedCosts
@@ -100,7 +103,7 @@ def test_online_policy_does_not_draft_where_long_contexts_make_every_forward_slo
     ids = [str(i) for i in range(64)]
     contexts = [150 + 12 * i for i in range(64)]
     for step in range(40):
-        depths = policy.plan_rows(ids, [context + step for context in contexts])[0].tolist()
+        depths = policy.plan_rows(ids, [context + step for context in contexts]).depths.tolist()
         assert not any(depths), (step, depths)
         policy.observe(StepRecord(ids, depths, depths, [0] * 64,
                                   timing=StepTiming((64, 1, 415 + step), 0.51, [], 0.0)))
@@ -114,14 +117,17 @@ def test_online_policy_picks_the_drafter_that_pays_per_row() -> None:
     policy = OnlinePolicy(4, Sources(root_width=1, model_width=1, lookup_width=1), verify, draft, capacity=2)
     ids = ["code", "prose"]
     for _ in range(40):
-        model_depths, lookup_depths = policy.plan_rows(ids, [100, 100])
+        planned = policy.plan_rows(ids, [100, 100])
+        model_depths, lookup_depths = planned.depths, planned.lookup_depths
         assert lookup_depths is not None
         planned_model, planned_lookup = model_depths.tolist(), lookup_depths.tolist()
         policy.observe(StepRecord(
             ids, planned_model, planned_model, [0, 0], lookup_planned=planned_lookup,
             model_matched=[0, planned_model[1]], lookup_matched=[planned_lookup[0], 0],
         ))
-    model_depths, lookup_depths = policy.plan_rows(ids, [100, 100])
+    planned = policy.plan_rows(ids, [100, 100])
+    model_depths, lookup_depths = planned.depths, planned.lookup_depths
+    assert lookup_depths is not None
     assert lookup_depths[0] >= 3 and model_depths[0] == 0  # code: lookup alone, deep
     assert model_depths[1] >= 3 and lookup_depths[1] == 0  # prose: the model draft alone, deep
 
@@ -135,7 +141,7 @@ def test_a_seeded_sampled_row_decides_from_its_own_past_alone() -> None:
         out = []
         for step in range(30):
             ids = ["seeded", f"other-{step % 3}"]
-            depths, _ = policy.plan_rows(ids, [50 + step, 10], fixed=[True, False])
+            depths = policy.plan_rows(ids, [50 + step, 10], fixed=[True, False]).depths
             out.append(int(depths[0]))
             planned = depths.tolist()
             # The other row's acceptance and the timings differ between the two runs; the fixed row's own do not.
@@ -208,7 +214,57 @@ def test_a_static_tree_is_priced_by_its_nodes_at_each_depth() -> None:
     """A recycling tree's levels widen (4, 8, 16 nodes): depth d costs the forward over all of its nodes."""
     seconds_per_token = CostTable([(1, 1.0), (101, 101.0)])
     verify = BatchCosts(one_row=seconds_per_token, full=seconds_per_token, full_rows=1)
-    policy = OnlinePolicy(3, Sources(root_width=1, model_width=4, model_levels=(4, 8, 16)), verify, None)
+    policy = OnlinePolicy(3, Sources(root_width=1, model_width=4, model_sizes=((4, 8, 16),)), verify, None)
     assert [policy.step_seconds(depth, 0, rows=1) for depth in range(4)] == pytest.approx([1, 5, 13, 29])
     chains = OnlinePolicy(3, Sources(root_width=1, model_width=4), verify, None)
     assert [chains.step_seconds(depth, 0, rows=1) for depth in range(4)] == pytest.approx([1, 5, 9, 13])
+
+
+def run_cut_trees(seconds_per_token: float, steps: int = 200, full_depth: bool = False) -> list[tuple[int, int]]:
+    """Two rows on a tree that can be cut to a chain, to 2-3 nodes a level or to its whole 4, 8, 16: each level
+    agrees with probability 0.6, 0.75 or 0.9 in those cuts (a cut's nodes are in the larger ones: nested draws).
+    Returns the (depth, size) planned for the rows over the last 32 steps."""
+    rng = np.random.default_rng(0)
+    verify = CostTable([(1, 1.0), (101, 1.0 + 100 * seconds_per_token)])
+    sources = Sources(root_width=1, model_width=4, model_sizes=((1, 1, 1), (2, 3, 3), (4, 8, 16)),
+                      cuts_at_full_depth=full_depth)
+    policy = OnlinePolicy(3, sources, BatchCosts(verify, verify, full_rows=2), None, capacity=2)
+    ids, agree = ["a", "b"], [0.6, 0.75, 0.9]
+    planned = []
+    for step in range(steps):
+        plan = policy.plan_rows(ids, [100, 100])
+        assert plan.sizes is not None and plan.lookup_depths is None
+        depths, sizes = plan.depths.tolist(), plan.sizes.tolist()
+        draws = rng.random((2, 3))
+        by_size = [[min(depth, next((j for j in range(3) if draw[j] >= p), 3)) for depth, draw in zip(depths, draws)]
+                   for p in agree]
+        own = [by_size[size][row] for row, size in enumerate(sizes)]
+        policy.observe(StepRecord(ids, depths, depths, own, planned_size=sizes, size_matched=by_size))
+        if full_depth:
+            assert all(size == 2 or depth in (0, 3) for depth, size in zip(depths, sizes)), (depths, sizes)
+        if step >= steps - 32:
+            planned += list(zip(depths, sizes))
+    return planned
+
+
+def test_the_online_policy_cuts_a_tree_to_the_size_that_pays() -> None:
+    """Where verifying more tokens costs nothing (a GPU at batch 1) the whole tree, 3 deep, pays best (3.44 tokens a
+    step); where each token costs a fifth of a step, the chain does (2 deep: 1.96 tokens for 1.4 steps' time, against
+    1.75 for 1.4 with the middle cut and 1.9 for 1.8 with the whole tree, each at its best depth)."""
+    flat = run_cut_trees(0.0)
+    assert Counter(flat).most_common(1)[0] == ((3, 2), pytest.approx(64, abs=8))
+    steep = Counter(size for _, size in run_cut_trees(0.2))
+    assert steep[0] >= 48 and steep[2] == 0, steep
+    # Where only the deepest trees can be cut (graphs captured per cut, at the full depth), at 0.15 a token: the
+    # chain 3 deep (2.18 tokens for 1.45 steps' time; the whole tree 1 deep, 1.9 for 1.6).
+    full_depth = Counter(run_cut_trees(0.15, full_depth=True))
+    assert full_depth[3, 0] >= 44, full_depth
+
+
+def test_a_cut_larger_than_the_rows_own_learns_nothing_from_its_step() -> None:
+    sources = Sources(root_width=1, model_width=2, model_sizes=((1, 1), (2, 2)))
+    policy = OnlinePolicy(2, sources, COSTS, None, capacity=ROWS)
+    before = [policy.batch_rates["model", size].accepted.copy() for size in range(2)]
+    policy.observe(StepRecord(["a"], [2], [2], [0], planned_size=[0], size_matched=[[0], [2]]))
+    assert policy.batch_rates["model", 0].accepted[1:].sum() < before[0][1:].sum()  # a rejection at level 1, aged
+    assert (policy.batch_rates["model", 1].accepted == before[1]).all()

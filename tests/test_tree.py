@@ -6,7 +6,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from decoding.verification.tree import TreeTopology, best_first_tree, chain_ancestors, with_prefix_chain
+from decoding.verification.tree import (
+    TreeTopology,
+    best_first_layout,
+    best_first_tree,
+    chain_ancestors,
+    with_prefix_chain,
+)
 
 
 def test_sliced_mask_equals_rebuilt_mask() -> None:
@@ -127,7 +133,48 @@ def test_a_best_first_tree_takes_the_likeliest_paths_and_keeps_siblings_together
     ({"tree": (-1, 2, 0)}, "parents before children"),
     ({"tree": (-1, 0, -1)}, "level by level"),
     ({"tree": (-1, 0, 1, 2)}, "deeper than max_depth"),
+    ({"tree": (-1, -1, 0), "tree_order": (0, 1, 1)}, "each node once"),
+    ({"tree": (-1, -1, 0), "tree_order": (1, 2, 0)}, "parents before children"),
 ])
 def test_a_static_tree_is_checked_when_made(kwargs, message) -> None:
     with pytest.raises(ValueError, match=message):
         TreeTopology(num_candidates=1, max_depth=3, **kwargs)
+
+
+def test_a_best_first_tree_is_cut_to_its_first_nodes_taken() -> None:
+    """The tree of the priors 0.5, 0.3 above was taken a, b, a0, b0, a1: cut to 1, 3 and 4 nodes it keeps a; a, b,
+    a0; a, b, a0, b0. The pending token and a lookup chain (one candidate after the tree) stay in each cut."""
+    tree, order = best_first_layout([0.5, 0.3], depth=3, nodes=5)
+    assert (tree, order) == ((-1, -1, 0, 0, 1), (0, 1, 2, 4, 3))
+    topology = TreeTopology(1, 3, 1, tree, order)
+    # Layout: pending | a b lookup1 | a0 a1 b0 lookup2 | lookup3.
+    assert topology.parents == [-1, 0, 0, 0, 1, 1, 2, 3, 7]
+    cuts = topology.nested_trees(0, [1, 3, 4])
+    assert cuts.int().tolist() == [
+        [1, 1, 0, 1, 0, 0, 0, 1, 1],
+        [1, 1, 1, 1, 1, 0, 0, 1, 1],
+        [1, 1, 1, 1, 1, 0, 1, 1, 1],
+    ]
+    for cut in cuts:  # each cut is a tree: a node's parent is in it too
+        assert all(cut[parent] for node, parent in enumerate(topology.parents) if cut[node] and parent >= 0)
+
+
+def test_a_tree_taken_out_of_layout_order_is_cut_by_that_order() -> None:
+    """Priors 0.6, 0.1: a (0.6), a0 (0.36), a00 (0.216), then b (0.1): laid out a b | a0 | a00, taken a a0 a00 b."""
+    tree, order = best_first_layout([0.6, 0.1], depth=3, nodes=4)
+    assert (tree, order) == ((-1, -1, 0, 2), (0, 3, 1, 2))
+    cuts = TreeTopology(0, 3, 1, tree, order).nested_trees(0, [3, 4])
+    assert cuts.int().tolist() == [[1, 1, 0, 1, 1], [1, 1, 1, 1, 1]]
+
+
+def test_chains_are_cut_to_their_first_candidates_with_their_roots() -> None:
+    """Target-initialized chains of width 3, then one lookup chain: cut to width 1 or 2, the later model chains go,
+    with their root siblings; the lookup chain stays."""
+    topology = TreeTopology(4, 2, 3)
+    assert topology.parents == [-1, -1, -1, 0, 1, 2, 0, 3, 4, 5, 6]
+    cuts = topology.nested_trees(3, [1, 2, 3])
+    assert cuts.int().tolist() == [
+        [1, 0, 0, 1, 0, 0, 1, 1, 0, 0, 1],
+        [1, 1, 0, 1, 1, 0, 1, 1, 1, 0, 1],
+        [1] * 11,
+    ]

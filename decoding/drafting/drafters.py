@@ -29,7 +29,7 @@ from decoding.model.forward import forward_tree
 from decoding.model.lean_forward import LeanCausalLM, lean_view, supports_lean_forward
 from decoding.model.loading import for_inference
 from decoding.verification.sampling import WarpParams, row_uniforms, warp_probs
-from decoding.verification.tree import TreeTopology, best_first_tree, chain_ancestors, with_prefix_chain
+from decoding.verification.tree import TreeTopology, best_first_layout, chain_ancestors, with_prefix_chain
 from decoding.verification.verify_batched import sample_from, sample_tokens
 
 if TYPE_CHECKING:
@@ -481,10 +481,19 @@ RECYCLE_RANK_PRIOR = (0.38, 0.09, 0.05, 0.035, 0.025, 0.02, 0.016, 0.012, 0.01, 
 RECYCLE_STEP_TOKENS = {"cuda": 256, "cpu": 16}
 
 
-def recycling_tree(width: int, depth: int, nodes: int) -> tuple[int, ...]:
+def recycling_tree(width: int, depth: int, nodes: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
     """The static recycling tree (``TreeTopology.tree``) of ``nodes`` nodes, ``depth`` deep, a node having at most
-    ``width`` children (the table's successors)."""
-    return best_first_tree(RECYCLE_RANK_PRIOR[:width], depth, nodes)
+    ``width`` children (the table's successors), and the order its nodes were taken (``tree_order``)."""
+    return best_first_layout(RECYCLE_RANK_PRIOR[:width], depth, nodes)
+
+
+def recycling_tree_sizes(nodes: int, depth: int) -> list[int]:
+    """The sizes a row's recycling tree of ``nodes`` nodes can be cut to (``TreeTopology.nested_trees``): halvings
+    down to a chain ``depth`` deep's worth of nodes, so the policy can trade acceptance for verification cost."""
+    sizes = [nodes]
+    while sizes[-1] // 2 >= max(depth, 2):
+        sizes.append(sizes[-1] // 2)
+    return sizes[::-1]
 
 
 def recycling_tree_nodes(device: torch.device, rows: int, depth: int) -> int:

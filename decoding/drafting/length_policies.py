@@ -18,6 +18,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import cached_property
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -44,9 +45,22 @@ class StepRecord:
     lookup_planned: list[int] | None = None
     model_matched: list[int] | None = None
     lookup_matched: list[int] | None = None
+    # Trees cut to sizes (``Sources.model_sizes``): each row's planned size, and per size how far that cut of the
+    # row's tree agreed with the emitted tokens (sizes above the row's own: its own tree's agreement, unused).
+    planned_size: list[int] | None = None
+    size_matched: list[list[int]] | None = None
     timing: StepTiming | None = None
     fixed: list[bool] | None = None  # rows planned as ``fixed`` (seeded sampling): they count their own steps
     draft_scale: float = 1.0  # the draft's forward cost relative to its calibration (a layer set: ``layer_skip.py``)
+
+
+@dataclass(frozen=True)
+class RowPlan:
+    """A policy's plan for the rows of a step."""
+
+    depths: torch.Tensor  # [B] the model's (or a lookup-only tree's) draft depth
+    lookup_depths: torch.Tensor | None = None  # [B] the lookup siblings' depth; None: the tree has none
+    sizes: torch.Tensor | None = None  # [B] the size each row's tree is cut to (``Sources.model_sizes``); None: whole
 
 
 class LengthPolicy:
@@ -62,14 +76,14 @@ class LengthPolicy:
 
     def plan_rows(
         self, ids: list[str], contexts: list[int] | None = None, fixed: list[bool] | None = None
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """(depth of the model's candidates, depth of the lookup siblings or None = the same) per row.
+    ) -> RowPlan:
+        """Each row's depths and tree size.
 
         ``contexts``: each row's cached tokens; ``fixed``: rows whose decisions must not depend on timing or
         other rows (seeded sampling).
         """
         del contexts, fixed
-        return self.plan(ids), None
+        return RowPlan(self.plan(ids))
 
     def keep(
         self, level: int, depths: torch.Tensor, token_probs: torch.Tensor, hidden: torch.Tensor | None
@@ -142,15 +156,26 @@ class Sources:
     model_width: int = 0  # model candidates per level (0: no model draft)
     lookup_width: int = 0  # lookup candidates per level
     prefix_tokens: int = 1  # typical catch-up tokens in the first draft forward
-    model_levels: tuple[int, ...] = ()  # a static tree's nodes at each depth, where they vary (recycling)
+    # The model source's nodes at each depth 1.., in each size a row's tree can be cut to (smallest first; the last
+    # is the whole tree; ``TreeTopology.nested_trees``). Empty: one size, ``model_width`` nodes a depth.
+    model_sizes: tuple[tuple[int, ...], ...] = ()
+    # Whether a cut tree is verified at the full depth only (verifications replay CUDA graphs captured at build:
+    # one per cut, not one per cut and depth).
+    cuts_at_full_depth: bool = False
 
     @property
-    def names(self) -> list[str]:
-        return [name for name, width in (("model", self.model_width), ("lookup", self.lookup_width)) if width]
+    def sizes(self) -> int:
+        return max(len(self.model_sizes), 1)
 
-    def model_nodes(self, depth: int) -> int:
-        """The model source's nodes in a tree ``depth`` deep."""
-        return sum(self.model_levels[:depth]) if self.model_levels else self.model_width * depth
+    @property
+    def keys(self) -> list[tuple[str, int]]:
+        """What acceptance is learnt for: the model source cut to each size, and the lookup siblings."""
+        model = [("model", size) for size in range(self.sizes)] if self.model_width else []
+        return model + ([("lookup", 0)] if self.lookup_width else [])
+
+    def model_nodes(self, depth: int, size: int = -1) -> int:
+        """The model source's nodes in a tree ``depth`` deep, cut to ``size`` (default: whole)."""
+        return sum(self.model_sizes[size][:depth]) if self.model_sizes else self.model_width * depth
 
 
 class _Rates:
@@ -251,8 +276,8 @@ class OnlinePolicy(LengthPolicy):
         self.probe_budget = probe_budget
         self.margin = margin
         self.row_strength = row_strength
-        self.batch_rates = {name: _Rates(max_depth, PRIOR_ACCEPTANCE, decay=decay) for name in sources.names}
-        self.row_rates: dict[str, dict[str, _Rates]] = {}
+        self.batch_rates = {key: _Rates(max_depth, PRIOR_ACCEPTANCE, decay=decay) for key in sources.keys}
+        self.row_rates: dict[str, dict[tuple[str, int], _Rates]] = {}
         self.row_steps: dict[str, int] = {}
         self.steps = 0
         # Realized goodput of the steps that drafted, relative to plain decoding's predicted for the same rows and
@@ -267,18 +292,19 @@ class OnlinePolicy(LengthPolicy):
         # Plain steps' measured seconds over the cost model's prediction: the plain reference is anchored on plain
         # steps themselves (the model's one scale also absorbs the drafting steps' errors).
         self.plain_correction = 1.0
-        self.lookup_plan: torch.Tensor | None = None
         self._cost_memo: dict[tuple, tuple[int, list[float], bool]] = {}  # key -> (step, option costs, payable)
 
     # ------------------------------------------------------------------------------------------- costs
     def step_seconds(
-        self, model_depth: int, lookup_depth: int, rows: int, context: float = 0.0, fixed: bool = False
+        self, model_depth: int, lookup_depth: int, rows: int, context: float = 0.0, fixed: bool = False,
+        size: int = -1,
     ) -> float:
-        """Predicted seconds of one step in which every row drafts like this."""
+        """Predicted seconds of one step in which every row drafts like this (``size``: the model's tree cut to
+        ``Sources.model_sizes[size]``; the draft still drafts the whole tree, cutting it saves verification)."""
         src = self.sources
         verify = self.prior_verify if fixed else self.verify_cost
         draft = self.prior_draft if fixed else self.draft_cost
-        tokens = src.root_width + src.model_nodes(model_depth) + src.lookup_width * lookup_depth
+        tokens = src.root_width + src.model_nodes(model_depth, size) + src.lookup_width * lookup_depth
         seconds = verify(rows, tokens) if fixed else verify(rows, tokens, context)
         if model_depth and draft is not None:
             first = src.prefix_tokens + src.root_width
@@ -289,52 +315,68 @@ class OnlinePolicy(LengthPolicy):
         return seconds
 
     # ------------------------------------------------------------------------------------------ choices
-    def _rates(self, seq_id: str, fixed: bool) -> dict[str, np.ndarray]:
+    def _rates(self, seq_id: str, fixed: bool) -> dict[tuple[str, int], np.ndarray]:
         rows = self.row_rates.setdefault(
-            seq_id, {name: _Rates(self.max_depth, weight=0.0, decay=self.decay) for name in self.sources.names}
+            seq_id, {key: _Rates(self.max_depth, weight=0.0, decay=self.decay) for key in self.sources.keys}
         )
         out = {}
-        for name, rates in rows.items():
-            base = np.full_like(rates.reached, PRIOR_ACCEPTANCE) if fixed else self.batch_rates[name].rate
-            out[name] = rates.blended(base, self.row_strength)
+        for key, rates in rows.items():
+            base = np.full_like(rates.reached, PRIOR_ACCEPTANCE) if fixed else self.batch_rates[key].rate
+            out[key] = rates.blended(base, self.row_strength)
         return out
 
-    def _options(self) -> list[tuple[int, int]]:
-        """(model depth, lookup depth) pairs this tree can take, plain decoding first."""
-        depths = range(1, self.max_depth + 1)
-        options = [(0, 0)]
+    @cached_property
+    def _options(self) -> list[tuple[int, int, int]]:
+        """(model depth, size, lookup depth) this tree can take, plain decoding first; in ``_expected_tokens``'s
+        order."""
+        depths, sizes, whole = range(1, self.max_depth + 1), range(self.sources.sizes), self.sources.sizes - 1
+        model = [(d, size) for size in sizes for d in depths]
+        options = [(0, whole, 0)]
         if self.sources.model_width:
-            options += [(d, 0) for d in depths]
+            options += [(d, size, 0) for d, size in model]
         if self.sources.lookup_width:
-            options += [(0, d) for d in depths]
+            options += [(0, whole, d) for d in depths]
         if self.sources.model_width and self.sources.lookup_width:
-            options += [(d, d) for d in depths]
+            options += [(d, size, d) for d, size in model]
         return options
 
-    @staticmethod
-    def _expected_tokens(rates: dict[str, np.ndarray]) -> list[float]:
-        """Per option of ``_options()``: 1 + expected accepted drafted tokens, where level j is reached if some
-        drafter's chain still agrees there (every depth in one pass: this runs for every row at every step)."""
-        agree = {name: np.cumprod(rates[name][1:]) for name in ("model", "lookup") if name in rates}
+    @cached_property
+    def _allowed(self) -> list[bool]:
+        """Per option of ``_options``: whether a step can run it (``Sources.cuts_at_full_depth``)."""
+        whole = self.sources.sizes - 1
+        return [not self.sources.cuts_at_full_depth or size == whole or max(m, lk) == self.max_depth
+                for m, size, lk in self._options]
+
+    def _expected_tokens(self, rates: dict[tuple[str, int], np.ndarray]) -> list[float]:
+        """Per option of ``_options``: 1 + expected accepted drafted tokens, where level j is reached if some
+        drafter's chain still agrees there (every depth in one pass: this runs for every row at every step).
+
+        A tree cut smaller never agrees further than a larger one holding it: each size's rates are at least the
+        smaller sizes' (a size seldom planned keeps its prior otherwise)."""
         expected = [np.ones(1)]
-        for name in ("model", "lookup"):
-            if name in agree:
-                expected.append(1 + np.cumsum(agree[name]))
-        if len(agree) == 2:
-            expected.append(1 + np.cumsum(1 - (1 - agree["model"]) * (1 - agree["lookup"])))
+        model = None
+        if self.sources.model_width:
+            stacked = np.maximum.accumulate([rates["model", size][1:] for size in range(self.sources.sizes)])
+            model = np.cumprod(stacked, axis=1)
+            expected.append((1 + np.cumsum(model, axis=1)).ravel())
+        if self.sources.lookup_width:
+            lookup = np.cumprod(rates["lookup", 0][1:])
+            expected.append(1 + np.cumsum(lookup))
+            if model is not None:
+                expected.append((1 + np.cumsum(1 - (1 - model) * (1 - lookup), axis=1)).ravel())
         return np.concatenate(expected).tolist()
 
     def plan_rows(
         self, ids: list[str], contexts: list[int] | None = None, fixed: list[bool] | None = None
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """(model depth, lookup depth) per row; lookup depths are None where the tree has no lookup siblings."""
+    ) -> RowPlan:
+        """Per row: the model's depth, the lookup's (None where the tree has no lookup siblings) and the size its
+        tree is cut to (None where it has one size)."""
         rows = len(ids)
         contexts = contexts or [0] * rows
         fixed = fixed or [False] * rows
         # Python lists, one tensor each at the end: a tensor item assignment per row cost ~4 us a row.
-        model_depths = [0] * rows
-        lookup_depths = [0] * rows
-        options = self._options()
+        plans = [(0, self.sources.sizes - 1, 0)] * rows
+        options = self._options
         costs: dict[tuple, list[float]] = {}  # per cost key, every option's seconds; per (key, probe) its own
         payable: dict[tuple, bool] = {}
         step = self.steps + 1  # this step's number; ``observe`` counts it
@@ -352,47 +394,55 @@ class OnlinePolicy(LengthPolicy):
                 # step that drafted nothing.
                 memo = self._cost_memo.get(key)
                 if memo is None or (not is_fixed and step - memo[0] >= COST_REUSE_STEPS):
-                    option_costs = [self.step_seconds(m, lk, batch, context, is_fixed) for m, lk in options]
+                    option_costs = [self.step_seconds(m, lk, batch, context, is_fixed, size)
+                                    for m, size, lk in options]
                     # Whether any option could pay were every drafted token accepted: where none could (a large
                     # batch on a few CPU cores), probing cannot find one either and only widens the batch's forwards.
                     memo = self._cost_memo[key] = (step, option_costs, any(
                         (1 + max(m, lk)) / max(c, 1e-9) >= (1 + self.margin) / max(option_costs[0], 1e-9)
-                        for (m, lk), c in zip(options[1:], option_costs[1:])))
+                        for (m, _, lk), c in zip(options[1:], option_costs[1:])))
                 costs[key], payable[key] = memo[1], memo[2]
             if not payable[key]:
                 continue
-            speed = [tokens / max(c, 1e-9) for tokens, c in zip(self._expected_tokens(self._rates(seq_id, is_fixed)),
-                                                                 costs[key])]
+            speed = [tokens / max(c, 1e-9) if allowed else 0.0 for tokens, c, allowed in
+                     zip(self._expected_tokens(self._rates(seq_id, is_fixed)), costs[key], self._allowed)]
             best = max(range(len(options)), key=speed.__getitem__)
             if speed[best] < (1 + self.margin) * speed[0]:
                 best = 0
-            model_depth, lookup_depth = options[best]
-            # Probe one level deeper with every drafter now and then (a drafter left out comes back in at depth
-            # 1), so unused depths and drafters keep being measured: at most ``probe_budget`` of the time. Held
-            # back (drafting did not pay), the probe is the row's choice itself.
+            plan = options[best]
+            # Probe one level deeper with every drafter, and the model's tree one size larger, now and then (a
+            # drafter left out comes back in at depth 1), so unused depths, sizes and drafters keep being measured:
+            # at most ``probe_budget`` of the time. Held back (drafting did not pay), the probe is the row's choice.
+            model_depth, size, lookup_depth = plan
             deeper = (min(model_depth + 1, self.max_depth) if self.sources.model_width else 0,
+                      min(size + 1, self.sources.sizes - 1),
                       min(lookup_depth + 1, self.max_depth) if self.sources.lookup_width else 0)
+            if self.sources.cuts_at_full_depth and max(deeper[0], deeper[2]) < self.max_depth:
+                deeper = (deeper[0], self.sources.sizes - 1, deeper[2])
             if best and not is_fixed and self.held_back:
-                model_depth, lookup_depth, deeper = 0, 0, options[best]
-                best = 0
-            if deeper != (model_depth, lookup_depth):
+                plan, deeper, best = options[0], plan, 0
+            if deeper != plan:
                 if (key, deeper) not in costs:
-                    costs[key, deeper] = [self.step_seconds(*deeper, batch, context, is_fixed)]
+                    model_depth, size, lookup_depth = deeper
+                    costs[key, deeper] = [self.step_seconds(model_depth, lookup_depth, batch, context, is_fixed,
+                                                            size)]
                 extra = costs[key, deeper][0] / max(costs[key][best], 1e-9) - 1
                 if self.held_back and not is_fixed:  # drafting steps cost more than modelled: as much rarer
                     extra /= max(self.drafting_gain, 0.1)
                 # Powers of two: rows probing at different rates still probe on the same steps.
                 period = 1 << math.ceil(math.log2(max(self.probe_every, extra / self.probe_budget, 1)))
                 if steps % period == 0:
-                    model_depth, lookup_depth = deeper
-            model_depths[row], lookup_depths[row] = model_depth, lookup_depth
+                    plan = deeper
+            plans[row] = plan
+        model_depths, sizes, lookup_depths = (torch.tensor(column, dtype=torch.long) for column in zip(*plans)) \
+            if rows else (torch.zeros(0, dtype=torch.long),) * 3
         if not self.sources.model_width:  # a lookup-only tree: its depth is the tree's depth
-            return torch.tensor(lookup_depths, dtype=torch.long), None
-        return (torch.tensor(model_depths, dtype=torch.long),
-                torch.tensor(lookup_depths, dtype=torch.long) if self.sources.lookup_width else None)
+            return RowPlan(lookup_depths)
+        return RowPlan(model_depths, lookup_depths if self.sources.lookup_width else None,
+                       sizes if self.sources.sizes > 1 else None)
 
     def plan(self, ids: list[str]) -> torch.Tensor:
-        return self.plan_rows(ids)[0]
+        return self.plan_rows(ids).depths
 
     @property
     def drafting_gain(self) -> float:
@@ -424,25 +474,35 @@ class OnlinePolicy(LengthPolicy):
         self.gain_evidence = decay * self.gain_evidence + rows
         self.gain_steps += 1
 
+    def _observed(self, record: StepRecord, key: tuple[str, int]) -> tuple[list[int], list[int]]:
+        """(planned depths, matched depths) per row for the rates of ``key``."""
+        name, size = key
+        # Without per-drafter matches (a one-drafter tree), the accepted run is the drafter's match.
+        if name == "lookup":
+            matched = record.lookup_matched if record.lookup_matched is not None else record.accepted
+            if not self.sources.model_width or record.lookup_planned is None:  # lookup alone: the planned depth
+                return record.planned_depth, matched
+            return record.lookup_planned, matched
+        matched = record.model_matched if record.model_matched is not None else record.accepted
+        if record.planned_size is None or record.size_matched is None:
+            return record.planned_depth, matched
+        # A size above the row's own says nothing this step (it was not drafted): as if not planned.
+        planned = [depth if size <= own else 0 for depth, own in zip(record.planned_depth, record.planned_size)]
+        return planned, record.size_matched[size]
+
     def observe(self, record: StepRecord) -> None:
         self.steps += 1
         for seq_id, is_fixed in zip(record.ids, record.fixed or []):
             if is_fixed:  # only a seeded row's probes count its own steps
                 self.row_steps[seq_id] = self.row_steps.get(seq_id, 0) + 1
-        matched = {"model": record.model_matched, "lookup": record.lookup_matched}
-        planned = {"model": record.planned_depth, "lookup": record.lookup_planned}
-        if not self.sources.model_width:  # lookup alone: its depth is the planned depth
-            matched["lookup"], planned["lookup"] = record.lookup_matched, record.planned_depth
-        for name in self.sources.names:
-            # Without per-drafter matches (a one-drafter tree), the accepted run is the drafter's match.
-            got = matched[name] if matched[name] is not None else record.accepted
-            plans = planned[name] if planned[name] is not None else record.planned_depth
+        for key in self.sources.keys:
+            plans, got = self._observed(record, key)
             if not any(plans):  # nothing planned reaches no level: the rates stay as they are (``_Rates.observe``)
                 continue
-            self.batch_rates[name].observe(plans, got)
+            self.batch_rates[key].observe(plans, got)
             for seq_id, depth, taken in zip(record.ids, plans, got):
                 if depth and seq_id in self.row_rates:
-                    self.row_rates[seq_id][name].observe([depth], [taken])
+                    self.row_rates[seq_id][key].observe([depth], [taken])
         if record.timing is not None:
             timing = record.timing
             self.verify_cost.observe([timing.verify], timing.verify_seconds)

@@ -18,6 +18,7 @@ from decoding.drafting.drafters import (
     model_view,
     recycling_tree,
     recycling_tree_nodes,
+    recycling_tree_sizes,
 )
 from decoding.drafting.layer_skip import LayerSkipSearch, kept_layers
 from decoding.drafting.length_policies import Sources, make_policy
@@ -82,10 +83,16 @@ class _Builder:
         width = model_width + (spec.ngram_candidates if depth else 0)
         root_width = model_width if spec.candidate_init == "target" else 1
         tree: tuple[int, ...] = ()
+        order: tuple[int, ...] = ()
+        model_drafts = spec.method in ("draft_model", "recycle")
+        # The sizes a row's tree can be cut to: a static tree's halvings, a model's chains one by one.
+        sizes = list(range(1, model_width + 1)) if model_drafts and depth else [model_width]
         if spec.method == "recycle" and depth and root_width == 1:  # a static tree under the pending token
             nodes = spec.tree_nodes or recycling_tree_nodes(self.device, config.batch_size, depth)
-            tree, width = recycling_tree(model_width, depth, nodes), spec.ngram_candidates
-        topology = TreeTopology(width, depth, root_width, tree)
+            (tree, order), width = recycling_tree(model_width, depth, nodes), spec.ngram_candidates
+            sizes = recycling_tree_sizes(len(tree), depth)
+        topology = TreeTopology(width, depth, root_width, tree, order)
+        nested = topology.nested_trees(0 if tree else model_width, sizes)
         drafter, max_context = self._drafter(loaded, tokenizer, max_context)
         if config.max_model_len:
             max_context = min(max_context, config.max_model_len)
@@ -95,12 +102,12 @@ class _Builder:
         if isinstance(drafter, DraftModelDrafter):
             drafter.attach(cache)
         # A recycling tree is the "model" source, with no forward to price.
-        model_drafts = spec.method in ("draft_model", "recycle")
         sources = Sources(
             root_width, model_width if model_drafts else 0,
             (spec.ngram_candidates if model_drafts else model_width) if depth else 0,
             prefix_tokens=0 if spec.model == SELF_DRAFT else 1,  # a self-draft never catches up
-            model_levels=tuple(topology.tree_width(level) for level in range(1, depth + 1)) if tree else (),
+            model_sizes=_model_sizes(topology, nested, 0 if tree else model_width) if model_drafts else (),
+            cuts_at_full_depth=whole_trees,
         )
         for model in (target, *getattr(drafter, "models", [])):
             if isinstance(model, LeanCausalLM):
@@ -124,7 +131,8 @@ class _Builder:
         policy.to(self.device)  # a trained stop head reads the draft's states where they are
         parts = EngineParts(
             config=config, device=self.device, tokenizer=tokenizer, loaded_target=loaded, target=target,
-            drafter=drafter, topology=topology, sources=sources, cache=cache, policy=policy, max_context=max_context,
+            drafter=drafter, topology=topology, sources=sources, nested_trees=nested, cache=cache, policy=policy,
+            max_context=max_context,
             eos_ids=eos_token_ids(tokenizer, loaded), whole_trees=whole_trees,
         )
         if whole_trees:
@@ -240,13 +248,30 @@ class _Builder:
                                execution=execution)
 
 
+def _model_sizes(topology: TreeTopology, nested: torch.Tensor, model_chains: int) -> tuple[tuple[int, ...], ...]:
+    """``Sources.model_sizes``: the model's nodes at each depth 1.. in each cut of the tree (``nested``), where the
+    tree has more than one size."""
+    if len(nested) < 2:
+        return ()
+    model = torch.zeros(nested.shape[1], dtype=torch.bool)
+    model[topology.tree_nodes] = True
+    for level in range(1, topology.max_depth + 1):
+        for candidate in range(model_chains):
+            model[topology.chain_node(level, candidate)] = True
+    depths = topology.depths
+    return tuple(tuple(int((cut & model & (depths == level)).sum()) for level in range(1, topology.max_depth + 1))
+                 for cut in nested)
+
+
 def _capture_graphs(parts: EngineParts) -> None:
     """The target's decode and verification forwards as CUDA graphs, for every row and key bucket, captured now
     within the graph memory budget (``cuda_graphs.py``)."""
     cache, topology, drafter = parts.cache, parts.topology, parts.drafter
     execution = cache.execution
     positions = cache.max_blocks_per_row * cache.block_size
-    tokens = [1, *(topology.size(depth) for depth in range(topology.max_depth + 1))]
+    # Whole trees of every depth, and every cut of the deepest (``Step._planned_nodes``).
+    tokens = [1, *(topology.size(depth) for depth in range(topology.max_depth + 1)),
+              *(int(cut.sum()) for cut in parts.nested_trees)]
     captures = [(parts.target, tokens, drafter.reads_target_states)]
     for draft in getattr(drafter, "models", []):  # a self-draft's levels (each layer set's): roots, then widths
         if drafter.graphs and isinstance(draft, LeanCausalLM):

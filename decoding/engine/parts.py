@@ -24,6 +24,9 @@ class EngineParts:
     drafter: Drafter
     topology: TreeTopology
     sources: Sources  # who proposes the tree's candidates (root, model, lookup)
+    # [K, N] host: the tree cut to each size a row can be planned with (``TreeTopology.nested_trees``; K = 1 when
+    # the model's tree has one size)
+    nested_trees: torch.Tensor
     cache: PagedKVCache  # the target's pool
     policy: LengthPolicy
     max_context: int  # positions a sequence may reach (the model's, the draft's, max_model_len)

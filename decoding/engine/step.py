@@ -17,6 +17,7 @@ log-probabilities; never a vocabulary-wide tensor).
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from dataclasses import dataclass
 from functools import cached_property
@@ -59,6 +60,7 @@ class Plan:
     meta: BatchMetadata  # the step's facts about its rows (greedy, seeded, penalized, constrained, room)
     depths: torch.Tensor  # [B] host: the model's (or lookup's) draft depth per row
     lookup_depths: torch.Tensor | None  # [B] host: the lookup siblings' depth, where the tree has both
+    sizes: torch.Tensor | None  # [B] host: the cut of the tree each row drafts (``parts.nested_trees``); None: whole
     warp: WarpParams  # the rows' warp (meta.row_warp) with penalties, where rows have them
     grammar_drafts: list[list[int]] | None = None  # per row: the grammar's own draft, for a lookup candidate
 
@@ -89,6 +91,16 @@ class Verdict:
     states: torch.Tensor | None  # the target's last hidden states at the nodes (feature drafts)
     slot_of: torch.Tensor  # [N] host: each tree node's index in the forward
     timing: StepTiming
+
+
+@dataclass(frozen=True)
+class SourceMatches:
+    """Per row, how deep each drafter's part of the tree agreed with the emitted tokens
+    (``Step._matched_by_source``)."""
+
+    model: list[int] | None = None
+    lookup: list[int] | None = None
+    by_size: list[list[int]] | None = None  # per cut of the tree (``parts.nested_trees``), the model's part of it
 
 
 @dataclass
@@ -212,7 +224,8 @@ class Step:
         """Each row's depth within its room (max_tokens, the context) and its sampling parameters."""
         meta = self.batch.metadata()
         contexts = self.cache.host_lengths[: len(seqs)]  # cached tokens, known on the host
-        depths, lookup_depths = self.policy.plan_rows([s.request_id for s in seqs], contexts, meta.reproducible)
+        planned = self.policy.plan_rows([s.request_id for s in seqs], contexts, meta.reproducible)
+        depths, lookup_depths = planned.depths, planned.lookup_depths
         depths = depths.minimum(meta.room)
         lookup_depths = lookup_depths.minimum(meta.room) if lookup_depths is not None else None
         row_drafts = None
@@ -226,7 +239,7 @@ class Step:
                 depths = depths.maximum(lengths)
         # Penalties need each row's history: then the drafter warps with it (the target's logits get the same).
         warp = self._warp(seqs) if meta.penalized else meta.row_warp
-        return Plan(meta, depths, lookup_depths, warp, row_drafts)
+        return Plan(meta, depths, lookup_depths, planned.sizes, warp, row_drafts)
 
     # ------------------------------------------------------------------------------------------------- draft
     def _roots(self, seqs: list[Sequence], plan: Plan, pending: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -264,18 +277,35 @@ class Step:
         grammar = None
         if plan.meta.constrained:
             grammar, root_valid = self._grammar_tree(seqs, plan, roots, root_valid)
-        draft = self.drafter.propose(DraftInputs(
+        draft = self._cut(plan, self.drafter.propose(DraftInputs(
             contexts=Contexts(seqs), roots=roots, root_valid=root_valid, pending=pending,  # type: ignore[arg-type]
             depths=plan.depths,
             topology=self.topology, warp=plan.warp, greedy=plan.meta.greedy,
             generators=[s.generator for s in seqs], replacement=self.speculative.replacement,
             stop=self.policy, lookup_depths=plan.lookup_depths,
             grammar=grammar.view() if grammar is not None else None, grammar_drafts=plan.grammar_drafts,
-        ))
+        )))
         if grammar is not None:  # the levels the drafter did not walk (all of a host drafter's)
             grammar.finish(draft.tokens, draft.valid, [self.topology.level_slice(level)
                                                        for level in range(1, draft.depth + 1)])
         return Drafted(draft, time.perf_counter() - started, grammar)
+
+    def _cut(self, plan: Plan, draft: Draft) -> Draft:
+        """``draft`` with each row's tree cut to its planned size (the drafter drafted the whole tree)."""
+        if plan.sizes is None:
+            return draft
+        valid = draft.valid
+        cuts = self.parts.nested_trees[:, : valid.shape[1]].to(valid.device, non_blocking=True)
+        return dataclasses.replace(draft, valid=valid & cuts[plan.sizes.to(valid.device, non_blocking=True)])
+
+    def _planned_nodes(self, plan: Plan, size: int) -> torch.Tensor | None:
+        """[n] host: the nodes of the step's tree of ``size`` nodes that its planned cuts hold (the largest
+        row's cut: the others are inside it), or None where that is the whole tree. Where verifications replay
+        graphs, cut trees are captured at the full depth only (``Sources.cuts_at_full_depth``)."""
+        if plan.sizes is None or (self.whole_trees and size != self.topology.size(self.topology.max_depth)):
+            return None
+        nodes = self.parts.nested_trees[int(plan.sizes.max()), :size].nonzero().flatten()
+        return nodes if len(nodes) < size else None
 
     # ------------------------------------------------------------------------------------------------ verify
     def _verify_forward(self, plan: Plan, draft: Draft, tokens: torch.Tensor, valid: torch.Tensor,
@@ -288,22 +318,22 @@ class Step:
         verify costs ~5% of a plain step. A node's ancestors are live wherever it is, so the live nodes form a
         tree of their own. A device draft's tree runs whole (its dead nodes as padding queries), so nothing is
         read back before the forward; so does every tree where verifications replay graphs captured at build
-        (``whole_trees``): those are captured for whole trees only.
+        (``whole_trees``), but for the cut of the tree the plan holds, known on the host: the whole trees and
+        their cuts are what is captured.
         """
         size = draft.tokens.shape[1]
         want = self.drafter.reads_target_states
         slot_of = torch.arange(size)
-        if draft.valid.device.type == "cpu" and not self.whole_trees:
-            nodes = draft.valid.any(0).nonzero().flatten()
-            if len(nodes) < size:
-                slot_of = torch.zeros(size, dtype=torch.long)
-                slot_of[nodes] = torch.arange(len(nodes))
-                live = self._to_device(nodes)
-                logits, states = forward_tree(self.target, self.cache, plan.rows, tokens[:, live],
-                                              ancestors[nodes][:, nodes], draft.valid[:, nodes], want_hidden=want,
-                                              graphs=True)
-                on_device = self._to_device(slot_of)  # back to tree positions; dead nodes' rows are never read
-                return logits[:, on_device], states[:, on_device] if states is not None else None, slot_of
+        nodes = draft.valid.any(0).nonzero().flatten() if draft.valid.device.type == "cpu" and not self.whole_trees \
+            else self._planned_nodes(plan, size)
+        if nodes is not None and len(nodes) < size:
+            slot_of = torch.zeros(size, dtype=torch.long)
+            slot_of[nodes] = torch.arange(len(nodes))
+            live = self._to_device(nodes)
+            logits, states = forward_tree(self.target, self.cache, plan.rows, tokens[:, live],
+                                          ancestors[nodes][:, nodes], valid[:, live], want_hidden=want, graphs=True)
+            on_device = self._to_device(slot_of)  # back to tree positions; dead nodes' rows are never read
+            return logits[:, on_device], states[:, on_device] if states is not None else None, slot_of
         logits, states = forward_tree(self.target, self.cache, plan.rows, tokens, ancestors, valid, want_hidden=want,
                                       graphs=True)
         return logits, states, slot_of
@@ -432,7 +462,8 @@ class Step:
         self.drafter.observe(verdict.paths, path_tokens, draft, self.topology, verdict.states,
                              verdict.raw_logits.topk(topk, dim=-1).indices if topk else None)
         size = draft.tokens.shape[1]
-        matched = self._matched_by_source(draft.depth, verdict.draft_tokens, verdict.drafted_nodes, committed.emitted)
+        matched = self._matched_by_source(draft.depth, verdict.draft_tokens, verdict.drafted_nodes, committed.emitted,
+                                          plan.sizes is not None)
         depth_of = self.topology.depths[:size]
         self.policy.observe(StepRecord(
             ids=[s.request_id for s in seqs],
@@ -440,19 +471,22 @@ class Step:
             drafted_depth=(verdict.drafted_nodes * depth_of).amax(1).tolist() if size else [0] * len(seqs),
             accepted=committed.kept,
             lookup_planned=(plan.lookup_depths if plan.lookup_depths is not None else plan.depths).tolist(),
-            model_matched=matched[0], lookup_matched=matched[1], timing=verdict.timing,
+            model_matched=matched.model, lookup_matched=matched.lookup, timing=verdict.timing,
             fixed=plan.meta.reproducible, draft_scale=draft_scale,
+            planned_size=plan.sizes.tolist() if plan.sizes is not None else None, size_matched=matched.by_size,
         ))
 
     def _matched_by_source(
-        self, depth: int, tokens: list[list[int]], drafted: torch.Tensor, emitted: list[list[int]]
-    ) -> tuple[list[int] | None, list[int] | None]:
+        self, depth: int, tokens: list[list[int]], drafted: torch.Tensor, emitted: list[list[int]], cut: bool
+    ) -> SourceMatches:
         """How deep the model's candidates (its chains or static tree), and the lookup siblings, agree with the
         tokens each row emitted: what each drafter alone would have had accepted, so the policy learns both from
-        every step whichever won. None where the tree has one drafter (its accepted run says it)."""
+        every step whichever won; with ``cut`` trees, also how deep each cut of the model's tree agrees. None where
+        the tree has one drafter and one size (its accepted run says it)."""
         sources, topology = self.sources, self.topology
-        if not (sources.model_width and sources.lookup_width) or depth == 0:
-            return None, None
+        both = bool(sources.model_width and sources.lookup_width)
+        if not (both or cut) or depth == 0:
+            return SourceMatches()
         size = topology.size(depth)
         node_depths = topology.depths[:size]
         target = torch.full((len(emitted), depth + 1), -1, dtype=torch.long)
@@ -463,7 +497,14 @@ class Step:
         on_path = ~((~agree)[:, None, :] & topology.sliced_ancestors(depth)[None]).any(-1)  # [B, N]
         matched = torch.where(on_path, node_depths, 0)
         lookup = self._lookup_nodes[:size]
-        return matched[:, ~lookup].amax(1).tolist(), matched[:, lookup].amax(1).tolist()
+
+        def deepest(nodes: torch.Tensor) -> list[int]:
+            return matched[:, nodes].amax(1).tolist() if bool(nodes.any()) else [0] * len(emitted)
+
+        return SourceMatches(
+            deepest(~lookup) if both else None, deepest(lookup) if both else None,
+            [deepest(~lookup & nodes[:size]) for nodes in self.parts.nested_trees] if cut else None,
+        )
 
     @cached_property
     def _lookup_nodes(self) -> torch.Tensor:

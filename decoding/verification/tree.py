@@ -25,10 +25,18 @@ class TreeTopology:
     # A static tree under the pending token, level by level: each of its nodes' parent among its nodes (-1: the
     # pending token), siblings in rank order. Its nodes at a level come before that level's chains.
     tree: tuple[int, ...] = ()
+    # Each static tree node's place in the order it was taken, best first (empty: the layout's order). Every
+    # parent comes before its children, so the first n nodes taken are a tree: the tree cut to n nodes.
+    tree_order: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         if self.tree and self.root_width != 1:
             raise ValueError("a static tree grows under the pending token: root_width must be 1")
+        if self.tree_order and (sorted(self.tree_order) != list(range(len(self.tree))) or any(
+                parent >= 0 and self.tree_order[parent] > self.tree_order[node]
+                for node, parent in enumerate(self.tree))):
+            raise ValueError(f"a static tree's order takes each node once, parents before children: "
+                             f"{self.tree_order}")
         if any(parent >= node for node, parent in enumerate(self.tree)) or \
                 self._tree_depths != sorted(self._tree_depths):
             raise ValueError(f"a static tree lists parents before children, level by level: {self.tree}")
@@ -127,12 +135,34 @@ class TreeTopology:
         n = self.size(depth)
         return self.ancestors[:n, :n]
 
+    def nested_trees(self, model_chains: int, sizes: Sequence[int]) -> torch.Tensor:
+        """[K, N] bool: the largest tree cut to each of ``sizes`` (ascending), the trees a row can be planned with.
+
+        The model's nodes are ranked, a static tree's by the order they were taken (``tree_order``), chain c's
+        (with its target-initialized root) by c for the first ``model_chains`` chains, and size s keeps those
+        ranked below s: each cut is a tree, and each holds the smaller ones. The pending token and the other
+        chains (lookup siblings) stay in every cut."""
+        rank = torch.full((self.size(self.max_depth),), -1)
+        order = self.tree_order or range(len(self.tree))
+        rank[self.tree_nodes] = torch.tensor(order, dtype=torch.long)
+        for candidate in range(model_chains):
+            if 0 < candidate < self.root_width:
+                rank[candidate] = candidate
+            for level in range(1, self.max_depth + 1):
+                rank[self.chain_node(level, candidate)] = candidate
+        return rank[None] < torch.tensor(list(sizes))[:, None]
+
 
 def best_first_tree(rank_prior: Sequence[float], depth: int, nodes: int) -> tuple[int, ...]:
     """The static tree (``TreeTopology.tree``) of the ``nodes`` nodes, at most ``depth`` deep, most likely to be
     accepted when a node of rank r is accepted with probability ``rank_prior[r]`` given its parent was (Sequoia's
     and token recycling's static trees): taken best first, a node's score is the product of its path's priors, so
     every parent is taken before its children and every rank before the next. Ties go to the earlier node."""
+    return best_first_layout(rank_prior, depth, nodes)[0]
+
+
+def best_first_layout(rank_prior: Sequence[float], depth: int, nodes: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """``best_first_tree`` and its ``TreeTopology.tree_order``: each node's place in the order it was taken."""
     taken: list[tuple[int, int]] = []  # (parent, depth) in the order taken
     order = 0
     frontier = [(-rank_prior[0], order, 1.0, -1, 0, 1)]  # (-score, tie, parent's score, parent, rank, depth)
@@ -150,7 +180,7 @@ def best_first_tree(rank_prior: Sequence[float], depth: int, nodes: int) -> tupl
     # Level by level, children grouped under their parents in the parents' order, in rank order (taken order).
     layout = sorted(range(len(taken)), key=lambda n: (taken[n][1], _position(taken, n)))
     index = {node: i for i, node in enumerate(layout)}
-    return tuple(index[taken[n][0]] if taken[n][0] >= 0 else -1 for n in layout)
+    return tuple(index[taken[n][0]] if taken[n][0] >= 0 else -1 for n in layout), tuple(layout)
 
 
 def _position(taken: list[tuple[int, int]], node: int) -> tuple[int, ...]:

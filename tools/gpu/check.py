@@ -155,6 +155,8 @@ def smollm2_contenders(batch: int) -> list[Contender]:
               Contender("plain-reference", plain, execution=reference), Contender("default", {}),
               Contender("default-reference", {}, execution=reference), Contender("ngram", {"method": "ngram"}),
               Contender("recycle", {"method": "recycle", "num_candidates": 2}),
+              # Up to 8 successors a node: a tree of 256 // batch nodes, cut per row by the online policy.
+              Contender("recycle-w8", {"method": "recycle", "num_candidates": 8}),
               Contender("layer-skip-auto", {"layer_skip": "auto"})]
     if batch != 1:
         return greedy
