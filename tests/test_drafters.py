@@ -21,6 +21,7 @@ from decoding.drafting.drafters import (
     recycling_tree_nodes,
 )
 from decoding.drafting.signal_head import DraftSignalMLP
+from decoding.engine.sequence import Contexts, Sequence
 from decoding.verification.tree import TreeTopology
 
 
@@ -303,3 +304,22 @@ def test_lookup_siblings_belong_to_a_model_tree() -> None:
     default = Config().speculative  # the zero-training default: the target drafting for itself in int4
     assert (default.model, default.quantization, default.method) == ("target", "int4", "draft_model")
     assert make_config(method="draft_model", model="some/draft").speculative.quantization is None
+
+
+def test_a_rows_context_tail_is_read_without_building_the_context() -> None:
+    """``Contexts.tail``, what the token history reads each step, equals slicing the whole context at every start,
+    across the prompt's end; and a history synced through it equals one synced through the whole contexts."""
+    seqs = [Sequence(request_id=str(i), prompt="", prompt_ids=prompt, params=None, generator=torch.Generator(),
+                     started=0.0, generated=generated)  # type: ignore[arg-type]
+            for i, (prompt, generated) in enumerate([([1, 2, 3], [4, 5, 6, 7]), ([8], [9]), ([10, 11], [12])])]
+    contexts = Contexts(seqs)
+    for row, seq in enumerate(seqs):
+        for start in range(len(seq.context) + 2):
+            assert contexts.tail(row, start) == (len(seq.context), seq.context[start:])
+    by_tail, by_lists = TokenHistory(torch.device("cpu")), TokenHistory(torch.device("cpu"))
+    for step in range(3):
+        pending = torch.tensor([seq.generated[-1] for seq in seqs])
+        got, expected = by_tail.sync(contexts, pending), by_lists.sync([seq.context for seq in seqs], pending)
+        assert got[1].tolist() == expected[1].tolist() and torch.equal(got[0], expected[0])
+        for seq in seqs:
+            seq.generated.extend([20 + step] * (1 + step))

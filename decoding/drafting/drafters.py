@@ -203,12 +203,16 @@ class TokenHistory:
         """Each row's ``contexts[row]`` + its pending token on the device: ([B, longest] tokens, [B] lengths)."""
         rows = len(contexts)
         self.lengths += [0] * (rows - len(self.lengths))  # rows the batch never announced (a drafter used alone)
+        # Only what a row gained is read (``Contexts.tail``): building whole contexts cost O(context) a row a step.
+        tail = getattr(contexts, "tail", None) or (lambda row, start: (len(contexts[row]), contexts[row][start:]))
         added = []
-        for row in range(rows):
-            tokens = [*contexts[row], int(pending[row])]
-            if len(tokens) < self.lengths[row]:  # not this row's history any more: written anew
-                self.lengths[row] = 0
-            added.append(tokens[self.lengths[row]:])
+        for row, token in enumerate(pending.tolist()):
+            known = self.lengths[row]
+            length, new = tail(row, known)
+            if length + 1 < known:  # not this row's history any more: written anew
+                known = self.lengths[row] = 0
+                length, new = tail(row, 0)
+            added.append(new + [token] if known <= length else [])
         lengths = [known + len(new) for known, new in zip(self.lengths, added)]
         longest = max(lengths, default=0)
         if self.tokens.shape[0] < rows or self.tokens.shape[1] < longest:  # grown by doubling

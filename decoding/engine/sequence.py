@@ -231,6 +231,15 @@ class Contexts(SequenceABC[list[int]]):
             return [seq.context for seq in self._seqs[row]]
         return self._seqs[row].context
 
+    def tail(self, row: int, start: int) -> tuple[int, list[int]]:
+        """(row's context length, its context from ``start`` on), without building the whole context."""
+        seq = self._seqs[row]
+        prompt, generated = seq.prompt_ids, seq.generated
+        length = len(prompt) + len(generated) - 1
+        if start < len(prompt):
+            return length, prompt[start:] + generated[:-1]
+        return length, generated[start - len(prompt) : -1]
+
 
 class EngineError(ValueError):
     """A request the engine cannot run; it becomes that sequence's error result."""
