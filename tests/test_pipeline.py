@@ -415,7 +415,7 @@ def test_killed_driver_then_resume_yields_every_id_once(ray_cluster, config, tmp
         try:
             # A complete marker, not just its file: a marker being written reads back empty and counts nothing.
             wait_for(lambda: (any((out / "_commits").glob("*.json")) and bool(OutputStore(str(out)).markers()))
-                     or driver.poll() is not None, 120, "a committed part")
+                     or driver.poll() is not None, 600, "a committed part")  # a bound against a hang only
         finally:
             driver.send_signal(signal.SIGKILL)
             driver.wait()

@@ -356,8 +356,8 @@ class OnlinePolicy(LengthPolicy):
         expected = [np.ones(1)]
         model = None
         if self.sources.model_width:
-            stacked = np.maximum.accumulate([rates["model", size][1:] for size in range(self.sources.sizes)])
-            model = np.cumprod(stacked, axis=1)
+            by_size = [rates["model", size][1:] for size in range(self.sources.sizes)]
+            model = np.cumprod(np.maximum.accumulate(by_size) if len(by_size) > 1 else by_size[0][None], axis=1)
             expected.append((1 + np.cumsum(model, axis=1)).ravel())
         if self.sources.lookup_width:
             lookup = np.cumprod(rates["lookup", 0][1:])
