@@ -157,6 +157,7 @@ def test_a_best_first_tree_is_cut_to_its_first_nodes_taken() -> None:
     ]
     for cut in cuts:  # each cut is a tree: a node's parent is in it too
         assert all(cut[parent] for node, parent in enumerate(topology.parents) if cut[node] and parent >= 0)
+    assert topology.model_nodes(0).int().tolist() == [0, 1, 1, 0, 1, 1, 1, 0, 0]  # the tree, not the lookup chain
 
 
 def test_a_tree_taken_out_of_layout_order_is_cut_by_that_order() -> None:
@@ -178,3 +179,5 @@ def test_chains_are_cut_to_their_first_candidates_with_their_roots() -> None:
         [1, 1, 0, 1, 1, 0, 1, 1, 1, 0, 1],
         [1] * 11,
     ]
+    # Below the roots, the model's three chains; the lookup chain's nodes are the rest.
+    assert topology.model_nodes(3).int().tolist() == [0, 0, 0, 1, 1, 1, 0, 1, 1, 1, 0]

@@ -253,12 +253,7 @@ def _model_sizes(topology: TreeTopology, nested: torch.Tensor, model_chains: int
     tree has more than one size."""
     if len(nested) < 2:
         return ()
-    model = torch.zeros(nested.shape[1], dtype=torch.bool)
-    model[topology.tree_nodes] = True
-    for level in range(1, topology.max_depth + 1):
-        for candidate in range(model_chains):
-            model[topology.chain_node(level, candidate)] = True
-    depths = topology.depths
+    model, depths = topology.model_nodes(model_chains), topology.depths
     return tuple(tuple(int((cut & model & (depths == level)).sum()) for level in range(1, topology.max_depth + 1))
                  for cut in nested)
 

@@ -124,6 +124,7 @@ class Step:
         self.device = parts.cache.device
         self.whole_trees = parts.whole_trees
         self.steps = 0
+        self._nested_trees: dict[torch.device, torch.Tensor] = {}  # ``parts.nested_trees`` on each draft device
         self.encode = lambda text: parts.tokenizer.encode(text, add_special_tokens=False)  # grammar drafts' text
 
     def _to_device(self, tensor: torch.Tensor) -> torch.Tensor:
@@ -295,7 +296,9 @@ class Step:
         if plan.sizes is None:
             return draft
         valid = draft.valid
-        cuts = self.parts.nested_trees[:, : valid.shape[1]].to(valid.device, non_blocking=True)
+        if valid.device not in self._nested_trees:  # copied once per device (a host draft's flags, a device's)
+            self._nested_trees[valid.device] = self.parts.nested_trees.to(valid.device)
+        cuts = self._nested_trees[valid.device][:, : valid.shape[1]]
         return dataclasses.replace(draft, valid=valid & cuts[plan.sizes.to(valid.device, non_blocking=True)])
 
     def _planned_nodes(self, plan: Plan, size: int) -> torch.Tensor | None:
@@ -509,8 +512,5 @@ class Step:
     @cached_property
     def _lookup_nodes(self) -> torch.Tensor:
         """[N]: the lookup siblings' nodes (the last ``lookup_width`` chains of every level)."""
-        topology, first = self.topology, self.topology.num_candidates - self.sources.lookup_width
-        lookup = torch.zeros(topology.size(topology.max_depth), dtype=torch.bool)
-        for level in range(1, topology.max_depth + 1):
-            lookup[topology.chain_node(level, first) : topology.level_slice(level).stop] = True
-        return lookup
+        topology = self.topology
+        return (topology.depths > 0) & ~topology.model_nodes(topology.num_candidates - self.sources.lookup_width)

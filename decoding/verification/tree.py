@@ -135,6 +135,15 @@ class TreeTopology:
         n = self.size(depth)
         return self.ancestors[:n, :n]
 
+    def model_nodes(self, model_chains: int) -> torch.Tensor:
+        """[N] bool: the nodes below the root level a model drafts, the static tree's and the first
+        ``model_chains`` chains' at every level; the other chains' are lookup siblings."""
+        model = torch.zeros(self.size(self.max_depth), dtype=torch.bool)
+        model[self.tree_nodes] = True
+        for level in range(1, self.max_depth + 1):
+            model[self.chain_node(level, 0) : self.chain_node(level, model_chains)] = True
+        return model
+
     def nested_trees(self, model_chains: int, sizes: Sequence[int]) -> torch.Tensor:
         """[K, N] bool: the largest tree cut to each of ``sizes`` (ascending), the trees a row can be planned with.
 
