@@ -178,6 +178,11 @@ class Sources:
         return sum(self.model_sizes[size][:depth]) if self.model_sizes else self.model_width * depth
 
 
+def _unit(values: np.ndarray) -> np.ndarray:
+    """``values`` clipped to [0, 1] in place (``np.clip``'s dispatch costs more than the clipping here)."""
+    return np.minimum(np.maximum(values, 0.0, out=values), 1.0, out=values)
+
+
 class _Rates:
     """Per-level acceptance pseudo-counts ("reached level j", "accepted at level j"), exponentially decayed.
 
@@ -205,10 +210,6 @@ class _Rates:
         self.reached = self.reached * self.decay + reached
         self.accepted = self.accepted * self.decay + accepted
 
-    def blended(self, base: np.ndarray, strength: float) -> np.ndarray:
-        """Acceptance per level, this row's counts pulled towards ``base`` with ``strength`` pseudo-steps."""
-        return np.clip((self.accepted + strength * base) / (self.reached + strength), 0, 1)
-
     @property
     def rate(self) -> np.ndarray:
         """Per level, its own counts pulled towards the rate pooled over all levels with ``POOLED_STRENGTH``
@@ -216,7 +217,7 @@ class _Rates:
         the others' evidence: with its own counts alone, one rejection at depth 3 held a self-draft that accepted
         everything at depth 2 for 40 steps (only probes, every 8 to 16 steps, could lift it)."""
         pooled = (self.accepted[1:].sum() + 1e-3 * PRIOR_ACCEPTANCE) / (self.reached[1:].sum() + 1e-3)
-        return np.clip((self.accepted + POOLED_STRENGTH * pooled) / (self.reached + POOLED_STRENGTH), 0, 1)
+        return _unit((self.accepted + POOLED_STRENGTH * pooled) / (self.reached + POOLED_STRENGTH))
 
 
 # What an untried level is believed to accept, before the first step's evidence (one pseudo-step). Optimistic:
@@ -277,7 +278,10 @@ class OnlinePolicy(LengthPolicy):
         self.margin = margin
         self.row_strength = row_strength
         self.batch_rates = {key: _Rates(max_depth, PRIOR_ACCEPTANCE, decay=decay) for key in sources.keys}
-        self.row_rates: dict[str, dict[tuple[str, int], _Rates]] = {}
+        # Per row, [2, keys, depth + 1]: its own decayed ("reached", "accepted") counts per key of
+        # ``Sources.keys`` and level (no prior: ``_row_rates`` pulls them towards the batch's). One array per row, so
+        # a step stacks its rows and decides for all of them at once: row by row, planning took ~55 us a row.
+        self.row_rates: dict[str, np.ndarray] = {}
         self.row_steps: dict[str, int] = {}
         self.steps = 0
         # Realized goodput of the steps that drafted, relative to plain decoding's predicted for the same rows and
@@ -292,7 +296,7 @@ class OnlinePolicy(LengthPolicy):
         # Plain steps' measured seconds over the cost model's prediction: the plain reference is anchored on plain
         # steps themselves (the model's one scale also absorbs the drafting steps' errors).
         self.plain_correction = 1.0
-        self._cost_memo: dict[tuple, tuple[int, list[float], bool]] = {}  # key -> (step, option costs, payable)
+        self._cost_memo: dict[tuple, tuple[int, np.ndarray, bool]] = {}  # key -> (step, option costs, payable)
 
     # ------------------------------------------------------------------------------------------- costs
     def step_seconds(
@@ -315,15 +319,22 @@ class OnlinePolicy(LengthPolicy):
         return seconds
 
     # ------------------------------------------------------------------------------------------ choices
-    def _rates(self, seq_id: str, fixed: bool) -> dict[tuple[str, int], np.ndarray]:
-        rows = self.row_rates.setdefault(
-            seq_id, {key: _Rates(self.max_depth, weight=0.0, decay=self.decay) for key in self.sources.keys}
-        )
-        out = {}
-        for key, rates in rows.items():
-            base = np.full_like(rates.reached, PRIOR_ACCEPTANCE) if fixed else self.batch_rates[key].rate
-            out[key] = rates.blended(base, self.row_strength)
-        return out
+    def _row_rates(self, ids: list[str], fixed: list[bool]) -> np.ndarray:
+        """[R, keys, depth + 1]: each row's acceptance per key of ``Sources.keys`` and level, its own counts pulled
+        towards the batch's rates (a seeded row's: towards a fixed prior) with ``row_strength`` pseudo-steps."""
+        shape = (2, len(self.sources.keys), self.max_depth + 1)
+        for seq_id in ids:
+            if seq_id not in self.row_rates:
+                self.row_rates[seq_id] = np.zeros(shape)
+        counts = np.array([self.row_rates[seq_id] for seq_id in ids])  # np.array: np.stack's dispatch costs more
+        base = np.array([self.batch_rates[key].rate for key in self.sources.keys])[None]
+        if any(fixed):
+            base = np.where(np.array(fixed)[:, None, None], PRIOR_ACCEPTANCE, base)
+        return _unit((counts[:, 1] + self.row_strength * base) / (counts[:, 0] + self.row_strength))
+
+    @cached_property
+    def _levels(self) -> np.ndarray:
+        return np.arange(self.max_depth + 1)
 
     @cached_property
     def _options(self) -> list[tuple[int, int, int]]:
@@ -341,30 +352,32 @@ class OnlinePolicy(LengthPolicy):
         return options
 
     @cached_property
-    def _allowed(self) -> list[bool]:
-        """Per option of ``_options``: whether a step can run it (``Sources.cuts_at_full_depth``)."""
+    def _allowed(self) -> np.ndarray:
+        """Per option of ``_options``: 1 where a step can run it, else 0 (``Sources.cuts_at_full_depth``)."""
         whole = self.sources.sizes - 1
-        return [not self.sources.cuts_at_full_depth or size == whole or max(m, lk) == self.max_depth
-                for m, size, lk in self._options]
+        return np.array([not self.sources.cuts_at_full_depth or size == whole or max(m, lk) == self.max_depth
+                         for m, size, lk in self._options], dtype=float)
 
-    def _expected_tokens(self, rates: dict[tuple[str, int], np.ndarray]) -> list[float]:
-        """Per option of ``_options``: 1 + expected accepted drafted tokens, where level j is reached if some
-        drafter's chain still agrees there (every depth in one pass: this runs for every row at every step).
+    def _expected_tokens(self, rates: np.ndarray) -> np.ndarray:
+        """[R, options]: per row (``_row_rates``) and option of ``_options``, 1 + expected accepted drafted tokens,
+        where level j is reached if some drafter's chain still agrees there (every depth in one pass).
 
         A tree cut smaller never agrees further than a larger one holding it: each size's rates are at least the
         smaller sizes' (a size seldom planned keeps its prior otherwise)."""
-        expected = [np.ones(1)]
+        sizes = self.sources.sizes
+        expected = [np.ones((len(rates), 1))]
         model = None
-        if self.sources.model_width:
-            by_size = [rates["model", size][1:] for size in range(self.sources.sizes)]
-            model = np.cumprod(np.maximum.accumulate(by_size) if len(by_size) > 1 else by_size[0][None], axis=1)
-            expected.append((1 + np.cumsum(model, axis=1)).ravel())
-        if self.sources.lookup_width:
-            lookup = np.cumprod(rates["lookup", 0][1:])
-            expected.append(1 + np.cumsum(lookup))
+        if self.sources.model_width:  # the model's keys come first, one per size
+            model = rates[:, :sizes, 1:]  # [R, sizes, depth]
+            model = np.cumprod(np.maximum.accumulate(model, axis=1) if sizes > 1 else model, axis=2)
+            expected.append((1 + np.cumsum(model, axis=2)).reshape(len(rates), -1))
+        if self.sources.lookup_width:  # the lookup's key comes last
+            lookup = np.cumprod(rates[:, -1, 1:], axis=1)
+            expected.append(1 + np.cumsum(lookup, axis=1))
             if model is not None:
-                expected.append((1 + np.cumsum(1 - (1 - model) * (1 - lookup), axis=1)).ravel())
-        return np.concatenate(expected).tolist()
+                both = 1 + np.cumsum(1 - (1 - model) * (1 - lookup[:, None]), axis=2)
+                expected.append(both.reshape(len(rates), -1))
+        return np.concatenate(expected, axis=1)
 
     def plan_rows(
         self, ids: list[str], contexts: list[int] | None = None, fixed: list[bool] | None = None
@@ -374,42 +387,35 @@ class OnlinePolicy(LengthPolicy):
         rows = len(ids)
         contexts = contexts or [0] * rows
         fixed = fixed or [False] * rows
-        # Python lists, one tensor each at the end: a tensor item assignment per row cost ~4 us a row.
+        # Python lists, one tensor at the end: a tensor item assignment per row cost ~4 us a row. Rows are chosen
+        # for all at once (``_row_rates``, ``_expected_tokens``); only probes go row by row.
         plans = [(0, self.sources.sizes - 1, 0)] * rows
         options = self._options
-        costs: dict[tuple, list[float]] = {}  # per cost key, every option's seconds; per (key, probe) its own
-        payable: dict[tuple, bool] = {}
+        costs: dict[tuple, np.ndarray] = {}  # per cost key, every option's seconds
+        probe_costs: dict[tuple, float] = {}  # per (cost key, probe), its seconds
+        keys, payable_rows = [], []
         step = self.steps + 1  # this step's number; ``observe`` counts it
         scale = self.draft_scale()  # a switch of the draft's layer set prices every option anew
-        for row, (seq_id, context, is_fixed) in enumerate(zip(ids, contexts, fixed)):
-            # Rows probe on the same steps: one row drafting deepens the whole batch's forwards, so probes on
-            # different steps cost every step (0.59x of plain at batch 16). A seeded row counts its own steps (its
-            # choices must not depend on other rows).
-            steps = self.row_steps.get(seq_id, 0) + 1 if is_fixed else step
-            batch = self.capacity if is_fixed else rows
-            key = (batch, 0 if is_fixed else context // 64, is_fixed, scale)
+        for row, (context, is_fixed) in enumerate(zip(contexts, fixed)):
+            key = (self.capacity if is_fixed else rows, 0 if is_fixed else context // 64, is_fixed, scale)
+            keys.append(key)
             if key not in costs:
-                # Costs move slowly (corrections by timed steps): reused for COST_REUSE_STEPS steps, for ever from
-                # the fixed calibration. Every option's cost for every row bucket each step took 2% of a batch-16
-                # step that drafted nothing.
-                memo = self._cost_memo.get(key)
-                if memo is None or (not is_fixed and step - memo[0] >= COST_REUSE_STEPS):
-                    option_costs = [self.step_seconds(m, lk, batch, context, is_fixed, size)
-                                    for m, size, lk in options]
-                    # Whether any option could pay were every drafted token accepted: where none could (a large
-                    # batch on a few CPU cores), probing cannot find one either and only widens the batch's forwards.
-                    memo = self._cost_memo[key] = (step, option_costs, any(
-                        (1 + max(m, lk)) / max(c, 1e-9) >= (1 + self.margin) / max(option_costs[0], 1e-9)
-                        for (m, _, lk), c in zip(options[1:], option_costs[1:])))
-                costs[key], payable[key] = memo[1], memo[2]
-            if not payable[key]:
-                continue
-            speed = [tokens / max(c, 1e-9) if allowed else 0.0 for tokens, c, allowed in
-                     zip(self._expected_tokens(self._rates(seq_id, is_fixed)), costs[key], self._allowed)]
-            best = max(range(len(options)), key=speed.__getitem__)
-            if speed[best] < (1 + self.margin) * speed[0]:
-                best = 0
-            plan = options[best]
+                costs[key] = self._option_costs(key, context, step)
+            if self._cost_memo[key][2]:
+                payable_rows.append(row)
+        if not payable_rows:
+            return self._row_plan(plans)
+        ids_payable = [ids[row] for row in payable_rows]
+        fixed_payable = [fixed[row] for row in payable_rows]
+        option_costs = np.array([costs[keys[row]] for row in payable_rows])  # [P, options]
+        expected = self._expected_tokens(self._row_rates(ids_payable, fixed_payable))
+        speed = expected / np.maximum(option_costs, 1e-9) * self._allowed
+        best_options = speed.argmax(1)  # the first best, as ``max`` took it
+        best_options[speed.max(1) < (1 + self.margin) * speed[:, 0]] = 0
+        held_back = self.held_back
+        gain = self.drafting_gain
+        for row, seq_id, is_fixed, best in zip(payable_rows, ids_payable, fixed_payable, best_options.tolist()):
+            key, plan = keys[row], options[best]
             # Probe one level deeper with every drafter, and the model's tree one size larger, now and then (a
             # drafter left out comes back in at depth 1), so unused depths, sizes and drafters keep being measured:
             # at most ``probe_budget`` of the time. Held back (drafting did not pay), the probe is the row's choice.
@@ -419,23 +425,46 @@ class OnlinePolicy(LengthPolicy):
                       min(lookup_depth + 1, self.max_depth) if self.sources.lookup_width else 0)
             if self.sources.cuts_at_full_depth and max(deeper[0], deeper[2]) < self.max_depth:
                 deeper = (deeper[0], self.sources.sizes - 1, deeper[2])
-            if best and not is_fixed and self.held_back:
+            if best and not is_fixed and held_back:
                 plan, deeper, best = options[0], plan, 0
             if deeper != plan:
-                if (key, deeper) not in costs:
+                if (key, deeper) not in probe_costs:
                     model_depth, size, lookup_depth = deeper
-                    costs[key, deeper] = [self.step_seconds(model_depth, lookup_depth, batch, context, is_fixed,
-                                                            size)]
-                extra = costs[key, deeper][0] / max(costs[key][best], 1e-9) - 1
-                if self.held_back and not is_fixed:  # drafting steps cost more than modelled: as much rarer
-                    extra /= max(self.drafting_gain, 0.1)
-                # Powers of two: rows probing at different rates still probe on the same steps.
+                    probe_costs[key, deeper] = self.step_seconds(model_depth, lookup_depth, key[0], contexts[row],
+                                                                 is_fixed, size)
+                extra = probe_costs[key, deeper] / max(float(costs[key][best]), 1e-9) - 1
+                if held_back and not is_fixed:  # drafting steps cost more than modelled: as much rarer
+                    extra /= max(gain, 0.1)
+                # Rows probe on the same steps: one row drafting deepens the whole batch's forwards, so probes on
+                # different steps cost every step (0.59x of plain at batch 16); powers of two keep rows probing at
+                # different rates in step. A seeded row counts its own steps (its choices must not depend on other
+                # rows).
                 period = 1 << math.ceil(math.log2(max(self.probe_every, extra / self.probe_budget, 1)))
-                if steps % period == 0:
+                if (self.row_steps.get(seq_id, 0) + 1 if is_fixed else step) % period == 0:
                     plan = deeper
             plans[row] = plan
-        model_depths, sizes, lookup_depths = (torch.tensor(column, dtype=torch.long) for column in zip(*plans)) \
-            if rows else (torch.zeros(0, dtype=torch.long),) * 3
+        return self._row_plan(plans)
+
+    def _option_costs(self, key: tuple, context: int, step: int) -> np.ndarray:
+        """Every option's predicted seconds for rows of this cost key (rows, context bucket, fixed, draft scale).
+
+        Costs move slowly (corrections by timed steps): reused for COST_REUSE_STEPS steps, for ever from the fixed
+        calibration. Every option's cost for every row bucket each step took 2% of a batch-16 step that drafted
+        nothing."""
+        batch, _, is_fixed, _ = key
+        memo = self._cost_memo.get(key)
+        if memo is None or (not is_fixed and step - memo[0] >= COST_REUSE_STEPS):
+            option_costs = [self.step_seconds(m, lk, batch, context, is_fixed, size) for m, size, lk in self._options]
+            # Whether any option could pay were every drafted token accepted: where none could (a large batch on a
+            # few CPU cores), probing cannot find one either and only widens the batch's forwards.
+            memo = self._cost_memo[key] = (step, np.array(option_costs), any(
+                (1 + max(m, lk)) / max(c, 1e-9) >= (1 + self.margin) / max(option_costs[0], 1e-9)
+                for (m, _, lk), c in zip(self._options[1:], option_costs[1:])))
+        return memo[1]
+
+    def _row_plan(self, plans: list[tuple[int, int, int]]) -> RowPlan:
+        # numpy, then one tensor: torch.tensor of a list of tuples costs several times more.
+        model_depths, sizes, lookup_depths = torch.from_numpy(np.array(plans, dtype=np.int64).reshape(-1, 3).T.copy())
         if not self.sources.model_width:  # a lookup-only tree: its depth is the tree's depth
             return RowPlan(lookup_depths)
         return RowPlan(model_depths, lookup_depths if self.sources.lookup_width else None,
@@ -495,14 +524,27 @@ class OnlinePolicy(LengthPolicy):
         for seq_id, is_fixed in zip(record.ids, record.fixed or []):
             if is_fixed:  # only a seeded row's probes count its own steps
                 self.row_steps[seq_id] = self.row_steps.get(seq_id, 0) + 1
-        for key in self.sources.keys:
+        known = [row for row, seq_id in enumerate(record.ids) if seq_id in self.row_rates]
+        counts = np.array([self.row_rates[record.ids[row]] for row in known]) if known else None  # [M, 2, K, L]
+        levels = self._levels
+        for k, key in enumerate(self.sources.keys):
             plans, got = self._observed(record, key)
             if not any(plans):  # nothing planned reaches no level: the rates stay as they are (``_Rates.observe``)
                 continue
             self.batch_rates[key].observe(plans, got)
-            for seq_id, depth, taken in zip(record.ids, plans, got):
-                if depth and seq_id in self.row_rates:
-                    self.row_rates[seq_id][key].observe([depth], [taken])
+            if counts is None:
+                continue
+            # A row's own counts, as ``_Rates.observe`` of that row alone: levels 1..min(taken + 1, depth) reached,
+            # 1..min(taken, depth) accepted, every level aged; rows that planned no level for this key are left as
+            # they are (aged by 1, nothing added).
+            depth, taken = np.array(plans), np.array(got)
+            if len(known) < len(plans):
+                depth, taken = depth[known], taken[known]
+            reached_accepted = np.minimum(taken[:, None] + (1, 0), depth[:, None])  # [M, 2]
+            added = (levels <= reached_accepted[:, :, None]) & (levels > 0)  # [M, 2, L]
+            counts[:, :, k] = counts[:, :, k] * np.where(depth > 0, self.decay, 1.0)[:, None, None] + added
+        for row, row_counts in zip(known, counts if counts is not None else []):
+            self.row_rates[record.ids[row]] = row_counts
         if record.timing is not None:
             timing = record.timing
             self.verify_cost.observe([timing.verify], timing.verify_seconds)
