@@ -183,10 +183,21 @@ def _unit(values: np.ndarray) -> np.ndarray:
     return np.minimum(np.maximum(values, 0.0, out=values), 1.0, out=values)
 
 
-class _Rates:
-    """Per-level acceptance pseudo-counts ("reached level j", "accepted at level j"), exponentially decayed.
+def _level_counts(planned: list[int] | np.ndarray, matched: list[int] | np.ndarray, levels: int) -> np.ndarray:
+    """[rows, 2, levels] bool: per row, the levels 1..min(matched + 1, planned) it reached and 1..min(matched,
+    planned) it accepted. A level planned but not matched counts as a rejection, also where nothing was drafted
+    there (a lookup with no or a short match): the step's verify forward was as wide as its deepest row, so that
+    row paid for it and gained nothing."""
+    last = np.minimum(np.asarray(matched)[:, None] + (1, 0), np.asarray(planned)[:, None])  # [rows, 2]
+    level = np.arange(levels)
+    return (level <= last[:, :, None]) & (level > 0)
 
-    numpy, not torch: a few numbers per row, read and updated for every row at every step."""
+
+class _Rates:
+    """Per-level acceptance pseudo-counts ("reached level j", "accepted at level j"), exponentially decayed: the
+    batch's, per drafter (a row's own are rows of ``OnlinePolicy.row_rates``).
+
+    numpy, not torch: a few numbers, read and updated at every step."""
 
     def __init__(self, depth: int, prior: float = 0.5, weight: float = 1.0, decay: float = 0.9) -> None:
         # ``prior`` with ``weight`` pseudo-steps: what an untried level is believed to accept.
@@ -195,14 +206,8 @@ class _Rates:
         self.decay = decay
 
     def observe(self, planned: list[int], matched: list[int]) -> None:
-        """One step of rows with these planned depths and matches. A level planned but not matched counts as a
-        rejection, also where nothing was drafted there (a lookup with no or a short match): the step's verify
-        forward was as wide as its deepest row, so that row paid for it and gained nothing."""
-        reached = np.zeros_like(self.reached)
-        accepted = np.zeros_like(self.accepted)
-        for depth, taken in zip(planned, matched):
-            reached[1 : min(taken + 1, depth) + 1] += 1
-            accepted[1 : min(taken, depth) + 1] += 1
+        """One step of rows with these planned depths and matches (``_level_counts``)."""
+        reached, accepted = _level_counts(planned, matched, len(self.reached)).sum(0)
         if not reached.any():  # a plain step says nothing: the evidence stays as it was
             return
         # Every level ages with each drafting step, also levels not reached: a level's lone old rejection fades
@@ -333,10 +338,6 @@ class OnlinePolicy(LengthPolicy):
         return _unit((counts[:, 1] + self.row_strength * base) / (counts[:, 0] + self.row_strength))
 
     @cached_property
-    def _levels(self) -> np.ndarray:
-        return np.arange(self.max_depth + 1)
-
-    @cached_property
     def _options(self) -> list[tuple[int, int, int]]:
         """(model depth, size, lookup depth) this tree can take, plain decoding first; in ``_expected_tokens``'s
         order."""
@@ -463,6 +464,7 @@ class OnlinePolicy(LengthPolicy):
         return memo[1]
 
     def _row_plan(self, plans: list[tuple[int, int, int]]) -> RowPlan:
+        """The rows' (model depth, size, lookup depth) as a ``RowPlan``."""
         # numpy, then one tensor: torch.tensor of a list of tuples costs several times more.
         model_depths, sizes, lookup_depths = torch.from_numpy(np.array(plans, dtype=np.int64).reshape(-1, 3).T.copy())
         if not self.sources.model_width:  # a lookup-only tree: its depth is the tree's depth
@@ -526,7 +528,6 @@ class OnlinePolicy(LengthPolicy):
                 self.row_steps[seq_id] = self.row_steps.get(seq_id, 0) + 1
         known = [row for row, seq_id in enumerate(record.ids) if seq_id in self.row_rates]
         counts = np.array([self.row_rates[record.ids[row]] for row in known]) if known else None  # [M, 2, K, L]
-        levels = self._levels
         for k, key in enumerate(self.sources.keys):
             plans, got = self._observed(record, key)
             if not any(plans):  # nothing planned reaches no level: the rates stay as they are (``_Rates.observe``)
@@ -534,14 +535,12 @@ class OnlinePolicy(LengthPolicy):
             self.batch_rates[key].observe(plans, got)
             if counts is None:
                 continue
-            # A row's own counts, as ``_Rates.observe`` of that row alone: levels 1..min(taken + 1, depth) reached,
-            # 1..min(taken, depth) accepted, every level aged; rows that planned no level for this key are left as
-            # they are (aged by 1, nothing added).
+            # A row's own counts, as ``_Rates.observe`` of that row alone: every level aged, its levels added. Rows
+            # that planned no level for this key are left as they are (a factor 1, nothing added).
             depth, taken = np.array(plans), np.array(got)
             if len(known) < len(plans):
                 depth, taken = depth[known], taken[known]
-            reached_accepted = np.minimum(taken[:, None] + (1, 0), depth[:, None])  # [M, 2]
-            added = (levels <= reached_accepted[:, :, None]) & (levels > 0)  # [M, 2, L]
+            added = _level_counts(depth, taken, self.max_depth + 1)  # [M, 2, L]
             counts[:, :, k] = counts[:, :, k] * np.where(depth > 0, self.decay, 1.0)[:, None, None] + added
         for row, row_counts in zip(known, counts if counts is not None else []):
             self.row_rates[record.ids[row]] = row_counts
