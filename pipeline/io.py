@@ -159,7 +159,8 @@ def _suffix(path: str) -> str:
 
 
 def read_prompts(
-    files: list[str], base: str, *, skip: frozenset[str], rows_per_block: int, filesystem: pafs.FileSystem | None = None
+    files: list[str], base: str, *, skip: frozenset[str], rows_per_block: int,
+    filesystem: pafs.FileSystem | None = None, tasks: int | None = None,
 ) -> ray.data.Dataset:
     """Rows of the files whose id is not in ``skip``, in blocks of at most ``rows_per_block`` rows of one file.
 
@@ -168,12 +169,15 @@ def read_prompts(
     its own, so no block mixes files (whose column types may differ; a task reading several concatenates them, and
     fails when they clash). Ray Data joins what one read task yields into one block (20,000 rows of one file: one
     block), so a streaming repartition, which asks for no CPU either, cuts it into blocks of ``rows_per_block``
-    rows. Those blocks are the actors' calls and the output parts.
+    rows. Those blocks are the actors' calls and the output parts. ``tasks``: read tasks in flight at once (None:
+    unbounded).
     """
     source = PromptFiles(files, base, skip, filesystem or pafs.LocalFileSystem())
-    ds = ray.data.read_datasource(source, num_cpus=0, override_num_blocks=len(files))
+    ds = ray.data.read_datasource(source, num_cpus=0, override_num_blocks=len(files), concurrency=tasks)
     ds = ds.repartition(target_num_rows_per_block=rows_per_block)
-    ds._logical_plan.dag.ray_remote_args["num_cpus"] = 0  # Dataset.repartition takes no remote args
+    # Dataset.repartition takes neither remote args nor a concurrency: set on its logical operator.
+    ds._logical_plan.dag.ray_remote_args["num_cpus"] = 0
+    object.__setattr__(ds._logical_plan.dag, "compute", ray.data.TaskPoolStrategy(size=tasks))
     return ds
 
 

@@ -19,7 +19,7 @@ import ray.data
 
 from decoding.config import Config
 from pipeline.io import InputError, list_input_files, read_prompts, without_output
-from pipeline.processor import CALLS_PER_ACTOR, Processor, StageOptions, rows_per_block
+from pipeline.processor import CALLS_PER_ACTOR, Processor, StageOptions, light_tasks, rows_per_block
 from pipeline.progress import Progress, ProgressWatcher, count_rows
 from pipeline.store import Lease, LeaseLost, OutputSink, OutputStore, new_run_id
 from pipeline.summary import RunStats, summarize
@@ -118,7 +118,7 @@ def run(config: Config, input_path: str, output_dir: str, *, progress: Callable[
         with ray_session(verbose), watcher:
             input_bytes = sum(info.size or 0 for info in fs.get_file_info(files))
             ds = read_prompts(files, base, skip=done, rows_per_block=rows_per_part(config, input_bytes),
-                              filesystem=fs)
+                              filesystem=fs, tasks=light_tasks(config))
             # Blocks go to the least busy actor, not the one beside the block's data (a few kilobytes, against
             # seconds of generation): with locality, two one-CPU nodes' actors got 6 blocks of 4 rows, all on the
             # node that read them.
@@ -133,9 +133,11 @@ def run(config: Config, input_path: str, output_dir: str, *, progress: Callable[
                 # actor that cannot start still fails the job: Ray Data's no-progress timeout. The dataset's own
                 # context.
                 ds.context.wait_for_min_actors_s = ACTOR_START_TIMEOUT_S
-            # Write tasks are I/O: they ask for no CPU, which the actors hold (see read_prompts).
+            # Write tasks are I/O: they ask for no CPU, which the actors hold (see read_prompts). Unbounded, 20,000
+            # short rows of a tiny model in one file started 15 worker processes for them (2 cores: 85 s, 59 s).
             try:
-                generate(ds, config).write_datasink(sink, ray_remote_args={"num_cpus": 0})
+                generate(ds, config).write_datasink(sink, ray_remote_args={"num_cpus": 0},
+                                                    concurrency=light_tasks(config))
             except LeaseLost as exc:  # from a write task (pipeline.store.check_fence); Ray adds its traceback
                 raise LeaseLost(LeaseLost.own_message(str(exc))) from None
         ready = [m["engine_ready"] for m in sink.written if m.get("engine_ready")]

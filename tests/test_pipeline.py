@@ -306,9 +306,9 @@ def test_parts_are_bounded_by_generated_tokens_as_well_as_rows(tiny_dirs):
 
 
 def test_parts_hold_one_files_rows_with_its_types(ray_cluster, tiny_dirs, tmp_path):
-    """Ten files of 200 rows whose `extra` column is int in some and text in others: each part holds one file's
-    rows and keeps that file's type. Before, a read task's files were joined into one block (a part held three
-    files' rows) and, with clashing types, the job failed."""
+    """Ten files of 20 rows whose `extra` column is int in some and text in others: each part holds one file's
+    rows and keeps that file's type (a file spans several parts, the last one partly full). Before, a read task's
+    files were joined into one block (a part held three files' rows) and, with clashing types, the job failed."""
     from pipeline.job import rows_per_part
 
     config = Config.model_validate({"model": tiny_dirs["target"], "speculative": {"method": "none"},
@@ -317,18 +317,54 @@ def test_parts_hold_one_files_rows_with_its_types(ray_cluster, tiny_dirs, tmp_pa
     folder.mkdir()
     for k in range(10):
         write_jsonl(folder / f"f{k}.jsonl", [{"prompt": WORDS[i % 6], "extra": i if k % 2 else f"s{i}"}
-                                             for i in range(200)])
+                                             for i in range(20)])
     out = tmp_path / "out"
-    assert run(config, str(folder), str(out))["rows"] == 2000
+    assert run(config, str(folder), str(out))["rows"] == 200
     parts = _parts(out)
     size = rows_per_part(config, sum(path.stat().st_size for path in folder.iterdir()))
     for _, part in parts:
         [name] = {row_id.split(":")[0] for row_id in part["id"].to_pylist()}
         assert part.num_rows <= size
         assert part.schema.field("extra").type == (pa.int64() if int(name[1]) % 2 else pa.string())
-    assert len(parts) == 10 * -(-200 // size)
+    assert 20 % size and len(parts) == 10 * -(-20 // size)
     ids = OutputStore(str(out)).read_outputs(["id"])["id"].to_pylist()
-    assert sorted(ids) == sorted(f"f{k}.jsonl:{i}" for k in range(10) for i in range(200))
+    assert sorted(ids) == sorted(f"f{k}.jsonl:{i}" for k in range(10) for i in range(20))
+
+
+def test_a_job_of_many_small_files_starts_a_few_worker_processes(ray_cluster, tiny_dirs, tmp_path):
+    """Reads and writes ask for no CPU, so nothing but their bound (``light_tasks``) limits how many run at once:
+    unbounded, Ray started a worker process for nearly every file of a job of many small files."""
+    import threading
+
+    import psutil
+
+    from pipeline.processor import light_tasks
+
+    config = Config.model_validate({"model": tiny_dirs["target"], "speculative": {"method": "none"},
+                                    "sampling": {"max_tokens": 2}, "batch_size": 4})
+    folder = tmp_path / "in"
+    folder.mkdir()
+    for k in range(60):
+        write_jsonl(folder / f"f{k:02d}.jsonl", [{"prompt": WORDS[(k + i) % 6]} for i in range(2)])
+    started, done, seen = time.time(), threading.Event(), {}
+
+    def watch() -> None:  # Ray's worker processes (``ray::...``) started during the run
+        while not done.is_set():
+            for process in psutil.process_iter(["pid", "name", "create_time"]):
+                if (process.info["name"] or "").startswith("ray::") and process.info["create_time"] >= started:
+                    seen.setdefault(process.info["pid"], set()).add(process.info["name"])
+            time.sleep(0.1)
+
+    watcher = threading.Thread(target=watch)
+    watcher.start()
+    try:
+        assert run(config, str(folder), str(tmp_path / "out"), verbose=False)["rows"] == 120
+    finally:
+        done.set()
+        watcher.join()
+    # The actor, Ray Data's stats actor, light_tasks each of read, repartition and write tasks, and three to spare
+    # for the idle workers Ray stops and starts again (unbounded: 64 processes for these 60 files).
+    assert 1 <= len(seen) <= 2 + 3 * light_tasks(config) + 3, seen
 
 
 def test_an_output_path_that_cannot_be_a_directory_is_one_line_and_exit_2(tmp_path, capsys):
