@@ -136,8 +136,10 @@ def run(config: Config, input_path: str, output_dir: str, *, progress: Callable[
             # Write tasks are I/O: they ask for no CPU, which the actors hold (see read_prompts). Unbounded, 20,000
             # short rows of a tiny model in one file started 15 worker processes for them (2 cores: 85 s, 59 s).
             try:
-                generate(ds, config).write_datasink(sink, ray_remote_args={"num_cpus": 0},
-                                                    concurrency=light_tasks(config))
+                with warnings.catch_warnings():  # a small job's stages get fewer blocks than their bound: fine
+                    warnings.filterwarnings("ignore", "The maximum number of concurrent tasks", UserWarning)
+                    generate(ds, config).write_datasink(sink, ray_remote_args={"num_cpus": 0},
+                                                        concurrency=light_tasks(config))
             except LeaseLost as exc:  # from a write task (pipeline.store.check_fence); Ray adds its traceback
                 raise LeaseLost(LeaseLost.own_message(str(exc))) from None
         ready = [m["engine_ready"] for m in sink.written if m.get("engine_ready")]
