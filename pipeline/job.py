@@ -117,8 +117,9 @@ def run(config: Config, input_path: str, output_dir: str, *, progress: Callable[
             else nullcontext()
         with ray_session(verbose), watcher:
             input_bytes = sum(info.size or 0 for info in fs.get_file_info(files))
+            tasks = light_tasks(config)  # the read's and the writes' bound
             ds = read_prompts(files, base, skip=done, rows_per_block=rows_per_part(config, input_bytes),
-                              filesystem=fs, tasks=light_tasks(config))
+                              filesystem=fs, tasks=tasks)
             # Blocks go to the least busy actor, not the one beside the block's data (a few kilobytes, against
             # seconds of generation): with locality, two one-CPU nodes' actors got 6 blocks of 4 rows, all on the
             # node that read them.
@@ -139,7 +140,7 @@ def run(config: Config, input_path: str, output_dir: str, *, progress: Callable[
                 with warnings.catch_warnings():  # a small job's stages get fewer blocks than their bound: fine
                     warnings.filterwarnings("ignore", "The maximum number of concurrent tasks", UserWarning)
                     generate(ds, config).write_datasink(sink, ray_remote_args={"num_cpus": 0},
-                                                        concurrency=light_tasks(config))
+                                                        concurrency=tasks)
             except LeaseLost as exc:  # from a write task (pipeline.store.check_fence); Ray adds its traceback
                 raise LeaseLost(LeaseLost.own_message(str(exc))) from None
         ready = [m["engine_ready"] for m in sink.written if m.get("engine_ready")]
