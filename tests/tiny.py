@@ -28,11 +28,12 @@ def tiny_tokenizer() -> PreTrainedTokenizerFast:
     return tokenizer
 
 
-def tiny_model(seed: int = 0, layers: int = 2, vocab_size: int = len(SPECIALS) + len(CHARS)) -> LlamaForCausalLM:
+def tiny_model(seed: int = 0, layers: int = 2, vocab_size: int = len(SPECIALS) + len(CHARS), heads: int = 4,
+               kv_heads: int = 2) -> LlamaForCausalLM:
     torch.manual_seed(seed)
     config = LlamaConfig(
         vocab_size=vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=layers,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+        num_attention_heads=heads, num_key_value_heads=kv_heads, max_position_embeddings=256,
         initializer_range=0.3, eos_token_id=2, bos_token_id=1, pad_token_id=0, tie_word_embeddings=False,
     )
     model = LlamaForCausalLM(config).eval()
