@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -122,3 +123,20 @@ def scrape_ray_metrics(ray, prefix: str = "ray_vllm_", **labels: str) -> dict[tu
                 key = (sample.name, sample.labels.get("position", ""))
                 totals[key] = totals.get(key, 0.0) + sample.value
     return totals
+
+
+# The whole suite's wall-time budget, enforced where CI runs it (``CI`` set, every collected test run): a change that
+# makes the suite slower than this fails there, long before CI's own 90-minute limit.
+SUITE_BUDGET_S = 2700
+_started = time.monotonic()
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    elapsed = time.monotonic() - _started
+    options = session.config.option
+    whole = session.config.args == session.config.getini("testpaths") and not options.keyword and not options.markexpr
+    if os.environ.get("CI") and whole and exitstatus == pytest.ExitCode.OK and elapsed > SUITE_BUDGET_S:
+        session.config.pluginmanager.get_plugin("terminalreporter").write_sep(
+            "=", f"the test suite took {elapsed:.0f} s, over its budget of {SUITE_BUDGET_S} s (tests/conftest.py)",
+            red=True)
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED

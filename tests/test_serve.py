@@ -433,29 +433,36 @@ def test_an_overflowing_top_k_is_a_400_while_six_requests_in_flight_complete(cli
 def test_health_answers_while_200_streams_are_in_flight(client, server):
     """Requests wait in the engine's queue, not in Serve's: the replica answers /health while it holds 200
     streams. With 4 x batch_size (32) slots, Serve held the rest back and /health queued behind them."""
+    long_streams = 3 * 8  # three batches of long rows hold the engine while the short rest arrive and queue
 
     async def scenario() -> tuple[int, list[str]]:
         async with httpx.AsyncClient(base_url=server, timeout=300,
                                      limits=httpx.Limits(max_connections=400)) as aclient:
 
             async def stream(i: int) -> str:
-                # Long enough that the first rows do not finish before the last requests arrive.
-                # Behind the router the last of 200 requests arrive later: 240 tokens keep the first ones running.
-                body = {"prompt": WORDS[i % len(WORDS)], "max_tokens": 240, "ignore_eos": True, "stream": True}
+                # The long ones (240 tokens, three batches one after another) outlast the arrival of the rest.
+                body = {"prompt": WORDS[i % len(WORDS)], "max_tokens": 240 if i < long_streams else 16,
+                        "ignore_eos": True, "stream": True}
                 async with aclient.stream("POST", "/v1/completions", json=body) as response:
                     return [line async for line in response.aiter_lines() if line][-1]
 
-            tasks = [asyncio.create_task(stream(i)) for i in range(200)]
-            held = 0
-            while held < 150 and not all(task.done() for task in tasks):
+            async def held() -> int:
                 health = (await aclient.get("/health")).json()
                 assert health["status"] == "ok"
-                held = max(held, health["running"] + health["waiting"])
-                await asyncio.sleep(0.05)
-            return held, list(await asyncio.gather(*tasks))
+                return health["running"] + health["waiting"]
 
-    held, last_lines = asyncio.run(scenario())
-    assert held >= 150, held
+            tasks = [asyncio.create_task(stream(i)) for i in range(long_streams)]
+            while await held() < long_streams:  # queued first, so the engine takes them before the short ones
+                await asyncio.sleep(0.05)
+            tasks += [asyncio.create_task(stream(i)) for i in range(long_streams, 200)]
+            most = 0
+            while most < 150 and not all(task.done() for task in tasks):
+                most = max(most, await held())
+                await asyncio.sleep(0.05)
+            return most, list(await asyncio.gather(*tasks))
+
+    most, last_lines = asyncio.run(scenario())
+    assert most >= 150, most
     assert last_lines == ["data: [DONE]"] * 200
 
 
