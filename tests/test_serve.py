@@ -1271,8 +1271,8 @@ def test_leaving_a_stream_aborts_its_sequence(engine):
     assert not engine.has_unfinished() and not engine.running
 
 
-def test_a_short_request_is_not_stalled_by_megabyte_prompts(engine, monkeypatch):
-    """Eight 1 MB prompts arrive just before a short request: they are tokenized (and refused as too long) off
+def test_a_short_request_is_not_stalled_by_long_prompts(engine, monkeypatch):
+    """Eight 100 KB prompts arrive just before a short request: they are tokenized (and refused as too long) off
     the engine's stepping thread, which never runs the tokenizer, a few at a time, so the short request is
     answered before any of them is tokenized. Their tokenizing is held until the short request's result has come
     (no clock involved): on the stepping thread, or with the short request queued behind them, it would hold the
@@ -1302,8 +1302,8 @@ def test_a_short_request_is_not_stalled_by_megabyte_prompts(engine, monkeypatch)
 
     async def scenario():
         alone_events = await _drain(loop, [Request(id="alone", prompt="ab", sampling={"max_tokens": 8})])
-        big = [asyncio.create_task(_drain(loop, [Request(id=f"big{i}", prompt="ab " * 350_000)])) for i in range(8)]
-        async def tokenizing() -> None:  # the megabyte prompts' tokenizing has begun
+        big = [asyncio.create_task(_drain(loop, [Request(id=f"big{i}", prompt="ab " * 35_000)])) for i in range(8)]
+        async def tokenizing() -> None:  # the long prompts' tokenizing has begun
             while not held:
                 await asyncio.sleep(0.01)
 
@@ -1317,7 +1317,7 @@ def test_a_short_request_is_not_stalled_by_megabyte_prompts(engine, monkeypatch)
         return alone_events, events, done_before, await asyncio.gather(*big)
 
     alone_events, events, done_before, big = asyncio.run(scenario())
-    assert done_before == 0  # the short request was answered before any megabyte prompt was tokenized
+    assert done_before == 0  # the short request was answered before any long prompt was tokenized
     assert events[-1][1].token_ids == alone_events[-1][1].token_ids and len(events[-1][1].token_ids) == 8
     assert all(b[-1][1].finish_reason == "error" and "context" in b[-1][1].error for b in big)
     assert len(tokenizing_threads) == 10 and "engine" not in tokenizing_threads
