@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import re
+import reprlib
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -534,9 +535,76 @@ class ConfigError(ValueError):
     """A configuration that does not validate; the message names the bad field and value."""
 
 
-def _parse_override_value(raw: str) -> Any:
+# A config file is at most this many bytes, read no further, and no larger with its aliases expanded (each value
+# counting its text and one byte): a 572-byte file of nine nested aliases holds 9**9 values once expanded, which
+# validating the config, quoting a bad value or writing the config out would build.
+MAX_CONFIG_BYTES = 1 << 20
+# The deepest a config's values nest: a request's values (MAX_DEPTH, a JSON schema's included) under its sections.
+CONFIG_DEPTH = 2 * MAX_DEPTH
+
+
+class _BoundedLoader(yaml.SafeLoader):
+    """PyYAML's safe loader, each node measured as it is composed: its depth, and its size with aliases expanded (an
+    alias is the node it names, measured once where it was composed). Composing recurses per level, so a document
+    nested too deep is refused on the way down, before the recursion runs out of stack."""
+
+    def __init__(self, text: str | bytes, source: str) -> None:
+        super().__init__(text)
+        self.source, self.level = source, 0
+        self.measured: dict[int, tuple[int, int]] = {}  # id(node) -> (expanded size, levels from it down)
+
+    def compose_node(self, parent: yaml.Node | None, index: Any) -> yaml.Node:
+        self.level += 1
+        if self.level > CONFIG_DEPTH:
+            raise ConfigError(f"{self.source} nests deeper than {CONFIG_DEPTH} levels")
+        node = super().compose_node(parent, index)
+        self.level -= 1
+        size, height = self.measured.get(id(node)) or self._measure(node)
+        if size > MAX_CONFIG_BYTES:
+            raise ConfigError(f"{self.source} expands past {MAX_CONFIG_BYTES} bytes with its aliases")
+        if self.level + height > CONFIG_DEPTH:  # an alias of a deep node, placed deep
+            raise ConfigError(f"{self.source} nests deeper than {CONFIG_DEPTH} levels")
+        return node
+
+    def _measure(self, node: yaml.Node) -> tuple[int, int]:
+        if isinstance(node, yaml.ScalarNode):
+            measured = (len(node.value) + 1, 1)
+        else:  # every child (a mapping's keys and values) was composed, so measured, before its parent
+            children = node.value if isinstance(node, yaml.SequenceNode) else [n for pair in node.value for n in pair]
+            sizes = [self.measured[id(child)] for child in children]
+            measured = (1 + sum(size for size, _ in sizes), 1 + max((height for _, height in sizes), default=0))
+        self.measured[id(node)] = measured
+        return measured
+
+
+def load_yaml(text: str | bytes, source: str) -> Any:
+    """YAML ``text`` as Python values (PyYAML's safe loader), refused with a ``ConfigError`` naming ``source`` and the
+    bound when it is larger than ``MAX_CONFIG_BYTES``, expands past it with its aliases, or nests deeper than
+    ``CONFIG_DEPTH``: nothing past those is expanded or recursed into. Config files and command-line overrides."""
+    if len(text) > MAX_CONFIG_BYTES:
+        raise ConfigError(f"{source} is larger than {MAX_CONFIG_BYTES} bytes")
+    loader = _BoundedLoader(text, source)
+    try:
+        return loader.get_single_data()
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"cannot read {source}: {exc}") from None
+    finally:
+        loader.dispose()
+
+
+def read_yaml_file(path: str | Path) -> Any:
+    """The YAML document of the file at ``path`` (see ``load_yaml``), read no further than its bound."""
+    try:
+        with open(path, "rb") as file:
+            text = file.read(MAX_CONFIG_BYTES + 1)
+    except OSError as exc:
+        raise ConfigError(f"cannot read config file {path}: {exc}") from None
+    return load_yaml(text, f"config file {path}")
+
+
+def _parse_override_value(raw: str, dotted: str) -> Any:
     # YAML scalars: "3" -> 3, "true" -> True, "[1, 2]" -> [1, 2], "null" -> None, other text stays text.
-    return yaml.safe_load(raw) if raw != "" else ""
+    return load_yaml(raw, f"override --{dotted}") if raw != "" else ""
 
 
 def apply_overrides(data: dict[str, Any], overrides: dict[str, str]) -> dict[str, Any]:
@@ -548,7 +616,7 @@ def apply_overrides(data: dict[str, Any], overrides: dict[str, str]) -> dict[str
             node = node.setdefault(key, {})
             if not isinstance(node, dict):
                 raise ConfigError(f"cannot set '{dotted}': '{key}' is not a section")
-        node[leaf] = _parse_override_value(raw)
+        node[leaf] = _parse_override_value(raw, dotted)
     return data
 
 
@@ -556,10 +624,7 @@ def load_config(path: str | Path | None = None, overrides: dict[str, str] | None
     """Build the config from an optional YAML file plus dotted overrides; errors name field and value."""
     data: dict[str, Any] = {}
     if path is not None:
-        try:
-            loaded = yaml.safe_load(Path(path).read_text())
-        except (OSError, yaml.YAMLError) as exc:
-            raise ConfigError(f"cannot read config file {path}: {exc}") from exc
+        loaded = read_yaml_file(path)
         if loaded is not None and not isinstance(loaded, dict):
             raise ConfigError(f"config file {path} must hold a mapping, not {type(loaded).__name__}")
         data = loaded or {}
@@ -574,12 +639,22 @@ def load_config(path: str | Path | None = None, overrides: dict[str, str] | None
 QUOTE_CHARS = 80
 
 
+# A value's repr a few levels and items deep: never the whole of a nested value (a list holding itself nine times
+# over, nine levels deep, reprs to gigabytes).
+_BRIEF = reprlib.Repr()
+_BRIEF.maxlevel = 3
+_BRIEF.maxlist = _BRIEF.maxtuple = _BRIEF.maxdict = _BRIEF.maxset = _BRIEF.maxfrozenset = _BRIEF.maxdeque = 16
+_BRIEF.maxstring = _BRIEF.maxother = QUOTE_CHARS
+
+
 def quote(value: Any, limit: int = QUOTE_CHARS) -> str:
-    """``repr(value)``, cut to ``limit`` characters with the full length said (``'xxx...' (1048576 chars)``)."""
-    if isinstance(value, str | bytes | list | tuple) and len(value) > limit:
+    """``repr(value)``, cut to ``limit`` characters with the full length said (``'xxx...' (1048576 chars)``); a
+    nested value is shown three levels and 16 items deep at most before it is cut."""
+    if isinstance(value, str | bytes) and len(value) > limit:
         return f"{value[:limit]!r}... ({len(value)} {'chars' if isinstance(value, str) else 'items'})"
-    text = repr(value)
-    return text if len(text) <= limit else f"{text[:limit]}..."
+    text = _BRIEF.repr(value)
+    text = text if len(text) <= limit else f"{text[:limit]}..."
+    return f"{text} ({len(value)} items)" if isinstance(value, list | tuple) and len(value) > limit else text
 
 
 def format_validation_error(exc: ValidationError, prefix: str = "") -> str:

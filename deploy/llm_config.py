@@ -20,10 +20,9 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-from decoding.config import Config, format_validation_error
+from decoding.config import Config, format_validation_error, read_yaml_file
 from frontend.engine_args import INSTEAD, bundle_resources, config_fields
 
 # Serve's deployment options a model's replicas take from deployment_config (Ray Serve LLM's list).
@@ -166,7 +165,7 @@ class ServingArgs(BaseModel):
                 path = Path(entry)
                 if not path.is_file():
                     raise ValueError(f"llm_configs: {str(entry)!r} is not a file")
-                entry = yaml.safe_load(path.read_text())
+                entry = read_yaml_file(path)
             loaded.append(entry.model_dump() if isinstance(entry, BaseModel) and not isinstance(entry, LLMConfig)
                           else entry)
         return loaded

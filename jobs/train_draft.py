@@ -20,10 +20,9 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import yaml
 from pydantic import BaseModel, ValidationError
 
-from decoding.config import ConfigError, apply_overrides, format_validation_error
+from decoding.config import ConfigError, apply_overrides, format_validation_error, read_yaml_file
 from decoding.model.loading import DEFAULT_DRAFT, DEFAULT_MODEL, resolve_model_path
 from jobs.common import setup_logging, split_overrides
 from training.data import PromptSource
@@ -57,7 +56,7 @@ def build_config(
     """Config file < named options < ``--field VALUE`` overrides; ``fill`` supplies derived defaults."""
     args, unknown = parser.parse_known_args(argv)
     try:
-        data: dict[str, Any] = (yaml.safe_load(Path(args.config).read_text()) or {}) if args.config else {}
+        data: dict[str, Any] = (read_yaml_file(args.config) or {}) if args.config else {}
         for key in ("target", "output"):
             if getattr(args, key) is not None:
                 data[key] = getattr(args, key)
@@ -69,7 +68,7 @@ def build_config(
             data.setdefault("num_threads", args.num_cpus)
         fill(data, args)
         return args, model.model_validate(data)
-    except (OSError, yaml.YAMLError, ConfigError, ValueError) as exc:
+    except (OSError, ConfigError, ValueError) as exc:
         message = format_validation_error(exc) if isinstance(exc, ValidationError) else str(exc)
         parser.exit(2, f"{parser.prog}: error: {message}\n")
 

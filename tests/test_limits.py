@@ -7,6 +7,7 @@ bound, so a regression fails the test instead of the machine."""
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 import textwrap
@@ -16,7 +17,14 @@ from pathlib import Path
 import psutil
 import pytest
 
-from decoding.config import Config, ConfigError, LimitsConfig, SamplingParams
+from decoding.config import (
+    MAX_CONFIG_BYTES,
+    Config,
+    ConfigError,
+    LimitsConfig,
+    SamplingParams,
+    load_config,
+)
 from decoding.params import resolve_sampling
 from frontend.requests import RequestError, parse_request
 from frontend.resources import check_cluster, shortfall
@@ -100,6 +108,80 @@ def test_an_oversized_prompt_is_refused_before_it_is_tokenized() -> None:
     assert "messages' text" in chat_error
     assert len(error) < 300 and limit < 48_000_000
     assert grown < 400 << 20, grown >> 20  # at most the prompt and its UTF-8 copy: no tokenization
+
+
+def _laughs(section: str) -> str:
+    """YAML's "billion laughs" under ``section``: nine levels of nine aliases, a few hundred bytes that hold 9**9
+    strings once expanded."""
+    lines = [f"{section}:", f"  a: &a [{', '.join(['lol'] * 9)}]"]
+    lines += [f"  {name}: &{name} [{', '.join(['*' + below] * 9)}]" for name, below in zip("bcdefghi", "abcdefgh")]
+    return "\n".join(lines) + "\n"
+
+
+GENERATE = textwrap.dedent("""
+    import contextlib, io, json
+    from jobs.generate import main
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err):
+        try:
+            main(ARGS)
+            code = 0
+        except SystemExit as exc:
+            code = exc.code
+    print(json.dumps([code, err.getvalue()]))
+""")
+
+
+@pytest.mark.parametrize(("text", "override", "words"), [
+    (_laughs("chat_template_kwargs"), [], "expands past 1048576 bytes with its aliases"),
+    (_laughs("sampling"), [], "expands past 1048576 bytes with its aliases"),
+    ("chat_template_kwargs:\n  x: " + "[" * 100_000 + "]" * 100_000 + "\n", [], "nests deeper than 64 levels"),
+    ("chat_template_kwargs:\n  x: " + "{a: " * 20_000 + "1" + "}" * 20_000 + "\n", [], "nests deeper than 64"),
+    ("", ["--sampling.stop", "[" * 10_000 + "]" * 10_000], "override --sampling.stop nests deeper than 64"),
+], ids=["laughs-chat_template_kwargs", "laughs-sampling", "deep-lists", "deep-maps", "deep-override"])
+def test_a_config_file_is_bounded_in_size_aliases_and_depth(tmp_path, text, override, words) -> None:
+    """`specbatch generate --config bomb.yaml` exits 2 with one line naming the file and the bound, having
+    expanded nothing: the laughs under chat_template_kwargs grew for 240 s to a 4 GB limit (writing the config out
+    expanded them), under sampling they were refused after 48 s and 3 GB, and the deep documents escaped as a
+    RecursionError traceback."""
+    config, prompts = tmp_path / "bomb.yaml", tmp_path / "prompts.jsonl"
+    config.write_text(text)
+    prompts.write_text('{"prompt": "x"}\n')
+    args = ["--config", str(config), "--input", str(prompts), "--output", str(tmp_path / "out"), *override]
+    (code, err), _ = watched(GENERATE.replace("ARGS", repr(args)), seconds=300, rss_bytes=1 << 30)
+    errors = [line for line in err.splitlines() if line.startswith("specbatch generate: error: ")]
+    assert code == 2 and len(errors) == 1 and words in errors[0], err[-2000:]
+    assert override or f"config file {config}" in errors[0]
+    assert len(errors[0]) < 300 and not (tmp_path / "out").exists()
+
+
+def test_a_config_file_larger_than_its_bound_is_refused_unread(tmp_path) -> None:
+    big = tmp_path / "big.yaml"
+    big.write_text("chat_template: " + "x" * MAX_CONFIG_BYTES + "\n")
+    with pytest.raises(ConfigError, match=re.escape(f"config file {big} is larger than {MAX_CONFIG_BYTES} bytes")):
+        load_config(big)
+    small = tmp_path / "small.yaml"
+    small.write_text(_laughs("chat_template_kwargs").replace("  i: &i", "  # i:"))  # 9**8 values: still too many
+    with pytest.raises(ConfigError, match="expands past"):
+        load_config(small)
+    fine = tmp_path / "fine.yaml"
+    fine.write_text("chat_template_kwargs:\n  a: &a [1, 2]\n  b: [*a, *a]\nsampling: {stop: [x]}\n")
+    config = load_config(fine)
+    assert config.chat_template_kwargs == {"a": [1, 2], "b": [[1, 2], [1, 2]]} and config.sampling.stop == ["x"]
+
+
+def test_a_nested_value_is_quoted_without_its_whole_repr() -> None:
+    """A list holding another nine times, nine levels deep (what YAML aliases make): its repr is 9**9 items long."""
+    script = textwrap.dedent("""
+        import json
+        from decoding.config import quote
+        value = ["lol"]
+        for _ in range(9):
+            value = [value] * 9
+        print(json.dumps(quote(value)))
+    """)
+    quoted, _ = watched(script, seconds=300, rss_bytes=1 << 30)
+    assert quoted.startswith("[[[") and len(quoted) < 100
 
 
 def test_error_messages_quote_a_short_prefix_of_a_bad_value() -> None:
