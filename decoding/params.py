@@ -37,7 +37,7 @@ def resolve_sampling(
     """A request's sampling parameters: ``overrides`` (vLLM's names, older ones included) over the configured
     ``defaults`` field by field, validated, and checked against the model: token ids within its ``vocab_size``
     (``stop_token_ids``, ``logit_bias``, ``allowed_token_ids``), ``logprobs`` and ``prompt_logprobs`` at most the
-    vocabulary, ``min_tokens`` not banning every token (``eos_ids`` and stop ids), and
+    vocabulary, some token left to generate (``check_bans``; ``eos_ids`` are the model's), and
     ``n`` 1 unless the caller makes the ``n`` sequences itself (``fan_out``: the server's choices; an engine request
     decodes one). The configured seed is the run's, never a request's (``decoding.verification.sampling``).
 
@@ -53,14 +53,37 @@ def resolve_sampling(
     for field in ("logprobs", "prompt_logprobs"):
         if (top := getattr(params, field)) is not None and top > vocab_size:
             raise RequestError(f"invalid sampling_params: {field} is more than the {vocab_size} tokens", field)
-    if params.min_tokens and len(params.stop_ids(eos_ids)) >= vocab_size:
-        raise RequestError("invalid sampling_params: min_tokens would ban every token (stop_token_ids and EOS "
-                           "cover the vocabulary)", "stop_token_ids")
+    check_bans(params, vocab_size, eos_ids)
     if params.n != 1 and not fan_out:
         raise RequestError(
             f"invalid sampling_params: n is {params.n}; one request decodes one sequence (the server returns n "
             "choices; a batch job writes one row per input row, so repeat the row for more samples)", "n")
     return params
+
+
+def check_bans(params: SamplingParams, vocab_size: int, eos_ids: Collection[int],
+               bad_words: Sequence[Sequence[int]] = ()) -> None:
+    """``RequestError`` naming the fields when the request's bans leave it no token to start its output with: the
+    stop tokens ``min_tokens`` bans (EOS and ``stop_token_ids``) and the one-token ``bad_words`` (``bad_words``: their
+    token sequences, ``bad_words_token_ids``, where the tokenizer has made them), against ``allowed_token_ids`` or
+    the whole vocabulary. Sampling such a row would draw a token the request forbids."""
+    bans: dict[str, tuple[set[int], str]] = {}
+    if params.min_tokens:
+        bans["min_tokens"] = (params.stop_ids(eos_ids), f"EOS and stop_token_ids before {params.min_tokens} tokens")
+    if singles := {word[0] for word in bad_words if len(word) == 1}:
+        bans["bad_words"] = (singles, "its one-token words, everywhere")
+    if not bans:
+        return
+    banned = set().union(*(tokens for tokens, _ in bans.values()))
+    allowed = params.allowed_token_ids
+    if (len(set(allowed) - banned) if allowed is not None else vocab_size - len(banned)) > 0:
+        return
+    fields = " and ".join(bans)
+    reasons = "; ".join(f"{field}: {what}" for field, (_, what) in bans.items())
+    raise RequestError(f"invalid sampling_params: {fields} would ban every token of "
+                       f"{'allowed_token_ids' if allowed is not None else 'the vocabulary'} ({reasons})",
+                       # without allowed_token_ids only stop_token_ids can be that many (bad words are 128 at most)
+                       "allowed_token_ids" if allowed is not None else "stop_token_ids")
 
 
 def _merged(overrides: Mapping[str, Any] | None, defaults: SamplingParams) -> SamplingParams:

@@ -142,6 +142,11 @@ def test_checks_against_the_model() -> None:
         resolve({"min_tokens": 2, "stop_token_ids": list(range(1, VOCAB))})
     assert error.value.param == "stop_token_ids"
     assert resolve({"min_tokens": 2, "stop_token_ids": list(range(1, VOCAB)), "ignore_eos": True}).min_tokens == 2
+    # ... and every token of allowed_token_ids (EOS is 0 here).
+    with pytest.raises(RequestError, match="min_tokens would ban every token of allowed_token_ids") as error:
+        resolve({"min_tokens": 1, "allowed_token_ids": [0, 5], "stop_token_ids": [5]})
+    assert error.value.param == "allowed_token_ids"
+    assert resolve({"min_tokens": 1, "allowed_token_ids": [0, 5]}).allowed_token_ids == [0, 5]
     # An engine request decodes one sequence; the server makes n of them (fan_out).
     with pytest.raises(RequestError, match="n is 2") as error:
         resolve({"n": 2})

@@ -395,6 +395,9 @@ def test_include_stop_str_in_output_keeps_the_stop_string_in_the_text(tokenizer,
     ({"logit_bias": {"35": 1.0}}, "logit_bias"), ({"allowed_token_ids": [3, 35]}, "allowed_token_ids"),
     ({"prompt_logprobs": 36}, "prompt_logprobs"), ({"bad_words": ["  "]}, "bad_words"),
     ({"logit_bias": {"a": 1.0}}, "logit_bias"), ({"min_p": 2}, "min_p"),
+    # Bans that leave allowed_token_ids nothing: EOS (2) before min_tokens, a bad word of one token ("a" is 3).
+    ({"allowed_token_ids": [2], "min_tokens": 2}, "min_tokens"), ({"allowed_token_ids": [3], "bad_words": ["a"]},
+                                                                   "bad_words"),
 ])
 def test_a_request_past_the_vocabulary_or_a_bound_fails_alone_naming_the_field(sampling, field, tokenizer, target,
                                                                                reference) -> None:
@@ -403,6 +406,34 @@ def test_a_request_past_the_vocabulary_or_a_bound_fails_alone_naming_the_field(s
                                  Request(id="good", prompt=PROMPTS[0])])
     assert bad.finish_reason == "error" and field in bad.error and bad.token_ids == []
     assert good.token_ids == reference[0]
+
+
+# allowed_token_ids "a" (3): the bad word "aa" leaves nothing after the first "a", as the regex "ab+" does; the regex
+# "b+" leaves nothing from the first token on. (expected tokens: what the row emits before it ends)
+EMPTIED = {
+    "bad-word": ({"allowed_token_ids": [3], "bad_words": ["aa"]}, [3]),
+    "grammar": ({"allowed_token_ids": [3], "structured_outputs": {"regex": "ab+"}}, [3]),
+    "grammar-first-token": ({"allowed_token_ids": [3], "structured_outputs": {"regex": "b+"}}, []),
+}
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+@pytest.mark.parametrize("method", ["ngram", "draft_model"])
+@pytest.mark.parametrize("case", list(EMPTIED))
+def test_a_row_left_no_token_ends_with_an_error_never_an_arbitrary_token(case, method, temperature, tokenizer,
+                                                                         target, draft) -> None:
+    """A row whose processed law has nothing left at run time ends there, its tokens before kept, on the target's
+    side whatever the draft proposed from its own emptied law (a model draft: uniform, or its argmax 0 greedily).
+    Before, it drew token 0 greedily and any token at temperature 1."""
+    sampling, expected = EMPTIED[case]
+    config = make_config(method=method, num_candidates=2, num_speculative_tokens=3, length_policy="static",
+                         sampling={"max_tokens": MAX_TOKENS, "temperature": temperature, "seed": 1})
+    engine = Engine(config, target=target, tokenizer=tokenizer, draft=draft if method == "draft_model" else None)
+    emptied, other = engine.generate([Request(id="emptied", prompt="abc", sampling=sampling),
+                                      Request(id="other", prompt=PROMPTS[0])])
+    assert emptied.finish_reason == "error" and "allowed_token_ids" in emptied.error, emptied
+    assert emptied.token_ids == expected
+    assert other.finish_reason in ("stop", "length") and other.token_ids
 
 
 # ------------------------------------------------------------------------------------------- numerical safety

@@ -249,6 +249,8 @@ BAD_REQUESTS = [
      "allowed_token_ids"),
     ("bad-words-blank", "/v1/completions", {"prompt": "ab", "bad_words": [" "]}, "bad_words"),
     ("bad-words-string", "/v1/completions", {"prompt": "ab", "bad_words": "ab"}, "bad_words"),
+    ("allowed-token-ids-all-banned", "/v1/completions", {"prompt": "ab", "allowed_token_ids": [2], "min_tokens": 1},
+     "allowed_token_ids"),
     ("prompt-logprobs-big", "/v1/completions", {"prompt": "ab", "prompt_logprobs": 21}, "prompt_logprobs"),
     ("include-stop-int", "/v1/completions", {"prompt": "ab", "include_stop_str_in_output": 1},
      "include_stop_str_in_output"),

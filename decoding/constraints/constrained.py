@@ -78,11 +78,19 @@ class Constraints:
         return grammar
 
 
+def refills(params: SamplingParams) -> bool:
+    """Whether a constrained row's emptied law is refilled with what its grammar allows: where min_tokens is its only
+    ban, that is the stop tokens of a complete grammar, and the grammar wins (the row stops). With allowed_token_ids
+    or bad_words, what the grammar allows may be what the request forbids: the law stays empty."""
+    return bool(params.min_tokens) and params.allowed_token_ids is None and not params.bad_words
+
+
 def apply_masks(logits: torch.Tensor, masks: RowMasks, may_empty: bool) -> None:
     """Mask ``logits`` [B, n, V] in place (see ``grammar.mask_logits``). ``may_empty``: a constrained node may have
-    no finite logit left (a min_tokens ban on the stop tokens a complete grammar allows, or a draft whose
-    vocabulary lacks every allowed token); such a node's law becomes uniform over the allowed tokens, on both
-    sides alike, so it never puts mass on a token the grammar refuses."""
+    no finite logit left (a min_tokens ban on the stop tokens a complete grammar allows, see ``refills``, or a draft
+    whose vocabulary lacks every allowed token); such a node's law becomes uniform over the allowed tokens, on both
+    sides alike, so it never puts mass on a token the grammar refuses. A node emptied otherwise stays empty: its
+    row ends there (``decoding.verification.sampling.NO_TOKEN``)."""
     mask_logits(logits, masks)
     if not may_empty or masks.rows.numel() == 0:
         return
@@ -104,8 +112,8 @@ class StepGrammar:
         self.tree = TreeMasks([seq.grammar for seq in seqs], parents, device)
         self.batch = len(seqs)
         self.to_host = to_host
-        # The target's laws may lose every allowed token to a ban (min_tokens, allowed_token_ids, bad_words).
-        self.may_empty = any(seq.grammar is not None and seq.params.bans_tokens for seq in seqs)
+        # The target's laws may lose every allowed token to min_tokens alone (see refills).
+        self.may_empty = any(seq.grammar is not None and refills(seq.params) for seq in seqs)
         self.walked_to = [0] * self.batch  # per row: nodes before this were walked
         self.index = {row: index for index, row in enumerate(self.tree.constrained)}
 

@@ -36,7 +36,7 @@ from decoding.engine.sequence import (
     longest_token_bytes,
 )
 from decoding.engine.step import HostReads, Step
-from decoding.params import RequestError, bad_words_token_ids, resolve_sampling
+from decoding.params import RequestError, bad_words_token_ids, check_bans, resolve_sampling
 from decoding.stats import SpecDecodeStats
 from decoding.verification.sampling import row_generator, run_seed
 
@@ -162,9 +162,12 @@ class Engine:
         """The token sequences the request's bad words ban, tokenized once here (never in a step)."""
         if not params.bad_words:
             return []
+        vocab = self.loaded_target.config.vocab_size
         try:
-            return bad_words_token_ids(params.bad_words, lambda text: tokenizer.encode(text, add_special_tokens=False),
-                                       self.loaded_target.config.vocab_size)
+            words = bad_words_token_ids(params.bad_words, lambda text: tokenizer.encode(text, add_special_tokens=False),
+                                        vocab)
+            check_bans(params, vocab, self.eos_ids, words)
+            return words
         except RequestError as exc:
             raise EngineError(str(exc)) from exc
 

@@ -13,6 +13,16 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 from decoding.config import SamplingParams
 from decoding.engine.text import IncrementalDecoder
 from decoding.stats import SpecDecodeStats, acceptance_histogram
+from decoding.verification.sampling import NO_TOKEN
+
+
+def nothing_left(params: SamplingParams) -> str:
+    """Why a row ends where its law has nothing left (NO_TOKEN): its constraint's dead end, or its bans with it."""
+    if params.structured_outputs is not None and not params.bans_tokens:
+        return (f"structured_outputs.{params.structured_outputs.kind} reached a point that no token of this model's "
+                "vocabulary continues")
+    return ("no token is left to generate: allowed_token_ids, bad_words, min_tokens and structured_outputs together "
+            "ban every token here")
 
 if TYPE_CHECKING:  # xgrammar loads when a constraint appears
     from decoding.constraints.grammar import RowGrammar
@@ -141,6 +151,9 @@ class Sequence:
         returns how many were kept."""
         before = len(self.generated)
         for token, flag in zip(tokens, accepted):
+            if token == NO_TOKEN:
+                self.finish_reason, self.error = "error", nothing_left(self.params)
+                break
             self.generated.append(token)
             self.accepted.append(flag)
             if token in self.stop_ids:

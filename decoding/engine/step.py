@@ -24,7 +24,7 @@ from functools import cached_property
 
 import torch
 
-from decoding.constraints.constrained import StepGrammar, advance, apply_masks, grammar_drafts
+from decoding.constraints.constrained import StepGrammar, advance, apply_masks, grammar_drafts, refills
 from decoding.constraints.grammar import committed_masks
 from decoding.drafting.drafters import Draft, DraftInputs
 from decoding.drafting.length_policies import StepRecord, StepTiming
@@ -34,12 +34,24 @@ from decoding.engine.parts import EngineParts
 from decoding.engine.sequence import Contexts, Sequence
 from decoding.model.forward import forward_tree
 from decoding.model.lean_forward import LeanCausalLM
-from decoding.verification.sampling import WarpParams, row_uniforms, token_logprobs, warp_probs
+from decoding.verification.sampling import (
+    NO_TOKEN,
+    WarpParams,
+    or_no_token,
+    row_uniforms,
+    token_logprobs,
+    warp_probs,
+)
 from decoding.verification.tree import chain_ancestors
 from decoding.verification.verify_batched import BatchVerdict, sample_from, sample_siblings, verify_batch
 
 # Prompt positions whose logits one piece of a prompt-logprobs computation holds (float32 [chunk, V]).
 PROMPT_LOGPROBS_CHUNK = 256
+
+
+def _may_empty(seqs: list[Sequence]) -> bool:
+    """Whether a row's processed law may have nothing left (``NO_TOKEN``): it bans tokens or follows a grammar."""
+    return any(seq.params.bans_tokens or seq.grammar is not None for seq in seqs)
 
 
 class HostReads:
@@ -192,11 +204,13 @@ class Step:
             greedy = meta.row_warp.greedy
             tokens = torch.where(greedy, tokens, sample_from(probs, uniforms[:, 0]))
             scores = torch.where(greedy[:, None], last, probs)
+        if _may_empty(joining):
+            tokens = or_no_token(tokens, last)
         self.batch.set_root_scores(rows, scores)
         emitted = {}
         for i, (seq, token) in enumerate(zip(joining, self.to_host(tokens).tolist())):
             seq.forwards = 1
-            if seq.params.logprobs is not None:
+            if seq.params.logprobs is not None and token != NO_TOKEN:
                 seq.logprobs += token_logprobs(raw[i : i + 1], [token], seq.params.logprobs, self._read_stats)
             seq.emit([token], [False], self.max_context, self.tokenizer)
             emitted[seq.request_id] = list(seq.generated)
@@ -356,7 +370,7 @@ class Step:
             logits, tokens, valid, self.topology, plan.row_warp, self.batch.root_scores[plan.rows],
             self._to_device(draft.draft_probs) if draft.draft_probs is not None else None,
             self.speculative.replacement, uniforms[:, [*range(size), -1]] if uniforms is not None else None,
-            self._to_device(draft.point_mass) if draft.point_mass is not None else None,
+            self._to_device(draft.point_mass) if draft.point_mass is not None else None, _may_empty(seqs),
         )
         # One copy: paths and next tokens, and the tree's ids and flags where they are on the device.
         parts = [verdict.path, verdict.next_token[:, None]]
@@ -404,10 +418,12 @@ class Step:
             accepted_nodes = [n for n in path if node_depths[n] > 0]
             seq.forwards += 1
             new_tokens = [verdict.draft_tokens[row][n] for n in accepted_nodes] + [verdict.next_tokens[row]]
-            all_emitted.append(new_tokens)
-            if seq.params.logprobs is not None:  # opt-in: the target's log-probabilities at the path's nodes
-                at_path = verdict.raw_logits[row, self._to_device(torch.tensor(path))]
-                seq.logprobs += token_logprobs(at_path, new_tokens, seq.params.logprobs, self._read_stats)
+            # NO_TOKEN: the row's law had nothing left; it ends there (Sequence.emit), the tokens before it kept
+            real = new_tokens[:-1] if new_tokens[-1] == NO_TOKEN else new_tokens
+            all_emitted.append(real)
+            if seq.params.logprobs is not None and real:  # opt-in: the target's log-probabilities at the path's nodes
+                at_path = verdict.raw_logits[row, self._to_device(torch.tensor(path[: len(real)]))]
+                seq.logprobs += token_logprobs(at_path, real, seq.params.logprobs, self._read_stats)
             before = len(seq.generated)
             kept = seq.emit(new_tokens, [True] * len(accepted_nodes) + [False], self.max_context, self.tokenizer)
             kept_tokens[seq.request_id] = seq.generated[before:]
@@ -433,7 +449,7 @@ class Step:
         for log-probabilities)."""
         masked = last.clone() if last is raw else last
         apply_masks(masked[:, None], committed_masks([s.grammar for s in joining], self.device),
-                    any(s.grammar is not None and s.params.bans_tokens for s in joining))
+                    any(s.grammar is not None and refills(s.params) for s in joining))
         return masked
 
     def _grammar_tree(self, seqs: list[Sequence], plan: Plan, roots: torch.Tensor, root_valid: torch.Tensor

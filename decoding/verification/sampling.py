@@ -18,6 +18,16 @@ import torch
 from decoding.config import GREEDY_TEMPERATURE, SamplingParams
 from decoding.model.attention import kernel_loaded
 
+# The token of a row whose processed law has nothing left (every token banned or masked, e.g. allowed_token_ids
+# against a grammar, or a bad word of two tokens whose first is all allowed_token_ids leaves): the row ends with an
+# error (decoding.engine.sequence) instead of drawing a token its request forbids.
+NO_TOKEN = -1
+
+
+def or_no_token(tokens: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
+    """``tokens`` [B, ...] drawn from processed ``logits`` [B, ..., V], ``NO_TOKEN`` where those are all -inf."""
+    return tokens.masked_fill(logits.amax(-1) == -torch.inf, NO_TOKEN)
+
 
 def run_seed(configured: int | None) -> int:
     """The run's seed (vLLM): the configured one, or fresh randomness when it is null."""

@@ -23,7 +23,7 @@ from functools import cache
 
 import torch
 
-from decoding.verification.sampling import WarpParams, argmax_logsumexp, warp_probs
+from decoding.verification.sampling import NO_TOKEN, WarpParams, argmax_logsumexp, or_no_token, warp_probs
 from decoding.verification.tree import TreeTopology
 
 
@@ -177,6 +177,7 @@ def verify_batch(
     replacement: bool,
     uniforms: torch.Tensor | None,
     point_mass: torch.Tensor | None = None,
+    may_empty: bool = False,
 ) -> BatchVerdict:
     """Verify every row's tree; all tensors on the logits' device.
 
@@ -186,7 +187,9 @@ def verify_batch(
     proposals (n-gram), q = one-hot. uniforms [B, N + 1] in [0, 1): node n's acceptance draw at column n, the
     next token's at the last column; None when every row is greedy (nothing random then). point_mass [B, N]: nodes
     proposed deterministically beside a model's candidates (n-gram siblings): their q is one-hot whatever
-    ``draft_probs`` says at their parent.
+    ``draft_probs`` says at their parent. ``may_empty``: a node's law may have nothing left (the logits are processed:
+    bans, grammar masks); no token is accepted below such a node, and a row ending at one gets ``NO_TOKEN`` next
+    (whatever the draft proposed there, on a law of its own that may have been made uniform).
     """
     batch, size, vocab = logits.shape
     device = logits.device
@@ -198,9 +201,14 @@ def verify_batch(
     sampling = uniforms is not None
 
     argmax, logsumexp = argmax_logsumexp(logits, not sampling and size > 1)  # [B, N] each
+    empty = or_no_token(argmax, logits) if may_empty else None  # NO_TOKEN at the nodes whose law is empty
+    if empty is not None:  # no drafted token equals it: nothing is accepted below an empty node
+        argmax = empty
     if sampling:
         # Greedy rows get the plain softmax (their statistics are at temperature 1, unwarped).
         probs = warp_probs(logits, warp.sampling_only(greedy))  # [B, N, V] float32
+        if empty is not None:  # an empty law (which warp_probs made uniform) accepts nothing: no mass
+            probs = probs.masked_fill((empty == NO_TOKEN)[..., None], 0.0)
         token_probs = probs[rows[:, None], parents[None], tokens]
     elif size == 1:  # a plain step: no drafted node, no statistic (a vocabulary-wide logsumexp per row saved)
         token_probs = logits.new_zeros(batch, 1, dtype=torch.float32)
@@ -267,6 +275,5 @@ def verify_batch(
     greedy_law = logits[rows, cur].float()
     law = torch.where(alive[:, None], probs[rows, cur], law)
     drawn = sample_from(law, uniforms[:, -1])
-    return BatchVerdict(
-        path, length, torch.where(greedy, best, drawn), torch.where(greedy[:, None], greedy_law, law), token_probs
-    )
+    next_token = torch.where(greedy | (best == NO_TOKEN), best, drawn)
+    return BatchVerdict(path, length, next_token, torch.where(greedy[:, None], greedy_law, law), token_probs)
