@@ -13,6 +13,7 @@ from typing import Annotated, Any, Literal
 
 import yaml
 from pydantic import (
+    AfterValidator,
     BaseModel,
     ConfigDict,
     Field,
@@ -139,6 +140,18 @@ def too_deep(value: Any, limit: int = MAX_DEPTH) -> bool:
             return True
         stack.extend((child, depth + 1) for child in children)
     return False
+
+
+def _printable(name: str) -> str:
+    if not name.isprintable():
+        raise ValueError(f"a model's name must not hold control characters such as line breaks (got {quote(name)})")
+    return name
+
+
+# A model's name as clients send it (``served_model_name``, a router's ``model_id``): it comes back in responses,
+# log lines and metric labels, so no control character (a line break would end a log line or an exported label).
+# Any other character is fine: labels are escaped, and Ray's metrics export gets it as ASCII (frontend.metrics).
+ModelName = Annotated[str, Field(min_length=1), AfterValidator(_printable)]
 
 
 CONSTRAINT_KINDS = ("json", "regex", "choice", "grammar", "json_object")
@@ -439,7 +452,7 @@ class LimitsConfig(_Strict):
 class Config(_Strict):
     model: str = "smollm2-135m-instruct"
     # vLLM's: the model's name in the HTTP API (/v1/models, the ``model`` field of requests); default: ``model``.
-    served_model_name: str | None = None
+    served_model_name: ModelName | None = None
     # vLLM's --api-key: every HTTP route but /health, /ping and /metrics needs "Authorization: Bearer <key>" (else
     # SPECBATCH_API_KEY or VLLM_API_KEY). Never written out with the configuration.
     api_key: SecretStr | None = Field(None, exclude=True)

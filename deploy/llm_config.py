@@ -22,7 +22,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-from decoding.config import Config, format_validation_error, read_yaml_file
+from decoding.config import Config, ModelName, format_validation_error, read_yaml_file
 from frontend.engine_args import INSTEAD, bundle_resources, config_fields
 
 # Serve's deployment options a model's replicas take from deployment_config (Ray Serve LLM's list).
@@ -38,7 +38,7 @@ EXPERIMENTAL = frozenset({"stream_batching_interval_ms", "num_ingress_replicas"}
 class ModelLoadingConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    model_id: str = Field(min_length=1, description="the name clients send as `model`")
+    model_id: ModelName = Field(description="the name clients send as `model`")
     model_source: str | None = Field(None, description="path, hub id, URI or alias; default: model_id")
     tokenizer_source: str | None = None
 

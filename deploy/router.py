@@ -14,14 +14,15 @@ replica that dies or cannot be reached is an OpenAI-shaped 503 (in a stream alre
     serve.run(build_openai_app({"llm_configs": [LLMConfig(...), LLMConfig(...)]}))
 """
 
-import json
 import re
 from collections.abc import AsyncIterator
 from typing import Any
 
 import prometheus_client
+import pydantic_core
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client.metrics_core import Metric
 from prometheus_client.parser import text_string_to_metric_families
 from pydantic import SecretStr
 from ray import serve
@@ -43,20 +44,37 @@ def _error(status: int, message: str, kind: str, code: str | None = None, param:
     return gate.error(status, ErrorDetail(message=message, type=kind, code=code, param=param))
 
 
-def _merged_metrics(texts: list[str]) -> str:
+class _Families:
+    """Parsed metric families as a collector, for ``prometheus_client`` to write (label values escaped as its text
+    format requires: a model named with a quote or a line break stays one label value)."""
+
+    def __init__(self, families: list[Metric]) -> None:
+        self.families = families
+
+    def collect(self) -> list[Metric]:
+        return self.families
+
+
+def _merged_metrics(texts: list[str]) -> bytes:
     """Several replicas' Prometheus texts as one exposition: each family once, the samples of all (their
     ``model_name`` labels tell them apart)."""
-    families: dict[str, tuple[str, str, list[str]]] = {}
+    families: dict[str, Metric] = {}
     for text in texts:
         for family in text_string_to_metric_families(text):
-            kind, doc, samples = families.setdefault(family.name, (family.type, family.documentation, []))
-            for sample in family.samples:
-                labels = ",".join(f'{k}="{v}"' for k, v in sample.labels.items())
-                samples.append(f"{sample.name}{{{labels}}} {sample.value}")
-    lines = []
-    for name, (kind, doc, samples) in families.items():
-        lines += [f"# HELP {name} {doc}", f"# TYPE {name} {kind}", *samples]
-    return "\n".join(lines) + "\n"
+            merged = families.setdefault(family.name, family)
+            if merged is not family:
+                merged.samples.extend(family.samples)
+    return prometheus_client.generate_latest(_Families(list(families.values())))  # type: ignore[arg-type]
+
+
+# Defined above the router: Serve ships the deployment class with the module's globals as they were when it was
+# decorated.
+def _model_of(body: bytes) -> str | None:
+    """The ``model`` a request body names (None: none). Parsed as the replicas parse bodies (pydantic's JSON parser,
+    which bounds nesting without recursing in Python): ``ValueError`` for a body that is not JSON."""
+    parsed = pydantic_core.from_json(body) if body else None
+    model = parsed.get("model") if isinstance(parsed, dict) else None
+    return model if isinstance(model, str) else None
 
 
 def _relayed(start: asgi.ResponseStart) -> dict[str, str]:
@@ -135,7 +153,10 @@ class OpenAIRouter:
             return _error(413, f"the request body is larger than {MAX_BODY_BYTES} bytes", "invalid_request_error")
         if self.only is not None:  # its replica judges the body's `model` (a model's path names it too)
             return await self._forward(request, self.only, f"/{path}", body)
-        name = self._model_of(body)
+        try:
+            name = _model_of(body)
+        except ValueError as exc:  # as the replicas answer a body that is not JSON, or nests past the parser's bound
+            return _error(400, f"body: Invalid JSON: {exc}", "invalid_request_error")
         if name is None:
             return _error(400, f"`model` is required: this server serves {sorted(self.models)}",
                           "invalid_request_error", param="model")
@@ -172,15 +193,6 @@ class OpenAIRouter:
                 message=f"the replica of `{name}` failed during the response: {type(exc).__name__}",
                 type="server_error", code="service_unavailable"))
             yield f"data: {error.model_dump_json()}\n\ndata: [DONE]\n\n".encode()
-
-    @staticmethod
-    def _model_of(body: bytes) -> str | None:
-        try:
-            parsed = json.loads(body) if body else None
-        except ValueError:
-            return None  # the model's replica answers the malformed body with its own 400
-        model = parsed.get("model") if isinstance(parsed, dict) else None
-        return model if isinstance(model, str) else None
 
     def _unknown(self, name: str) -> JSONResponse:
         return _error(404, f"The model `{name}` does not exist; this server serves {sorted(self.models)}",

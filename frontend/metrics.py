@@ -45,6 +45,7 @@ the step the request joined the batch in is SCHEDULED, the steps that emitted it
 from __future__ import annotations
 
 import dataclasses
+import functools
 import re
 import threading
 import time
@@ -170,7 +171,15 @@ class _Ray:
         self.method, self.replica_id = {"counter": "inc", "gauge": "set", "histogram": "observe"}[spec.kind], replica_id
 
     def record(self, value: float, tags: dict[str, str]) -> None:
-        getattr(self.metric, self.method)(value, {**tags, "ReplicaId": self.replica_id})
+        ascii_tags = {key: ray_tag(tag) for key, tag in tags.items()}
+        getattr(self.metric, self.method)(value, {**ascii_tags, "ReplicaId": self.replica_id})
+
+
+@functools.lru_cache(maxsize=256)
+def ray_tag(value: str) -> str:
+    """``value`` as Ray's metrics export takes a tag: ASCII, any other character written as its Python escape
+    (``模型`` is ``\\u6a21\\u578b``); Ray encodes tags as ASCII and raised on a model named otherwise."""
+    return value.encode("ascii", "backslashreplace").decode("ascii")
 
 
 def ray_backend(replica_id: str = "") -> Backend:

@@ -11,7 +11,7 @@ import pytest
 from decoding.config import Config
 from decoding.engine import Engine, GenerationResult, Request
 from decoding.engine.runner import EngineRunner
-from frontend.metrics import EngineMetrics, MetricSpec
+from frontend.metrics import FINISHED_REASONS, EngineMetrics, MetricSpec
 
 
 class Memory:
@@ -212,3 +212,45 @@ def test_the_prometheus_registry_declares_every_series_vllm_does(tokenizer, targ
     assert buckets == ["1.0", "2.0", "5.0", "10.0", "20.0", "50.0", "100.0", "+Inf"]
     assert {s.labels["le"] for s in families["vllm:inter_token_latency_seconds"].samples
             if s.name.endswith("_bucket")} >= {"0.01", "80.0"}
+
+
+def test_a_model_named_in_any_characters_reaches_rays_metrics_export(ray_cluster):
+    """Ray encodes tags as ASCII: a model named 模型 raised UnicodeEncodeError in the step's observer."""
+    from frontend.metrics import SPECS, ray_backend, ray_tag
+
+    assert ray_tag("模型") == "\\u6a21\\u578b" and ray_tag("m-1") == "m-1"
+    for name in ("vllm:num_requests_running", "vllm:request_success"):
+        extra = {"finished_reason": "stop"} if name == "vllm:request_success" else {}
+        ray_backend("replica")(SPECS[name]).record(1.0, {"model_name": "模型", "engine": "0", **extra})
+
+
+def test_a_models_name_is_refused_with_a_control_character():
+    from specbatch.serve import LLMConfig
+
+    assert Config(served_model_name='模型 "quoted"').served_model_name == '模型 "quoted"'
+    for name in ("a\nb", "tab\there", ""):
+        with pytest.raises(ValueError, match="served_model_name"):
+            Config(served_model_name=name)
+        with pytest.raises(ValueError, match="model_id"):
+            LLMConfig(model_loading_config={"model_id": name})
+
+
+def test_the_routers_merged_metrics_escape_label_values():
+    """A model named with a quote, a backslash or any character stays one label value once several replicas' texts
+    are merged; before, label values were written unescaped and the exposition did not parse."""
+    import prometheus_client
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from deploy.router import _merged_metrics
+    from frontend.metrics import prometheus_backend
+
+    names = ['say "hi"', "back\\slash", "模型"]
+    texts = []
+    for name in names:
+        registry = prometheus_client.CollectorRegistry()
+        EngineMetrics([prometheus_backend(registry)], name, max_model_len=64)
+        texts.append(prometheus_client.generate_latest(registry).decode())
+    families = {f.name: f for f in text_string_to_metric_families(_merged_metrics(texts).decode())}
+    running = families["vllm:num_requests_running"].samples
+    assert sorted(s.labels["model_name"] for s in running) == sorted(names)
+    assert len(families["vllm:request_success"].samples) == 3 * len(FINISHED_REASONS)

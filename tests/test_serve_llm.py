@@ -119,6 +119,25 @@ def test_chat_and_completions_streamed_and_not_reach_the_model_named(client, mod
     assert drafted > 0 if model == "tiny-b" else True
 
 
+def test_the_router_reads_a_bodys_model_with_the_replicas_json_parser():
+    """json.loads recursed per level: a body 100k lists deep raised RecursionError out of the route."""
+    from deploy.router import _model_of
+
+    assert _model_of(b'{"model": "m", "prompt": "x"}') == "m" and _model_of(b"") is None
+    assert _model_of(b"[1]") is None and _model_of(b'{"model": 3}') is None
+    for body in (b"[" * 100_000 + b"]" * 100_000, b'{"model": '):
+        with pytest.raises(ValueError):
+            _model_of(body)
+
+
+def test_a_body_nested_past_the_parsers_bound_is_the_routers_openai_shaped_400(server):
+    """As the one-model server answers it; the router's json.loads raised RecursionError, a plain-text 500."""
+    deep = httpx.post(f"{server}/v1/completions", content=b"[" * 100_000 + b"]" * 100_000,
+                      headers={"Content-Type": "application/json"}, timeout=60)
+    assert deep.status_code == 400 and deep.json()["error"]["type"] == "invalid_request_error", deep.text
+    assert "Invalid JSON" in deep.json()["error"]["message"]
+
+
 def test_a_models_own_errors_come_back_through_the_router_in_openais_shape(client):
     with pytest.raises(openai.BadRequestError) as refused:
         client.completions.create(model="tiny-a", prompt="the cat", max_tokens=4, extra_body={"top_k": -5})

@@ -173,6 +173,7 @@ class EngineRunner:
         self._local = threading.local()  # each preparing thread's own tokenizer
         self._large_inputs = threading.BoundedSemaphore(max(1, (os.cpu_count() or 2) // 2))
         self.failure: BaseException | None = None
+        self.observer_failures = 0  # calls of the observer that raised (see _observe)
         self._step_started: float | None = None
         self.steps = 0
         self.rebuilds = 0
@@ -213,12 +214,24 @@ class EngineRunner:
         if self.failure is not None:
             sink(self.failure)
             return
-        if self._observer is not None and not isinstance(prepared, GenerationResult):
-            self._observer.submitted(request.id, len(prepared.prompt_ids))
+        if not isinstance(prepared, GenerationResult):
+            self._observe("submitted", request.id, len(prepared.prompt_ids))
         self._inbox.put(_Job(request, prepared, sink, streamed))
 
     def abort(self, request_id: str) -> None:
         self._inbox.put(request_id)
+
+    def _observe(self, event: str, *args: Any) -> None:
+        """Tell the observer (metrics) of ``event``. Its failure (an export refusing a value) never fails a request
+        or a step: the first is logged with its traceback, every one is counted in ``observer_failures``."""
+        if self._observer is None:
+            return
+        try:
+            getattr(self._observer, event)(*args)
+        except Exception:
+            self.observer_failures += 1
+            if self.observer_failures == 1:
+                log.exception("the step observer (metrics) failed in %s; later failures are only counted", event)
 
     def step_running_for(self) -> float:
         """Seconds the engine's current step has run; 0 between steps (a watchdog reads it from any thread)."""
@@ -273,8 +286,7 @@ class EngineRunner:
                 continue
             self.steps += 1
             self._progress.step(output)
-            if self._observer is not None:
-                self._observer.stepped(output)
+            self._observe("stepped", output)
             self._deliver(output)
 
     def _step(self) -> StepOutput:
@@ -313,8 +325,7 @@ class EngineRunner:
             if isinstance(item, str):
                 self.engine.abort(item)
                 self._jobs.pop(item, None)
-                if self._observer is not None:
-                    self._observer.aborted(item)
+                self._observe("aborted", item)
                 continue
             self._admit(item, item.prepared)
             if not self.engine.has_unfinished():
