@@ -402,22 +402,29 @@ def read_json_records(data: bytes) -> pa.Table:
     records: list[dict[str, Any]] = []
     errors: list[str | None] = []
     for number, line in enumerate(lines, 1):
+        not_utf8: UnicodeDecodeError | None = None
         try:
+            encoding = json.detect_encoding(line)  # as json.loads decodes bytes (a BOM, UTF-16)
             try:
-                record = json.loads(line)  # bytes: invalid UTF-8 raises too, a ValueError like bad JSON
+                text = line.decode(encoding, "surrogatepass")
+            except UnicodeDecodeError as exc:  # read on, its bad bytes as lone surrogates: the row keeps its id
+                text, not_utf8 = line.decode(encoding, "surrogateescape"), exc
+            try:
+                record = json.loads(text)
             except RecursionError:  # json recurses per nesting level
                 raise ValueError(f"nested deeper than {RECORD_DEPTH} levels") from None
             if not isinstance(record, dict):
                 raise ValueError(f"expected a JSON object, got {type(record).__name__}")
             if too_deep(record, RECORD_DEPTH):  # before Arrow and pydantic recurse into it
                 raise ValueError(f"nested deeper than {RECORD_DEPTH} levels")
-            if _SURROGATE_ESCAPE.search(line):  # valid JSON, but a lone surrogate is no text Arrow can hold
+            if not_utf8 is not None or _SURROGATE_ESCAPE.search(line):  # a lone surrogate is no text for Arrow
                 json.dumps(record, ensure_ascii=False).encode()
         except UnicodeEncodeError:
             record = {"id": record["id"]} if _text(record.get("id")) else {}  # the row keeps its id where it can
-            error = f"undecodable JSON record {number}: a string holds a lone surrogate (\\ud800-\\udfff)"
+            error = f"undecodable JSON record {number}: " + (
+                str(not_utf8) if not_utf8 is not None else "a string holds a lone surrogate (\\ud800-\\udfff)")
         except ValueError as exc:
-            record, error = {}, f"undecodable JSON record {number}: {exc}"
+            record, error = {}, f"undecodable JSON record {number}: {not_utf8 or exc}"
         else:
             error = None
         records.append(record)

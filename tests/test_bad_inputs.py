@@ -14,6 +14,8 @@ import pytest
 import yaml
 
 from decoding.config import Config
+from pipeline.io import read_json_records
+from pipeline.schema import READ_ERROR
 from pipeline.store import OutputStore
 
 DEEP = 100_000  # far past Python's recursion limit
@@ -336,3 +338,14 @@ def test_the_server_refuses_what_the_pipeline_refuses():
             parse_request(messages=messages)
     with pytest.raises(RequestError, match="nested deeper"):
         parse_request(prompt="x", sampling_params=deep_list(DEEP))
+
+
+def test_a_json_record_that_is_not_utf8_keeps_its_readable_id():
+    """Its id was derived from the file's name and line (``nul.jsonl:1``): the line failed to decode as a whole."""
+    rows = read_json_records(b'{"id": "kept", "prompt": "caf\xe9"}\n{"id": "ok", "prompt": "the cat"}\n'
+                             b'{"id": "\xff", "prompt": "x"}\n\xef\xbb\xbf{"id": "bom", "prompt": "y"}\n').to_pylist()
+    assert rows[0]["id"] == "kept" and rows[0].get("prompt") is None
+    assert "record 1" in rows[0][READ_ERROR] and "utf-8" in rows[0][READ_ERROR]
+    assert rows[1]["id"] == "ok" and rows[1]["prompt"] == "the cat" and rows[1][READ_ERROR] is None
+    assert rows[2]["id"] is None and "record 3" in rows[2][READ_ERROR]  # an id that is not text: derived later
+    assert rows[3]["id"] == "bom" and rows[3][READ_ERROR] is None
