@@ -15,6 +15,10 @@ from decoding.engine.text import IncrementalDecoder
 from decoding.stats import SpecDecodeStats, acceptance_histogram
 from decoding.verification.sampling import NO_TOKEN
 
+if TYPE_CHECKING:  # xgrammar loads when a constraint appears
+    from decoding.constraints.grammar import RowGrammar
+    from decoding.engine.kv_cache import Claim
+
 
 def nothing_left(params: SamplingParams) -> str:
     """Why a row ends where its law has nothing left (NO_TOKEN): its constraint's dead end, or its bans with it."""
@@ -23,10 +27,6 @@ def nothing_left(params: SamplingParams) -> str:
                 "vocabulary continues")
     return ("no token is left to generate: allowed_token_ids, bad_words, min_tokens and structured_outputs together "
             "ban every token here")
-
-if TYPE_CHECKING:  # xgrammar loads when a constraint appears
-    from decoding.constraints.grammar import RowGrammar
-    from decoding.engine.kv_cache import Claim
 
 
 @dataclass

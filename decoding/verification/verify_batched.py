@@ -201,14 +201,13 @@ def verify_batch(
     sampling = uniforms is not None
 
     argmax, logsumexp = argmax_logsumexp(logits, not sampling and size > 1)  # [B, N] each
-    empty = or_no_token(argmax, logits) if may_empty else None  # NO_TOKEN at the nodes whose law is empty
-    if empty is not None:  # no drafted token equals it: nothing is accepted below an empty node
-        argmax = empty
+    if may_empty:  # NO_TOKEN at the nodes whose law is empty: no drafted token equals it, none below is accepted
+        argmax = or_no_token(argmax, logits)
     if sampling:
         # Greedy rows get the plain softmax (their statistics are at temperature 1, unwarped).
         probs = warp_probs(logits, warp.sampling_only(greedy))  # [B, N, V] float32
-        if empty is not None:  # an empty law (which warp_probs made uniform) accepts nothing: no mass
-            probs = probs.masked_fill((empty == NO_TOKEN)[..., None], 0.0)
+        if may_empty:  # an empty law (which warp_probs made uniform) accepts nothing: no mass
+            probs = probs.masked_fill((argmax == NO_TOKEN)[..., None], 0.0)
         token_probs = probs[rows[:, None], parents[None], tokens]
     elif size == 1:  # a plain step: no drafted node, no statistic (a vocabulary-wide logsumexp per row saved)
         token_probs = logits.new_zeros(batch, 1, dtype=torch.float32)
