@@ -13,7 +13,6 @@ import logging
 import threading
 import time
 from concurrent.futures import Future
-from dataclasses import dataclass
 from typing import Any
 
 import pyarrow as pa
@@ -28,9 +27,10 @@ from decoding.params import resolve_sampling
 from frontend.metrics import EngineMetrics, ray_backend
 from frontend.remote import localize_models
 from frontend.requests import ChatOptions, RequestError, parse_request
-from pipeline.schema import ENGINE_READY, PRODUCER_NODE, READ_ERROR, output_block
+from pipeline.schema import ENGINE_READY, PRODUCER_NODE, READ_ERROR, RowOptions, output_block
 
 log = logging.getLogger(__name__)
+DEFAULT_ROWS = RowOptions()
 
 # Ray starts workers at niceness 15 to keep its own daemons responsive. An engine on a CPU node then yields its
 # cores to every wake-up of the driver and daemons, and its OpenMP team stalls on the preempted thread: on 2
@@ -38,39 +38,17 @@ log = logging.getLogger(__name__)
 # Ray runs job drivers; env_vars merge with the job's runtime_env (working_dir etc. stay).
 ENGINE_RUNTIME_ENV = {"env_vars": {"RAY_worker_niceness": "0"}}
 
-# Ray Data LLM's error column (``should_continue_on_error``): the reason on error rows, empty on the others.
-INFERENCE_ERROR = "__inference_error__"
 # Row columns that set how a row's messages render (frontend.requests.ChatOptions).
 CHAT_COLUMNS = tuple(ChatOptions.model_fields)
 # The row columns a request is made of; the others only pass through to the output.
 REQUEST_COLUMNS = frozenset({"id", "prompt", "messages", "sampling_params", READ_ERROR, *CHAT_COLUMNS})
 
 
-@dataclass(frozen=True)
-class RowOptions:
-    """What rows mean to the actor. ``continue_on_error``: a row that cannot be generated becomes an error row
-    (false: it fails the batch, so the dataset). ``detokenize``: ``generated_text`` decoded from the tokens for rows
-    whose sampling asked for none. ``apply_chat_template``: false refuses ``messages``. ``continue_assistant``:
-    messages ending with the assistant's are continued (Ray Data LLM's rule). ``metrics``: vLLM's metrics export.
-    ``error_column``: rows get ``INFERENCE_ERROR``. ``max_pending``: rows the actor keeps in its engine at once
-    (None: every row of the batches it works on). ``ray_data_llm_rows``: rows as Ray Data LLM's engine stage makes
-    them: ``n`` above 1 gives the first completion only, and the logprob columns hold Python dicts."""
-
-    continue_on_error: bool = True
-    error_column: bool = False
-    detokenize: bool = False
-    apply_chat_template: bool = True
-    continue_assistant: bool = False
-    metrics: bool = True
-    max_pending: int | None = None
-    ray_data_llm_rows: bool = False
-
-
 class RowFailed(RuntimeError):
     """A row could not be generated and the processor does not continue on errors."""
 
 
-def request_from_row(key: str, row: dict[str, Any], engine: Engine, options: RowOptions = RowOptions()) -> Request:
+def request_from_row(key: str, row: dict[str, Any], engine: Engine, options: RowOptions = DEFAULT_ROWS) -> Request:
     """An input row (docs/reference.md, "Input") as an engine request; ``RequestError`` when it cannot be one. Rows are
     validated as the server validates its requests (frontend.requests), sampling parameters with every bound and
     against the model; the engine itself rejects what only tokenizing shows: empty or over-long prompts."""
@@ -128,7 +106,7 @@ class GenerationActor:
     """``map_batches`` callable class: Arrow batch of input rows -> output block (see pipeline.schema)."""
 
     def __init__(self, config: dict[str, Any], actors_per_node: int = 1, token_stats: bool = True,
-                 options: RowOptions = RowOptions()) -> None:
+                 options: RowOptions = DEFAULT_ROWS) -> None:
         given = Config.model_validate(config)
         self.options = options
         self.config = localize_models(given)  # model URIs (s3://...) as local copies; provenance keeps the URIs

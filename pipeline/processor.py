@@ -23,8 +23,8 @@ import ray.data
 
 from decoding.config import Config, load_config
 from frontend.resources import check_cluster
-from pipeline.actor import ENGINE_RUNTIME_ENV, INFERENCE_ERROR, GenerationActor, RowOptions
 from pipeline.processor_config import ProcessorConfig
+from pipeline.schema import INFERENCE_ERROR, RowOptions
 
 Row = dict[str, Any]
 
@@ -81,6 +81,8 @@ class StageOptions:
 
 def _runtime_env(user: dict[str, Any] | None) -> dict[str, Any]:
     """The user's runtime_env with the engine's environment variables merged in (the user's win)."""
+    from pipeline.actor import ENGINE_RUNTIME_ENV
+
     user = dict(user or {})
     return {**user, "env_vars": {**ENGINE_RUNTIME_ENV["env_vars"], **(user.get("env_vars") or {})}}
 
@@ -119,6 +121,10 @@ class Processor:
         self.options = options or StageOptions(rows_per_block(config))
 
     def __call__(self, ds: ray.data.Dataset) -> ray.data.Dataset:
+        # The engine's side (torch, transformers) loads here, in the driver: Ray Data's tasks that run this module's
+        # preprocess and postprocess do without it (5 s of CPU for each of their worker processes).
+        from pipeline.actor import GenerationActor
+
         options = self.options
         if self.preprocess is not None:
             ds = ds.map(_Preprocess(self.preprocess), **options.preprocess_map_kwargs)

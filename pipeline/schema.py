@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import pyarrow as pa
@@ -150,3 +151,27 @@ def split_block(block: pa.Table) -> tuple[pa.Table, pa.Table]:
     stats = pa.Table.from_arrays([ids, *(pc.struct_field(flat, name) for name in TOKEN_STAT.names)],
                                  schema=TOKEN_STATS_SCHEMA)
     return block.drop_columns([TOKEN_STATS]), stats
+
+
+# Ray Data LLM's error column (``should_continue_on_error``): the reason on error rows, empty on the others.
+INFERENCE_ERROR = "__inference_error__"
+
+
+@dataclass(frozen=True)
+class RowOptions:
+    """What rows mean to the actor. ``continue_on_error``: a row that cannot be generated becomes an error row
+    (false: it fails the batch, so the dataset). ``detokenize``: ``generated_text`` decoded from the tokens for rows
+    whose sampling asked for none. ``apply_chat_template``: false refuses ``messages``. ``continue_assistant``:
+    messages ending with the assistant's are continued (Ray Data LLM's rule). ``metrics``: vLLM's metrics export.
+    ``error_column``: rows get ``INFERENCE_ERROR``. ``max_pending``: rows the actor keeps in its engine at once
+    (None: every row of the batches it works on). ``ray_data_llm_rows``: rows as Ray Data LLM's engine stage makes
+    them: ``n`` above 1 gives the first completion only, and the logprob columns hold Python dicts."""
+
+    continue_on_error: bool = True
+    error_column: bool = False
+    detokenize: bool = False
+    apply_chat_template: bool = True
+    continue_assistant: bool = False
+    metrics: bool = True
+    max_pending: int | None = None
+    ray_data_llm_rows: bool = False
