@@ -10,16 +10,15 @@ import argparse
 import importlib.resources
 import logging
 import sys
-from typing import TextIO
+from typing import TYPE_CHECKING, TextIO
 
 from tqdm import tqdm
 
 from decoding.config import ConfigError
 from jobs.common import parse_with_config, setup_logging
-from pipeline.io import InputError
-from pipeline.job import run
-from pipeline.progress import Progress
-from pipeline.summary import summary_line
+
+if TYPE_CHECKING:
+    from pipeline.progress import Progress
 
 SAMPLE_PROMPTS = importlib.resources.files("jobs").joinpath("data/sample_prompts.jsonl")
 # Without a terminal, one progress line at most this often.
@@ -81,6 +80,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--verbose", action="store_true",
                         help="Ray's and transformers' logs, Ray Data's progress bars and the engine actors' output")
     args, config = parse_with_config(parser, sys.argv[1:] if argv is None else argv)
+    # Ray, Ray Data and the engine load after the config is read: a bad config is refused in well under a second.
+    from pipeline.io import InputError
+    from pipeline.job import run
+    from pipeline.summary import summary_line
+
     setup_logging()
     if not args.verbose:
         import transformers
