@@ -209,7 +209,7 @@ def test_the_compiled_stack_computes_what_the_eager_stack_computes(monkeypatch, 
         pytest.skip("no C++ compiler")
     from decoding.model import compiled_forward
 
-    monkeypatch.setenv("SPECBATCH_CACHE", str(tmp_path))
+    # The product's cache, as the product uses it: compiled once per machine and code version, then loaded.
     monkeypatch.delenv("SPECBATCH_COMPILE")  # the tests' eager default: each execution says here
     cpu = torch.device("cpu")
     eager_mode = Execution.resolve(ExecutionConfig(compile="off"), cpu)
