@@ -95,6 +95,15 @@ def ray_cluster():
     ray.shutdown()
 
 
+@pytest.fixture(autouse=True)
+def fresh_data_context():
+    """Ray Data's context starts afresh after each test (its defaults made again on first use): what one test sets,
+    progress bars or a job's settings, never reaches the next."""
+    yield
+    if "ray.data" in sys.modules:
+        sys.modules["ray.data"].DataContext._set_current(None)
+
+
 @pytest.fixture(scope="session")
 def shared_dir() -> Path:
     if not SHARED.exists():
@@ -132,6 +141,8 @@ _started = time.monotonic()
 
 
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    if hasattr(session.config, "workerinput"):  # a pytest-xdist worker: the controller judges the whole run
+        return
     elapsed = time.monotonic() - _started
     options = session.config.option
     whole = session.config.args == session.config.getini("testpaths") and not options.keyword and not options.markexpr
@@ -140,3 +151,15 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
             "=", f"the test suite took {elapsed:.0f} s, over its budget of {SUITE_BUDGET_S} s (tests/conftest.py)",
             red=True)
         session.exitstatus = pytest.ExitCode.TESTS_FAILED
+
+
+# The README's ``-n 2`` (pyproject: ``--dist loadfile``) gives each worker whole modules, so a module's fixtures (its
+# server, its engines) are built once, in collection order: the heaviest first, so neither worker is left with a
+# long module at the end.
+HEAVY_FIRST = ["test_pipeline", "test_real_model", "test_serve", "test_processor", "test_engine", "test_serve_shutdown",
+               "test_engine_triton", "test_serve_llm", "test_constrained", "test_triton_kernels", "test_limits"]
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    rank = {name: at for at, name in enumerate(HEAVY_FIRST)}
+    items.sort(key=lambda item: rank.get(item.module.__name__, len(rank)) if item.module else len(rank))

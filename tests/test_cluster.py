@@ -23,7 +23,7 @@ def test_two_one_cpu_nodes_both_produce_parts(tiny_dirs, tmp_path):
     })
     (tmp_path / "config.yaml").write_text(yaml.safe_dump(config.model_dump(mode="json")))
     source = write_jsonl(tmp_path / "in.jsonl", good_rows(24))
-    env = {key: value for key, value in os.environ.items() if key != "RAY_ADDRESS"}
+    env = {key: value for key, value in os.environ.items() if key != "RAY_ADDRESS"}  # its own two-node cluster
     done = subprocess.run(
         [sys.executable, "-m", "jobs.scale_out", "--nodes", "2", "--input", str(source),
          "--config", str(tmp_path / "config.yaml"), "--json"],

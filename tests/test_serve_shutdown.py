@@ -59,6 +59,7 @@ def _serve(long_context_model: str, tmp_path: Path, grace: float):
     }))
     port = unused_ports(1)[0]
     log = tmp_path / "serve.log"
+    # A cluster of its own: the signal stops it, and every process it started must be gone afterwards.
     env = {**os.environ, "RAY_ADDRESS": "local", "SPECBATCH_API_KEY": KEY}
     with log.open("wb") as out:
         process = subprocess.Popen([sys.executable, "-m", "jobs.serve", "--config", str(config), "--port", str(port)],
