@@ -1,17 +1,15 @@
 """Continuous batching for one replica: ``decoding.engine.runner``'s engine thread, seen from asyncio.
 
 Requests join between steps (the engine prefills them into free rows), finished ones leave at once, and each
-caller receives its sequences' events as they happen. Requests are validated and tokenized in a worker thread,
-never on the event loop nor on the engine's stepping thread.
+caller receives its sequences' events as they happen. Requests are validated and tokenized on the runner's
+preparing threads, never on the event loop nor on the engine's stepping thread.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import threading
 from collections.abc import AsyncGenerator, Callable
-from typing import Any
 
 from decoding.engine import Engine, GenerationResult, Request
 from decoding.engine.runner import EngineRunner, RequestRejected, StepObserver
@@ -34,27 +32,6 @@ class EngineFailure(RuntimeError):
 
 class Draining(RuntimeError):
     """The server is shutting down and this request did not finish within the grace period."""
-
-
-async def _in_own_thread(work: Callable[[], Any]) -> Any:
-    """``work()`` in a thread of its own: a pool could make a short request queue behind megabyte prompts."""
-    loop = asyncio.get_running_loop()
-    done = loop.create_future()
-
-    def settle(method: str, value: Any) -> None:
-        if not done.done():  # the caller may have gone away meanwhile
-            getattr(done, method)(value)
-
-    def run() -> None:
-        try:
-            outcome = ("set_result", work())
-        except BaseException as exc:
-            outcome = ("set_exception", exc)
-        with contextlib.suppress(RuntimeError):  # the event loop is closed: nobody waits any more
-            loop.call_soon_threadsafe(settle, *outcome)
-
-    threading.Thread(target=run, name="prepare", daemon=True).start()
-    return await done
 
 
 class EngineLoop:
@@ -119,7 +96,7 @@ class EngineLoop:
         try:
             if self._ended is not None:
                 raise self._ended
-            prepared = await _in_own_thread(lambda: [self.runner.prepare(request) for request in requests])
+            prepared = await asyncio.wrap_future(self.runner.prepare_in_pool(requests))
             for index, (request, ready) in enumerate(zip(requests, prepared)):
                 def sink(event: Event | BaseException, index: int = index) -> None:
                     with contextlib.suppress(RuntimeError):  # the request's event loop is gone

@@ -23,6 +23,7 @@ import time
 import uuid
 from abc import ABC, abstractmethod
 from collections.abc import AsyncGenerator, AsyncIterator
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import aclosing
 from pathlib import Path
 from typing import Any
@@ -49,6 +50,7 @@ from deploy.detokenize import IncrementalText
 from deploy.engine_loop import REPLICA_RUNTIME_ENV, Draining, EngineFailure, EngineLoop, Event, RequestRejected
 from deploy.protocol import (
     MAX_CONTEXT,
+    MAX_SEQUENCES,
     AssistantMessage,
     ChatChoice,
     ChatChunkChoice,
@@ -97,6 +99,10 @@ def env_api_key() -> str | None:
     return next((os.environ[name] for name in API_KEY_ENV if os.environ.get(name)), None)
 # A body larger than this is refused before it is read whole (a prompt longer than the context is refused anyway).
 MAX_BODY_BYTES = 64 << 20
+# A body larger than this is parsed on the parse lane, one body at a time, off the event loop: the JSON parser holds
+# the GIL throughout (~0.1 s per 10 MB of token ids), so /health waits at most one such parse.
+LARGE_BODY_BYTES = 1 << 20
+_PARSE_LANE = ThreadPoolExecutor(1, thread_name_prefix="parse")
 
 
 def _version() -> str:
@@ -160,9 +166,17 @@ async def _unexpected(_: Request, exc: Exception) -> JSONResponse:
     return _error(500, ErrorDetail(message=f"internal error: {exc!r}", type="server_error"))
 
 
-async def _json_body(request: Request) -> bytes:
-    """The body, refused (before it is read whole) when larger than ``MAX_BODY_BYTES`` or not sent as JSON.
-    A missing Content-Type is read as JSON, as FastAPI does."""
+def max_body_values(max_context: int) -> int:
+    """The most JSON values a body may hold: ``MAX_SEQUENCES`` prompts of a whole context's token ids (and as many
+    values again for everything else); counted as its commas while it arrives, so that a body of ids beyond any
+    valid request's is refused before it is parsed (each id parsed costs ~40 bytes of memory)."""
+    return 2 * MAX_SEQUENCES * max_context
+
+
+async def _json_body(request: Request, max_values: int) -> bytes:
+    """The body, refused (before it is read whole) when larger than ``MAX_BODY_BYTES``, holding more than
+    ``max_values`` JSON values (``max_body_values``) or not sent as JSON. A missing Content-Type is read as JSON, as
+    FastAPI does."""
     media_type = request.headers.get("content-type", "application/json").split(";")[0].strip().lower()
     if media_type != "application/json" and not media_type.endswith("+json"):
         raise ApiError(400, f"the body must be JSON sent as Content-Type: application/json, not {media_type}")
@@ -170,16 +184,21 @@ async def _json_body(request: Request) -> bytes:
     too_large = ApiError(413, f"the body is larger than {MAX_BODY_BYTES} bytes")
     if declared.isdigit() and int(declared) > MAX_BODY_BYTES:
         raise too_large
-    chunks, size = [], 0
+    chunks, size, values = [], 0, 0
     async for chunk in request.stream():
         size += len(chunk)
+        values += chunk.count(b",")  # an upper bound on the values: commas in strings count too
         if size > MAX_BODY_BYTES:
             raise too_large
+        if values > max_values:
+            raise ApiError(413, f"the body holds more than {max_values} JSON values: a request carries at most "
+                                f"{MAX_SEQUENCES} prompts of the model's context in token ids")
         chunks.append(chunk)
     return b"".join(chunks)
 
 
 def _parse(raw: bytes, model: type[GenerationRequest], max_context: int) -> Any:
+    """``raw`` validated as ``model``: a 400 naming the first field at fault."""
     try:
         return model.model_validate_json(raw, context={MAX_CONTEXT: max_context})
     except ValidationError as exc:
@@ -403,7 +422,7 @@ class OpenAIReplica:
         self.loop = EngineLoop(lambda: Engine(config), threads, self.metrics, config.limits.step_timeout_s)
         self.metrics.bind(self.loop.engine.max_context)  # the token-count histograms' buckets end at the context
         # The engine thread tokenizes with its own tokenizer; streaming decodes on the event loop with this one.
-        # /tokenize and /detokenize use the runner's, one per worker thread (EngineRunner.with_tokenizer).
+        # /tokenize and /detokenize use the runner's preparing threads and their tokenizers (EngineRunner.in_pool).
         self.tokenizer = load_tokenizer(config.model, config.trust_remote_code)
         gate.GATE.api_key = config.api_key.get_secret_value().encode() if config.api_key else None
         gate.GATE.metrics_require_api_key = config.metrics_require_api_key
@@ -453,7 +472,7 @@ class OpenAIReplica:
     async def tokenize(self, raw: Request) -> dict[str, Any]:
         """vLLM's: a prompt, or messages rendered with the chat template, as the model's token ids. Bounded as a
         generation's input (``limits.max_prompt_bytes``, the context), tokenized in a worker thread."""
-        body: TokenizeRequest = self._parse(await _json_body(raw), TokenizeRequest)
+        body: TokenizeRequest = await self._parse(raw, TokenizeRequest)
         if (problem := body.problem()) is not None:
             raise ApiError(400, problem[0], param=problem[1])
         field = "prompt" if body.messages is None else "messages"
@@ -479,7 +498,7 @@ class OpenAIReplica:
             return ids, tokenizer.convert_ids_to_tokens(ids) if body.return_token_strs else None
 
         try:
-            ids, strs = await asyncio.to_thread(self.loop.runner.with_tokenizer, work, size)
+            ids, strs = await asyncio.wrap_future(self.loop.runner.in_pool(work, size))
         except EngineError as exc:
             raise ApiError(400, str(exc), param=field) from None
         if len(ids) > engine.max_context:  # vLLM's bound: the model's context
@@ -491,7 +510,7 @@ class OpenAIReplica:
     @api.post("/detokenize")
     async def detokenize(self, raw: Request) -> dict[str, Any]:
         """vLLM's: token ids (at most the context's, each in the vocabulary) as text, decoded in a worker thread."""
-        body: DetokenizeRequest = self._parse(await _json_body(raw), DetokenizeRequest)
+        body: DetokenizeRequest = await self._parse(raw, DetokenizeRequest)
         engine = self.loop.engine
         vocab = engine.loaded_target.config.vocab_size
         if len(body.tokens) > engine.max_context:
@@ -499,8 +518,7 @@ class OpenAIReplica:
                            param="tokens")
         if any(not 0 <= token < vocab for token in body.tokens):
             raise ApiError(400, f"token ids must lie in [0, {vocab})", param="tokens")
-        text = await asyncio.to_thread(self.loop.runner.with_tokenizer, lambda tokenizer: tokenizer.decode(body.tokens),
-                                       0)
+        text = await asyncio.wrap_future(self.loop.runner.in_pool(lambda tokenizer: tokenizer.decode(body.tokens), 0))
         return DetokenizeResponse(prompt=text).model_dump()
 
     def _card(self) -> ModelCard:
@@ -517,7 +535,7 @@ class OpenAIReplica:
 
     @api.post("/v1/completions")
     async def completions(self, raw: Request) -> Response:
-        body: CompletionRequest = self._parse(await _json_body(raw), CompletionRequest)
+        body: CompletionRequest = await self._parse(raw, CompletionRequest)
         if body.echo and body.logprobs is not None:
             raise ApiError(400, "echo with logprobs is not supported (the prompt's entries would lead the choice's); "
                                 "ask for prompt_logprobs instead", param="echo")
@@ -527,15 +545,15 @@ class OpenAIReplica:
                     for prompt in body.prompts for choice in range(body.n)]
         echo = None
         if body.echo and body.stream:  # a stream's first chunk of each choice starts with its prompt's text
-            echo = await asyncio.to_thread(self.loop.runner.with_tokenizer, lambda tokenizer: [
+            echo = await asyncio.wrap_future(self.loop.runner.in_pool(lambda tokenizer: [
                 prompt if isinstance(prompt, str) else tokenizer.decode(prompt)  # as the engine decodes token ids
-                for prompt in body.prompts for _ in range(body.n)], 0)
+                for prompt in body.prompts for _ in range(body.n)], 0))
         return await self._generate(body, sampling, requests,
                                     _CompletionFormat(self.model_id, self.tokenizer, echo=body.echo), echo)
 
     @api.post("/v1/chat/completions")
     async def chat_completions(self, raw: Request) -> Response:
-        body: ChatCompletionRequest = self._parse(await _json_body(raw), ChatCompletionRequest)
+        body: ChatCompletionRequest = await self._parse(raw, ChatCompletionRequest)
         sampling = self._sampling(body)
         messages = [message.rendered() for message in body.messages]
         try:
@@ -546,8 +564,14 @@ class OpenAIReplica:
         return await self._generate(body, sampling, requests, _ChatFormat(self.model_id, self.tokenizer))
 
     # ------------------------------------------------------------------------------------------- internals
-    def _parse(self, raw: bytes, model: type[GenerationRequest]) -> Any:
-        body = _parse(raw, model, self.loop.engine.max_context)
+    async def _parse(self, request: Request, model: type[GenerationRequest]) -> Any:
+        """The request's body as ``model``, read within the body bounds; a large one parsed on the parse lane."""
+        max_context = self.loop.engine.max_context
+        raw = await _json_body(request, max_body_values(max_context))
+        if len(raw) > LARGE_BODY_BYTES:
+            body = await asyncio.get_running_loop().run_in_executor(_PARSE_LANE, _parse, raw, model, max_context)
+        else:
+            body = _parse(raw, model, max_context)
         if body.model is not None:
             self._check_model(body.model)
         return body

@@ -1326,6 +1326,84 @@ def test_a_short_request_is_not_stalled_by_long_prompts(engine, monkeypatch):
     assert threading.current_thread().name not in tokenizing_threads  # nor the event loop's
 
 
+def test_requests_are_prepared_on_a_few_threads_that_keep_their_tokenizers(engine, monkeypatch):
+    """Forty requests at once are tokenized on the runner's preparing threads, each copying the tokenizer once: a
+    thread of its own per request copied it every time (~100 ms a copy, 7-9 requests a second on a replica)."""
+    import copy
+
+    import decoding.engine.runner as runner_module
+
+    copied_on: list[str] = []
+
+    def deepcopy(value: Any) -> Any:
+        copied_on.append(threading.current_thread().name)
+        return copy.deepcopy(value)
+
+    monkeypatch.setattr(runner_module, "copy", SimpleNamespace(deepcopy=deepcopy))
+    loop = EngineLoop(lambda: engine)
+
+    async def scenario():
+        return await asyncio.gather(*[
+            _drain(loop, [Request(id=f"r{i}", prompt="the cat", sampling={"max_tokens": 2})]) for i in range(40)])
+
+    done = asyncio.run(scenario())
+    assert all(events[-1][1].finish_reason == "length" for events in done)
+    assert 1 <= len(copied_on) <= runner_module.SMALL_INPUT_THREADS, copied_on
+    assert len(set(copied_on)) == len(copied_on) and all(name.startswith("prepare") for name in copied_on)
+
+
+class _Chunked:
+    """A request body arriving in 64 KiB chunks (Starlette's ``Request`` as ``_json_body`` reads it)."""
+
+    def __init__(self, data: bytes) -> None:
+        self.headers = {"content-type": "application/json"}
+        self.data, self.read = data, 0
+
+    async def stream(self):
+        for at in range(0, len(self.data), 1 << 16):
+            self.read = at + (1 << 16)
+            yield self.data[at : at + (1 << 16)]
+
+
+def test_a_body_of_more_token_ids_than_any_valid_request_is_refused_before_it_is_read_whole():
+    """The 256-token tiny model takes at most 1024 prompts of 256 ids: a body of 600,000 ids is refused while it
+    arrives, its values counted, before any of it is parsed (ten million ids once took 9.5 s and 3.3 GB)."""
+    from deploy.server import ApiError, _json_body, max_body_values
+
+    body = _Chunked(json.dumps({"prompt": list(range(600_000)), "max_tokens": 4}).encode())
+    with pytest.raises(ApiError) as refused:
+        asyncio.run(_json_body(body, max_body_values(256)))
+    assert refused.value.status == 413 and "more than 524288 JSON values" in str(refused.value)
+    assert body.read < len(body.data)
+    fits = _Chunked(json.dumps({"prompt": [list(range(256))] * 1024}).encode())  # the most a valid body holds
+    assert asyncio.run(_json_body(fits, max_body_values(256))) == fits.data
+
+
+def test_a_large_body_is_parsed_off_the_event_loop_one_at_a_time(monkeypatch):
+    """A body over LARGE_BODY_BYTES is parsed on the parse lane (its parse holds the GIL: /health waits for one
+    parse at most, not for the event loop's), a small one on the event loop; each as the union of prompt forms
+    takes it, token ids first."""
+    import deploy.server as server_module
+    from deploy.protocol import CompletionRequest
+
+    parsed_on: list[str] = []
+    parse = server_module._parse
+
+    def recording(*args: Any) -> Any:
+        parsed_on.append(threading.current_thread().name)
+        return parse(*args)
+
+    monkeypatch.setattr(server_module, "_parse", recording)
+    replica = SimpleNamespace(loop=SimpleNamespace(engine=SimpleNamespace(max_context=256)),
+                              _check_model=lambda name: None)
+    large = json.dumps({"prompt": [list(range(1000, 1256))] * 1000}).encode()
+    assert len(large) > server_module.LARGE_BODY_BYTES
+    for data in (large, b'{"prompt": [1, 2, 3]}'):
+        body = asyncio.run(OpenAIServer.func_or_class._parse(replica, _Chunked(data), CompletionRequest))
+        assert body.prompts == json.loads(data)["prompt"] if data is large else [[1, 2, 3]]
+    assert parsed_on[0].startswith("parse") and parsed_on[1] == threading.current_thread().name
+
+
 class _ByteTokenizer:
     """Token ids are UTF-8 bytes, decoded like a byte-level BPE tokenizer decodes a partial character."""
 
