@@ -29,6 +29,7 @@ from ray import serve
 from ray.serve import Application
 from ray.serve.handle import DeploymentHandle
 
+from decoding.config import Config
 from deploy import asgi, gate
 from deploy.engine_loop import REPLICA_RUNTIME_ENV
 from deploy.llm_config import LLMConfig, ServingArgs
@@ -203,11 +204,9 @@ def _deployment_name(model_id: str) -> str:
     return "LLMServer:" + re.sub(r"[^A-Za-z0-9_.:-]", "_", model_id)
 
 
-def _model_deployment(llm: LLMConfig, key: str | None) -> Application:
-    config = llm.engine_config()
+def _model_deployment(llm: LLMConfig, config: Config, key: str | None) -> Application:
     if key and config.api_key is None:
         config = config.model_copy(update={"api_key": SecretStr(key)})
-    check_cluster(config, "replicas")
     options = llm.replica_options(deployment_options(config), REPLICA_RUNTIME_ENV)
     options.setdefault("name", _deployment_name(llm.model_id))
     return ModelServer.options(**options).bind(config)
@@ -238,7 +237,9 @@ def build_openai_app(builder_config: dict[str, Any] | ServingArgs) -> Applicatio
     guards the router and every model."""
     args = builder_config if isinstance(builder_config, ServingArgs) else ServingArgs.model_validate(builder_config)
     key = _api_key(args.llm_configs)
-    models = {llm.model_id: _model_deployment(llm, key) for llm in args.llm_configs}
+    configs = {llm.model_id: llm.engine_config() for llm in args.llm_configs}
+    check_cluster(configs, "replicas")  # the models' replicas together, not each alone
+    models = {llm.model_id: _model_deployment(llm, configs[llm.model_id], key) for llm in args.llm_configs}
     return routed_app(models, key, **args.ingress_deployment_config)
 
 

@@ -27,7 +27,7 @@ from decoding.config import (
 )
 from decoding.params import resolve_sampling
 from frontend.requests import RequestError, parse_request
-from frontend.resources import check_cluster, shortfall
+from frontend.resources import check_cluster, shortfall, shortfall_together
 
 TESTS = str(Path(__file__).parent)
 
@@ -272,6 +272,33 @@ def test_resources_the_cluster_can_hold_pass() -> None:
                    {"num_cpus": 4, "concurrency": 2}):
         assert shortfall(Config.model_validate(fields), "actors", two_nodes) is None, fields
     assert shortfall(Config.model_validate({"num_cpus": 4, "concurrency": 3}), "actors", two_nodes) is not None
+
+
+def test_a_routers_models_are_checked_together() -> None:
+    """Three one-replica models on a 2-CPU node each fit alone, not together: named with what each asks (a router
+    of them used to wait forever with one replica STARTING)."""
+    models = {name: Config.model_validate({"num_cpus": 1}) for name in ("chat", "code", "math")}
+    reason = shortfall_together(models, "replicas", [NODE])
+    assert reason is not None and reason.startswith("invalid num_replicas:"), reason
+    assert all(f"{name} 1 x (1 CPUs, 0 GPUs)" in reason for name in models) and "2 CPUs and 0 GPUs" in reason
+    assert shortfall_together({name: models[name] for name in ("chat", "code")}, "replicas", [NODE]) is None
+    assert shortfall_together(models, "replicas", [NODE, {"CPU": 1.0}]) is None  # spread over two nodes
+    # first fit, largest first: a 2-CPU replica takes the 2-CPU node, the 1-CPU ones the others
+    mixed = {"big": Config.model_validate({"num_cpus": 2}), **models}
+    assert shortfall_together(mixed, "replicas", [{"CPU": 1.0}, NODE, {"CPU": 2.0}]) is None
+    alone = shortfall_together({"huge": Config.model_validate({"num_cpus": 64}), **models}, "replicas", [NODE])
+    assert alone is not None and alone.startswith("model huge: invalid num_cpus:"), alone
+
+
+def test_a_router_whose_models_do_not_fit_together_is_refused_before_it_deploys(ray_cluster, tiny_dirs) -> None:
+    """The session's cluster has 4 CPUs: three models of two one-CPU replicas each (six) are refused at build."""
+    from deploy.router import build_openai_app
+
+    configs = [{"model_loading_config": {"model_id": name, "model_source": tiny_dirs["target"]},
+                "deployment_config": {"num_replicas": 2}} for name in ("chat", "code", "math")]
+    with pytest.raises(ConfigError, match=r"invalid num_replicas: the models' replicas do not fit") as refused:
+        build_openai_app({"llm_configs": configs})
+    assert "chat 2 x (1 CPUs, 0 GPUs), code 2 x" in str(refused.value)
 
 
 def test_unsatisfiable_resources_fail_fast_on_a_live_cluster(ray_cluster) -> None:
