@@ -41,6 +41,10 @@ def ray_session(verbose: bool = True) -> Iterator[None]:
     context.enable_progress_bars = context.print_on_execution_start = verbose
     for name in ("ray", "ray.data"):
         logging.getLogger(name).setLevel(logging.INFO if verbose else logging.WARNING)
+    # News for --verbose only: a local cluster's start saying that Ray turned token authentication on (its default),
+    # Ray Data saying that the progress bars this run turned off are off.
+    for name in ("ray._private.authentication", "ray.data._internal.progress"):
+        logging.getLogger(name).setLevel(logging.INFO if verbose else logging.ERROR)
     if ray.is_initialized():
         yield
         return

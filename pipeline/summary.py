@@ -138,6 +138,22 @@ def summarize(markers: list[dict[str, Any]], runs: list[dict[str, Any]], config:
     }
 
 
+def speculation_phrase(summary: dict[str, Any]) -> str:
+    """What speculation did over the run, in words: how many target forwards verified a draft, and why the others
+    did not (the mean acceptance length alone, over the one step of a thousand that drafted, read as a success)."""
+    speculative = (summary.get("config") or {}).get("speculative") or {}
+    if speculative.get("method", "none") == "none":
+        return "plain decoding (speculative.method: none)"
+    drafted, forwards = summary["num_spec_steps"], summary["num_target_forwards"]
+    policy = speculative.get("length_policy", "")
+    why = (f"; the {policy} policy decoded plainly where drafting did not pay at this batch on this device"
+           if policy == "online" and 2 * drafted < forwards else "")
+    if drafted == 0:
+        return f"no target forward verified a draft{why}"
+    return (f"{drafted} of {forwards} target forwards verified drafts, mean acceptance length "
+            f"{summary['mean_acceptance_length']:.2f}{why}")
+
+
 def summary_line(summary: dict[str, Any], output_dir: str) -> str:
     """Generation throughput apart from the time to build the engines (loading, converting and compiling the
     models: a first run on a machine pays most of it, later runs read caches)."""
@@ -148,8 +164,7 @@ def summary_line(summary: dict[str, Any], output_dir: str) -> str:
     return (
         f"{head}\n"
         f"  generation: {summary['generated_tokens_this_run']} tokens in {summary['generation_seconds']:.1f} s = "
-        f"{summary['generation_tokens_per_second']:.1f} tokens/s, mean acceptance length "
-        f"{summary['mean_acceptance_length']:.2f}\n"
+        f"{summary['generation_tokens_per_second']:.1f} tokens/s; {speculation_phrase(summary)}\n"
         f"  engine build (model load, conversion, compilation) {summary['build_seconds']:.1f} s; "
         f"wall {summary['wall_seconds']:.1f} s = {summary['tokens_per_second']:.1f} tokens/s overall"
     )

@@ -679,4 +679,7 @@ def test_cli_output_is_a_few_lines_and_separates_build_from_generation(tiny_dirs
     assert summary["generation_tokens_per_second"] > summary["tokens_per_second"]
     generation = next(line for line in lines if line.strip().startswith("generation:"))
     assert f"{summary['generation_tokens_per_second']:.1f} tokens/s" in generation
+    assert f"{summary['num_spec_steps']} of {summary['num_target_forwards']} target forwards" in generation
+    # Ray's news that only --verbose shows: token authentication turned on, progress bars turned off.
+    assert "Token authentication" not in output and "Progress bars disabled" not in output, output
     assert any(line.strip().startswith("engine build") for line in lines)

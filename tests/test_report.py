@@ -172,3 +172,26 @@ def test_report_rejects_a_directory_without_outputs(tmp_path, capsys):
         report_cli.main([str(tmp_path)])
     assert exit_info.value.code == 2
     assert "outputs" in capsys.readouterr().err
+
+
+def test_the_summary_line_says_what_speculation_did() -> None:
+    """One step of 1,032 drafting under the online policy reads as the policy decoding plainly, not as a mean
+    acceptance length of 2.00 alone; plain decoding and a run that drafted throughout say so."""
+    from pipeline.summary import summary_line
+
+    def line(method: str, policy: str, drafted: int) -> str:
+        summary = {"rows": 6, "errors": 0, "rows_this_run": 6, "wall_seconds": 12.0, "build_seconds": 2.0,
+                   "generation_seconds": 10.0, "generation_tokens_per_second": 103.3, "generated_tokens_this_run": 1033,
+                   "tokens_per_second": 86.1, "mean_acceptance_length": 2.0 if drafted else 1.0,
+                   "num_spec_steps": drafted, "num_target_forwards": 1032,
+                   "config": {"speculative": {"method": method, "length_policy": policy}}}
+        return summary_line(summary, "out").splitlines()[1]
+
+    assert line("draft_model", "online", 1).endswith(
+        "1 of 1032 target forwards verified drafts, mean acceptance length 2.00; the online policy decoded plainly "
+        "where drafting did not pay at this batch on this device")
+    assert line("draft_model", "online", 0).endswith("no target forward verified a draft; the online policy decoded "
+                                                     "plainly where drafting did not pay at this batch on this device")
+    assert line("draft_model", "online", 900).endswith("900 of 1032 target forwards verified drafts, mean acceptance "
+                                                       "length 2.00")
+    assert line("none", "static", 0).endswith("103.3 tokens/s; plain decoding (speculative.method: none)")
