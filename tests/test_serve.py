@@ -434,38 +434,46 @@ def test_an_overflowing_top_k_is_a_400_while_six_requests_in_flight_complete(cli
 
 def test_health_answers_while_200_streams_are_in_flight(client, server):
     """Requests wait in the engine's queue, not in Serve's: the replica answers /health while it holds 200
-    streams. With 4 x batch_size (32) slots, Serve held the rest back and /health queued behind them."""
-    long_streams = 3 * 8  # three batches of long rows hold the engine while the short rest arrive and queue
+    streams. With 4 x batch_size (32) slots, Serve held the rest back and /health queued behind them.
 
-    async def scenario() -> tuple[int, list[str]]:
+    Every stream is long (240 tokens; the engine finishes 8 per 240 steps), so the count stays near its peak
+    for many batches after the last stream arrives, however slowly they arrive and /health answers on a busy
+    machine; leaving the streams then aborts them, which frees every row."""
+
+    async def scenario() -> tuple[int, list[int], dict[str, Any]]:
         async with httpx.AsyncClient(base_url=server, timeout=300,
                                      limits=httpx.Limits(max_connections=400)) as aclient:
 
-            async def stream(i: int) -> str:
-                # The long ones (240 tokens, three batches one after another) outlast the arrival of the rest.
-                body = {"prompt": WORDS[i % len(WORDS)], "max_tokens": 240 if i < long_streams else 16,
-                        "ignore_eos": True, "stream": True}
+            async def stream(i: int) -> int:
+                body = {"prompt": WORDS[i % len(WORDS)], "max_tokens": 240, "ignore_eos": True, "stream": True}
                 async with aclient.stream("POST", "/v1/completions", json=body) as response:
-                    return [line async for line in response.aiter_lines() if line][-1]
+                    async for _ in response.aiter_lines():
+                        pass
+                    return response.status_code
 
-            async def held() -> int:
-                health = (await aclient.get("/health")).json()
-                assert health["status"] == "ok"
-                return health["running"] + health["waiting"]
+            async def health() -> dict[str, Any]:
+                body = (await aclient.get("/health")).json()
+                assert body["status"] == "ok"
+                return body
 
-            tasks = [asyncio.create_task(stream(i)) for i in range(long_streams)]
-            while await held() < long_streams:  # queued first, so the engine takes them before the short ones
-                await asyncio.sleep(0.05)
-            tasks += [asyncio.create_task(stream(i)) for i in range(long_streams, 200)]
+            tasks = [asyncio.create_task(stream(i)) for i in range(200)]
             most = 0
             while most < 150 and not all(task.done() for task in tasks):
-                most = max(most, await held())
+                body = await health()
+                most = max(most, body["running"] + body["waiting"])
                 await asyncio.sleep(0.05)
-            return most, list(await asyncio.gather(*tasks))
+            finished = [task.result() for task in tasks if task.done()]
+            for task in tasks:  # leaving a stream aborts its sequence
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            while (settled := await health())["running"] + settled["waiting"]:
+                await asyncio.sleep(0.05)
+            return most, finished, settled
 
-    most, last_lines = asyncio.run(scenario())
+    most, finished, settled = asyncio.run(scenario())
     assert most >= 150, most
-    assert last_lines == ["data: [DONE]"] * 200
+    assert finished == [200] * len(finished)
+    assert settled["running"] == settled["waiting"] == 0
 
 
 def test_a_replica_killed_mid_request_is_an_openai_503_and_ends_streams_with_an_error_event(server, config_file):
