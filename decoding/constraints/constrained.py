@@ -42,6 +42,7 @@ from decoding.constraints.grammar import (
 )
 from decoding.engine.sequence import EngineError
 from decoding.engine.sequence import Sequence as Row
+from decoding.model.execution import host_reads_free
 
 
 class Constraints:
@@ -96,7 +97,7 @@ def apply_masks(logits: torch.Tensor, masks: RowMasks, may_empty: bool) -> None:
         return
     constrained = logits.index_select(0, masks.rows)
     dead = constrained.amax(-1, keepdim=True) == -torch.inf
-    if logits.device.type == "cpu" and not bool(dead.any()):
+    if host_reads_free(logits.device) and not bool(dead.any()):
         return
     allowed = unpack(masks.packed, logits.shape[-1])
     logits.index_copy_(0, masks.rows, torch.where(dead & allowed, 0.0, constrained))

@@ -1,13 +1,15 @@
-"""Drafters propose candidate trees; verification lives elsewhere (acceptance.py), as in vLLM.
+"""Drafters propose candidate trees; verification lives elsewhere (``verification/verify_batched.py``, with
+``acceptance.py`` its readable oracle), as in vLLM.
 
-Interface (after transformers' candidate generators): ``add_rows`` when sequences join, ``propose`` a tree
-below the root-level tokens the engine supplies, ``observe`` the verified outcome, ``remove_row`` when a
+Interface (after transformers' candidate generators): ``rows_joined`` when sequences join, ``propose`` a tree
+below the root-level tokens the engine supplies, ``observe`` the verified outcome, ``row_removed`` when a
 sequence leaves (swap-remove, mirroring the target cache). What one step's proposal needs later (how many levels a
 draft forward ran, its catch-up prefix) travels in the ``Draft`` it returns, never on the drafter.
 
 A model draft runs its levels to the planned depth without reading anything back: which candidates go on is a
-device mask, and the random numbers of every level are drawn before the first. Only a policy whose stop rule can
-end candidates early (a trained head) is asked, level by level, whether any candidate still drafts.
+device mask, and the random numbers of every level are drawn before the first. Only on a CPU (where a read is free)
+is a policy whose stop rule can end candidates early (a trained head) asked, level by level, whether any candidate
+still drafts; on an accelerator every planned level runs.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ import torch
 
 from decoding.engine.kv_cache import CacheShape, PagedKVCache, Rows, joining_entries
 from decoding.engine.padding import pad_rows
+from decoding.model.execution import host_reads_free
 from decoding.model.forward import forward_tree
 from decoding.model.lean_forward import LeanCausalLM, lean_view, supports_lean_forward
 from decoding.model.loading import for_inference
@@ -149,7 +152,7 @@ class Draft:
 class Drafter:
     """No drafting: plain autoregressive decoding through the same engine (method ``none``).
 
-    ``reads_target_states``: the engine then hands ``add_rows`` the target's final hidden state at every prompt
+    ``reads_target_states``: the engine then hands ``rows_joined`` the target's final hidden state at every prompt
     position [B, T, H] and ``observe`` the one at every verified tree node [B, N, H].
     """
 
@@ -424,7 +427,10 @@ class RecycleDrafter(Drafter):
     def __init__(self, vocab_size: int, width: int, device: torch.device, lookup: NgramDrafter | None = None,
                  lookup_candidates: int = 0) -> None:
         self.reads_target_topk = width
-        self.table = torch.full((vocab_size, width), -1, dtype=torch.long, device=device)
+        # One row past the vocabulary is a sink: writes of invalid nodes, and of a token's earlier nodes, land there
+        # and no proposal reads it (draft tokens are vocabulary ids), so the table takes one static-shaped copy.
+        self.table = torch.full((vocab_size + 1, width), -1, dtype=torch.long, device=device)
+        self._last_writer = torch.empty(vocab_size + 1, dtype=torch.long, device=device)
         self.lookup = lookup if lookup_candidates else None
         self.lookup_candidates = lookup_candidates if self.lookup is not None else 0
 
@@ -470,8 +476,14 @@ class RecycleDrafter(Drafter):
         if target_topk is None:
             return
         device = self.table.device
-        valid = draft.valid.to(device)
-        self.table[draft.tokens.to(device)[valid]] = target_topk[valid]
+        sink = self.table.shape[0] - 1
+        rows = torch.where(draft.valid.to(device), draft.tokens.to(device), sink).flatten()
+        # A token at several nodes takes the last node's successors (row-major, as a sequential write would), found
+        # with an order-independent max: no boolean-mask write (a device sync each step), no racing duplicates.
+        order = torch.arange(rows.numel(), device=device)
+        last = self._last_writer.fill_(-1).scatter_reduce_(0, rows, order, "amax")
+        rows = torch.where(last[rows] == order, rows, sink)
+        self.table.index_copy_(0, rows, target_topk.reshape(rows.numel(), -1))
 
 
 # P(the target's next token is a token's rank-r successor in the table | its parent was accepted): the prior the
@@ -770,6 +782,7 @@ class DraftModelDrafter(Drafter):
         sampled = (~inputs.greedy).to(device, non_blocking=True)
         shapes: list[tuple[int, int]] = []
         forwarded = 0
+        reads_free = host_reads_free(device)  # on an accelerator every level runs: no read to stop early
         start, end = 0, prefix + width
         extend = valid[:, prefix:end]  # the nodes drafted below
         for level in range(1, model_depth + 1):
@@ -803,7 +816,7 @@ class DraftModelDrafter(Drafter):
                                             hidden.float() if self.uses_hidden_states else None)
             keep = extend[:, :model_width] & keep
             extend = keep & deeper
-            if inputs.stop.cuts and not bool(keep.any()):  # a trained stop rule ended every candidate
+            if inputs.stop.cuts and reads_free and not bool(keep.any()):  # a trained stop rule ended every candidate
                 break
             level_nodes = topology.level_slice(level)
             start, end = prefix + level_nodes.start, prefix + level_nodes.stop
@@ -818,7 +831,7 @@ class DraftModelDrafter(Drafter):
                 valid[:, start:end] &= ~cut
                 extend = extend & ~closed[:, :model_width]
             depth = max(depth, level)
-            if inputs.stop.cuts and not bool(extend.any()):  # a trained stop rule ended every candidate
+            if inputs.stop.cuts and reads_free and not bool(extend.any()):
                 break
         size = prefix + topology.size(depth)
         return Draft(

@@ -6,9 +6,9 @@ and verification rewrites them, as for the whole self-draft. No training, no ext
 
 Which layers to skip (``speculative.layer_skip: auto``) is found during the run, with no offline profiling (Liu, Park
 and Shen 2025: adapt the drafter on the fly): a few candidate sets are tried on live steps, and the one with the
-most tokens per second is kept, others retried now and then so the choice follows the text. Candidates skip a
-quarter, three eighths or half of the middle layers, evenly spread (the first and the last layer always run: they
-change the hidden state most); the whole self-draft is a candidate too, so ``auto`` is never far behind it.
+most tokens per second is kept, others retried now and then so the choice follows the text. Candidates skip an
+eighth, a quarter, three eighths or half of the middle layers, evenly spread (the first and the last layer always
+run: they change the hidden state most); the whole self-draft is a candidate too, so ``auto`` is never far behind it.
 
 Tokens per second: the tokens a step emitted over its modelled seconds, priced from the build's calibration (the
 verification of that tree, each draft forward at that candidate's measured cost). Acceptance is measured, costs are

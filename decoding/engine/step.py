@@ -32,6 +32,7 @@ from decoding.engine.batch import Batch, BatchMetadata, JoinedRows
 from decoding.engine.padding import pad_rows
 from decoding.engine.parts import EngineParts
 from decoding.engine.sequence import Contexts, Sequence
+from decoding.model.execution import host_reads_free
 from decoding.model.forward import forward_tree
 from decoding.model.lean_forward import LeanCausalLM
 from decoding.verification.sampling import (
@@ -341,7 +342,7 @@ class Step:
         size = draft.tokens.shape[1]
         want = self.drafter.reads_target_states
         slot_of = torch.arange(size)
-        nodes = draft.valid.any(0).nonzero().flatten() if draft.valid.device.type == "cpu" and not self.whole_trees \
+        nodes = draft.valid.any(0).nonzero().flatten() if host_reads_free(draft.valid.device) and not self.whole_trees \
             else self._planned_nodes(plan, size)
         if nodes is not None and len(nodes) < size:
             slot_of = torch.zeros(size, dtype=torch.long)
@@ -374,7 +375,7 @@ class Step:
         )
         # One copy: paths and next tokens, and the tree's ids and flags where they are on the device.
         parts = [verdict.path, verdict.next_token[:, None]]
-        on_device = draft.tokens.device.type != "cpu"
+        on_device = not host_reads_free(draft.tokens.device)  # then the tree's ids come back in the one copy
         if on_device:
             parts += [draft.tokens, draft.valid.long()]
         host = self.to_host(torch.cat(parts, 1))

@@ -29,6 +29,16 @@ from decoding.config import ExecutionConfig
 
 log = logging.getLogger(__name__)
 
+# False runs an accelerator's paths on a CPU's tensors: a test's way to check them for host reads without a GPU.
+CPU_READS_FREE = True
+
+
+def host_reads_free(device: torch.device) -> bool:
+    """Whether the step may read a value on ``device`` back to Python to prune its work by it: on a CPU the device
+    is the host, so a read costs nothing; on an accelerator each read waits for the device and cannot be captured
+    in a graph, so the step keeps its static shapes instead."""
+    return CPU_READS_FREE and device.type == "cpu"
+
 Kernels = Literal["cpu", "triton", "reference"]
 _ALIASES = {"0": "off", "1": "auto", "": None}
 

@@ -17,6 +17,7 @@ import torch
 
 from decoding.config import GREEDY_TEMPERATURE, SamplingParams
 from decoding.model.attention import kernel_loaded
+from decoding.model.execution import host_reads_free
 
 # The token of a row whose processed law has nothing left (every token banned or masked, e.g. allowed_token_ids
 # against a grammar, or a bad word of two tokens whose first is all allowed_token_ids leaves): the row ends with an
@@ -386,7 +387,7 @@ def warp_probs(logits: torch.Tensor, params: WarpParams) -> torch.Tensor:
     # softmax makes a whole row NaN when no finite logit is left (every token banned) or one is not finite: such a
     # row becomes uniform, the same on both sides, so sampling never reads NaN and speculation stays lossless.
     empty = probs[..., :1].isnan()
-    if probs.device.type != "cpu" or bool(empty.any()):  # a device fills without reading the mask back
+    if not host_reads_free(probs.device) or bool(empty.any()):  # a device fills without reading the mask back
         probs = probs.masked_fill(empty, 1.0 / shape[-1])
     return probs.reshape(shape)
 
