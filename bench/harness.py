@@ -36,9 +36,10 @@ from bench.baseline import convert_model
 from bench.measure import Bandwidth, Clock, ForwardBytes, bandwidth_fraction, count_launches, device_bandwidth
 from decoding import stats as stats_module
 from decoding.config import Config, SamplingParams
+from decoding.drafting.feature_draft import load_draft
 from decoding.engine import Request, encode_request, eos_token_ids
 from decoding.engine import engine as engine_module
-from decoding.model.loading import SELF_DRAFT, load_draft, load_model, load_tokenizer
+from decoding.model.loading import SELF_DRAFT, load_model, load_tokenizer
 from decoding.stats import SpecDecodeStats
 
 log = logging.getLogger(__name__)

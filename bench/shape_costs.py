@@ -21,9 +21,9 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from bench.harness import aligned, cell, megabytes, percent
 from bench.measure import Bandwidth, Clock, ForwardBytes, bandwidth_fraction, device_bandwidth
-from decoding.engine.kv_cache import CacheShape, PagedKVCache
 from decoding.model.execution import default_execution
 from decoding.model.forward import forward_tree
+from decoding.model.kv_cache import CacheShape, PagedKVCache
 from decoding.model.lean_forward import lean_view
 from decoding.model.quantize import quantized
 from decoding.verification.tree import chain_ancestors

@@ -17,6 +17,10 @@ from pydantic import ValidationError
 from decoding.config import SamplingParams, format_validation_error, quote
 
 
+class EngineError(ValueError):
+    """A request the engine cannot run; it becomes that sequence's error result."""
+
+
 class RequestError(ValueError):
     """Inputs that cannot become a request; the message names the field and the reason, ``param`` the field
     (OpenAI's error ``param``) where one is to blame."""

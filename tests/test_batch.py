@@ -15,10 +15,10 @@ from tiny import tiny_model, tiny_tokenizer
 from decoding.config import Config, SamplingParams
 from decoding.engine.batch import Batch, JoinedRows
 from decoding.engine.build import build_parts
-from decoding.engine.kv_cache import CacheShape, PagedKVCache
 from decoding.engine.scheduler import Scheduler
 from decoding.engine.sequence import Sequence
 from decoding.engine.step import HostReads, Step
+from decoding.model.kv_cache import CacheShape, PagedKVCache
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -13,9 +13,9 @@ from matplotlib.image import imread
 from bench import harness as benchmark
 from bench.harness import BenchGrid, Models, Sweep, contenders, format_table, run_bench
 from decoding.config import Config
-from decoding.drafting.feature_draft import FeatureDraft
+from decoding.drafting.feature_draft import FeatureDraft, load_draft
 from decoding.engine import Request
-from decoding.model.loading import DRAFT_METADATA, load_draft
+from decoding.model.loading import DRAFT_METADATA
 from jobs import bench
 
 PROMPTS = ["the cat sat on the mat. the cat sat", "abc abc abc abc", "hello world, hello world, hello"]

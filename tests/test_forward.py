@@ -29,12 +29,12 @@ from decoding import Config, Engine, Request
 from decoding.config import ExecutionConfig
 from decoding.drafting.costs import BatchCosts, CostTable
 from decoding.engine import build
-from decoding.engine.kv_cache import CacheShape, PagedKVCache
 from decoding.model import attention
 from decoding.model import loading as models
 from decoding.model.attention import AttentionMetadata, cpu_kernel, packs, reference_attention
 from decoding.model.execution import Execution
 from decoding.model.forward import forward_tree
+from decoding.model.kv_cache import CacheShape, PagedKVCache
 from decoding.model.lean_forward import LeanCausalLM, lean_view, supports_lean_forward
 from decoding.model.loading import for_inference
 from decoding.model.quantize import quantized

@@ -7,8 +7,8 @@ import torch
 from tiny import tiny_model, tiny_tokenizer
 
 from decoding import Config, Engine, Request
-from decoding.engine.kv_cache import CacheShape, PagedKVCache
 from decoding.model.attention import visibility
+from decoding.model.kv_cache import CacheShape, PagedKVCache
 from decoding.verification.tree import TreeTopology, chain_ancestors, with_prefix_chain
 
 SHAPE = CacheShape(num_layers=2, kv_heads=1, head_dim=16)

@@ -26,9 +26,9 @@ from decoding.config import SpeculativeConfig
 from decoding.drafting import layer_skip
 from decoding.drafting.costs import BatchCosts, CostTable
 from decoding.drafting.layer_skip import LayerSkipSearch, candidate_skips, kept_layers
-from decoding.engine.kv_cache import CacheShape, PagedKVCache
 from decoding.model.execution import Execution
 from decoding.model.forward import forward_tree
+from decoding.model.kv_cache import CacheShape, PagedKVCache
 from decoding.model.lean_forward import lean_view
 from decoding.verification.tree import chain_ancestors
 

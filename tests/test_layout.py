@@ -60,6 +60,51 @@ def test_the_import_check_finds_imports_at_any_depth(tmp_path: Path) -> None:
     assert [name for _, name in imported_modules(module)] == ["os", "ray.data", "pipeline.job", "deploy.server"]
 
 
+# decoding's sub-packages, lowest first: each imports only those before it (and decoding's top-level modules).
+# The pool and its attention sit with the model; the engine uses all of them.
+DECODING_LAYERS = ["model", "verification", "constraints", "drafting", "engine"]
+
+
+def runtime_imports(path: Path) -> list[tuple[int, str]]:
+    """``imported_modules`` less those under ``if TYPE_CHECKING:`` (annotations only: nothing loads at run time)."""
+    tree = ast.parse(path.read_text(), str(path))
+    typing_only = {id(node) for guard in ast.walk(tree) if isinstance(guard, ast.If)
+                   and isinstance(guard.test, ast.Name) and guard.test.id == "TYPE_CHECKING"
+                   for statement in guard.body for node in ast.walk(statement)}
+    kept = {node.lineno for node in ast.walk(tree)
+            if isinstance(node, ast.Import | ast.ImportFrom | ast.Call) and id(node) not in typing_only}
+    return [(line, module) for line, module in imported_modules(path) if line in kept]
+
+
+def upward_imports(root: Path) -> list[str]:
+    found = []
+    for rank, layer in enumerate(DECODING_LAYERS):
+        above = {f"decoding.{name}" for name in DECODING_LAYERS[rank + 1:]}
+        for path in sorted((root / "decoding" / layer).rglob("*.py")):
+            found += [f"{path.relative_to(root)}:{line} imports {module}" for line, module in runtime_imports(path)
+                      if any(module == name or module.startswith(name + ".") for name in above)]
+    return found
+
+
+def test_decoding_s_packages_import_downward_only() -> None:
+    assert sorted(p.name for p in (REPO / "decoding").iterdir() if (p / "__init__.py").is_file()) \
+        == sorted(DECODING_LAYERS)
+    assert upward_imports(REPO) == []
+
+
+def test_the_layer_check_finds_an_upward_import(tmp_path: Path) -> None:
+    for layer in DECODING_LAYERS:
+        (tmp_path / "decoding" / layer).mkdir(parents=True)
+    (tmp_path / "decoding" / "model" / "forward.py").write_text(
+        "from typing import TYPE_CHECKING\nfrom decoding.verification import tree\n"
+        "if TYPE_CHECKING:\n    from decoding.engine.sequence import Sequence\n")
+    (tmp_path / "decoding" / "engine" / "step.py").write_text("import decoding.model.forward\n")
+    (tmp_path / "decoding" / "constraints" / "masks.py").write_text(
+        "def f():\n    from decoding.drafting import drafters\n")
+    assert upward_imports(tmp_path) == ["decoding/model/forward.py:2 imports decoding.verification",
+                                        "decoding/constraints/masks.py:2 imports decoding.drafting"]
+
+
 def test_every_command_of_the_readme_is_the_console_script_s() -> None:
     from jobs.cli import COMMANDS
 

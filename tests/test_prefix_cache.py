@@ -9,7 +9,7 @@ from engine_cases import END, SMALL_VOCAB, chi_square_pvalue, make_config, on_de
 
 from decoding import Config, Engine, Request
 from decoding.drafting.feature_draft import FeatureDraft
-from decoding.engine.kv_cache import CacheShape, PagedKVCache
+from decoding.model.kv_cache import CacheShape, PagedKVCache
 
 SHAPE = CacheShape(num_layers=1, kv_heads=1, head_dim=4)
 

@@ -21,9 +21,9 @@ from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
 from decoding import Config, Engine, Request
-from decoding.drafting.feature_draft import FeatureDraft
+from decoding.drafting.feature_draft import FeatureDraft, load_draft
 from decoding.drafting.signal_head import DraftSignalMLP
-from decoding.model.loading import DEFAULT_DRAFT, DRAFT_METADATA, load_draft, resolve_draft
+from decoding.model.loading import DEFAULT_DRAFT, DRAFT_METADATA, resolve_draft
 from jobs import eval_draft, train_decision, train_head
 from jobs import train_draft as train_draft_job
 from training.data import PromptSource

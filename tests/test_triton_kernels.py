@@ -12,9 +12,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from decoding.engine.kv_cache import CacheShape, PagedKVCache
 from decoding.model import triton_kernels as tk
 from decoding.model.attention import AttentionMetadata, reference_attention, write_slots
+from decoding.model.kv_cache import CacheShape, PagedKVCache
 from decoding.model.lean_forward import _rms_norm, _rotate_half
 from decoding.verification.tree import TreeTopology, chain_ancestors
 

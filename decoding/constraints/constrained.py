@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
 
 import torch
 from transformers import PreTrainedTokenizerBase
@@ -40,9 +41,11 @@ from decoding.constraints.grammar import (
     mask_logits,
     unpack,
 )
-from decoding.engine.sequence import EngineError
-from decoding.engine.sequence import Sequence as Row
 from decoding.model.execution import host_reads_free
+from decoding.params import EngineError
+
+if TYPE_CHECKING:
+    from decoding.engine.sequence import Sequence as Row
 
 
 class Constraints:

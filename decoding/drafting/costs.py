@@ -21,9 +21,9 @@ from dataclasses import dataclass
 
 import torch
 
-from decoding.engine.kv_cache import CacheShape, PagedKVCache
 from decoding.model.execution import Execution, default_execution
 from decoding.model.forward import forward_tree
+from decoding.model.kv_cache import CacheShape, PagedKVCache
 from decoding.paths import cache_dir
 from decoding.verification.tree import chain_ancestors
 

@@ -25,12 +25,12 @@ from typing import TYPE_CHECKING, Protocol
 import numpy as np
 import torch
 
-from decoding.engine.kv_cache import CacheShape, PagedKVCache, Rows, joining_entries
-from decoding.engine.padding import pad_rows
 from decoding.model.execution import host_reads_free
 from decoding.model.forward import forward_tree
+from decoding.model.kv_cache import CacheShape, PagedKVCache, Rows, joining_entries
 from decoding.model.lean_forward import LeanCausalLM, lean_view, supports_lean_forward
 from decoding.model.loading import for_inference
+from decoding.model.padding import pad_rows
 from decoding.verification.sampling import WarpParams, row_uniforms, warp_probs
 from decoding.verification.tree import TreeTopology, best_first_layout, chain_ancestors, with_prefix_chain
 from decoding.verification.verify_batched import sample_from, sample_tokens

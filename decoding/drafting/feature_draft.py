@@ -23,6 +23,8 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 from transformers import AutoConfig, AutoModel, PretrainedConfig
 
+from decoding.model.loading import default_device, draft_metadata, load_model, resolve_dtype, resolve_model_path
+
 WEIGHTS = "model.safetensors"
 
 
@@ -115,3 +117,12 @@ class FeatureDraft(nn.Module):
             draft.fc.weight[:, :hidden] = torch.eye(hidden) * 0.1
             draft.fc.bias.zero_()
         return draft
+
+
+def load_draft(name: str, dtype: str = "auto", device: torch.device | None = None,
+               trust_remote_code: bool = False) -> torch.nn.Module:
+    """A draft model: a causal LM, or a ``FeatureDraft`` where its training metadata says so."""
+    if draft_metadata(name).get("architecture") != "feature":
+        return load_model(name, dtype, device, trust_remote_code)
+    device = device or default_device()
+    return FeatureDraft.load(resolve_model_path(name), resolve_dtype(dtype, device)).to(device)

@@ -1,9 +1,9 @@
 """The engine: requests and sequences (``sequence.py``), the scheduler (``scheduler.py``), the running batch, the one
-owner of what a row is (``batch.py``), the paged KV cache (``kv_cache.py``), one step over the batch (``step.py``),
+owner of what a row is (``batch.py``), one step over the batch (``step.py``),
 the build that makes the engine's parts once (``build.py``, ``parts.py``), the engine that steps them (``engine.py``)
 and the thread that feeds it (``runner.py``).
 
-The engine's public names load on first use, so importing a part (``decoding.engine.kv_cache``) loads only that
+The engine's public names load on first use, so importing a part (``decoding.engine.batch``) loads only that
 part.
 """
 

@@ -19,8 +19,8 @@ from typing import Protocol
 import torch
 
 from decoding.config import SamplingParams
-from decoding.engine.kv_cache import PagedKVCache, joining_entries
 from decoding.engine.sequence import Sequence
+from decoding.model.kv_cache import PagedKVCache, joining_entries
 from decoding.verification.sampling import WarpParams
 
 # The per-row tensors of WarpParams kept as batch state; penalties are built per step, from each row's history.

@@ -20,20 +20,20 @@ from decoding.drafting.drafters import (
     recycling_tree_nodes,
     recycling_tree_sizes,
 )
+from decoding.drafting.feature_draft import load_draft
 from decoding.drafting.layer_skip import LayerSkipSearch, kept_layers
 from decoding.drafting.length_policies import Sources, make_policy
-from decoding.engine.kv_cache import CacheShape, PagedKVCache
 from decoding.engine.parts import EngineParts
 from decoding.engine.sequence import eos_token_ids
 from decoding.model.cuda_graphs import build_shapes, pool_key
 from decoding.model.execution import Execution
+from decoding.model.kv_cache import CacheShape, PagedKVCache
 from decoding.model.lean_forward import LeanCausalLM
 from decoding.model.loading import (
     SELF_DRAFT,
     check_same_tokenizer,
     default_device,
     draft_vocab_subset,
-    load_draft,
     load_model,
     load_tokenizer,
     resolve_draft,

@@ -10,7 +10,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 from decoding.config import Config, SpeculativeConfig
 from decoding.drafting.drafters import Drafter
 from decoding.drafting.length_policies import LengthPolicy, Sources
-from decoding.engine.kv_cache import PagedKVCache
+from decoding.model.kv_cache import PagedKVCache
 from decoding.verification.tree import TreeTopology
 
 

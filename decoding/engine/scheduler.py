@@ -16,8 +16,8 @@ from collections import Counter, OrderedDict, deque
 from collections.abc import Callable, Iterable, Iterator
 
 from decoding.engine.batch import Batch
-from decoding.engine.kv_cache import Claim, PagedKVCache
 from decoding.engine.sequence import GenerationResult, Sequence
+from decoding.model.kv_cache import Claim, PagedKVCache
 
 
 def group_of(seq: Sequence) -> str:

@@ -12,12 +12,13 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from decoding.config import SamplingParams
 from decoding.engine.text import IncrementalDecoder
+from decoding.params import EngineError
 from decoding.stats import SpecDecodeStats, acceptance_histogram
 from decoding.verification.sampling import NO_TOKEN
 
 if TYPE_CHECKING:  # xgrammar loads when a constraint appears
     from decoding.constraints.grammar import RowGrammar
-    from decoding.engine.kv_cache import Claim
+    from decoding.model.kv_cache import Claim
 
 
 def nothing_left(params: SamplingParams) -> str:
@@ -252,10 +253,6 @@ class Contexts(SequenceABC[list[int]]):
         if start < len(prompt):
             return length, prompt[start:] + generated[:-1]
         return length, generated[start - len(prompt) : -1]
-
-
-class EngineError(ValueError):
-    """A request the engine cannot run; it becomes that sequence's error result."""
 
 
 def input_bytes(request: Request) -> int:

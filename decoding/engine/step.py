@@ -29,12 +29,12 @@ from decoding.constraints.grammar import committed_masks
 from decoding.drafting.drafters import Draft, DraftInputs
 from decoding.drafting.length_policies import StepRecord, StepTiming
 from decoding.engine.batch import Batch, BatchMetadata, JoinedRows
-from decoding.engine.padding import pad_rows
 from decoding.engine.parts import EngineParts
 from decoding.engine.sequence import Contexts, Sequence
 from decoding.model.execution import host_reads_free
 from decoding.model.forward import forward_tree
 from decoding.model.lean_forward import LeanCausalLM
+from decoding.model.padding import pad_rows
 from decoding.verification.sampling import (
     NO_TOKEN,
     WarpParams,

@@ -11,7 +11,6 @@ from __future__ import annotations
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
-from decoding.engine.kv_cache import PagedKVCache, Rows
 from decoding.model.attention import (
     AttentionMetadata,
     DenseLayout,
@@ -20,6 +19,7 @@ from decoding.model.attention import (
     pools_zero_filled,
     write_slots,
 )
+from decoding.model.kv_cache import PagedKVCache, Rows
 from decoding.model.lean_forward import LeanCausalLM
 
 

@@ -39,7 +39,6 @@ from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from decoding.config import SpeculativeConfig
-from decoding.drafting.feature_draft import FeatureDraft
 from decoding.model.attention import PACK_ROWS_HINT, packs
 from decoding.paths import cache_dir
 
@@ -260,7 +259,7 @@ def load_model(name: str, dtype: str = "auto", device: torch.device | None = Non
 DRAFT_METADATA = "specbatch_draft.json"
 
 
-def _draft_metadata(name: str) -> dict[str, Any]:
+def draft_metadata(name: str) -> dict[str, Any]:
     """What ``specbatch train-draft`` wrote beside a draft's weights (``specbatch_draft.json``); {} elsewhere."""
     path = Path(resolve_model_path(name)) / DRAFT_METADATA
     return json.loads(path.read_text()) if path.exists() else {}
@@ -268,16 +267,7 @@ def _draft_metadata(name: str) -> dict[str, Any]:
 
 def draft_vocab_subset(name: str) -> list[int] | None:
     """Token ids a trained draft proposes from, if restricted."""
-    return _draft_metadata(name).get("vocab_subset")
-
-
-def load_draft(name: str, dtype: str = "auto", device: torch.device | None = None,
-               trust_remote_code: bool = False) -> torch.nn.Module:
-    """A draft model: a causal LM, or a ``FeatureDraft`` where its training metadata says so."""
-    if _draft_metadata(name).get("architecture") != "feature":
-        return load_model(name, dtype, device, trust_remote_code)
-    device = device or default_device()
-    return FeatureDraft.load(resolve_model_path(name), resolve_dtype(dtype, device)).to(device)
+    return draft_metadata(name).get("vocab_subset")
 
 
 def resolve_draft(spec: SpeculativeConfig, target: str | None = None) -> SpeculativeConfig:

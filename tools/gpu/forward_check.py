@@ -39,9 +39,9 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from bench import shape_costs
 from bench.measure import Clock, ForwardBytes, count_launches, device_bandwidth
-from decoding.engine.kv_cache import CacheShape, PagedKVCache
 from decoding.model.execution import Execution
 from decoding.model.forward import forward_tree
+from decoding.model.kv_cache import CacheShape, PagedKVCache
 from decoding.model.lean_forward import lean_view
 from decoding.model.quantize import int4_groupwise, int4_matmul, quantized
 from decoding.verification.tree import TreeTopology, chain_ancestors
