@@ -29,8 +29,13 @@ class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
 
 
+# The drafters a config may name: the built-in ones, and any a plugin registers (``drafting.drafters.register_drafter``
+# adds its method here when its module is imported, before a config names it).
+DRAFT_METHODS = {"none", "ngram", "draft_model", "recycle"}
+
+
 class SpeculativeConfig(_Strict):
-    method: Literal["none", "ngram", "draft_model", "recycle"] = "draft_model"
+    method: str = Field("draft_model", description="none | ngram | draft_model | recycle, or a registered drafter's")
     # The default needs no training and serves any target: the target drafts for itself through an int4 copy of
     # its weights (on chat prompts a lookup sibling beside it cost 10% at batch 1, on code and news it changed
     # little, so it is left out by default). A trained draft is a path or
@@ -61,6 +66,14 @@ class SpeculativeConfig(_Strict):
     # ngram lookup: longest and shortest suffix matched against prompt + output.
     prompt_lookup_max: int = Field(4, ge=1)
     prompt_lookup_min: int = Field(1, ge=1)
+
+    @field_validator("method")
+    @classmethod
+    def _known_method(cls, method: str) -> str:
+        if method not in DRAFT_METHODS:
+            raise ValueError(f"unknown method '{method}': one of {', '.join(sorted(DRAFT_METHODS))} (a drafter "
+                             "plugin's module must be imported before a config names it)")
+        return method
 
     @model_validator(mode="after")
     def _check_method(self) -> SpeculativeConfig:

@@ -25,19 +25,30 @@ from typing import TYPE_CHECKING, Protocol
 import numpy as np
 import torch
 
+from decoding.config import DRAFT_METHODS, Config
+from decoding.drafting.feature_draft import load_draft
+from decoding.drafting.layer_skip import LayerSkipSearch, kept_layers
 from decoding.model.execution import host_reads_free
 from decoding.model.forward import forward_tree
 from decoding.model.kv_cache import CacheShape, PagedKVCache, Rows, joining_entries
 from decoding.model.lean_forward import LeanCausalLM, lean_view, supports_lean_forward
-from decoding.model.loading import for_inference
+from decoding.model.loading import (
+    SELF_DRAFT,
+    check_same_tokenizer,
+    draft_vocab_subset,
+    for_inference,
+    load_tokenizer,
+)
 from decoding.model.padding import pad_rows
+from decoding.model.quantize import quantized
 from decoding.verification.sampling import WarpParams, row_uniforms, warp_probs
 from decoding.verification.tree import TreeTopology, best_first_layout, chain_ancestors, with_prefix_chain
 from decoding.verification.verify_batched import sample_from, sample_tokens
 
 if TYPE_CHECKING:
+    from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
     from decoding.constraints.constrained import GrammarView
-    from decoding.drafting.layer_skip import LayerSkipSearch
     from decoding.engine.batch import JoinedRows
     from decoding.engine.sequence import Sequence
 
@@ -149,8 +160,88 @@ class Draft:
         return joined
 
 
+@dataclass(frozen=True)
+class DraftContext:
+    """What a drafter builds itself from (``Drafter.from_config``): the config (its ``speculative`` block resolved),
+    the device, the loaded target and tokenizer, a draft model given in memory, and the target's context limit."""
+
+    config: Config
+    device: torch.device
+    target: PreTrainedModel
+    tokenizer: PreTrainedTokenizerBase
+    draft: torch.nn.Module | None
+    max_context: int
+
+
+@dataclass(frozen=True)
+class DraftPlan:
+    """A drafter and the tree it drafts into, for the engine's build.
+
+    Every level holds ``width`` nodes: ``model_candidates`` the drafter proposes, then ``lookup_candidates`` n-gram
+    continuations; ``root_width`` of them at the root level. A static tree (``tree``: each node's parent, with its
+    ``order``) replaces the chains below the pending token. ``sizes``: the cuts of the tree a row may draft (a
+    static tree's halvings, the model's chains one by one). ``prefix_tokens``: tokens a draft catches up on before
+    its tree (0 for a self-draft, which drafts in the target's cache). ``max_context``: the target's limit and the
+    draft's."""
+
+    drafter: Drafter
+    root_width: int
+    width: int
+    model_candidates: int
+    lookup_candidates: int
+    sizes: list[int]
+    max_context: int
+    tree: tuple[int, ...] = ()
+    order: tuple[int, ...] = ()
+    prefix_tokens: int = 1
+
+    @property
+    def model_chains(self) -> int:
+        """Chains of model nodes below the roots: none under a static tree (its nodes are the model's)."""
+        return 0 if self.tree else self.model_candidates
+
+    @classmethod
+    def chains(cls, context: DraftContext, drafter: Drafter, *, model_drafts: bool, max_context: int | None = None,
+               prefix_tokens: int = 1) -> DraftPlan:
+        """The tree of ``num_candidates`` chains (and ``ngram_candidates`` lookup chains beside a model's), the
+        model's if ``model_drafts`` (else lookups'), ``candidate_init: target`` putting them all at the root."""
+        spec = context.config.speculative
+        depth = spec.max_depth
+        width = spec.num_candidates if depth else 1
+        root_width = width if spec.candidate_init == "target" else 1
+        lookups = (spec.ngram_candidates if model_drafts else width) if depth else 0
+        return cls(
+            drafter, root_width, width + (spec.ngram_candidates if depth else 0), width if model_drafts else 0,
+            lookups, list(range(1, width + 1)) if model_drafts and depth else [width],
+            context.max_context if max_context is None else max_context, prefix_tokens=prefix_tokens,
+        )
+
+
+# ``speculative.method`` -> the drafter class that builds itself from the config (``from_config``).
+DRAFTERS: dict[str, type[Drafter]] = {}
+
+
+def register_drafter(method: str):
+    """Class decorator: ``method`` names the drafter in a config (``speculative.method``)."""
+    def register(drafter: type[Drafter]) -> type[Drafter]:
+        if DRAFTERS.get(method, drafter) is not drafter:
+            raise ValueError(f"speculative.method '{method}' is registered already, to {DRAFTERS[method].__name__}")
+        DRAFTERS[method] = drafter
+        DRAFT_METHODS.add(method)
+        return drafter
+    return register
+
+
+def draft_plan(context: DraftContext) -> DraftPlan:
+    """The configured drafter and its tree (``speculative.method`` through the registry)."""
+    return DRAFTERS[context.config.speculative.method].from_config(context)
+
+
+@register_drafter("none")
 class Drafter:
-    """No drafting: plain autoregressive decoding through the same engine (method ``none``).
+    """No drafting: plain autoregressive decoding through the same engine (method ``none``), and the interface every
+    drafter implements. A new drafter subclasses it, builds itself in ``from_config`` and registers its method
+    (``register_drafter``); the engine needs nothing else.
 
     ``reads_target_states``: the engine then hands ``rows_joined`` the target's final hidden state at every prompt
     position [B, T, H] and ``observe`` the one at every verified tree node [B, N, H].
@@ -164,6 +255,20 @@ class Drafter:
     target_cache: PagedKVCache | None = None  # a self-draft's: it drafts in the target's cache (no catch-up tokens)
     own_cache: PagedKVCache | None = None  # a pool of its own, where joining rows take blocks too
     graphs = False  # whether its model's forwards may replay CUDA graphs (``cuda_graphs.py``)
+    search: LayerSkipSearch | None = None  # a layer-skipping self-draft's choice of layers (``layer_skip.py``)
+
+    @classmethod
+    def from_config(cls, context: DraftContext) -> DraftPlan:
+        return DraftPlan.chains(context, cls(), model_drafts=False)
+
+    @property
+    def models(self) -> list[torch.nn.Module]:
+        """Every forward this drafter may run, to prepare, price and capture at build."""
+        return []
+
+    def attach(self, target_cache: PagedKVCache) -> None:
+        """The target's pool exists (made after ``from_config``, sized for the plan's tree)."""
+        del target_cache
 
     # The batch tells the drafter when rows join and leave (``decoding.engine.batch.RowState``).
     def rows_joined(self, joined: JoinedRows) -> None:
@@ -271,6 +376,7 @@ def lookup_continuations(history: torch.Tensor, lengths: torch.Tensor, depth: in
     return torch.where(valid, tokens, 0), valid
 
 
+@register_drafter("ngram")
 class NgramDrafter(Drafter):
     """Prompt lookup: continue the longest suffix that already occurred in prompt + output.
 
@@ -283,6 +389,12 @@ class NgramDrafter(Drafter):
 
     host_roots = True
     takes_grammar_drafts = True
+
+    @classmethod
+    def from_config(cls, context: DraftContext) -> DraftPlan:
+        spec = context.config.speculative  # lookups on the device (beside a draft model, on the host)
+        return DraftPlan.chains(context, cls(spec.prompt_lookup_max, spec.prompt_lookup_min, context.device),
+                                model_drafts=False)
 
     def __init__(self, max_ngram: int = 4, min_ngram: int = 1, device: torch.device | None = None) -> None:
         self.max_ngram = max_ngram
@@ -408,6 +520,7 @@ class NgramDrafter(Drafter):
         return used
 
 
+@register_drafter("recycle")
 class RecycleDrafter(Drafter):
     """Token recycling (Luo et al. 2025): a ``[vocab, width]`` table of each token's likely next tokens, filled from
     the target's own verification logits and expanded into a static tree, with no draft model and no training.
@@ -423,6 +536,21 @@ class RecycleDrafter(Drafter):
     ``lookup``: ``lookup_candidates`` n-gram continuations of the pending token join as the last candidates of every
     level, to the rows' lookup depths (a heterogeneous tree: recycling where text is new, lookup where it repeats).
     """
+
+    @classmethod
+    def from_config(cls, context: DraftContext) -> DraftPlan:
+        config, spec, device = context.config, context.config.speculative, context.device
+        lookup = NgramDrafter(spec.prompt_lookup_max, spec.prompt_lookup_min, device) if spec.ngram_candidates \
+            else None
+        drafter = cls(context.target.config.vocab_size, spec.num_candidates, device, lookup, spec.ngram_candidates)
+        plan = DraftPlan.chains(context, drafter, model_drafts=True)
+        depth = spec.max_depth
+        if not depth or plan.root_width != 1:  # target-initialized roots: a chain per root
+            return plan
+        nodes = spec.tree_nodes or recycling_tree_nodes(device, config.batch_size, depth)
+        tree, order = recycling_tree(plan.model_candidates, depth, nodes)  # a static tree under the pending token
+        return dataclasses.replace(plan, tree=tree, order=order, width=spec.ngram_candidates,
+                                   sizes=recycling_tree_sizes(len(tree), depth))
 
     def __init__(self, vocab_size: int, width: int, device: torch.device, lookup: NgramDrafter | None = None,
                  lookup_candidates: int = 0) -> None:
@@ -571,6 +699,7 @@ def model_view(model: torch.nn.Module) -> torch.nn.Module:
     return lean_view(model) if supports_lean_forward(model) else for_inference(model)
 
 
+@register_drafter("draft_model")
 class DraftModelDrafter(Drafter):
     """A small draft sharing the target's tokenizer, with its own paged cache kept on the accepted path.
 
@@ -582,6 +711,42 @@ class DraftModelDrafter(Drafter):
     from the target's states stay in its cache; accepted nodes below the root level wait in ``uncached`` with the
     target's states that verification computed for them, and are fed again as the next tree's prefix.
     """
+
+    @classmethod
+    def from_config(cls, context: DraftContext) -> DraftPlan:
+        """The draft: the target itself (``model: target``, quantized and layer-skipping as configured), a draft
+        given in memory, or one loaded from ``speculative.model`` (a causal LM or a feature draft)."""
+        config, spec, loaded, draft = context.config, context.config.speculative, context.target, context.draft
+        if spec.model == SELF_DRAFT:
+            draft = loaded
+        elif draft is None:
+            check_same_tokenizer(context.tokenizer, load_tokenizer(spec.model, config.trust_remote_code), spec.model)
+            draft = load_draft(spec.model, config.dtype, context.device, config.trust_remote_code)
+        elif draft.config.vocab_size != loaded.config.vocab_size:
+            raise ValueError(
+                f"draft vocab size {draft.config.vocab_size} differs from the target's "
+                f"{loaded.config.vocab_size}: the draft must share the target's tokenizer"
+            )
+        max_context = min(context.max_context, int(getattr(draft.config, "max_position_embeddings", 1 << 30)))
+        subset = draft_vocab_subset(spec.model) if spec.model and spec.model != SELF_DRAFT else None
+        draft = draft.to(context.device).eval()
+        if spec.quantization:
+            draft = quantized(draft, spec.quantization)
+        search = None
+        if spec.layer_skip is not None:
+            view = model_view(draft)
+            if not isinstance(view, LeanCausalLM):
+                raise ValueError(f"speculative.layer_skip needs a target of the Llama family (the engine's lean "
+                                 f"forward); model type '{loaded.config.model_type}' runs transformers' forward")
+            if spec.layer_skip == "auto":
+                search = LayerSkipSearch(view)
+            else:
+                draft = view.with_layers(kept_layers(view.num_layers, spec.layer_skip))
+        lookup = NgramDrafter(spec.prompt_lookup_max, spec.prompt_lookup_min) if spec.ngram_candidates else None
+        drafter = cls(draft, config.batch_size, context.device, subset, lookup, spec.ngram_candidates,
+                      shares_target_cache=spec.model == SELF_DRAFT, search=search)
+        return DraftPlan.chains(context, drafter, model_drafts=True, max_context=max_context,
+                                prefix_tokens=0 if spec.model == SELF_DRAFT else 1)  # a self-draft never catches up
 
     def __init__(
         self, model: torch.nn.Module, capacity: int, device: torch.device, vocab_subset: list[int] | None = None,

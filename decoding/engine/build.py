@@ -10,18 +10,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from decoding.config import Config
 from decoding.drafting.costs import BatchCosts, calibrate_batch
-from decoding.drafting.drafters import (
-    Drafter,
-    DraftModelDrafter,
-    NgramDrafter,
-    RecycleDrafter,
-    model_view,
-    recycling_tree,
-    recycling_tree_nodes,
-    recycling_tree_sizes,
-)
-from decoding.drafting.feature_draft import load_draft
-from decoding.drafting.layer_skip import LayerSkipSearch, kept_layers
+from decoding.drafting.drafters import DraftContext, Drafter, draft_plan, model_view
 from decoding.drafting.length_policies import Sources, make_policy
 from decoding.engine.parts import EngineParts
 from decoding.engine.sequence import eos_token_ids
@@ -31,15 +20,12 @@ from decoding.model.kv_cache import CacheShape, PagedKVCache
 from decoding.model.lean_forward import LeanCausalLM
 from decoding.model.loading import (
     SELF_DRAFT,
-    check_same_tokenizer,
     default_device,
-    draft_vocab_subset,
     load_model,
     load_tokenizer,
     resolve_draft,
     resolve_model_path,
 )
-from decoding.model.quantize import quantized
 from decoding.verification.tree import TreeTopology
 
 log = logging.getLogger(__name__)
@@ -77,39 +63,23 @@ class _Builder:
                   else load_model(config.model, config.dtype, self.device, config.trust_remote_code))
         target = model_view(loaded)
         max_context = int(getattr(loaded.config, "max_position_embeddings", 1 << 30))
-        depth = spec.max_depth
-        model_width = spec.num_candidates if depth else 1
-        # n-gram siblings are extra candidates after the model's own in every level (one target forward for all).
-        width = model_width + (spec.ngram_candidates if depth else 0)
-        root_width = model_width if spec.candidate_init == "target" else 1
-        tree: tuple[int, ...] = ()
-        order: tuple[int, ...] = ()
-        model_drafts = spec.method in ("draft_model", "recycle")
-        # The sizes a row's tree can be cut to: a static tree's halvings, a model's chains one by one.
-        sizes = list(range(1, model_width + 1)) if model_drafts and depth else [model_width]
-        if spec.method == "recycle" and depth and root_width == 1:  # a static tree under the pending token
-            nodes = spec.tree_nodes or recycling_tree_nodes(self.device, config.batch_size, depth)
-            (tree, order), width = recycling_tree(model_width, depth, nodes), spec.ngram_candidates
-            sizes = recycling_tree_sizes(len(tree), depth)
-        topology = TreeTopology(width, depth, root_width, tree, order)
-        nested = topology.nested_trees(0 if tree else model_width, sizes)
-        drafter, max_context = self._drafter(loaded, tokenizer, max_context)
+        plan = draft_plan(DraftContext(config, self.device, loaded, tokenizer, self.draft, max_context))
+        drafter, max_context = plan.drafter, plan.max_context
+        topology = TreeTopology(plan.width, spec.max_depth, plan.root_width, plan.tree, plan.order)
+        nested = topology.nested_trees(plan.model_chains, plan.sizes)
         if config.max_model_len:
             max_context = min(max_context, config.max_model_len)
         execution = self.execution(target)
         whole_trees = execution.graphs
         cache = self._cache(loaded, topology, max_context, execution, drafter)
-        if isinstance(drafter, DraftModelDrafter):
-            drafter.attach(cache)
+        drafter.attach(cache)
         # A recycling tree is the "model" source, with no forward to price.
         sources = Sources(
-            root_width, model_width if model_drafts else 0,
-            (spec.ngram_candidates if model_drafts else model_width) if depth else 0,
-            prefix_tokens=0 if spec.model == SELF_DRAFT else 1,  # a self-draft never catches up
-            model_sizes=_model_sizes(topology, nested, 0 if tree else model_width) if model_drafts else (),
+            plan.root_width, plan.model_candidates, plan.lookup_candidates, prefix_tokens=plan.prefix_tokens,
+            model_sizes=_model_sizes(topology, nested, plan.model_chains) if plan.model_candidates else (),
             cuts_at_full_depth=whole_trees,
         )
-        for model in (target, *getattr(drafter, "models", [])):
+        for model in (target, *drafter.models):
             if isinstance(model, LeanCausalLM):
                 model.prepare(execution)  # packed and compiled (or loaded) now, at build, never mid-run
         measured: list[tuple[BatchCosts, BatchCosts | None]] = []
@@ -120,7 +90,7 @@ class _Builder:
                                                 self.draft is None))
             return measured[0]
 
-        search = getattr(drafter, "search", None)
+        search = drafter.search
         if search is not None:  # the layer sets are priced by their calibrated forwards (``layer_skip.py``)
             verify, _ = costs()
             search.price(verify, [self._calibrate_draft(view, drafter, topology, execution, target_by_path)
@@ -143,51 +113,6 @@ class _Builder:
         """How the engine's forwards run (``execution.py``): decided once, here, and logged. Where it captures CUDA
         graphs, verifications run whole trees (only whole trees are captured)."""
         return Execution.resolve(self.config.execution, self.device, lean=isinstance(target, LeanCausalLM))
-
-    def _drafter(self, loaded: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, max_context: int
-                 ) -> tuple[Drafter, int]:
-        """The configured drafter, and the context limit with the draft's."""
-        config, spec, draft = self.config, self.config.speculative, self.draft
-        if spec.method == "none":
-            return Drafter(), max_context
-        # Lookups on the device, but beside a draft model (its tree is built on the host).
-        if spec.method == "ngram":
-            return NgramDrafter(spec.prompt_lookup_max, spec.prompt_lookup_min, self.device), max_context
-        if spec.method == "recycle":
-            lookup = NgramDrafter(spec.prompt_lookup_max, spec.prompt_lookup_min, self.device) \
-                if spec.ngram_candidates else None
-            return RecycleDrafter(loaded.config.vocab_size, spec.num_candidates, self.device, lookup,
-                                  spec.ngram_candidates), max_context
-        if spec.model == SELF_DRAFT:
-            draft = loaded
-        elif draft is None:
-            check_same_tokenizer(tokenizer, load_tokenizer(spec.model, config.trust_remote_code), spec.model)
-            draft = load_draft(spec.model, config.dtype, self.device, config.trust_remote_code)
-        elif draft.config.vocab_size != loaded.config.vocab_size:
-            raise ValueError(
-                f"draft vocab size {draft.config.vocab_size} differs from the target's "
-                f"{loaded.config.vocab_size}: the draft must share the target's tokenizer"
-            )
-        max_context = min(max_context, int(getattr(draft.config, "max_position_embeddings", 1 << 30)))
-        subset = draft_vocab_subset(spec.model) if spec.model and spec.model != SELF_DRAFT else None
-        draft = draft.to(self.device).eval()
-        if spec.quantization:
-            draft = quantized(draft, spec.quantization)
-        search = None
-        if spec.layer_skip is not None:
-            view = model_view(draft)
-            if not isinstance(view, LeanCausalLM):
-                raise ValueError(f"speculative.layer_skip needs a target of the Llama family (the engine's lean "
-                                 f"forward); model type '{loaded.config.model_type}' runs transformers' forward")
-            if spec.layer_skip == "auto":
-                search = LayerSkipSearch(view)
-            else:
-                draft = view.with_layers(kept_layers(view.num_layers, spec.layer_skip))
-        lookup = NgramDrafter(spec.prompt_lookup_max, spec.prompt_lookup_min) if spec.ngram_candidates else None
-        return DraftModelDrafter(
-            draft, config.batch_size, self.device, subset, lookup, spec.ngram_candidates,
-            shares_target_cache=spec.model == SELF_DRAFT, search=search,
-        ), max_context
 
     def _cache(self, loaded: PreTrainedModel, topology: TreeTopology, max_context: int, execution: Execution,
                drafter: Drafter) -> PagedKVCache:
@@ -226,8 +151,8 @@ class _Builder:
             target, topology.size(topology.max_depth), config.batch_size,
             resolve_model_path(config.model) if target_from_path else None, graphs=True, execution=execution,
         )
-        if not isinstance(drafter, DraftModelDrafter):
-            return verify, None  # n-gram lookup costs next to nothing beside a forward
+        if not drafter.models:
+            return verify, None  # n-gram lookup and recycling cost next to nothing beside a forward
         model = drafter.search.views[0] if drafter.search is not None else drafter.model  # auto: the whole draft
         if spec.model == SELF_DRAFT or not draft_from_path:
             return verify, self._calibrate_draft(model, drafter, topology, execution, target_from_path)
@@ -235,7 +160,7 @@ class _Builder:
         return verify, calibrate_batch(model, topology.root_width + 1, config.batch_size, draft_key,
                                        graphs=drafter.graphs, execution=execution)
 
-    def _calibrate_draft(self, model: torch.nn.Module, drafter: DraftModelDrafter, topology: TreeTopology,
+    def _calibrate_draft(self, model: torch.nn.Module, drafter: Drafter, topology: TreeTopology,
                          execution: Execution, target_from_path: bool) -> BatchCosts:
         """A self-draft's forward costs (``model``: the draft or one of its layer sets), cached on disk under the
         target's path, the quantization and the layers it runs."""
@@ -268,7 +193,7 @@ def _capture_graphs(parts: EngineParts) -> None:
     tokens = [1, *(topology.size(depth) for depth in range(topology.max_depth + 1)),
               *(int(cut.sum()) for cut in parts.nested_trees)]
     captures = [(parts.target, tokens, drafter.reads_target_states)]
-    for draft in getattr(drafter, "models", []):  # a self-draft's levels (each layer set's): roots, then widths
+    for draft in drafter.models:  # a self-draft's levels (each layer set's): roots, then widths
         if drafter.graphs and isinstance(draft, LeanCausalLM):
             captures.append((draft, [topology.root_width, topology.num_candidates], drafter.uses_hidden_states))
 

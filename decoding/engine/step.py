@@ -477,7 +477,7 @@ class Step:
         draft = drafted.draft
         path_tokens = [[verdict.draft_tokens[row][n] for n in path] for row, path in enumerate(verdict.paths)]
         topk = self.drafter.reads_target_topk
-        search = getattr(self.drafter, "search", None)  # a layer-skipping draft: the cost of the set that drafted
+        search = self.drafter.search  # a layer-skipping draft: the cost of the set that drafted
         draft_scale = search.cost_scale_of(draft.candidate) if search is not None else 1.0
         self.drafter.observe(verdict.paths, path_tokens, draft, self.topology, verdict.states,
                              verdict.raw_logits.topk(topk, dim=-1).indices if topk else None)
