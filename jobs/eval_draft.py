@@ -26,7 +26,7 @@ import yaml
 
 from decoding import Config, Engine, Request
 from decoding.drafting.costs import forward_timer
-from decoding.drafting.drafters import DraftModelDrafter
+from decoding.drafting.draft_model import DraftModelDrafter
 from decoding.model.loading import for_inference, load_model, load_tokenizer, resolve_model_path
 from training.data import PromptSource, read_rows, row_prompt_ids
 

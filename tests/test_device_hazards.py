@@ -21,8 +21,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 from decoding import Engine, Request
-from decoding.drafting.drafters import RecycleDrafter
 from decoding.drafting.feature_draft import FeatureDraft
+from decoding.drafting.recycle import RecycleDrafter
 from decoding.drafting.signal_head import DraftSignalMLP
 from decoding.model import execution
 

@@ -1,4 +1,4 @@
-"""Drafters (decoding/drafting/drafters.py): n-gram lookup on literal token arrays, and what the model drafters promise:
+"""Drafters (decoding/drafting/: lookup.py, recycle.py, draft_model.py): n-gram lookup on literal token arrays, and what the model drafters promise:
 a stop ends drafting without a wasted forward, a self-draft drafts in the target's cache and leaves the target as
 loaded, a draft over a vocabulary subset stays lossless, lookup siblings join a model's tree only."""
 
@@ -11,15 +11,10 @@ import torch
 from engine_cases import PROMPTS, make_config, run
 
 from decoding import Config, Engine, Request
-from decoding.drafting.drafters import (
-    SOME_ROWS_MAX_SHARE,
-    DraftInputs,
-    NgramDrafter,
-    RecycleDrafter,
-    TokenHistory,
-    lookup_continuations,
-    recycling_tree_nodes,
-)
+from decoding.drafting.draft_model import SOME_ROWS_MAX_SHARE
+from decoding.drafting.drafters import DraftInputs
+from decoding.drafting.lookup import NgramDrafter, TokenHistory, lookup_continuations
+from decoding.drafting.recycle import RecycleDrafter, recycling_tree_nodes
 from decoding.drafting.signal_head import DraftSignalMLP
 from decoding.engine.sequence import Contexts, Sequence
 from decoding.verification.tree import TreeTopology

@@ -10,7 +10,8 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from decoding.config import Config
 from decoding.drafting.costs import BatchCosts, calibrate_batch
-from decoding.drafting.drafters import DraftContext, Drafter, draft_plan, model_view
+from decoding.drafting.draft_model import model_view
+from decoding.drafting.drafters import DraftContext, Drafter, draft_plan
 from decoding.drafting.length_policies import Sources, make_policy
 from decoding.engine.parts import EngineParts
 from decoding.engine.sequence import eos_token_ids

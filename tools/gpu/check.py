@@ -36,7 +36,7 @@ import torch
 
 from decoding.config import Config, ExecutionConfig
 from decoding.drafting.costs import forward_timer
-from decoding.drafting.drafters import model_view
+from decoding.drafting.draft_model import model_view
 from decoding.drafting.layer_skip import candidate_skips, kept_layers
 from decoding.engine import Engine, Request
 from decoding.model.execution import Execution
