@@ -1,6 +1,7 @@
-"""Drafters (decoding/drafting/: lookup.py, recycle.py, draft_model.py): n-gram lookup on literal token arrays, and what the model drafters promise:
-a stop ends drafting without a wasted forward, a self-draft drafts in the target's cache and leaves the target as
-loaded, a draft over a vocabulary subset stays lossless, lookup siblings join a model's tree only."""
+"""Drafters (decoding/drafting/: lookup.py, recycle.py, draft_model.py): n-gram lookup on literal token arrays, and
+what the model drafters promise: a stop ends drafting without a wasted forward, a self-draft drafts in the target's
+cache and leaves the target as loaded, a draft over a vocabulary subset stays lossless, lookup siblings join a
+model's tree only."""
 
 from __future__ import annotations
 

@@ -124,7 +124,6 @@ def collect(config: SignalTrainingConfig, run: RunDir) -> dict[str, torch.Tensor
         "sampling": {"temperature": config.temperature, "max_tokens": config.max_tokens, "seed": config.seed},
     })
     engine = Engine(engine_config, tokenizer=tokenizer, device=torch.device("cpu"))
-    engine.drafter.uses_hidden_states = True
     prompts = [(str(i), ids) for i, ids in enumerate(load_prompts(config.data, tokenizer))]
     shards = [prompts[i : i + config.prompts_per_shard] for i in range(0, len(prompts), config.prompts_per_shard)]
     progress = Progress("collect draft signals", len(prompts))

@@ -15,7 +15,15 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from decoding.drafting.drafters import Draft, DraftContext, Drafter, DraftInputs, DraftPlan, register_drafter
+from decoding.drafting.drafters import (
+    Capabilities,
+    Draft,
+    DraftContext,
+    Drafter,
+    DraftInputs,
+    DraftPlan,
+    register_drafter,
+)
 from decoding.drafting.feature_draft import load_draft
 from decoding.drafting.layer_skip import LayerSkipSearch, kept_layers
 from decoding.drafting.lookup import NgramDrafter
@@ -140,19 +148,19 @@ class DraftModelDrafter(Drafter):
         # have fixed shapes (no catch-up prefix), captured at build beside the target's.
         self.graphs = False
         self.vocab_size = model.config.vocab_size
-        self.reads_target_states = bool(getattr(model, "reads_features", False))
+        reads_states = bool(getattr(model, "reads_features", False))
         # Heterogeneous tree: the last ``lookup_candidates`` candidates of every level are n-gram continuations.
         self.lookup = lookup if lookup_candidates else None
         self.lookup_candidates = lookup_candidates
-        if self.lookup is not None and self.reads_target_states:
+        if self.lookup is not None and reads_states:
             raise ValueError("speculative.ngram_candidates is not supported with a feature draft (its deeper "
                              "levels read the draft's own states, which lookup nodes do not have)")
         self.vocab_subset = None
         if vocab_subset is not None:
             self.vocab_subset = torch.tensor(vocab_subset, dtype=torch.long)
-            if not self.reads_target_states:  # a feature draft's head is stored cut
+            if not reads_states:  # a feature draft's head is stored cut
                 model = _with_reduced_head(model, tuple(vocab_subset))
-        self.model = model if self.reads_target_states else model_view(model)
+        self.model = model if reads_states else model_view(model)
         # ``layer_skip: auto``: which of the candidate layer sets drafts is chosen on the fly; ``model`` is it.
         self.search = search
         if search is not None:
@@ -162,13 +170,9 @@ class DraftModelDrafter(Drafter):
         self.uncached: list[list[int]] = []
         self.uncached_states: list[list[torch.Tensor]] = []  # feature draft: the target's state before each
         self.root_states = (  # feature draft: the target's state at each row's last committed position
-            torch.zeros(capacity, model.feature_size, device=device) if self.reads_target_states else None
+            torch.zeros(capacity, model.feature_size, device=device) if reads_states else None
         )
-        self.uses_hidden_states = False
-
-    @property
-    def takes_grammar_drafts(self) -> bool:  # type: ignore[override]
-        return self.lookup is not None
+        self.capabilities = Capabilities(target_states=reads_states, grammar_drafts=self.lookup is not None)
 
     def attach(self, target_cache: PagedKVCache) -> None:
         """The target's cache is there: a self-draft drafts in it; another draft gets a cache of its own with as
@@ -199,7 +203,7 @@ class DraftModelDrafter(Drafter):
         cached = self.cache.host_lengths[rows]  # prompt positions each row took from the prefix cache
         prompts = [prompt[skip:] for prompt, skip in zip(prompts, cached)]
         states = None
-        if self.reads_target_states:
+        if self.capabilities.target_states:
             # Input t is token t + 1 with the target's state at t; the last state goes with the pending token.
             last = torch.tensor([len(p) - 1 for p in prompts], device=self.device)
             self.root_states[rows] = target_states[torch.arange(len(prompts), device=self.device), last]
@@ -332,7 +336,7 @@ class DraftModelDrafter(Drafter):
             logits, hidden = forward_tree(
                 self.model, self.cache, rows, tokens[:, start:end], ancestors, valid, start,
                 logits_at=torch.arange(max(start, prefix), end) - start,
-                want_hidden=self.uses_hidden_states or states is not None,
+                want_hidden=inputs.stop.needs_hidden_states or states is not None,
                 features=states[:, start:end] if states is not None else None, graphs=self.graphs,
             )
             forwarded = level
@@ -355,7 +359,7 @@ class DraftModelDrafter(Drafter):
                 extend = extend.expand(-1, model_width)
                 hidden = hidden.expand(-1, model_width, -1) if hidden is not None else None
             keep, deeper = inputs.stop.keep(level, depths_on, child_probs,
-                                            hidden.float() if self.uses_hidden_states else None)
+                                            hidden.float() if inputs.stop.needs_hidden_states else None)
             keep = extend[:, :model_width] & keep
             extend = keep & deeper
             if inputs.stop.cuts and reads_free and not bool(keep.any()):  # a trained stop rule ended every candidate

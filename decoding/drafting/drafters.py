@@ -38,6 +38,7 @@ class StopRule(Protocol):
     before its planned depth (then the loop asks whether any candidate is left, to spare a forward)."""
 
     cuts: bool
+    needs_hidden_states: bool  # ``keep`` reads the draft's hidden state at each new node
 
     def keep(self, level: int, depths: torch.Tensor, token_probs: torch.Tensor, hidden: torch.Tensor | None
              ) -> tuple[torch.Tensor, torch.Tensor]: ...
@@ -46,7 +47,7 @@ class StopRule(Protocol):
 @dataclass
 class DraftInputs:
     contexts: list[list[int]]  # committed tokens of each row, root-level tokens excluded
-    roots: torch.Tensor  # [B, root_width] root-level tokens, the pending token first (host or device: host_roots)
+    roots: torch.Tensor  # [B, root_width] root-level tokens, the pending token first (host: capabilities.host_roots)
     root_valid: torch.Tensor  # [B, root_width], where ``roots`` is
     pending: torch.Tensor  # [B] host: each row's pending token (roots[:, 0])
     depths: torch.Tensor  # [B] planned depth (0 = no speculation)
@@ -140,6 +141,23 @@ class Draft:
 
 
 @dataclass(frozen=True)
+class Capabilities:
+    """What a drafter asks of the engine, declared once on its class (or in ``__init__``, where it depends on the
+    configuration); the engine reads nothing else about a drafter.
+
+    ``target_states``: ``rows_joined`` gets the target's final hidden state at every prompt position [B, T, H] and
+    ``observe`` the one at every verified tree node [B, N, H] (prefix caching is then off: a cached prefix has no
+    states). ``target_topk``: k > 0, ``observe`` gets the top-k token ids of the target's logits at every node.
+    ``host_roots``: ``propose`` reads the root-level tokens on the host (else they stay on the device).
+    ``grammar_drafts``: ``propose`` puts ``DraftInputs.grammar_drafts`` in a lookup candidate."""
+
+    target_states: bool = False
+    target_topk: int = 0
+    host_roots: bool = False
+    grammar_drafts: bool = False
+
+
+@dataclass(frozen=True)
 class DraftContext:
     """What a drafter builds itself from (``Drafter.from_config``): the config (its ``speculative`` block resolved),
     the device, the loaded target and tokenizer, a draft model given in memory, and the target's context limit."""
@@ -222,15 +240,10 @@ class Drafter:
     drafter implements. A new drafter subclasses it, builds itself in ``from_config`` and registers its method
     (``register_drafter``); the engine needs nothing else.
 
-    ``reads_target_states``: the engine then hands ``rows_joined`` the target's final hidden state at every prompt
-    position [B, T, H] and ``observe`` the one at every verified tree node [B, N, H].
+    What it needs from the engine is its ``capabilities``.
     """
 
-    uses_hidden_states = False
-    reads_target_states = False
-    reads_target_topk = 0  # k > 0: ``observe`` gets the top-k token ids of the target's logits at every node
-    host_roots = False  # whether ``propose`` reads the root-level tokens on the host (else they stay on the device)
-    takes_grammar_drafts = False  # whether ``propose`` puts DraftInputs.grammar_drafts in a lookup candidate
+    capabilities = Capabilities()
     target_cache: PagedKVCache | None = None  # a self-draft's: it drafts in the target's cache (no catch-up tokens)
     own_cache: PagedKVCache | None = None  # a pool of its own, where joining rows take blocks too
     graphs = False  # whether its model's forwards may replay CUDA graphs (``cuda_graphs.py``)
@@ -264,5 +277,5 @@ class Drafter:
     def observe(self, paths: list[list[int]], path_tokens: list[list[int]], draft: Draft, topology: TreeTopology,
                 target_states: torch.Tensor | None = None, target_topk: torch.Tensor | None = None) -> None:
         """The verified outcome: each row's accepted path (node indices, the pending token first) and its
-        tokens; with ``reads_target_topk``, ``target_topk`` [B, N, k] on the device."""
+        tokens; with ``capabilities.target_topk``, ``target_topk`` [B, N, k] on the device."""
         del paths, path_tokens, draft, topology, target_states, target_topk

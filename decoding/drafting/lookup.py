@@ -9,7 +9,15 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from decoding.drafting.drafters import Draft, DraftContext, Drafter, DraftInputs, DraftPlan, register_drafter
+from decoding.drafting.drafters import (
+    Capabilities,
+    Draft,
+    DraftContext,
+    Drafter,
+    DraftInputs,
+    DraftPlan,
+    register_drafter,
+)
 from decoding.model.padding import pad_rows
 
 if TYPE_CHECKING:
@@ -115,8 +123,7 @@ class NgramDrafter(Drafter):
     the readable reference the device lookup is tested against).
     """
 
-    host_roots = True
-    takes_grammar_drafts = True
+    capabilities = Capabilities(host_roots=True, grammar_drafts=True)
 
     @classmethod
     def from_config(cls, context: DraftContext) -> DraftPlan:

@@ -9,7 +9,15 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from decoding.drafting.drafters import Draft, DraftContext, Drafter, DraftInputs, DraftPlan, register_drafter
+from decoding.drafting.drafters import (
+    Capabilities,
+    Draft,
+    DraftContext,
+    Drafter,
+    DraftInputs,
+    DraftPlan,
+    register_drafter,
+)
 from decoding.drafting.lookup import NgramDrafter
 from decoding.verification.tree import TreeTopology, best_first_layout
 
@@ -52,17 +60,13 @@ class RecycleDrafter(Drafter):
 
     def __init__(self, vocab_size: int, width: int, device: torch.device, lookup: NgramDrafter | None = None,
                  lookup_candidates: int = 0) -> None:
-        self.reads_target_topk = width
         # One row past the vocabulary is a sink: writes of invalid nodes, and of a token's earlier nodes, land there
         # and no proposal reads it (draft tokens are vocabulary ids), so the table takes one static-shaped copy.
         self.table = torch.full((vocab_size + 1, width), -1, dtype=torch.long, device=device)
         self._last_writer = torch.empty(vocab_size + 1, dtype=torch.long, device=device)
         self.lookup = lookup if lookup_candidates else None
         self.lookup_candidates = lookup_candidates if self.lookup is not None else 0
-
-    @property
-    def takes_grammar_drafts(self) -> bool:  # type: ignore[override]
-        return self.lookup is not None
+        self.capabilities = Capabilities(target_topk=width, grammar_drafts=self.lookup is not None)
 
     def rows_joined(self, joined: JoinedRows) -> None:
         if self.lookup is not None:

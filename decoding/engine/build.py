@@ -98,7 +98,6 @@ class _Builder:
                                   for view in search.views])
         policy = make_policy(spec, sources, costs, capacity=config.batch_size,
                              draft_scale=(lambda: search.cost_scale) if search is not None else None)
-        drafter.uses_hidden_states = policy.needs_hidden_states
         policy.to(self.device)  # a trained stop head reads the draft's states where they are
         parts = EngineParts(
             config=config, device=self.device, tokenizer=tokenizer, loaded_target=loaded, target=target,
@@ -137,7 +136,7 @@ class _Builder:
                     budget -= execution.graph_memory_bytes
             budget = budget if budget is not None else CPU_KV_BYTES
             blocks = max(1, min(blocks_needed, budget // bytes_per_block))
-        prefix_caching = config.enable_prefix_caching and not drafter.reads_target_states
+        prefix_caching = config.enable_prefix_caching and not drafter.capabilities.target_states
         if config.enable_prefix_caching and not prefix_caching:
             log.info("prefix caching is off: the feature draft reads the target's state at every prompt position")
         return PagedKVCache(shape, blocks, config.batch_size, positions, block_size=config.block_size, dtype=dtype,
@@ -193,10 +192,10 @@ def _capture_graphs(parts: EngineParts) -> None:
     # Whole trees of every depth, and every cut of the deepest (``Step._planned_nodes``).
     tokens = [1, *(topology.size(depth) for depth in range(topology.max_depth + 1)),
               *(int(cut.sum()) for cut in parts.nested_trees)]
-    captures = [(parts.target, tokens, drafter.reads_target_states)]
+    captures = [(parts.target, tokens, drafter.capabilities.target_states)]
     for draft in drafter.models:  # a self-draft's levels (each layer set's): roots, then widths
         if drafter.graphs and isinstance(draft, LeanCausalLM):
-            captures.append((draft, [topology.root_width, topology.num_candidates], drafter.uses_hidden_states))
+            captures.append((draft, [topology.root_width, topology.num_candidates], parts.policy.needs_hidden_states))
 
     def memory() -> int:
         return torch.cuda.memory_reserved(parts.device)

@@ -174,7 +174,7 @@ class Step:
         ids, lengths = pad_rows([s.prompt_ids[skip:] for s, skip in zip(joining, cached)])
         width = ids.shape[1]
         valid = torch.arange(width)[None] < lengths[:, None]
-        reads_states = self.drafter.reads_target_states
+        reads_states = self.drafter.capabilities.target_states
         # Rows asking for prompt logprobs need the law at every prompt position: from the last hidden states through
         # the LM head (the lean forward's head is the model's), only for those rows, chunk by chunk; a model run by
         # transformers' own forward (its head may scale or cap logits) gives its logits at every position instead.
@@ -245,7 +245,7 @@ class Step:
         depths = depths.minimum(meta.room)
         lookup_depths = lookup_depths.minimum(meta.room) if lookup_depths is not None else None
         row_drafts = None
-        if meta.constrained and self.drafter.takes_grammar_drafts and self.topology.max_depth:
+        if meta.constrained and self.drafter.capabilities.grammar_drafts and self.topology.max_depth:
             # Each constrained row's grammar draft (within its room), and the lookup depth raised to hold it.
             row_drafts = grammar_drafts(seqs, meta.room.clamp(max=self.topology.max_depth).tolist(), self.encode)
             lengths = torch.tensor([len(draft) for draft in row_drafts])
@@ -271,7 +271,7 @@ class Step:
             self.speculative.replacement,
             uniforms if uniforms is not None else torch.zeros(batch, width - 1, device=self.device),
         )
-        if self.drafter.host_roots:
+        if self.drafter.capabilities.host_roots:
             siblings = self.to_host(siblings)
         drafts = (siblings >= 0) & (plan.depths > 0).to(siblings.device, non_blocking=True)[:, None]
         pending = pending.to(siblings.device, non_blocking=True)
@@ -340,7 +340,7 @@ class Step:
         their cuts are what is captured.
         """
         size = draft.tokens.shape[1]
-        want = self.drafter.reads_target_states
+        want = self.drafter.capabilities.target_states
         slot_of = torch.arange(size)
         nodes = draft.valid.any(0).nonzero().flatten() if host_reads_free(draft.valid.device) and not self.whole_trees \
             else self._planned_nodes(plan, size)
@@ -476,7 +476,7 @@ class Step:
                 committed: Committed) -> None:
         draft = drafted.draft
         path_tokens = [[verdict.draft_tokens[row][n] for n in path] for row, path in enumerate(verdict.paths)]
-        topk = self.drafter.reads_target_topk
+        topk = self.drafter.capabilities.target_topk
         search = self.drafter.search  # a layer-skipping draft: the cost of the set that drafted
         draft_scale = search.cost_scale_of(draft.candidate) if search is not None else 1.0
         self.drafter.observe(verdict.paths, path_tokens, draft, self.topology, verdict.states,
