@@ -155,6 +155,20 @@ def test_the_token_history_appends_what_rows_gained_and_follows_swap_removal() -
     assert [tokens[r, :n].tolist() for r, n in enumerate(lengths.tolist())] == [[1, 2], [3, 8, 2, 5, 6]]
 
 
+def test_a_row_that_joined_after_the_last_lookup_takes_a_leaving_row_s_place_with_nothing_on_the_device() -> None:
+    """Row 2 joins after a sync and takes row 0's place before it is ever looked up: row 0 then holds nothing, and
+    the next sync copies its whole context (its stale length once made it append only a tail after row 0's
+    tokens)."""
+    history = TokenHistory(torch.device("cpu"))
+    history.rows_joined(type("Joined", (), {"seqs": [None, None]})())
+    history.sync([[1, 2, 3], [4]], torch.tensor([9, 8]))
+    history.rows_joined(type("Joined", (), {"seqs": [None]})())
+    history.row_removed(0, None)
+    tokens, lengths = history.sync([[5, 6, 7, 8, 9, 10], [4, 8]], torch.tensor([11, 12]))
+    assert [tokens[r, :n].tolist() for r, n in enumerate(lengths.tolist())] == [[5, 6, 7, 8, 9, 10, 11],
+                                                                                 [4, 8, 12]]
+
+
 def test_lookup_on_the_device_drafts_the_host_lookups_tree() -> None:
     """The same tree from a drafter that looks up on the device and one on the host, a constrained row's grammar
     draft first in both (that row continued on the host), rows at different depths."""

@@ -40,6 +40,7 @@ from decoding.model.loading import (
 )
 from decoding.model.padding import pad_rows
 from decoding.model.quantize import quantized
+from decoding.model.rows import move_last_row
 from decoding.verification.sampling import row_uniforms, warp_probs
 from decoding.verification.tree import TreeTopology, chain_ancestors, with_prefix_chain
 from decoding.verification.verify_batched import sample_from, sample_tokens
@@ -227,14 +228,11 @@ class DraftModelDrafter(Drafter):
 
     def row_removed(self, row: int, seq: Sequence) -> None:
         del seq
-        last = len(self.uncached) - 1
-        if self.root_states is not None:
-            self.root_states[row] = self.root_states[last]
+        move_last_row(row, len(self.uncached) - 1, self.root_states, self.uncached, self.uncached_states)
+        self.uncached.pop()
+        self.uncached_states.pop()
         if self.target_cache is None:  # a shared cache has moved its rows already
             self.cache.remove_row(row)
-        for waiting in (self.uncached, self.uncached_states):
-            waiting[row] = waiting[-1]
-            waiting.pop()
 
     @staticmethod
     def _uniforms(inputs: DraftInputs, width: int, levels: int) -> torch.Tensor | None:

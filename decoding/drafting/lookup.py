@@ -19,6 +19,7 @@ from decoding.drafting.drafters import (
     register_drafter,
 )
 from decoding.model.padding import pad_rows
+from decoding.model.rows import move_last_row
 
 if TYPE_CHECKING:
     from decoding.engine.batch import JoinedRows
@@ -37,10 +38,7 @@ class TokenHistory:
         self.lengths.extend(0 for _ in joined.seqs)
 
     def row_removed(self, row: int, seq: Sequence) -> None:
-        last = len(self.lengths) - 1
-        if row != last and last < self.tokens.shape[0]:  # (rows never looked up hold nothing)
-            self.tokens[row] = self.tokens[last]
-            self.lengths[row] = self.lengths[last]
+        move_last_row(row, len(self.lengths) - 1, self.tokens, self.lengths)  # (rows never looked up hold no tokens)
         self.lengths.pop()
 
     def sync(self, contexts: SequenceABC[list[int]], pending: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -21,6 +21,7 @@ import torch
 from decoding.config import SamplingParams
 from decoding.engine.sequence import Sequence
 from decoding.model.kv_cache import PagedKVCache, joining_entries
+from decoding.model.rows import move_last_row
 from decoding.verification.sampling import WarpParams
 
 # The per-row tensors of WarpParams kept as batch state; penalties are built per step, from each row's history.
@@ -115,14 +116,12 @@ class Batch:
     def remove(self, row: int) -> Sequence:
         """Swap-remove ``row``: the last running sequence takes its place everywhere."""
         seq, last = self.seqs[row], len(self.seqs) - 1
-        for state in (*(getattr(w, name) for w in (self.warp_host, self.warp_device) for name in ROW_FIELDS),
-                      self.max_tokens, self.root_scores):
-            if state is not None:
-                state[row] = state[last]
+        move_last_row(row, last, *(getattr(w, name) for w in (self.warp_host, self.warp_device) for name in ROW_FIELDS),
+                      self.max_tokens, self.root_scores)
         self.cache.remove_row(row)
         for part in self.listeners:
             part.row_removed(row, seq)
-        self.seqs[row] = self.seqs[last]
+        move_last_row(row, last, self.seqs)
         self.seqs.pop()
         return seq
 

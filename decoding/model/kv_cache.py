@@ -37,6 +37,7 @@ import torch
 
 from decoding.model.attention import AttentionMetadata, pools_zero_filled
 from decoding.model.execution import Execution, default_execution
+from decoding.model.rows import move_last_row
 
 # Which rows a forward runs: the live prefix or a part of it (a slice), or some rows (a host index tensor).
 Rows = slice | torch.Tensor
@@ -313,13 +314,8 @@ class PagedKVCache:
         """Return the row's blocks to the pool; the last live row takes its place (its table row moves)."""
         self._release(self.row_blocks[row])
         last = self.active - 1
-        if row != last:
-            self.row_blocks[row] = self.row_blocks[last]
-            self.row_keys[row] = self.row_keys[last]
-            self.host_lengths[row] = self.host_lengths[last]
-            self.reserved[row] = self.reserved[last]
-            self.tables[row] = self.tables[last]
-            self._tables_stale = True
+        move_last_row(row, last, self.row_blocks, self.row_keys, self.host_lengths, self.reserved, self.tables)
+        self._tables_stale |= row != last
         self.row_blocks[last], self.row_keys[last], self.host_lengths[last], self.reserved[last] = [], [], 0, 0
         self.active = last
 
