@@ -327,6 +327,35 @@ def test_graphed_forward_replays_what_the_eager_forward_computes_with_fresh_inpu
     assert sorted((shape.rows, shape.per_row) for shape in graphed.graphs) == [(1, 5), (2, 3), (4, 5)]
 
 
+def test_a_graph_replays_the_largest_tree_the_engine_builds_on_cuda() -> None:
+    """Batch 1's recycling tree on CUDA (256 nodes under the pending token, a lookup sibling at every level: 262
+    nodes, five mask words), through the graph machinery with the eager stand-in recorder, as the eager forward."""
+    from decoding.drafting.recycle import recycling_tree, recycling_tree_nodes
+    from decoding.model.cuda_graphs import GraphedForward, record_eagerly
+
+    depth = 5
+    tree, order = recycling_tree(8, depth, recycling_tree_nodes(torch.device("cuda"), 1, depth))
+    topology = TreeTopology(1, depth, 1, tree, order)
+    nodes = topology.size(depth)
+    lean = lean_view(tiny_model())
+    positions = 6 + nodes
+    cache = PagedKVCache(CacheShape.of(lean.config), -(-positions // 16) + 1, 1, positions)
+    rows = cache.add_rows([positions])
+    prompt = torch.randint(3, 30, (1, 6), generator=torch.Generator().manual_seed(0))
+    forward_tree(lean, cache, rows, prompt, chain_ancestors(6), torch.ones(1, 6, dtype=torch.bool))
+    cache.advance(rows, [6])
+    tokens = torch.randint(3, 30, (1, nodes), generator=torch.Generator().manual_seed(1))
+    meta, at = cache.tree_metadata(rows, topology.ancestors, torch.ones_like(tokens, dtype=torch.bool), 0, nodes)
+    assert meta.tree_mask.shape[1] == -(-nodes // 64) == 5
+    every = torch.arange(nodes)
+    expected = lean(tokens, at, meta, cache.keys, cache.values, positions, every, every)
+    graphed = GraphedForward(lean.flat_forward, positions, record=record_eagerly)
+    logits, hidden = graphed(tokens, at, meta, cache.keys, cache.values, every, every)
+    torch.testing.assert_close(logits, expected[0])
+    torch.testing.assert_close(hidden, expected[1])
+    assert [(shape.rows, shape.per_row) for shape in graphed.graphs] == [(1, nodes)]
+
+
 def test_graphs_captured_at_build_follow_the_plan_and_budget_then_uncaptured_shapes_run_eagerly(caplog) -> None:
     from decoding.model.cuda_graphs import (
         GraphedForward,

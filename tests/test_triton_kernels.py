@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from decoding.drafting.recycle import recycling_tree, recycling_tree_nodes
 from decoding.model import triton_kernels as tk
 from decoding.model.attention import AttentionMetadata, reference_attention, write_slots
 from decoding.model.kv_cache import CacheShape, PagedKVCache
@@ -221,24 +222,36 @@ def test_paged_attention_matches_the_reference_in_bf16(shape_name, kind, splits)
     _check_attention(SHAPES[shape_name], torch.bfloat16, kind, ROWS[shape_name], padding=1, splits=splits)
 
 
-def test_paged_attention_covers_keys_past_one_split_and_more_than_64_tree_nodes() -> None:
+def test_paged_attention_covers_keys_past_one_split() -> None:
     """A row longer than a split's range (its keys combined across splits; 20 splits: more than the combine
-    reads at once, most of them past the row), and a tree of 81 nodes (two mask words, the second reaching past
-    the first's 64 positions), split and unsplit."""
+    reads at once, most of them past the row), split and unsplit."""
     for splits in (1, 4, 20):
         _check_attention(tk.SMOLLM2_135M, torch.float32, "decode", [300, 2], padding=0, splits=splits)
+
+
+def _largest_cuda_tree() -> TreeTopology:
+    """The largest tree the engine builds on CUDA by default: batch 1's recycling tree (``recycling_tree_nodes``)
+    under the pending token, with a lookup sibling at every level."""
+    depth = 5
+    tree, order = recycling_tree(8, depth, recycling_tree_nodes(torch.device("cuda"), 1, depth))
+    return TreeTopology(1, depth, 1, tree, order)
+
+
+@pytest.mark.parametrize("topology", [TreeTopology(16, 5, 1), _largest_cuda_tree()], ids=["81-chains", "262-cuda"])
+def test_paged_attention_covers_trees_of_many_mask_words(topology: TreeTopology) -> None:
+    """Trees past one 64-node mask word: 81 nodes in chains (the second word reaching past the first's 64
+    positions) and the largest tree the engine builds on CUDA (262 nodes, five words), split and unsplit."""
+    nodes = topology.size(topology.max_depth)
     cache, meta, per_row, q, k, v = _attention_case(tk.SMOLLM2_135M, torch.float32, "chain", [5], 0, seed=3)
-    topology = TreeTopology(16, 5, 1)
-    rows = slice(0, 1)
-    meta, _ = cache.tree_metadata(rows, topology.ancestors, torch.ones(1, 81, dtype=torch.bool), 0, 81)
-    assert meta.tree_mask.shape[1] == 2 and (meta.tree_mask[:, 1] != 0).any()
+    meta, _ = cache.tree_metadata(slice(0, 1), topology.ancestors, torch.ones(1, nodes, dtype=torch.bool), 0, nodes)
+    assert meta.tree_mask.shape[1] == -(-nodes // 64) and (meta.tree_mask[:, -1] != 0).any()
     generator = torch.Generator().manual_seed(4)
-    q = _random(81, 9, 64, dtype=torch.float32, generator=generator)
-    k, v = (_random(81, 3, 64, dtype=torch.float32, generator=generator) for _ in range(2))
+    q = _random(nodes, 9, 64, dtype=torch.float32, generator=generator)
+    k, v = (_random(nodes, 3, 64, dtype=torch.float32, generator=generator) for _ in range(2))
     expected = reference_attention(cache.keys[0], cache.values[0], q, k, v, meta, 0.125)
     for splits in (1, 2):
         out = tk.paged_attention(q, cache.keys[0], cache.values[0], meta.block_tables, meta.prefix_len,
-                                 meta.tree_mask, 0.125, 81, splits)
+                                 meta.tree_mask, 0.125, nodes, splits)
         torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
 
 
