@@ -710,3 +710,36 @@ def test_a_step_reads_back_only_paths_tokens_and_statistics(temperature, width, 
         drafted += sum(len(r.token_stats) for r in output.finished)
     # The static policy drafts every step; the online one only where its measured costs say drafting pays.
     assert steps and (drafted or speculative["length_policy"] == "online")
+
+
+class _StandInEvent:
+    """A CUDA event's stand-in on a made-up device timeline: each record is 1 ms after the previous one."""
+
+    timeline = 0.0
+
+    def record(self) -> None:
+        _StandInEvent.timeline += 1.0
+        self.at = _StandInEvent.timeline
+
+    def elapsed_time(self, end: _StandInEvent) -> float:
+        return end.at - self.at
+
+
+def test_on_a_gpu_the_policy_learns_phase_costs_from_device_events_not_host_time(tokenizer, target) -> None:
+    """A GPU's phases enqueue work: the step's clock marks them with device events and reads the seconds between
+    after verification's host read (here a stand-in timeline on which every mark is 1 ms after the last; the
+    drafting phase has its two marks, verification its own two), so no host time leaks into either."""
+    from decoding.model.timing import PhaseClock
+
+    cpu = PhaseClock(torch.device("cpu"))
+    start = cpu.mark()
+    assert cpu.seconds(start, cpu.mark()) >= 0 and not cpu.on_device
+    config = make_config(method="draft_model", model="in-memory", num_candidates=1, length_policy="static",
+                         num_speculative_tokens=3, batch_size=2)
+    engine = Engine(config, target=target, tokenizer=tokenizer, draft=target)
+    engine.stepper.clock = PhaseClock(torch.device("cuda"), event=_StandInEvent)
+    timings = []
+    observe = engine.policy.observe
+    engine.policy.observe = lambda record: timings.append(record.timing) or observe(record)
+    engine.generate([Request(id=str(i), prompt=p) for i, p in enumerate(PROMPTS[:2])])
+    assert timings and all(t.draft_seconds == t.verify_seconds == 1e-3 for t in timings), timings

@@ -18,9 +18,9 @@ log-probabilities; never a vocabulary-wide tensor).
 from __future__ import annotations
 
 import dataclasses
-import time
 from dataclasses import dataclass
 from functools import cached_property
+from typing import Any
 
 import torch
 
@@ -35,6 +35,7 @@ from decoding.model.execution import host_reads_free
 from decoding.model.forward import forward_tree
 from decoding.model.lean_forward import LeanCausalLM
 from decoding.model.padding import pad_rows
+from decoding.model.timing import PhaseClock
 from decoding.verification.sampling import (
     NO_TOKEN,
     WarpParams,
@@ -89,7 +90,7 @@ class Plan:
 @dataclass
 class Drafted:
     draft: Draft
-    seconds: float
+    marks: tuple[Any, Any]  # the step clock's marks around drafting (seconds: once verification's read waited)
     grammar: StepGrammar | None = None  # the tree's grammar masks, where some row has a constraint
 
 
@@ -135,6 +136,7 @@ class Step:
         self.topology, self.sources, self.speculative = parts.topology, parts.sources, parts.speculative
         self.tokenizer, self.max_context, self.eos_ids = parts.tokenizer, parts.max_context, parts.eos_ids
         self.device = parts.cache.device
+        self.clock = PhaseClock(self.device)  # what the policy learns the phases cost, timed on the device
         self.whole_trees = parts.whole_trees
         self.steps = 0
         self._nested_trees: dict[torch.device, torch.Tensor] = {}  # ``parts.nested_trees`` on each draft device
@@ -280,14 +282,14 @@ class Step:
         return roots, valid
 
     def draft(self, seqs: list[Sequence], plan: Plan) -> Drafted:
-        started = time.perf_counter()
+        started = self.clock.mark()
         pending = torch.tensor([s.generated[-1] for s in seqs])
         idle = not bool(plan.depths.any()) and (plan.lookup_depths is None or not bool(plan.lookup_depths.any()))
         if idle and self.topology.root_width == 1:  # a plain step: nothing to draft, no sibling to draw
             batch = len(seqs)
             roots, root_valid = pending[:, None], torch.ones(batch, 1, dtype=torch.bool)
             grammar = self._grammar_tree(seqs, plan, roots, root_valid)[0] if plan.meta.constrained else None
-            return Drafted(Draft(roots, root_valid, torch.ones(batch, 1), None, 0), time.perf_counter() - started,
+            return Drafted(Draft(roots, root_valid, torch.ones(batch, 1), None, 0), (started, self.clock.mark()),
                            grammar)
         roots, root_valid = self._roots(seqs, plan, pending)
         grammar = None
@@ -304,7 +306,7 @@ class Step:
         if grammar is not None:  # the levels the drafter did not walk (all of a host drafter's)
             grammar.finish(draft.tokens, draft.valid, [self.topology.level_slice(level)
                                                        for level in range(1, draft.depth + 1)])
-        return Drafted(draft, time.perf_counter() - started, grammar)
+        return Drafted(draft, (started, self.clock.mark()), grammar)
 
     def _cut(self, plan: Plan, draft: Draft) -> Draft:
         """``draft`` with each row's tree cut to its planned size (the drafter drafted the whole tree)."""
@@ -359,7 +361,7 @@ class Step:
     def verify(self, seqs: list[Sequence], plan: Plan, drafted: Drafted) -> Verdict:
         draft = drafted.draft
         batch, size = draft.tokens.shape
-        started = time.perf_counter()
+        started = self.clock.mark()
         ancestors = self.topology.sliced_ancestors(draft.depth)
         tokens, valid = self._to_device(draft.tokens), self._to_device(draft.valid)
         raw, states, slot_of = self._verify_forward(plan, draft, tokens, valid, ancestors)
@@ -378,7 +380,10 @@ class Step:
         on_device = not host_reads_free(draft.tokens.device)  # then the tree's ids come back in the one copy
         if on_device:
             parts += [draft.tokens, draft.valid.long()]
-        host = self.to_host(torch.cat(parts, 1))
+        verified = self.clock.mark()
+        host = self.to_host(torch.cat(parts, 1))  # waits for the device: every mark above has passed
+        if not self.clock.on_device:
+            verified = self.clock.mark()  # on a CPU the read is part of the phase, as it always was
         depth = verdict.path.shape[1]
         path_part = host[:, :depth]
         lengths = (path_part >= 0).sum(1)
@@ -386,9 +391,9 @@ class Step:
             if on_device else (draft.tokens, draft.valid)
         drafted_nodes = draft_valid & (self.topology.depths[:size] > 0)[None]
         context = sum(self.cache.host_lengths[:batch]) / batch
-        timing = StepTiming(  # the copy above waited for the verify forward: its time is all in
-            (batch, int(draft_valid.any(0).sum()), context), time.perf_counter() - started,
-            [(count, width, context) for count, width in draft.forward_shapes], drafted.seconds,
+        timing = StepTiming(
+            (batch, int(draft_valid.any(0).sum()), context), self.clock.seconds(started, verified),
+            [(count, width, context) for count, width in draft.forward_shapes], self.clock.seconds(*drafted.marks),
         )
         return Verdict(
             paths=[path[:n] for path, n in zip(path_part.tolist(), lengths.tolist())],
