@@ -163,11 +163,26 @@ def test_the_cpu_kernel_gives_torchs_argmax_and_logsumexp(vocab) -> None:
     logits[0, 3, 2] = float("nan")
     logits[1, 0, 0] = float("-inf")
     logits[1, 1] = logits[1, 1].round()  # many ties
-    index, lse = argmax_logsumexp(logits)
+    execution = default_execution(torch.device("cpu"))
+    index, lse = argmax_logsumexp(logits, execution=execution)
     assert torch.equal(index, logits.argmax(-1))
     torch.testing.assert_close(lse, logits.logsumexp(-1), equal_nan=True, atol=1e-5, rtol=1e-6)
-    alone, none = argmax_logsumexp(logits[1], with_logsumexp=False)
+    alone, none = argmax_logsumexp(logits[1], with_logsumexp=False, execution=execution)
     assert none is None and torch.equal(alone, logits[1].argmax(-1))
+
+
+def test_the_kernel_choice_of_argmax_logsumexp_is_the_execution_s(monkeypatch) -> None:
+    """With reference kernels (or none said) torch's operations run, whether the C++ kernel is loaded or not."""
+    import dataclasses
+
+    from decoding.verification import sampling
+
+    monkeypatch.setattr(sampling, "kernel_loaded", lambda: pytest.fail("the kernel was considered"))
+    reference = dataclasses.replace(default_execution(torch.device("cpu")), kernels="reference")
+    logits = torch.randn(3, 7)
+    for execution in (reference, None):
+        index, lse = argmax_logsumexp(logits, execution=execution)
+        assert torch.equal(index, logits.argmax(-1)) and torch.equal(lse, logits.logsumexp(-1))
 
 
 def test_inverse_cdf_sampling_is_exact_on_a_grid() -> None:

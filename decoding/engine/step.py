@@ -374,6 +374,7 @@ class Step:
             self._to_device(draft.draft_probs) if draft.draft_probs is not None else None,
             self.speculative.replacement, uniforms[:, [*range(size), -1]] if uniforms is not None else None,
             self._to_device(draft.point_mass) if draft.point_mass is not None else None, _may_empty(seqs),
+            self.cache.execution,
         )
         # One copy: paths and next tokens, and the tree's ids and flags where they are on the device.
         parts = [verdict.path, verdict.next_token[:, None]]

@@ -17,7 +17,7 @@ import torch
 
 from decoding.config import GREEDY_TEMPERATURE, SamplingParams
 from decoding.model.attention import kernel_loaded
-from decoding.model.execution import host_reads_free
+from decoding.model.execution import Execution, host_reads_free
 
 # The token of a row whose processed law has nothing left (every token banned or masked, e.g. allowed_token_ids
 # against a grammar, or a bad word of two tokens whose first is all allowed_token_ids leaves): the row ends with an
@@ -392,10 +392,12 @@ def warp_probs(logits: torch.Tensor, params: WarpParams) -> torch.Tensor:
     return probs.reshape(shape)
 
 
-def argmax_logsumexp(logits: torch.Tensor, with_logsumexp: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """(argmax, float32 log-sum-exp or None) over the last dimension of ``logits``; on a CPU one pass of the
-    kernel per row (``specbatch::argmax_logsumexp``) where it is loaded, the same answers as torch's."""
-    if logits.device.type == "cpu" and logits.dtype == torch.float32 and logits.shape[-1] and kernel_loaded():
+def argmax_logsumexp(logits: torch.Tensor, with_logsumexp: bool = True, execution: Execution | None = None
+                     ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(argmax, float32 log-sum-exp or None) over the last dimension of ``logits``; where ``execution`` runs the
+    CPU kernels, one pass of the kernel per row (``specbatch::argmax_logsumexp``), the same answers as torch's."""
+    if (execution is not None and execution.cpu_kernel and logits.device.type == "cpu"
+            and logits.dtype == torch.float32 and logits.shape[-1] and kernel_loaded()):
         index, lse = torch.ops.specbatch.argmax_logsumexp(logits.reshape(-1, logits.shape[-1]), with_logsumexp)
         return index.view(logits.shape[:-1]), lse.view(logits.shape[:-1]) if with_logsumexp else None
     return logits.argmax(-1), logits.float().logsumexp(-1) if with_logsumexp else None

@@ -23,6 +23,7 @@ from functools import cache
 
 import torch
 
+from decoding.model.execution import Execution
 from decoding.verification.sampling import NO_TOKEN, WarpParams, argmax_logsumexp, or_no_token, warp_probs
 from decoding.verification.tree import TreeTopology
 
@@ -178,6 +179,7 @@ def verify_batch(
     uniforms: torch.Tensor | None,
     point_mass: torch.Tensor | None = None,
     may_empty: bool = False,
+    execution: Execution | None = None,
 ) -> BatchVerdict:
     """Verify every row's tree; all tensors on the logits' device.
 
@@ -189,7 +191,8 @@ def verify_batch(
     proposed deterministically beside a model's candidates (n-gram siblings): their q is one-hot whatever
     ``draft_probs`` says at their parent. ``may_empty``: a node's law may have nothing left (the logits are processed:
     bans, grammar masks); no token is accepted below such a node, and a row ending at one gets ``NO_TOKEN`` next
-    (whatever the draft proposed there, on a law of its own that may have been made uniform).
+    (whatever the draft proposed there, on a law of its own that may have been made uniform). ``execution``: the
+    engine's, which says whether the CPU kernels run (None: torch's operations).
     """
     batch, size, vocab = logits.shape
     device = logits.device
@@ -200,7 +203,7 @@ def verify_batch(
     greedy = warp.greedy
     sampling = uniforms is not None
 
-    argmax, logsumexp = argmax_logsumexp(logits, not sampling and size > 1)  # [B, N] each
+    argmax, logsumexp = argmax_logsumexp(logits, not sampling and size > 1, execution)  # [B, N] each
     if may_empty:  # NO_TOKEN at the nodes whose law is empty: no drafted token equals it, none below is accepted
         argmax = or_no_token(argmax, logits)
     if sampling:
