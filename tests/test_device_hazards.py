@@ -162,11 +162,11 @@ def test_a_step_has_no_device_sync_or_data_dependent_shape(drafter, policy, widt
         models.append(own_draft)
     extra = {key: heads[key] for key in heads if policy in ("threshold", "decision")}
     config = make_config(**speculative, num_candidates=width, length_policy=policy, num_speculative_tokens=4,
-                         batch_size=4, sampling={"max_tokens": 12}, **extra)
+                         batch_size=4, sampling={"max_tokens": 8}, **extra)
     engine = Engine(config, target=target, tokenizer=tokenizer, draft=own_draft)
     # Greedy and sampled rows side by side: both acceptance paths run in the same steps.
     requests = [Request(id=str(i), prompt=prompt, sampling={"temperature": 1.0 if i % 2 else 0.0, "seed": i})
-                for i, prompt in enumerate(PROMPTS[:6])]
+                for i, prompt in enumerate(PROMPTS[:4])]
     found, steps, drafted = watched_generation(engine, models, requests)
     assert not found, sorted(set(found))
     assert steps
