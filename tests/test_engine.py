@@ -28,6 +28,7 @@ from decoding.drafting.feature_draft import FeatureDraft
 from decoding.drafting.length_policies import RowPlan
 from decoding.drafting.signal_head import DraftSignalMLP
 from decoding.engine import prefill_groups
+from decoding.model.model_runner import ModelRunner
 
 
 @pytest.fixture(scope="module")
@@ -224,6 +225,12 @@ def assert_verified_within_cuts(engine: Engine, results: list, size_of: Callable
     assert beyond_smallest > 0
 
 
+class _Replaying(ModelRunner):
+    """A runner whose step forwards count as replayed (its forwards stay eager on a CPU): a CUDA engine's trees."""
+
+    replays = True
+
+
 @pytest.mark.parametrize("whole_trees", [False, True])
 @pytest.mark.parametrize("batch_size", [1, 8])
 @pytest.mark.parametrize("speculative", [
@@ -244,7 +251,7 @@ def test_trees_cut_per_row_greedy_match_transformers(speculative, batch_size, wh
     planned_cuts: list[bool] = []
     if whole_trees:
         step, planned_nodes = engine.stepper, engine.stepper._planned_nodes
-        step.whole_trees = True
+        step.runner = _Replaying(step.runner.model, step.runner.cache, captured=True)
         step._planned_nodes = lambda plan, size: planned_cuts.append(planned_nodes(plan, size) is not None) or \
             planned_nodes(plan, size)
     results = engine.generate([Request(id=str(i), prompt=p) for i, p in enumerate(PROMPTS)])

@@ -428,12 +428,12 @@ def _capture_at_build(monkeypatch) -> None:
 
 
 def _record_calibrations(monkeypatch) -> list[tuple[torch.nn.Module, bool]]:
-    """The (model, graphs) of every cost calibration engines built from here on ask for, each answered at once."""
+    """The (model, captured) of every cost calibration engines built from here on ask for, each answered at once."""
     calibrated: list[tuple[torch.nn.Module, bool]] = []
     costs = BatchCosts(one_row=CostTable([(1, 0.01), (8, 0.012)]), full=CostTable([(1, 0.02), (8, 0.03)]),
                        full_rows=2)
-    monkeypatch.setattr(build, "calibrate_batch", lambda model, *args, graphs=False, **kwargs: (
-        calibrated.append((model, graphs)) or costs))
+    monkeypatch.setattr(build, "calibrate_batch", lambda model, *args, captured=False, **kwargs: (
+        calibrated.append((model, captured)) or costs))
     return calibrated
 
 
@@ -443,8 +443,8 @@ def test_an_engine_capturing_at_build_plans_its_shapes_and_verifies_whole_trees(
     verification shapes for its rows and cache and captures them (the eager stand-in recorder here), and
     verifications carry whole trees, a host draft's dead nodes as padding queries rather than pruned (only whole
     trees are captured), emitting the tokens the pruned forwards emit."""
-    from decoding.engine import step
     from decoding.model.cuda_graphs import key_buckets, pool_key
+    from decoding.model.model_runner import ModelRunner
 
     config = Config.model_validate({
         "model": "in-memory", "batch_size": 3, "sampling": {"max_tokens": 16},
@@ -453,14 +453,13 @@ def test_an_engine_capturing_at_build_plans_its_shapes_and_verifies_whole_trees(
     requests = [Request(id=str(i), prompt_token_ids=p) for i, p in enumerate(
         [[3, 4, 5, 3, 4, 5, 3], [5, 4, 3, 5, 1, 4, 3], [7, 8, 9, 10, 7, 8]])]
     widths: list[int] = []
-    forward = step.forward_tree
+    forward = ModelRunner.step
 
-    def recording(*args, **kwargs):
-        if kwargs.get("graphs"):  # the verification forward
-            widths.append(args[3].shape[1])
-        return forward(*args, **kwargs)
+    def recording(runner, rows, input_ids, *args, **kwargs):  # the target's step forwards (an n-gram draft has none)
+        widths.append(input_ids.shape[1])
+        return forward(runner, rows, input_ids, *args, **kwargs)
 
-    monkeypatch.setattr(step, "forward_tree", recording)
+    monkeypatch.setattr(ModelRunner, "step", recording)
     expected = [r.token_ids for r in Engine(config, target=target, tokenizer=tokenizer).generate(requests)]
     assert set(widths) - {1, 3, 5, 7}, widths  # pruned: dead nodes left out of some forwards
 
@@ -474,7 +473,7 @@ def test_an_engine_capturing_at_build_plans_its_shapes_and_verifies_whole_trees(
     assert sorted((s.keys, s.per_row, s.rows) for s in graphs.graphs) == sorted(
         (keys, per_row, rows) for keys in key_buckets(positions) for per_row in sizes for rows in (1, 2, 4))
     assert graphs.frozen == {pool_key(engine.cache.keys)}
-    assert engine.stepper.whole_trees  # the engine's choice where it captures at build
+    assert engine.stepper.runner.replays  # the engine's choice where it captures at build
     widths.clear()
     assert [r.token_ids for r in engine.generate(requests)] == expected
     assert set(widths) <= set(sizes) and max(widths) == sizes[-1]
@@ -487,14 +486,14 @@ def test_a_self_draft_captures_its_levels_at_build_beside_the_target(tokenizer, 
     from decoding.model.cuda_graphs import key_buckets, pool_key
 
     config = Config.model_validate({"model": "in-memory", "batch_size": 2, "sampling": {"max_tokens": 8}})
-    assert not Engine(config, target=target, tokenizer=tokenizer).drafter.graphs  # no graphs: eager levels
+    assert not Engine(config, target=target, tokenizer=tokenizer).drafter.runner.replays  # no graphs: eager levels
     lean = lean_view(target)
     monkeypatch.setattr(lean, "_graphs", {})
     _capture_at_build(monkeypatch)
     calibrated = _record_calibrations(monkeypatch)
     engine = Engine(config, target=target, tokenizer=tokenizer)
     draft = engine.drafter.model
-    assert engine.drafter.graphs and isinstance(draft, LeanCausalLM) and draft is not lean
+    assert engine.drafter.runner.replays and isinstance(draft, LeanCausalLM) and draft is not lean
     assert calibrated == [(lean, True), (draft, True)]
     positions = engine.cache.max_blocks_per_row * engine.cache.block_size
     pool = pool_key(engine.cache.keys)

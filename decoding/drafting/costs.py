@@ -22,8 +22,8 @@ from dataclasses import dataclass
 import torch
 
 from decoding.model.execution import Execution, default_execution
-from decoding.model.forward import forward_tree
 from decoding.model.kv_cache import CacheShape, PagedKVCache
+from decoding.model.model_runner import ModelRunner
 from decoding.paths import cache_dir
 from decoding.verification.tree import chain_ancestors
 
@@ -67,7 +67,7 @@ def _features(model: torch.nn.Module, batch: int, tokens: int, device: torch.dev
 
 def forward_timer(
     model: torch.nn.Module, device: torch.device, batch: int, tokens: int, cached: int = _CONTEXT,
-    graphs: bool = False, execution: Execution | None = None,
+    captured: bool = False, execution: Execution | None = None,
 ) -> Callable[[], float]:
     """A function timing one forward of ``batch`` rows of ``tokens`` new tokens after ``cached`` cached ones
     (warmed up once), run as ``execution`` says (default: the default configuration's)."""
@@ -79,8 +79,9 @@ def forward_timer(
     rows = cache.add_rows([positions] * batch)
     vocab = model.config.vocab_size
     context = torch.randint(0, vocab, (batch, cached), device=device)
-    forward_tree(model, cache, rows, context, chain_ancestors(cached), torch.ones(batch, cached, dtype=torch.bool),
-                 logits_at=torch.tensor([cached - 1]), features=_features(model, batch, cached, device))
+    runner = ModelRunner(model, cache, captured)  # replayed as the engine replays it (``captured``: its step shapes)
+    runner.prefill(rows, context, chain_ancestors(cached), torch.ones(batch, cached, dtype=torch.bool),
+                   logits_at=torch.tensor([cached - 1]), features=_features(model, batch, cached, device))
     cache.advance(rows, [cached] * batch)
     ids = torch.randint(0, vocab, (batch, tokens), device=device)
     ancestors, valid = chain_ancestors(tokens), torch.ones(batch, tokens, dtype=torch.bool)
@@ -91,7 +92,7 @@ def forward_timer(
             torch.cuda.synchronize(device)
         start = time.perf_counter()
         # Uncommitted: every call rewrites the same slots.
-        forward_tree(model, cache, rows, ids, ancestors, valid, features=features, graphs=graphs)
+        runner.step(rows, ids, ancestors, valid, features=features)
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         return time.perf_counter() - start
@@ -109,14 +110,14 @@ def _sizes(max_tokens: int) -> list[int]:
 
 
 def calibrate(model: torch.nn.Module, max_tokens: int, batch: int = 1, disk_key: str | None = None,
-              graphs: bool = False, execution: Execution | None = None) -> CostTable:
+              captured: bool = False, execution: Execution | None = None) -> CostTable:
     """Time forwards of ``batch`` rows of 1, 2, 4, ... ``max_tokens`` new tokens each, run as ``execution`` says;
     memoised per model object and cached on disk under ``disk_key``."""
     device = next(model.parameters()).device
     dtype = next(model.parameters()).dtype
     execution = execution or default_execution(device)
     setting = (str(device), str(dtype), torch.get_num_threads(), max_tokens, batch,
-               graphs and execution.graphs, execution.kernels, execution.compile)
+               captured and execution.graphs, execution.kernels, execution.compile)
     memo_key = (id(model), *setting)
     if memo_key in _memo:
         return CostTable(_memo[memo_key])
@@ -129,7 +130,7 @@ def calibrate(model: torch.nn.Module, max_tokens: int, batch: int = 1, disk_key:
             return CostTable(_memo[memo_key])
     log.info("calibrating forward costs of %s on %s, %d row(s) (once per machine)", disk_key or "model", device, batch)
     sizes = _sizes(max_tokens)
-    timers = [forward_timer(model, device, batch, size, graphs=graphs, execution=execution) for size in sizes]
+    timers = [forward_timer(model, device, batch, size, captured=captured, execution=execution) for size in sizes]
     # Interleaved rounds, median per size: a noisy moment spoils one sample of each size, not a whole size
     # (the table is cached for good, so one bad sample would steer the policy on every later run).
     rounds = [[timer() for timer in timers] for _ in range(_ROUNDS)]
@@ -161,13 +162,13 @@ class BatchCosts:
 
 
 def calibrate_batch(
-    model: torch.nn.Module, max_tokens: int, full_rows: int, disk_key: str | None = None, graphs: bool = False,
+    model: torch.nn.Module, max_tokens: int, full_rows: int, disk_key: str | None = None, captured: bool = False,
     execution: Execution | None = None,
 ) -> BatchCosts:
-    """``BatchCosts`` up to ``max_tokens`` new tokens per row and ``full_rows`` rows (``graphs``: as the target's
-    forwards run, CUDA graphs where ``execution`` captures them)."""
-    one_row = calibrate(model, max_tokens, 1, disk_key, graphs, execution)
-    full = calibrate(model, max_tokens, full_rows, disk_key, graphs, execution) if full_rows > 1 else one_row
+    """``BatchCosts`` up to ``max_tokens`` new tokens per row and ``full_rows`` rows (``captured``: the model's step
+    shapes are captured at build, so they replay where ``execution`` replays graphs: ``ModelRunner``)."""
+    one_row = calibrate(model, max_tokens, 1, disk_key, captured, execution)
+    full = calibrate(model, max_tokens, full_rows, disk_key, captured, execution) if full_rows > 1 else one_row
     return BatchCosts(one_row, full, full_rows)
 
 

@@ -28,7 +28,6 @@ from decoding.drafting.feature_draft import load_draft
 from decoding.drafting.layer_skip import LayerSkipSearch, kept_layers
 from decoding.drafting.lookup import NgramDrafter
 from decoding.model.execution import host_reads_free
-from decoding.model.forward import forward_tree
 from decoding.model.kv_cache import CacheShape, PagedKVCache, Rows, joining_entries
 from decoding.model.lean_forward import LeanCausalLM, lean_view, supports_lean_forward
 from decoding.model.loading import (
@@ -38,6 +37,7 @@ from decoding.model.loading import (
     for_inference,
     load_tokenizer,
 )
+from decoding.model.model_runner import ModelRunner
 from decoding.model.padding import pad_rows
 from decoding.model.quantize import quantized
 from decoding.model.rows import move_last_row
@@ -145,9 +145,10 @@ class DraftModelDrafter(Drafter):
         # forward overwrites, and nothing is committed but the target's. No prefill, no catch-up of tokens
         # committed while it did not draft, no second cache.
         self.shares_target_cache = shares_target_cache
-        # Draft levels replay CUDA graphs where verifications do (``attach``), for a self-draft only: its levels
-        # have fixed shapes (no catch-up prefix), captured at build beside the target's.
-        self.graphs = False
+        # A self-draft's levels have fixed shapes (no catch-up prefix): they are captured at build beside the
+        # target's, and replay where the target's forwards do (``ModelRunner``).
+        self.captured = shares_target_cache
+        self._runners: dict[int, ModelRunner] = {}  # per model it may run (a layer-skip search's views), ``attach``
         self.vocab_size = model.config.vocab_size
         reads_states = bool(getattr(model, "reads_features", False))
         # Heterogeneous tree: the last ``lookup_candidates`` candidates of every level are n-gram continuations.
@@ -181,7 +182,6 @@ class DraftModelDrafter(Drafter):
         where the target's does."""
         if self.shares_target_cache:
             self.target_cache = self.cache = target_cache
-            self.graphs = target_cache.execution.graphs
         else:
             config = self.model.config
             self.cache = PagedKVCache(
@@ -191,6 +191,12 @@ class DraftModelDrafter(Drafter):
                 prefix_caching=target_cache.prefix_caching, salt=f"draft|{getattr(config, '_name_or_path', '')}",
             )
             self.own_cache = self.cache
+        self._runners = {id(model): ModelRunner(model, self.cache, self.captured) for model in self.models}
+
+    @property
+    def runner(self) -> ModelRunner:
+        """The runner of the model drafting now."""
+        return self._runners[id(self.model)]
 
     def rows_joined(self, joined: JoinedRows) -> None:
         rows, positions, target_states = joined.rows, joined.positions, joined.target_states
@@ -213,9 +219,9 @@ class DraftModelDrafter(Drafter):
         width = ids.shape[1]
         if width:
             valid = torch.arange(width)[None] < lengths[:, None]
-            forward_tree(self.model, self.cache, rows, ids.to(self.device), chain_ancestors(width), valid,
-                         logits_at=torch.tensor([width - 1]),
-                         features=states[:, :width] if states is not None else None)
+            self.runner.prefill(rows, ids.to(self.device), chain_ancestors(width), valid,
+                                logits_at=torch.tensor([width - 1]),
+                                features=states[:, :width] if states is not None else None)
             self.cache.advance(rows, lengths.tolist())
         self.cache.register(rows)
 
@@ -331,11 +337,11 @@ class DraftModelDrafter(Drafter):
         extend = valid[:, prefix:end]  # the nodes drafted below
         for level in range(1, model_depth + 1):
             shapes.append((batch, end - start))
-            logits, hidden = forward_tree(
-                self.model, self.cache, rows, tokens[:, start:end], ancestors, valid, start,
+            logits, hidden = self.runner.step(
+                rows, tokens[:, start:end], ancestors, valid, start=start,
                 logits_at=torch.arange(max(start, prefix), end) - start,
                 want_hidden=inputs.stop.needs_hidden_states or states is not None,
-                features=states[:, start:end] if states is not None else None, graphs=self.graphs,
+                features=states[:, start:end] if states is not None else None,
             )
             forwarded = level
             parents = slice(max(start, prefix), end)

@@ -246,7 +246,7 @@ class Drafter:
     capabilities = Capabilities()
     target_cache: PagedKVCache | None = None  # a self-draft's: it drafts in the target's cache (no catch-up tokens)
     own_cache: PagedKVCache | None = None  # a pool of its own, where joining rows take blocks too
-    graphs = False  # whether its model's forwards may replay CUDA graphs (``cuda_graphs.py``)
+    captured = False  # its models' step shapes are captured at build (a self-draft's levels: ``ModelRunner``)
     search: LayerSkipSearch | None = None  # a layer-skipping self-draft's choice of layers (``layer_skip.py``)
 
     @classmethod

@@ -27,6 +27,7 @@ from decoding.model.loading import (
     resolve_draft,
     resolve_model_path,
 )
+from decoding.model.model_runner import ModelRunner
 from decoding.verification.tree import TreeTopology
 
 log = logging.getLogger(__name__)
@@ -71,14 +72,14 @@ class _Builder:
         if config.max_model_len:
             max_context = min(max_context, config.max_model_len)
         execution = self.execution(target)
-        whole_trees = execution.graphs
         cache = self._cache(loaded, topology, max_context, execution, drafter)
+        runner = ModelRunner(target, cache, captured=True)
         drafter.attach(cache)
         # A recycling tree is the "model" source, with no forward to price.
         sources = Sources(
             plan.root_width, plan.model_candidates, plan.lookup_candidates, prefix_tokens=plan.prefix_tokens,
             model_sizes=_model_sizes(topology, nested, plan.model_chains) if plan.model_candidates else (),
-            cuts_at_full_depth=whole_trees,
+            cuts_at_full_depth=runner.replays,  # a replayed verification's cuts are captured at full depth
         )
         for model in (target, *drafter.models):
             if isinstance(model, LeanCausalLM):
@@ -103,9 +104,9 @@ class _Builder:
             config=config, device=self.device, tokenizer=tokenizer, loaded_target=loaded, target=target,
             drafter=drafter, topology=topology, sources=sources, nested_trees=nested, cache=cache, policy=policy,
             max_context=max_context,
-            eos_ids=eos_token_ids(tokenizer, loaded), whole_trees=whole_trees,
+            eos_ids=eos_token_ids(tokenizer, loaded), runner=runner,
         )
-        if whole_trees:
+        if runner.replays:
             _capture_graphs(parts)
         return parts
 
@@ -149,7 +150,7 @@ class _Builder:
         config, spec = self.config, self.config.speculative
         verify = calibrate_batch(
             target, topology.size(topology.max_depth), config.batch_size,
-            resolve_model_path(config.model) if target_from_path else None, graphs=True, execution=execution,
+            resolve_model_path(config.model) if target_from_path else None, captured=True, execution=execution,
         )
         if not drafter.models:
             return verify, None  # n-gram lookup and recycling cost next to nothing beside a forward
@@ -158,7 +159,7 @@ class _Builder:
             return verify, self._calibrate_draft(model, drafter, topology, execution, target_from_path)
         draft_key = f"{resolve_model_path(spec.model)}|{spec.quantization}"
         return verify, calibrate_batch(model, topology.root_width + 1, config.batch_size, draft_key,
-                                       graphs=drafter.graphs, execution=execution)
+                                       captured=drafter.captured, execution=execution)
 
     def _calibrate_draft(self, model: torch.nn.Module, drafter: Drafter, topology: TreeTopology,
                          execution: Execution, target_from_path: bool) -> BatchCosts:
@@ -169,7 +170,7 @@ class _Builder:
         if spec.model == SELF_DRAFT and target_from_path:
             layers = getattr(getattr(model, "stack", None), "layers", None)
             draft_key = f"{resolve_model_path(config.model)}|self-draft|{spec.quantization}|{layers}"
-        return calibrate_batch(model, topology.root_width + 1, config.batch_size, draft_key, graphs=drafter.graphs,
+        return calibrate_batch(model, topology.root_width + 1, config.batch_size, draft_key, captured=drafter.captured,
                                execution=execution)
 
 
@@ -194,7 +195,7 @@ def _capture_graphs(parts: EngineParts) -> None:
               *(int(cut.sum()) for cut in parts.nested_trees)]
     captures = [(parts.target, tokens, drafter.capabilities.target_states)]
     for draft in drafter.models:  # a self-draft's levels (each layer set's): roots, then widths
-        if drafter.graphs and isinstance(draft, LeanCausalLM):
+        if drafter.captured and isinstance(draft, LeanCausalLM):
             captures.append((draft, [topology.root_width, topology.num_candidates], parts.policy.needs_hidden_states))
 
     def memory() -> int:

@@ -11,6 +11,7 @@ from decoding.config import Config, SpeculativeConfig
 from decoding.drafting.drafters import Drafter
 from decoding.drafting.length_policies import LengthPolicy, Sources
 from decoding.model.kv_cache import PagedKVCache
+from decoding.model.model_runner import ModelRunner
 from decoding.verification.tree import TreeTopology
 
 
@@ -31,7 +32,12 @@ class EngineParts:
     policy: LengthPolicy
     max_context: int  # positions a sequence may reach (the model's, the draft's, max_model_len)
     eos_ids: set[int]
-    whole_trees: bool  # verifications replay graphs captured at build, for whole trees only
+    runner: ModelRunner  # the target's forwards over ``cache``
+
+    @property
+    def whole_trees(self) -> bool:
+        """Verifications replay graphs captured at build, which hold whole trees only."""
+        return self.runner.replays
 
     @property
     def speculative(self) -> SpeculativeConfig:

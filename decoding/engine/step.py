@@ -32,7 +32,6 @@ from decoding.engine.batch import Batch, BatchMetadata, JoinedRows
 from decoding.engine.parts import EngineParts
 from decoding.engine.sequence import Contexts, Sequence
 from decoding.model.execution import host_reads_free
-from decoding.model.forward import forward_tree
 from decoding.model.lean_forward import LeanCausalLM
 from decoding.model.padding import pad_rows
 from decoding.model.timing import PhaseClock
@@ -137,7 +136,7 @@ class Step:
         self.tokenizer, self.max_context, self.eos_ids = parts.tokenizer, parts.max_context, parts.eos_ids
         self.device = parts.cache.device
         self.clock = PhaseClock(self.device)  # what the policy learns the phases cost, timed on the device
-        self.whole_trees = parts.whole_trees
+        self.runner = parts.runner
         self.steps = 0
         self._nested_trees: dict[torch.device, torch.Tensor] = {}  # ``parts.nested_trees`` on each draft device
         self.encode = lambda text: parts.tokenizer.encode(text, add_special_tokens=False)  # grammar drafts' text
@@ -184,8 +183,8 @@ class Step:
         by_head = bool(asking) and isinstance(self.target, LeanCausalLM)
         logits_positions = list(range(width)) if asking and not by_head else sorted(set((lengths - 1).tolist()))
         want_hidden = reads_states or by_head
-        logits, hidden = forward_tree(
-            self.target, self.cache, rows, self._to_device(ids), chain_ancestors(width), valid,
+        logits, hidden = self.runner.prefill(
+            rows, self._to_device(ids), chain_ancestors(width), valid,
             logits_at=torch.tensor(logits_positions), want_hidden=want_hidden,
             hidden_at=torch.arange(width) if want_hidden else None,
         )
@@ -322,7 +321,7 @@ class Step:
         """[n] host: the nodes of the step's tree of ``size`` nodes that its planned cuts hold (the largest
         row's cut: the others are inside it), or None where that is the whole tree. Where verifications replay
         graphs, cut trees are captured at the full depth only (``Sources.cuts_at_full_depth``)."""
-        if plan.sizes is None or (self.whole_trees and size != self.topology.size(self.topology.max_depth)):
+        if plan.sizes is None or (self.runner.replays and size != self.topology.size(self.topology.max_depth)):
             return None
         nodes = self.parts.nested_trees[int(plan.sizes.max()), :size].nonzero().flatten()
         return nodes if len(nodes) < size else None
@@ -338,24 +337,24 @@ class Step:
         verify costs ~5% of a plain step. A node's ancestors are live wherever it is, so the live nodes form a
         tree of their own. A device draft's tree runs whole (its dead nodes as padding queries), so nothing is
         read back before the forward; so does every tree where verifications replay graphs captured at build
-        (``whole_trees``), but for the cut of the tree the plan holds, known on the host: the whole trees and
+        (``ModelRunner.replays``), but for the cut of the tree the plan holds, known on the host: the whole trees and
         their cuts are what is captured.
         """
         size = draft.tokens.shape[1]
         want = self.drafter.capabilities.target_states
         slot_of = torch.arange(size)
-        nodes = draft.valid.any(0).nonzero().flatten() if host_reads_free(draft.valid.device) and not self.whole_trees \
+        pruned = host_reads_free(draft.valid.device) and not self.runner.replays
+        nodes = draft.valid.any(0).nonzero().flatten() if pruned \
             else self._planned_nodes(plan, size)
         if nodes is not None and len(nodes) < size:
             slot_of = torch.zeros(size, dtype=torch.long)
             slot_of[nodes] = torch.arange(len(nodes))
             live = self._to_device(nodes)
-            logits, states = forward_tree(self.target, self.cache, plan.rows, tokens[:, live],
-                                          ancestors[nodes][:, nodes], valid[:, live], want_hidden=want, graphs=True)
+            logits, states = self.runner.step(plan.rows, tokens[:, live], ancestors[nodes][:, nodes], valid[:, live],
+                                              want_hidden=want)
             on_device = self._to_device(slot_of)  # back to tree positions; dead nodes' rows are never read
             return logits[:, on_device], states[:, on_device] if states is not None else None, slot_of
-        logits, states = forward_tree(self.target, self.cache, plan.rows, tokens, ancestors, valid, want_hidden=want,
-                                      graphs=True)
+        logits, states = self.runner.step(plan.rows, tokens, ancestors, valid, want_hidden=want)
         return logits, states, slot_of
 
     def verify(self, seqs: list[Sequence], plan: Plan, drafted: Drafted) -> Verdict:

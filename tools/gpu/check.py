@@ -266,7 +266,7 @@ def part_shape_costs(args: argparse.Namespace, device: torch.device, report: dic
 
     def timed(model: torch.nn.Module, batch: int, tokens: int, graphs: bool = False) -> float:
         execution = Execution.resolve(ExecutionConfig(graphs="auto" if graphs else "off"), device, quiet=True)
-        timer = forward_timer(model, device, batch, tokens, cached, graphs=graphs, execution=execution)
+        timer = forward_timer(model, device, batch, tokens, cached, captured=graphs, execution=execution)
         return min(timer() for _ in range(args.repeats))
 
     def replayed(model: torch.nn.Module, batch: int, tokens: int) -> float:

@@ -43,6 +43,7 @@ from decoding.model.execution import Execution
 from decoding.model.forward import forward_tree
 from decoding.model.kv_cache import CacheShape, PagedKVCache
 from decoding.model.lean_forward import lean_view
+from decoding.model.model_runner import ModelRunner
 from decoding.model.quantize import int4_groupwise, int4_matmul, quantized
 from decoding.verification.tree import TreeTopology, chain_ancestors
 
@@ -216,8 +217,10 @@ def part_steps(args: argparse.Namespace, device: torch.device, dtype: torch.dtyp
                     ids = torch.randint(0, model.config.vocab_size, (batch, tokens), device=device)
                     ancestors, valid = chain_ancestors(tokens), torch.ones(batch, tokens, dtype=torch.bool)
 
-                    def run(view=view, ids=ids, ancestors=ancestors, valid=valid, cache=cache) -> None:
-                        forward_tree(view, cache, slice(0, ids.shape[0]), ids, ancestors, valid, graphs=True)
+                    runner = ModelRunner(view, cache, captured=True)  # replayed, as the engine's step forwards
+
+                    def run(runner=runner, ids=ids, ancestors=ancestors, valid=valid) -> None:
+                        runner.step(slice(0, ids.shape[0]), ids, ancestors, valid)
 
                     ms = timed(run, clock, args.repeats)
                     moved = costs[weights](batch * args.context)
