@@ -137,3 +137,14 @@ def chi_square_pvalue(counts: torch.Tensor, law: torch.Tensor) -> float:
     keep = expected > 0
     statistic = float(((observed[keep] - expected[keep]) ** 2 / expected[keep]).sum())
     return float(chi2.sf(statistic, int(keep.sum()) - 1))
+
+
+def assert_pairs_follow_target_law(target, prompt: list[int], warp: dict, results: list) -> None:
+    """The sampled tokens at positions (0, 1) and (1, 2) of ``results`` (END after EOS) follow ``target``'s exact
+    joint law there (chi-square, p > 1e-3)."""
+    for positions in ((0, 1), (1, 2)):
+        counts = torch.zeros(SMALL_VOCAB + 1, SMALL_VOCAB + 1)
+        for result in results:
+            tokens = result.token_ids + [END] * 3
+            counts[tokens[positions[0]], tokens[positions[1]]] += 1
+        assert chi_square_pvalue(counts, exact_joint_law(target, prompt, warp, positions)) > 1e-3, positions

@@ -10,12 +10,10 @@ from collections.abc import Callable
 import pytest
 import torch
 from engine_cases import (
-    END,
     MAX_TOKENS,
     PROMPTS,
     SMALL_VOCAB,
-    chi_square_pvalue,
-    exact_joint_law,
+    assert_pairs_follow_target_law,
     lookup_flags,
     make_config,
     on_device,
@@ -366,13 +364,7 @@ def test_sampling_follows_target_law(
         starts = [engine.topology.level_slice(level).start for level in range(4)]
         below = [stat[-1] for r in results for stat in r.token_stats if ranks.get(starts[stat[1]] + stat[2], 0)]
         assert 0 < sum(below) < len(below)
-    for positions in ((0, 1), (1, 2)):
-        counts = torch.zeros(SMALL_VOCAB + 1, SMALL_VOCAB + 1)
-        for result in results:
-            tokens = result.token_ids + [END] * 3
-            counts[tokens[positions[0]], tokens[positions[1]]] += 1
-        law = exact_joint_law(target, prompt, warp, positions)
-        assert chi_square_pvalue(counts, law) > 1e-3
+    assert_pairs_follow_target_law(target, prompt, warp, results)
 
 
 # ---------------------------------------------------------------------------------------------------------------- seeds

@@ -9,11 +9,9 @@ import copy
 import pytest
 import torch
 from engine_cases import (
-    END,
     PROMPTS,
     SMALL_VOCAB,
-    chi_square_pvalue,
-    exact_joint_law,
+    assert_pairs_follow_target_law,
     make_config,
     run,
 )
@@ -175,12 +173,7 @@ def test_sampling_with_skipped_layers_follows_the_target_s_law(skip, monkeypatch
     assert drafted > samples and 0 < accepted < drafted  # speculation really happened, with rejections
     if skip == "auto":  # the climb tried a set skipping layers
         assert engine.drafter.search.candidates[1].steps > 0
-    for positions in ((0, 1), (1, 2)):
-        counts = torch.zeros(SMALL_VOCAB + 1, SMALL_VOCAB + 1)
-        for result in results:
-            tokens = result.token_ids + [END] * 3
-            counts[tokens[positions[0]], tokens[positions[1]]] += 1
-        assert chi_square_pvalue(counts, exact_joint_law(target, prompt, warp, positions)) > 1e-3
+    assert_pairs_follow_target_law(target, prompt, warp, results)
 
 
 def test_a_seeded_run_with_auto_reproduces(monkeypatch, tokenizer, deep_target) -> None:
