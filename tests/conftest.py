@@ -163,3 +163,26 @@ HEAVY_FIRST = ["test_pipeline", "test_real_model", "test_serve", "test_processor
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     rank = {name: at for at, name in enumerate(HEAVY_FIRST)}
     items.sort(key=lambda item: rank.get(item.module.__name__, len(rank)) if item.module else len(rank))
+
+
+@pytest.fixture(scope="module")
+def heads(tmp_path_factory, target) -> dict[str, str]:
+    """Untrained (random) heads: the trained policies must stay lossless whatever the head predicts."""
+    from decoding.drafting.signal_head import DraftSignalMLP
+
+    paths = {}
+    for name, seed in (("acceptance_head", 0), ("decision_model", 1)):
+        torch.manual_seed(seed)
+        path = tmp_path_factory.mktemp(name)
+        DraftSignalMLP(target.config.hidden_size).save(path)
+        paths[name] = str(path)
+    return paths
+
+
+@pytest.fixture(scope="module")
+def feature_draft(target) -> torch.nn.Module:
+    """An untrained feature draft: the engine must stay lossless whatever it proposes."""
+    from decoding.drafting.feature_draft import FeatureDraft
+
+    torch.manual_seed(0)
+    return FeatureDraft.from_target(target, [1], list(range(target.config.vocab_size)))

@@ -21,9 +21,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 from decoding import Engine, Request
-from decoding.drafting.feature_draft import FeatureDraft
 from decoding.drafting.recycle import RecycleDrafter
-from decoding.drafting.signal_head import DraftSignalMLP
 from decoding.model import execution
 
 aten = torch.ops.aten
@@ -109,23 +107,6 @@ def watched_generation(engine: Engine, modules: list[torch.nn.Module], requests:
             steps += 1
             drafted += sum(sum(result.per_step_drafted) for result in output.finished)
     return hazards.found, steps, drafted
-
-
-@pytest.fixture(scope="module")
-def heads(tmp_path_factory, target) -> dict[str, str]:
-    paths = {}
-    for name, seed in (("acceptance_head", 0), ("decision_model", 1)):
-        torch.manual_seed(seed)
-        path = tmp_path_factory.mktemp(name) / f"{name}.pt"
-        DraftSignalMLP(target.config.hidden_size).save(path)
-        paths[name] = str(path)
-    return paths
-
-
-@pytest.fixture(scope="module")
-def feature_draft(target) -> FeatureDraft:
-    torch.manual_seed(0)
-    return FeatureDraft.from_target(target, [1], list(range(target.config.vocab_size)))
 
 
 DRAFTERS = {

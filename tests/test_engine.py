@@ -24,22 +24,8 @@ from tiny import tiny_model
 from decoding import Engine, Request
 from decoding.drafting.feature_draft import FeatureDraft
 from decoding.drafting.length_policies import RowPlan
-from decoding.drafting.signal_head import DraftSignalMLP
 from decoding.engine import prefill_groups
 from decoding.model.model_runner import ModelRunner
-
-
-@pytest.fixture(scope="module")
-def heads(tmp_path_factory, target) -> dict[str, str]:
-    """Untrained (random) heads: the trained policies must stay lossless whatever the head predicts."""
-    paths = {}
-    for name, seed in (("acceptance_head", 0), ("decision_model", 1)):
-        torch.manual_seed(seed)
-        path = tmp_path_factory.mktemp(name)
-        DraftSignalMLP(target.config.hidden_size).save(path)
-        paths[name] = str(path)
-    return paths
-
 
 # ------------------------------------------------------------------------------------------------------ greedy identity
 
@@ -75,13 +61,6 @@ def test_greedy_matches_transformers(
         # A draft that mostly agrees with the target must actually save target forwards.
         forwards = sum(r.num_target_forwards for r in results)
         assert forwards < 0.8 * sum(len(r.token_ids) for r in results)
-
-
-@pytest.fixture(scope="module")
-def feature_draft(target) -> FeatureDraft:
-    """An untrained feature draft: the engine must stay lossless whatever it proposes."""
-    torch.manual_seed(0)
-    return FeatureDraft.from_target(target, [1], list(range(target.config.vocab_size)))
 
 
 @pytest.mark.parametrize("batch_size", [1, 3])
