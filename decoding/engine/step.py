@@ -380,10 +380,8 @@ class Step:
         on_device = not host_reads_free(draft.tokens.device)  # then the tree's ids come back in the one copy
         if on_device:
             parts += [draft.tokens, draft.valid.long()]
-        verified = self.clock.mark()
+        verified = self.clock.mark()  # the verification's work is done (CPU) or enqueued (GPU) by here
         host = self.to_host(torch.cat(parts, 1))  # waits for the device: every mark above has passed
-        if not self.clock.on_device:
-            verified = self.clock.mark()  # on a CPU the read is part of the phase, as it always was
         depth = verdict.path.shape[1]
         path_part = host[:, :depth]
         lengths = (path_part >= 0).sum(1)
