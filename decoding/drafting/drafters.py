@@ -19,7 +19,6 @@ from typing import TYPE_CHECKING, Protocol
 import torch
 
 from decoding.config import DRAFT_METHODS, Config
-from decoding.drafting.layer_skip import LayerSkipSearch
 from decoding.model.kv_cache import PagedKVCache
 from decoding.verification.sampling import WarpParams
 from decoding.verification.tree import TreeTopology
@@ -28,6 +27,7 @@ if TYPE_CHECKING:
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
     from decoding.constraints.constrained import GrammarView
+    from decoding.drafting.layer_skip import LayerSkipSearch
     from decoding.engine.batch import JoinedRows
     from decoding.engine.sequence import Sequence
 

@@ -35,11 +35,6 @@ class EngineParts:
     runner: ModelRunner  # the target's forwards over ``cache``
 
     @property
-    def whole_trees(self) -> bool:
-        """Verifications replay graphs captured at build, which hold whole trees only."""
-        return self.runner.replays
-
-    @property
     def speculative(self) -> SpeculativeConfig:
         return self.config.speculative
 
