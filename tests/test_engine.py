@@ -25,6 +25,7 @@ from decoding import Engine, Request
 from decoding.drafting.feature_draft import FeatureDraft
 from decoding.drafting.length_policies import RowPlan
 from decoding.engine import prefill_groups
+from decoding.model.kv_cache import PagedKVCache
 from decoding.model.model_runner import ModelRunner
 
 # ------------------------------------------------------------------------------------------------------ greedy identity
@@ -205,7 +206,9 @@ def assert_verified_within_cuts(engine: Engine, results: list, size_of: Callable
 class _Replaying(ModelRunner):
     """A runner whose step forwards count as replayed (its forwards stay eager on a CPU): a CUDA engine's trees."""
 
-    replays = True
+    def __init__(self, model: torch.nn.Module, cache: PagedKVCache, captured: bool) -> None:
+        super().__init__(model, cache, captured)
+        self.replays = True
 
 
 @pytest.mark.parametrize("whole_trees", [False, True])

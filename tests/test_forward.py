@@ -6,6 +6,7 @@ forwards agreeing on trees."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 import weakref
 
 import pytest
@@ -270,14 +271,15 @@ def test_rows_padded_for_a_cuda_graph_compute_what_the_real_rows_compute() -> No
     nodes = torch.arange(topology.size(2))
     cache.keys[:, 0] = 7.0  # a padding row's token (id 0, the padding embedding) may write zeros: not what is there
     scratch = cache.keys[:, 0].clone()
-    expected = lean(tokens, positions, meta, cache.keys, cache.values, 64, nodes, nodes)
+    expected = lean(tokens, positions, meta, cache.keys, cache.values, nodes, nodes, execution=cache.execution)
     keys = key_bucket(meta.max_keys, 64)  # past the rows' tables: the graph's tables are padded with scratch
     padded = pad_rows_to(4, tokens, positions, meta, nodes, nodes, table_blocks=keys // cache.block_size)
     assert padded.block_tables.shape == (4, keys // cache.block_size) > meta.block_tables.shape
     logits, hidden = lean.flat_forward(
         padded.input_ids, padded.positions,
         AttentionMetadata(padded.slots, padded.block_tables, padded.row_starts, padded.prefix_len, padded.tree_mask,
-                          keys), cache.keys, cache.values, padded.logits_at, padded.hidden_at)
+                          keys), cache.keys, cache.values, padded.logits_at, padded.hidden_at,
+        execution=cache.execution)
     real = 3 * topology.size(2)
     torch.testing.assert_close(logits[:real], expected[0])
     torch.testing.assert_close(hidden[:real], expected[1])
@@ -316,10 +318,10 @@ def test_graphed_forward_replays_what_the_eager_forward_computes_with_fresh_inpu
     from decoding.model.cuda_graphs import GraphedForward, record_eagerly
 
     lean, cache, rows, prompts = _prefilled(24, 60)
-    graphed = GraphedForward(lean.flat_forward, 64, record=record_eagerly)
+    graphed = GraphedForward(functools.partial(lean.flat_forward, execution=cache.execution), 64, record=record_eagerly)
     for call, (batch, depth) in enumerate([(3, 2), (3, 2), (2, 1), (3, 2), (1, 2)]):
         tokens, positions, meta, nodes = _graph_case(cache, slice(0, batch), depth, seed=call)
-        expected = lean(tokens, positions, meta, cache.keys, cache.values, 64, nodes, nodes)
+        expected = lean(tokens, positions, meta, cache.keys, cache.values, nodes, nodes, execution=cache.execution)
         logits, hidden = graphed(tokens, positions, meta, cache.keys, cache.values, nodes, nodes)
         torch.testing.assert_close(logits, expected[0])
         torch.testing.assert_close(hidden, expected[1])
@@ -348,8 +350,9 @@ def test_a_graph_replays_the_largest_tree_the_engine_builds_on_cuda() -> None:
     meta, at = cache.tree_metadata(rows, topology.ancestors, torch.ones_like(tokens, dtype=torch.bool), 0, nodes)
     assert meta.tree_mask.shape[1] == -(-nodes // 64) == 5
     every = torch.arange(nodes)
-    expected = lean(tokens, at, meta, cache.keys, cache.values, positions, every, every)
-    graphed = GraphedForward(lean.flat_forward, positions, record=record_eagerly)
+    expected = lean(tokens, at, meta, cache.keys, cache.values, every, every, execution=cache.execution)
+    graphed = GraphedForward(functools.partial(lean.flat_forward, execution=cache.execution), positions,
+                             record=record_eagerly)
     logits, hidden = graphed(tokens, at, meta, cache.keys, cache.values, every, every)
     torch.testing.assert_close(logits, expected[0])
     torch.testing.assert_close(hidden, expected[1])
@@ -381,7 +384,7 @@ def test_graphs_captured_at_build_follow_the_plan_and_budget_then_uncaptured_sha
     sizes = [1, TreeTopology(2, 1).size(1), TreeTopology(2, 2).size(2)]
     shapes = build_shapes(pool_key(cache.keys), 3, 64, sizes, hidden=True)
     assert len(shapes) == 3 * 3  # one key bucket (64 positions a row), rows 1, 2, 4
-    graphed = GraphedForward(lean.flat_forward, 64, record=record_eagerly)
+    graphed = GraphedForward(functools.partial(lean.flat_forward, execution=cache.execution), 64, record=record_eagerly)
     # A stand-in for the device's memory: 100 MiB each.
     with caplog.at_level("INFO", logger="decoding.model.cuda_graphs"):
         captured = graphed.capture(shapes, cache.keys, cache.values, budget=500 << 20,
@@ -401,7 +404,7 @@ def test_graphs_captured_at_build_follow_the_plan_and_budget_then_uncaptured_sha
         out = graphed(tokens, positions, meta, cache.keys, cache.values, nodes, nodes)
         assert (out is not None) == replayed
         if replayed:
-            expected = lean(tokens, positions, meta, cache.keys, cache.values, 64, nodes, nodes)
+            expected = lean(tokens, positions, meta, cache.keys, cache.values, nodes, nodes, execution=cache.execution)
             torch.testing.assert_close(out[0], expected[0])
             torch.testing.assert_close(out[1], expected[1])
     assert len(graphed.graphs) == 5  # nothing captured mid-run over the frozen pool
@@ -453,23 +456,21 @@ def test_an_engine_capturing_at_build_plans_its_shapes_and_verifies_whole_trees(
     requests = [Request(id=str(i), prompt_token_ids=p) for i, p in enumerate(
         [[3, 4, 5, 3, 4, 5, 3], [5, 4, 3, 5, 1, 4, 3], [7, 8, 9, 10, 7, 8]])]
     widths: list[int] = []
-    forward = ModelRunner.step
+    forward = ModelRunner.verify
 
-    def recording(runner, rows, input_ids, *args, **kwargs):  # the target's step forwards (an n-gram draft has none)
+    def recording(runner, rows, input_ids, *args, **kwargs):  # the target's verifications (an n-gram draft has none)
         widths.append(input_ids.shape[1])
         return forward(runner, rows, input_ids, *args, **kwargs)
 
-    monkeypatch.setattr(ModelRunner, "step", recording)
+    monkeypatch.setattr(ModelRunner, "verify", recording)
     expected = [r.token_ids for r in Engine(config, target=target, tokenizer=tokenizer).generate(requests)]
     assert set(widths) - {1, 3, 5, 7}, widths  # pruned: dead nodes left out of some forwards
 
-    lean = lean_view(target)
-    monkeypatch.setattr(lean, "_graphs", {})
     _capture_at_build(monkeypatch)  # a CUDA engine's choice, on this CPU
     engine = Engine(config, target=target, tokenizer=tokenizer)
-    positions = engine.cache.max_blocks_per_row * engine.cache.block_size
+    positions = engine.cache.max_positions_per_row
     sizes = [1, *(engine.topology.size(depth) for depth in range(1, 4))]  # size(0) is 1: one root
-    graphs = lean._graphs["cpu"]
+    graphs = engine.stepper.runner.graphs
     assert sorted((s.keys, s.per_row, s.rows) for s in graphs.graphs) == sorted(
         (keys, per_row, rows) for keys in key_buckets(positions) for per_row in sizes for rows in (1, 2, 4))
     assert graphs.frozen == {pool_key(engine.cache.keys)}
@@ -488,19 +489,19 @@ def test_a_self_draft_captures_its_levels_at_build_beside_the_target(tokenizer, 
     config = Config.model_validate({"model": "in-memory", "batch_size": 2, "sampling": {"max_tokens": 8}})
     assert not Engine(config, target=target, tokenizer=tokenizer).drafter.runner.replays  # no graphs: eager levels
     lean = lean_view(target)
-    monkeypatch.setattr(lean, "_graphs", {})
     _capture_at_build(monkeypatch)
     calibrated = _record_calibrations(monkeypatch)
     engine = Engine(config, target=target, tokenizer=tokenizer)
     draft = engine.drafter.model
     assert engine.drafter.runner.replays and isinstance(draft, LeanCausalLM) and draft is not lean
     assert calibrated == [(lean, True), (draft, True)]
-    positions = engine.cache.max_blocks_per_row * engine.cache.block_size
+    positions = engine.cache.max_positions_per_row
     pool = pool_key(engine.cache.keys)
-    assert sorted((s.keys, s.per_row, s.rows, s.cache) for s in draft._graphs["cpu"].graphs) == sorted(
+    draft_graphs, target_graphs = engine.drafter.runner.graphs, engine.stepper.runner.graphs
+    assert sorted((s.keys, s.per_row, s.rows, s.cache) for s in draft_graphs.graphs) == sorted(
         (keys, 1, rows, pool) for keys in key_buckets(positions) for rows in (1, 2))
-    assert draft._graphs["cpu"].frozen == lean._graphs["cpu"].frozen == {pool}
-    assert {s.per_row for s in lean._graphs["cpu"].graphs} == {1, *(engine.topology.size(d) for d in range(1, 6))}
+    assert draft_graphs.frozen == target_graphs.frozen == {pool}
+    assert {s.per_row for s in target_graphs.graphs} == {1, *(engine.topology.size(d) for d in range(1, 6))}
     results = engine.generate([Request(id="0", prompt_token_ids=[3, 4, 5, 3, 4, 5, 3])])
     assert results[0].error is None and results[0].token_ids
 
@@ -527,9 +528,10 @@ def test_every_layer_set_of_auto_captures_its_levels_at_build(tokenizer, monkeyp
     views = engine.drafter.search.views
     assert len(views) == 3 and all((view, True) in calibrated for view in views)
     pool = pool_key(engine.cache.keys)
-    for view in views:  # the whole int4 draft and two sets skipping layers, each with its own graphs
-        assert {s.cache for s in view._graphs["cpu"].graphs} == {pool}
-        assert {s.rows for s in view._graphs["cpu"].graphs} == {1, 2}
+    assert len(engine.drafter.runners) == 3
+    for runner in engine.drafter.runners:  # the whole int4 draft and two sets skipping layers, each its own graphs
+        assert {s.cache for s in runner.graphs.graphs} == {pool}
+        assert {s.rows for s in runner.graphs.graphs} == {1, 2}
     assert [r.token_ids for r in engine.generate(requests)] == expected
     assert engine.drafter.search.candidates[1].steps > 0  # a set skipping layers drafted
 
@@ -626,7 +628,7 @@ def test_graphs_over_a_freed_pool_go_at_the_next_call_never_in_its_finalizer() -
         return run(), lambda: None
 
     lean, cache, rows, prompts = _prefilled(24, 60)
-    graphed = GraphedForward(lean.flat_forward, 64, record=record_once)
+    graphed = GraphedForward(functools.partial(lean.flat_forward, execution=cache.execution), 64, record=record_once)
     scratch, (tokens, positions, meta, nodes) = _second_pool(lean, prompts, seed=3)
     assert graphed(tokens, positions, meta, scratch.keys, scratch.values, nodes, nodes) is not None
     scratch_key = pool_key(scratch.keys)

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
-from decoding.model.execution import Execution, default_execution
+from decoding.model.execution import Execution
 from decoding.model.kv_cache import CacheShape, PagedKVCache
 from decoding.model.model_runner import ModelRunner
 from decoding.paths import cache_dir
@@ -70,7 +70,7 @@ def forward_timer(
     captured: bool = False, execution: Execution | None = None,
 ) -> Callable[[], float]:
     """A function timing one forward of ``batch`` rows of ``tokens`` new tokens after ``cached`` cached ones
-    (warmed up once), run as ``execution`` says (default: the default configuration's)."""
+    (warmed up once), run as ``execution`` says (default: the pool's default, ``PagedKVCache``)."""
     positions = cached + tokens
     block_size = 16
     cache = PagedKVCache(CacheShape.of(model.config), batch * -(-positions // block_size), batch, positions,
@@ -92,7 +92,7 @@ def forward_timer(
             torch.cuda.synchronize(device)
         start = time.perf_counter()
         # Uncommitted: every call rewrites the same slots.
-        runner.step(rows, ids, ancestors, valid, features=features)
+        runner.verify(rows, ids, ancestors, valid, features=features)  # a draft level is the same forward
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         return time.perf_counter() - start
@@ -110,12 +110,11 @@ def _sizes(max_tokens: int) -> list[int]:
 
 
 def calibrate(model: torch.nn.Module, max_tokens: int, batch: int = 1, disk_key: str | None = None,
-              captured: bool = False, execution: Execution | None = None) -> CostTable:
+              captured: bool = False, *, execution: Execution) -> CostTable:
     """Time forwards of ``batch`` rows of 1, 2, 4, ... ``max_tokens`` new tokens each, run as ``execution`` says;
     memoised per model object and cached on disk under ``disk_key``."""
     device = next(model.parameters()).device
     dtype = next(model.parameters()).dtype
-    execution = execution or default_execution(device)
     setting = (str(device), str(dtype), torch.get_num_threads(), max_tokens, batch,
                captured and execution.graphs, execution.kernels, execution.compile)
     memo_key = (id(model), *setting)
@@ -163,12 +162,13 @@ class BatchCosts:
 
 def calibrate_batch(
     model: torch.nn.Module, max_tokens: int, full_rows: int, disk_key: str | None = None, captured: bool = False,
-    execution: Execution | None = None,
+    *, execution: Execution,
 ) -> BatchCosts:
     """``BatchCosts`` up to ``max_tokens`` new tokens per row and ``full_rows`` rows (``captured``: the model's step
     shapes are captured at build, so they replay where ``execution`` replays graphs: ``ModelRunner``)."""
-    one_row = calibrate(model, max_tokens, 1, disk_key, captured, execution)
-    full = calibrate(model, max_tokens, full_rows, disk_key, captured, execution) if full_rows > 1 else one_row
+    one_row = calibrate(model, max_tokens, 1, disk_key, captured, execution=execution)
+    full = calibrate(model, max_tokens, full_rows, disk_key, captured, execution=execution) if full_rows > 1 \
+        else one_row
     return BatchCosts(one_row, full, full_rows)
 
 

@@ -186,7 +186,7 @@ class DraftModelDrafter(Drafter):
             config = self.model.config
             self.cache = PagedKVCache(
                 CacheShape.of(config), target_cache.num_blocks, target_cache.max_rows,
-                target_cache.max_blocks_per_row * target_cache.block_size, block_size=target_cache.block_size,
+                target_cache.max_positions_per_row, block_size=target_cache.block_size,
                 dtype=next(self.model.parameters()).dtype, device=self.device, execution=target_cache.execution,
                 prefix_caching=target_cache.prefix_caching, salt=f"draft|{getattr(config, '_name_or_path', '')}",
             )
@@ -197,6 +197,10 @@ class DraftModelDrafter(Drafter):
     def runner(self) -> ModelRunner:
         """The runner of the model drafting now."""
         return self._runners[id(self.model)]
+
+    @property
+    def runners(self) -> list[ModelRunner]:
+        return list(self._runners.values())
 
     def rows_joined(self, joined: JoinedRows) -> None:
         rows, positions, target_states = joined.rows, joined.positions, joined.target_states
@@ -337,7 +341,7 @@ class DraftModelDrafter(Drafter):
         extend = valid[:, prefix:end]  # the nodes drafted below
         for level in range(1, model_depth + 1):
             shapes.append((batch, end - start))
-            logits, hidden = self.runner.step(
+            logits, hidden = self.runner.draft_level(
                 rows, tokens[:, start:end], ancestors, valid, start=start,
                 logits_at=torch.arange(max(start, prefix), end) - start,
                 want_hidden=inputs.stop.needs_hidden_states or states is not None,

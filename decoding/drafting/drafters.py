@@ -30,6 +30,7 @@ if TYPE_CHECKING:
     from decoding.drafting.layer_skip import LayerSkipSearch
     from decoding.engine.batch import JoinedRows
     from decoding.engine.sequence import Sequence
+    from decoding.model.model_runner import ModelRunner
 
 
 class StopRule(Protocol):
@@ -256,6 +257,11 @@ class Drafter:
     @property
     def models(self) -> list[torch.nn.Module]:
         """Every forward this drafter may run, to prepare, price and capture at build."""
+        return []
+
+    @property
+    def runners(self) -> list[ModelRunner]:
+        """The runners of ``models`` once attached (whose captured step shapes the build captures)."""
         return []
 
     def attach(self, target_cache: PagedKVCache) -> None:

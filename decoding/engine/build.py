@@ -15,7 +15,6 @@ from decoding.drafting.drafters import DraftContext, Drafter, draft_plan
 from decoding.drafting.length_policies import Sources, make_policy
 from decoding.engine.parts import EngineParts
 from decoding.engine.sequence import eos_token_ids
-from decoding.model.cuda_graphs import build_shapes, pool_key
 from decoding.model.execution import Execution
 from decoding.model.kv_cache import CacheShape, PagedKVCache
 from decoding.model.lean_forward import LeanCausalLM
@@ -185,24 +184,19 @@ def _model_sizes(topology: TreeTopology, nested: torch.Tensor, model_chains: int
 
 
 def _capture_graphs(parts: EngineParts) -> None:
-    """The target's decode and verification forwards as CUDA graphs, for every row and key bucket, captured now
-    within the graph memory budget (``cuda_graphs.py``)."""
-    cache, topology, drafter = parts.cache, parts.topology, parts.drafter
-    execution = cache.execution
-    positions = cache.max_blocks_per_row * cache.block_size
+    """The target's decode and verification forwards, and a self-draft's levels, as CUDA graphs for every row and
+    key bucket, captured now within one graph memory budget (``cuda_graphs.py``)."""
+    topology, drafter = parts.topology, parts.drafter
     # Whole trees of every depth, and every cut of the deepest (``Step._planned_nodes``).
     tokens = [1, *(topology.size(depth) for depth in range(topology.max_depth + 1)),
               *(int(cut.sum()) for cut in parts.nested_trees)]
-    captures = [(parts.target, tokens, drafter.capabilities.target_states)]
-    for draft in drafter.models:  # a self-draft's levels (each layer set's): roots, then widths
-        if drafter.captured and isinstance(draft, LeanCausalLM):
-            captures.append((draft, [topology.root_width, topology.num_candidates], parts.policy.needs_hidden_states))
+    captures = [(parts.runner, tokens, drafter.capabilities.target_states)]
+    captures += [(runner, [topology.root_width, topology.num_candidates], parts.policy.needs_hidden_states)
+                 for runner in drafter.runners if runner.replays]  # a self-draft's levels: roots, then widths
 
     def memory() -> int:
         return torch.cuda.memory_reserved(parts.device)
 
-    started, budget = memory(), execution.graph_memory_bytes
-    for model, per_row, hidden in captures:  # one budget for both models
-        graphed = model.graphed(positions, execution)
-        shapes = build_shapes(pool_key(cache.keys), parts.capacity, positions, per_row, hidden, graphed.key_buckets)
-        graphed.capture(shapes, cache.keys, cache.values, budget - (memory() - started), memory)
+    started, budget = memory(), parts.cache.execution.graph_memory_bytes
+    for runner, per_row, hidden in captures:
+        runner.capture(per_row, hidden, budget - (memory() - started), memory)

@@ -34,7 +34,6 @@ from decoding.engine.sequence import Contexts, Sequence
 from decoding.model.execution import host_reads_free
 from decoding.model.lean_forward import LeanCausalLM
 from decoding.model.padding import pad_rows
-from decoding.model.timing import PhaseClock
 from decoding.verification.sampling import (
     NO_TOKEN,
     WarpParams,
@@ -135,8 +134,8 @@ class Step:
         self.topology, self.sources, self.speculative = parts.topology, parts.sources, parts.speculative
         self.tokenizer, self.max_context, self.eos_ids = parts.tokenizer, parts.max_context, parts.eos_ids
         self.device = parts.cache.device
-        self.clock = PhaseClock(self.device)  # what the policy learns the phases cost, timed on the device
         self.runner = parts.runner
+        self.clock = parts.runner.clock  # what the policy learns the phases cost, timed on the device
         self.steps = 0
         self._nested_trees: dict[torch.device, torch.Tensor] = {}  # ``parts.nested_trees`` on each draft device
         self.encode = lambda text: parts.tokenizer.encode(text, add_special_tokens=False)  # grammar drafts' text
@@ -350,11 +349,11 @@ class Step:
             slot_of = torch.zeros(size, dtype=torch.long)
             slot_of[nodes] = torch.arange(len(nodes))
             live = self._to_device(nodes)
-            logits, states = self.runner.step(plan.rows, tokens[:, live], ancestors[nodes][:, nodes], valid[:, live],
+            logits, states = self.runner.verify(plan.rows, tokens[:, live], ancestors[nodes][:, nodes], valid[:, live],
                                               want_hidden=want)
             on_device = self._to_device(slot_of)  # back to tree positions; dead nodes' rows are never read
             return logits[:, on_device], states[:, on_device] if states is not None else None, slot_of
-        logits, states = self.runner.step(plan.rows, tokens, ancestors, valid, want_hidden=want)
+        logits, states = self.runner.verify(plan.rows, tokens, ancestors, valid, want_hidden=want)
         return logits, states, slot_of
 
     def verify(self, seqs: list[Sequence], plan: Plan, drafted: Drafted) -> Verdict:

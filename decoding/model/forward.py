@@ -19,6 +19,7 @@ from decoding.model.attention import (
     pools_zero_filled,
     write_slots,
 )
+from decoding.model.cuda_graphs import GraphedForward
 from decoding.model.kv_cache import PagedKVCache, Rows
 from decoding.model.lean_forward import LeanCausalLM
 
@@ -79,7 +80,7 @@ def forward_tree(
     want_hidden: bool = False,
     hidden_at: torch.Tensor | None = None,
     features: torch.Tensor | None = None,
-    graphs: bool = False,
+    replay: GraphedForward | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """One forward over tree nodes [start, start + T) of ``rows``; returns (logits [B, k, V], hidden [B, k', H]).
 
@@ -87,8 +88,8 @@ def forward_tree(
     host (see ``PagedKVCache.tree_metadata``). ``logits_at`` (host node indices relative to ``start``; default: every
     node) limits the LM head to those nodes: a prefill needs only each row's last prompt position, and the head is
     most of a small model's cost. The last hidden state comes back at ``hidden_at`` (default: the ``logits_at``
-    nodes) when ``want_hidden``. ``features`` [B, T, H] is a feature draft's extra input. ``graphs``: a lean forward
-    may replay a CUDA graph where the pool's execution captures them (``cuda_graphs.py``). The forward runs as the
+    nodes) when ``want_hidden``. ``features`` [B, T, H] is a feature draft's extra input. ``replay``: a lean
+    forward's captured graphs (its ``ModelRunner``'s), replayed where this shape was captured. The forward runs as the
     pool's ``execution`` says (``execution.py``).
     """
     batch, count = input_ids.shape
@@ -98,9 +99,9 @@ def forward_tree(
     at = torch.arange(count) if logits_at is None else logits_at
     hidden_nodes = (at if hidden_at is None else hidden_at) if want_hidden else None
     if isinstance(model, LeanCausalLM):
-        logits, hidden = model(input_ids, positions, meta, cache.keys, cache.values,
-                               cache.max_blocks_per_row * cache.block_size, at, hidden_nodes,
-                               execution=cache.execution, graphs=graphs)
+        replayed = replay(input_ids, positions, meta, cache.keys, cache.values, at, hidden_nodes) if replay else None
+        logits, hidden = replayed or model(input_ids, positions, meta, cache.keys, cache.values, at, hidden_nodes,
+                                           execution=cache.execution)
         hidden = hidden.view(batch, len(hidden_nodes), -1) if hidden is not None else None
         return logits.view(batch, len(at), -1), hidden
     layout = dense_layout(meta, cache.block_size, pools_zero_filled(cache.device))

@@ -105,6 +105,7 @@ class PagedKVCache:
         self.device = device or torch.device("cpu")
         self.execution = execution or default_execution(self.device)
         self.max_blocks_per_row = math.ceil(max_positions / block_size)
+        self.max_positions_per_row = self.max_blocks_per_row * block_size  # what a row's block table can address
         # On a CPU torch.empty: pages are committed when first written, and blocks are handed out lowest first,
         # so resident memory follows the peak of blocks in use rather than the pool's size. Elsewhere zeros (one
         # memset): every slot then holds a finite value, so attention over gathered blocks needs no zeroing of

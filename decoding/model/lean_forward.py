@@ -8,8 +8,8 @@ twin's weight-only kernels (``quantize.py``), whose q|k|v and gate|up run as one
 How a forward runs is the engine's ``execution.Execution``, passed with every forward: on a CPU the decoder layers
 run as one graph compiled ahead of time (``compiled_forward.py``; the eager loop spends most of a small model's step
 in Python and dispatch), with the C++ attention kernel; on CUDA the fused Triton layer (``triton_kernels.py``,
-``fused_stack``) replayed as CUDA graphs. ``compile: off``, or a compilation that fails, keeps the eager loop: the
-same function, only slower.
+``fused_stack``), which the model's runner replays as CUDA graphs (``model_runner.py``). ``compile: off``, or a
+compilation that fails, keeps the eager loop: the same function, only slower.
 
 Numerics: fused and compiled operations may round differently from transformers' in the last bits; the tests hold
 greedy outputs to transformers' ``generate`` except at near-ties.
@@ -18,7 +18,6 @@ greedy outputs to transformers' ``generate`` except at near-ties.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import itertools
 import logging
 import weakref
@@ -43,8 +42,7 @@ from decoding.model.attention import (
     pools_zero_filled,
 )
 from decoding.model.compiled_forward import compiled_stack
-from decoding.model.cuda_graphs import GraphedForward
-from decoding.model.execution import Execution, Kernels, default_execution
+from decoding.model.execution import Execution, Kernels
 from decoding.model.quantize import (
     ACTIVATION_DTYPE,
     fused_kernel,
@@ -336,7 +334,6 @@ class LeanCausalLM(nn.Module):
         self._compiled: Callable[[list[torch.Tensor]], torch.Tensor] | None = None
         self._compile_tried = False
         self._packed = False
-        self._graphs: dict[Kernels, GraphedForward] = {}
         head = model.get_output_embeddings()
         # A float head (a quantized twin's head keeps its own forward: int4 with its top logits exact).
         float_head = type(head) is nn.Linear and "forward" not in vars(head)
@@ -422,20 +419,11 @@ class LeanCausalLM(nn.Module):
     @torch.no_grad()
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata, keys: torch.Tensor,
-        values: torch.Tensor, max_positions: int, logits_nodes: torch.Tensor, hidden_nodes: torch.Tensor | None,
-        execution: Execution | None = None, graphs: bool = False,
+        values: torch.Tensor, logits_nodes: torch.Tensor, hidden_nodes: torch.Tensor | None, *, execution: Execution,
     ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """``input_ids``/``positions`` [B, T] (every row as many tokens); logits at each row's ``logits_nodes``
-        [B * k, V] and hidden states at its ``hidden_nodes`` [B * k', H] (node indices on the host). As CUDA graphs
-        captured at build where ``graphs`` (its caller's say) and ``execution`` allow (``cuda_graphs.py``);
-        ``max_positions``: the cache's positions per row; ``execution`` (default: the default configuration's) as
-        ``PagedKVCache.execution``."""
-        execution = execution or default_execution(self.device)
-        if graphs and execution.graphs and input_ids.is_cuda:
-            replayed = self.graphed(max_positions, execution)(input_ids, positions, meta, keys, values,
-                                                              logits_nodes, hidden_nodes)
-            if replayed is not None:  # None: a shape not captured at build runs eagerly
-                return replayed
+        [B * k, V] and hidden states at its ``hidden_nodes`` [B * k', H] (node indices on the host), eagerly, as
+        ``execution`` (its pool's) says. A runner's ``GraphedForward`` replays the same forward."""
         batch, per_row = input_ids.shape
         device = input_ids.device
         flat = torch.arange(batch)[:, None] * per_row
@@ -444,24 +432,14 @@ class LeanCausalLM(nn.Module):
                     (flat + hidden_nodes[None]).flatten().to(device, non_blocking=True)
                     if hidden_nodes is not None else None, execution=execution)
 
-    def graphed(self, max_positions: int, execution: Execution) -> GraphedForward:
-        """This forward's CUDA graphs under ``execution`` over caches of ``max_positions`` positions per row."""
-        if execution.kernels not in self._graphs:
-            self._graphs[execution.kernels] = GraphedForward(
-                functools.partial(self.flat_forward, execution=execution), max_positions,
-                key_buckets=execution.kernels != "triton",  # the fused kernels read sequence lengths on the device
-            )
-        return self._graphs[execution.kernels]
-
     @torch.no_grad()
     def flat_forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
         keys: torch.Tensor, values: torch.Tensor, logits_at: torch.Tensor | None,
-        hidden_at: torch.Tensor | None = None, *, execution: Execution | None = None,
+        hidden_at: torch.Tensor | None = None, *, execution: Execution,
     ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """Flat tokens [N] at ``positions`` [N]; returns (logits at ``logits_at`` [M, V], last hidden states at
         ``hidden_at`` [K, H]), each None when not asked for. ``keys``/``values``: the cache's [layers, ...] pools."""
-        execution = execution or default_execution(self.device)
         base = self.inner.model
         hidden = base.embed_tokens(input_ids)  # [N, H]
         cos, sin = base.rotary_emb(hidden, positions[None])

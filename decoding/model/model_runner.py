@@ -1,41 +1,61 @@
 """One model's forwards over its pool: the target's, or a draft's.
 
-A runner runs its model as the pool's execution says (``execution.py``, resolved once at build) and decides, here
-only, which of its forwards replay CUDA graphs captured at build (``cuda_graphs.py``): a prefill never (prompt
-lengths vary); a step forward (a decode, a verification, a draft level) where the model's step shapes were
-captured and the execution replays graphs. A replaying verification carries whole trees (only those are captured).
+A runner runs its model as the pool's execution says (``execution.py``, resolved once at build), owns the CUDA
+graphs its step forwards replay (``cuda_graphs.py``) and the clock its phases are timed with (``timing.py``), and
+decides, here only, which forwards replay: a prefill never (prompt lengths vary); a verification (a decode is one of
+a one-node tree) or a draft level where the model's step shapes are captured and the execution replays graphs. A
+replaying verification carries whole trees (only those are captured).
 """
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
 from typing import Any
 
 import torch
 
+from decoding.model.cuda_graphs import GraphedForward, build_shapes, pool_key
 from decoding.model.forward import forward_tree
 from decoding.model.kv_cache import PagedKVCache, Rows
 from decoding.model.lean_forward import LeanCausalLM
+from decoding.model.timing import PhaseClock
 
 
 class ModelRunner:
-    """``model``'s forwards over ``cache``; ``captured``: its step shapes are captured at build (the target's, a
-    self-draft's levels; not a separate draft's, whose catch-up prefix varies its shapes)."""
+    """``model``'s forwards over ``cache``; ``captured``: its step shapes are captured (the target's, a self-draft's
+    levels; not a separate draft's, whose catch-up prefix varies its shapes)."""
 
     def __init__(self, model: torch.nn.Module, cache: PagedKVCache, captured: bool) -> None:
-        self.model, self.cache, self.captured = model, cache, captured
+        self.model, self.cache, self.execution = model, cache, cache.execution
+        self.clock = PhaseClock(cache.device)  # what the length policy learns the phases cost, timed on the device
+        # The one place that decides whether step forwards replay graphs.
+        self.replays = captured and self.execution.graphs and isinstance(model, LeanCausalLM)
+        self.graphs = GraphedForward(
+            functools.partial(model.flat_forward, execution=self.execution), cache.max_positions_per_row,
+            key_buckets=self.execution.kernels != "triton",  # the fused kernels read sequence lengths on the device
+        ) if self.replays else None
 
-    @property
-    def replays(self) -> bool:
-        """Whether its step forwards replay graphs: the one place that decides it."""
-        return self.captured and self.cache.execution.graphs and isinstance(self.model, LeanCausalLM)
+    def capture(self, tokens_per_row: list[int], hidden: bool, budget: int, memory: Callable[[], int]) -> int:
+        """Capture the step forwards of ``tokens_per_row`` tokens per row, every row and key bucket, within
+        ``budget`` bytes of ``memory()``'s growth (``GraphedForward.capture``); returns how many were captured."""
+        assert self.graphs is not None, "only a replaying runner captures"
+        cache = self.cache
+        shapes = build_shapes(pool_key(cache.keys), cache.max_rows, cache.max_positions_per_row, tokens_per_row,
+                              hidden, self.graphs.key_buckets)
+        return self.graphs.capture(shapes, cache.keys, cache.values, budget, memory)
 
     def prefill(self, rows: Rows, input_ids: torch.Tensor, ancestors: torch.Tensor, valid: torch.Tensor,
                 **options: Any) -> tuple[torch.Tensor, torch.Tensor | None]:
         """A forward over prompts (``forward_tree``'s arguments), eager."""
         return forward_tree(self.model, self.cache, rows, input_ids, ancestors, valid, **options)
 
-    def step(self, rows: Rows, input_ids: torch.Tensor, ancestors: torch.Tensor, valid: torch.Tensor,
-             **options: Any) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """A decode, verification or draft-level forward (``forward_tree``'s arguments), replayed where it can."""
-        return forward_tree(self.model, self.cache, rows, input_ids, ancestors, valid, graphs=self.replays,
-                            **options)
+    def verify(self, rows: Rows, input_ids: torch.Tensor, ancestors: torch.Tensor, valid: torch.Tensor,
+               **options: Any) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The target's forward over a tree (a decode: a one-node tree), replayed where captured."""
+        return forward_tree(self.model, self.cache, rows, input_ids, ancestors, valid, replay=self.graphs, **options)
+
+    def draft_level(self, rows: Rows, input_ids: torch.Tensor, ancestors: torch.Tensor, valid: torch.Tensor,
+                    **options: Any) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """A draft's forward over one level of its chains (after its catch-up prefix), replayed where captured."""
+        return forward_tree(self.model, self.cache, rows, input_ids, ancestors, valid, replay=self.graphs, **options)

@@ -162,12 +162,11 @@ def part_graphs(args: argparse.Namespace, device: torch.device, dtype: torch.dty
     for kernels in ("triton", "reference"):
         mode = execution(device, kernels, graphs=True)
         cache = pool(model.config, [64] * 4, 600, dtype, device, mode)
-        positions = cache.max_blocks_per_row * cache.block_size
-        if device.type == "cuda":
-            graphed = view.graphed(positions, mode)
-        else:  # the eager stand-in recorder: the buffers, padding and replays, without a device
-            graphed = GraphedForward(functools.partial(view.flat_forward, execution=mode), positions,
-                                     record=record_eagerly, key_buckets=kernels != "triton")
+        positions = cache.max_positions_per_row
+        # On a CPU the eager stand-in recorder: the buffers, padding and replays, without a device.
+        graphed = ModelRunner(view, cache, captured=True).graphs if device.type == "cuda" else GraphedForward(
+            functools.partial(view.flat_forward, execution=mode), positions, record=record_eagerly,
+            key_buckets=kernels != "triton")
         shapes = build_shapes(pool_key(cache.keys), 4, positions, [1, 7], hidden=False,
                               keys_bucketed=graphed.key_buckets)
         captured = graphed.capture(shapes, cache.keys, cache.values, 4 << 30,
@@ -184,7 +183,7 @@ def part_graphs(args: argparse.Namespace, device: torch.device, dtype: torch.dty
                                                                                          dtype=torch.bool), 0, size)
             at = torch.arange(size)
             replayed = graphed(ids, positions_, meta, cache.keys, cache.values, at, None)
-            eager = view(ids, positions_, meta, cache.keys, cache.values, positions, at, None, execution=mode)
+            eager = view(ids, positions_, meta, cache.keys, cache.values, at, None, execution=mode)
             if replayed is None:
                 raise AssertionError(f"call {call}: shape not captured")
             worst = max(worst, float((replayed[0].float() - eager[0].float()).abs().max()))
