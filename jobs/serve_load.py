@@ -15,7 +15,7 @@ import socket
 import statistics
 import time
 
-import httpx
+import aiohttp
 from pydantic import BaseModel
 from ray import serve
 
@@ -61,25 +61,27 @@ def _percentile(values: list[float], q: float) -> float:
     return statistics.quantiles(values, n=100, method="inclusive")[q - 1] if len(values) > 1 else values[0]
 
 
-async def _one(client: httpx.AsyncClient, i: int, max_tokens: int) -> tuple[float, int] | None:
+async def _one(session: aiohttp.ClientSession, url: str, i: int, max_tokens: int) -> tuple[float, int] | None:
     body = {"messages": _prompt(i), "max_tokens": max_tokens, "temperature": 0}
     started = time.perf_counter()
     try:
-        response = await client.post("/v1/chat/completions", json=body)
-        response.raise_for_status()
-    except httpx.HTTPError:
+        async with session.post(f"{url}/v1/chat/completions", json=body) as response:
+            response.raise_for_status()
+            usage = (await response.json())["usage"]
+    except aiohttp.ClientError:
         return None
-    return time.perf_counter() - started, response.json()["usage"]["completion_tokens"]
+    return time.perf_counter() - started, usage["completion_tokens"]
 
 
 async def _load(url: str, requests: int, max_tokens: int) -> tuple[float, list[tuple[float, int] | None]]:
-    """All requests at once from one asyncio client: the client's own CPU stays small beside the server's (300
-    blocking client threads took about a third of a 2-core machine)."""
-    limits = httpx.Limits(max_connections=requests, max_keepalive_connections=requests)
-    async with httpx.AsyncClient(base_url=url, timeout=None, limits=limits) as client:
-        await _one(client, 0, 4)  # warm-up: first-request costs (lazy initialisation) are not load
+    """All requests at once from one asyncio client, so the client's own CPU stays small beside the server's on the
+    same cores: aiohttp's client spends about 1 ms of CPU a request where httpx's grew with the connections open
+    (23 ms a request at 1,500 at once)."""
+    connector = aiohttp.TCPConnector(limit=requests)
+    async with aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=None)) as session:
+        await _one(session, url, 0, 4)  # warm-up: first-request costs (lazy initialisation) are not load
         started = time.perf_counter()
-        outcomes = await asyncio.gather(*[_one(client, i, max_tokens) for i in range(requests)])
+        outcomes = await asyncio.gather(*[_one(session, url, i, max_tokens) for i in range(requests)])
         return time.perf_counter() - started, list(outcomes)
 
 
