@@ -439,7 +439,9 @@ def long_config(config: Config) -> Config:
 
 
 def test_killed_driver_then_resume_yields_every_id_once(ray_cluster, config, tmp_path):
-    rows = good_rows(40)
+    # 20 rows of two-row parts: the driver is killed within a part or two of ~10 (polled every 0.2 s; a part
+    # takes ~40 steps), so it dies midway with room to spare, and the resume has the rest to do.
+    rows = good_rows(20)
     source, out = write_jsonl(tmp_path / "in.jsonl", rows), tmp_path / "out"
     slow = long_config(config)
     (tmp_path / "config.yaml").write_text(yaml.safe_dump(slow.model_dump(mode="json")))
