@@ -280,22 +280,22 @@ def test_a_self_draft_drafts_in_the_target_cache(tokenizer, target) -> None:
     def step() -> None:
         finished.update({r.id: r for r in engine.step().finished})
 
-    engine.policy.plan = lambda ids: torch.zeros(len(ids), dtype=torch.long)  # plain steps: nothing drafted
+    engine.policy.plan = lambda rows: torch.zeros(len(rows), dtype=torch.long)  # plain steps: nothing drafted
     step(), step()
     assert not draft_tokens
     # Most rows, not all, drafting: the draft runs over the whole batch (a slice read in place, nothing gathered).
-    engine.policy.plan = lambda ids: torch.tensor([3, 1, 0])
+    engine.policy.plan = lambda rows: torch.tensor([3, 1, 0])
     assert SOME_ROWS_MAX_SHARE * 3 < 2  # two of three rows draft: more than the share
     step()
     assert draft_rows[0] == 3
     assert engine.cache.active == 3
-    engine.policy.plan = lambda ids: torch.full((len(ids),), 3)
+    engine.policy.plan = lambda rows: torch.full((len(rows),), 3)
     draft_tokens.clear(), draft_rows.clear()
     step()
     assert draft_tokens == [1, 1, 1]  # the root alone, then one token per level: no backlog fed again
     assert draft_rows == [3, 3, 3]
     # Few rows drafting are forwarded alone: the draft runs over the middle row's entries only.
-    engine.policy.plan = lambda ids: torch.tensor([0, 2, 0][: len(ids)])
+    engine.policy.plan = lambda rows: torch.tensor([0, 2, 0][: len(rows)])
     draft_rows.clear()
     step()
     assert draft_rows == [1, 1]

@@ -23,7 +23,7 @@ from tiny import tiny_model
 
 from decoding import Engine, Request
 from decoding.drafting.feature_draft import FeatureDraft
-from decoding.drafting.length_policies import RowPlan
+from decoding.drafting.length_policies import RowMemory, RowPlan
 from decoding.engine import prefill_groups
 from decoding.model.kv_cache import PagedKVCache
 from decoding.model.model_runner import ModelRunner
@@ -181,8 +181,10 @@ def cut_trees(engine: Engine) -> Callable[[str, int], int]:
 
     plan_rows = engine.policy.plan_rows
 
-    def planned(ids: list[str], contexts: list[int] | None = None, fixed: list[bool] | None = None) -> RowPlan:
-        plan = plan_rows(ids, contexts, fixed)
+    def planned(rows: list[RowMemory], contexts: list[int] | None = None, fixed: list[bool] | None = None
+                ) -> RowPlan:
+        plan = plan_rows(rows, contexts, fixed)
+        ids = request_ids(engine, rows)
         step = engine.stepper.steps + 1  # the step number its statistics will carry
         return RowPlan(plan.depths, plan.lookup_depths, torch.tensor([size_of(i, step) for i in ids]))
 
@@ -290,6 +292,11 @@ SAMPLING_METHODS = {
 }
 
 
+def request_ids(engine: Engine, rows: list[RowMemory]) -> list[str]:
+    """The request ids of the rows a policy plans (their sequences hold the memories)."""
+    return [next(seq.request_id for seq in engine.running if seq.policy_memory is row) for row in rows]
+
+
 def plan_some_rows(engine: Engine) -> list[tuple[int, int]]:
     """Make ``engine``'s policy draft with a quarter of the rows each step (few enough for a self-draft to forward
     them alone, see ``SOME_ROWS_MAX_SHARE``), at depths 1-3 by row and step; returns the (rows drafted, rows in the
@@ -297,9 +304,10 @@ def plan_some_rows(engine: Engine) -> list[tuple[int, int]]:
     steps = itertools.count()
     shapes: list[tuple[int, int]] = []
 
-    def plan(ids: list[str]) -> torch.Tensor:
+    def plan(rows: list[RowMemory]) -> torch.Tensor:
         step = next(steps)
-        return torch.tensor([1 + (int(i) // 4 + step) % 3 if (int(i) + step) % 4 == 0 else 0 for i in ids])
+        ids = [int(i) for i in request_ids(engine, rows)]
+        return torch.tensor([1 + (i // 4 + step) % 3 if (i + step) % 4 == 0 else 0 for i in ids])
 
     engine.policy.plan = plan
     engine.drafter.model.register_forward_hook(lambda module, args, kwargs, out: shapes.append(

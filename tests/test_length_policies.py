@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from decoding.drafting.costs import BatchCosts, CostTable, LearnedCosts
-from decoding.drafting.length_policies import OnlinePolicy, Sources, StepRecord, StepTiming
+from decoding.drafting.length_policies import OnlinePolicy, RowMemory, Sources, StepRecord, StepTiming
 
 ROWS = 16
 # Verifying a depth-4 chain for every row costs 1.5x a plain step: drafting pays once about half of the
@@ -19,7 +19,7 @@ COSTS = BatchCosts(one_row=CostTable([(1, 0.1), (5, 0.12)]), full=CostTable([(1,
 def run_policy(drafted: int, accepted: int, steps: int = 64, costs: BatchCosts = COSTS) -> list[int]:
     # A one-candidate lookup tree: each level adds one token per row, drafting itself is free.
     policy = OnlinePolicy(4, Sources(root_width=1, lookup_width=1), verify_cost=costs, draft_cost=None)
-    ids = [str(i) for i in range(ROWS)]
+    ids = [RowMemory() for _ in range(ROWS)]  # each row's memory, as its sequence keeps it
     plans = []
     for _ in range(steps):
         depth = int(policy.plan(ids)[0])
@@ -100,7 +100,7 @@ def test_online_policy_does_not_draft_where_long_contexts_make_every_forward_slo
     draft_prior = BatchCosts(one_row=CostTable([(1, 0.012), (2, 0.015)]), full=CostTable([(1, 0.165), (2, 0.319)]),
                              full_rows=64)
     policy = OnlinePolicy(5, Sources(root_width=1, model_width=1), verify_prior, draft_prior, capacity=64)
-    ids = [str(i) for i in range(64)]
+    ids = [RowMemory() for _ in range(64)]
     contexts = [150 + 12 * i for i in range(64)]
     for step in range(40):
         depths = policy.plan_rows(ids, [context + step for context in contexts]).depths.tolist()
@@ -115,7 +115,7 @@ def test_online_policy_picks_the_drafter_that_pays_per_row() -> None:
     draft = BatchCosts(one_row=CostTable([(1, 0.02), (2, 0.021)]), full=CostTable([(1, 0.02), (2, 0.021)]),
                        full_rows=2)
     policy = OnlinePolicy(4, Sources(root_width=1, model_width=1, lookup_width=1), verify, draft, capacity=2)
-    ids = ["code", "prose"]
+    ids = [RowMemory(), RowMemory()]  # a code row and a prose row
     for _ in range(40):
         planned = policy.plan_rows(ids, [100, 100])
         model_depths, lookup_depths = planned.depths, planned.lookup_depths
@@ -139,8 +139,9 @@ def test_a_seeded_sampled_row_decides_from_its_own_past_alone() -> None:
     def plans(noise: float) -> list[int]:
         policy = OnlinePolicy(4, Sources(root_width=1, lookup_width=1), verify, None, capacity=4)
         out = []
+        seeded, others = RowMemory(), [RowMemory() for _ in range(3)]
         for step in range(30):
-            ids = ["seeded", f"other-{step % 3}"]
+            ids = [seeded, others[step % 3]]
             depths = policy.plan_rows(ids, [50 + step, 10], fixed=[True, False]).depths
             out.append(int(depths[0]))
             planned = depths.tolist()
@@ -159,7 +160,7 @@ def test_drafting_that_does_not_pay_in_measured_time_is_held_back_but_probed() -
     no cost model sees (a lookup drafter is priced free): the realized goodput holds rows back to plain
     decoding, with rare probes; when drafting gets cheap again, it drafts again."""
     policy = OnlinePolicy(4, Sources(root_width=1, lookup_width=1), verify_cost=COSTS, draft_cost=None)
-    ids = [str(i) for i in range(ROWS)]
+    ids = [RowMemory() for _ in range(ROWS)]  # each row's memory, as its sequence keeps it
 
     def run(steps: int, slowdown: float) -> list[int]:
         plans = []
@@ -186,11 +187,13 @@ def test_a_single_rows_unlucky_steps_do_not_hold_back_drafting_that_pays() -> No
     back; a sustained loss that only the clock sees (a drafting step 7x its modelled time, 0.6x of plain) is not."""
     policy = OnlinePolicy(4, Sources(root_width=1, lookup_width=1), verify_cost=COSTS, draft_cost=None)
 
+    row = [RowMemory()]
+
     def step(accepted: int, slowdown: float = 0.0) -> int:
-        depth = int(policy.plan(["row"])[0])
+        depth = int(policy.plan(row)[0])
         verify = COSTS(1, 1 + depth)
         timing = StepTiming((1, 1 + depth, 0.0), verify, [], verify * slowdown if depth else 0.0)
-        policy.observe(StepRecord(["row"], [depth], [depth], [min(accepted, depth)], timing=timing))
+        policy.observe(StepRecord(row, [depth], [depth], [min(accepted, depth)], timing=timing))
         return depth
 
     assert [step(4) for _ in range(30)][-1] == 4
@@ -229,7 +232,7 @@ def run_cut_trees(seconds_per_token: float, steps: int = 200, full_depth: bool =
     sources = Sources(root_width=1, model_width=4, model_sizes=((1, 1, 1), (2, 3, 3), (4, 8, 16)),
                       cuts_at_full_depth=full_depth)
     policy = OnlinePolicy(3, sources, BatchCosts(verify, verify, full_rows=2), None, capacity=2)
-    ids, agree = ["a", "b"], [0.6, 0.75, 0.9]
+    ids, agree = [RowMemory(), RowMemory()], [0.6, 0.75, 0.9]
     planned = []
     for step in range(steps):
         plan = policy.plan_rows(ids, [100, 100])
@@ -265,6 +268,6 @@ def test_a_cut_larger_than_the_rows_own_learns_nothing_from_its_step() -> None:
     sources = Sources(root_width=1, model_width=2, model_sizes=((1, 1), (2, 2)))
     policy = OnlinePolicy(2, sources, COSTS, None, capacity=ROWS)
     before = [policy.batch_rates["model", size].accepted.copy() for size in range(2)]
-    policy.observe(StepRecord(["a"], [2], [2], [0], planned_size=[0], size_matched=[[0], [2]]))
+    policy.observe(StepRecord([RowMemory()], [2], [2], [0], planned_size=[0], size_matched=[[0], [2]]))
     assert policy.batch_rates["model", 0].accepted[1:].sum() < before[0][1:].sum()  # a rejection at level 1, aged
     assert (policy.batch_rates["model", 1].accepted == before[1]).all()

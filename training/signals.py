@@ -19,6 +19,7 @@ from __future__ import annotations
 import logging
 import math
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Literal
 
@@ -27,9 +28,10 @@ import torch.nn.functional as F
 from pydantic import BaseModel, ConfigDict, Field
 
 from decoding.config import Config
-from decoding.drafting.length_policies import LengthPolicy
+from decoding.drafting.length_policies import LengthPolicy, RowMemory
 from decoding.drafting.signal_head import DraftSignalMLP
 from decoding.engine import Engine, Request
+from decoding.engine.sequence import Sequence
 from decoding.model.loading import DEFAULT_MODEL, load_tokenizer
 from training.data import PromptSource, load_prompts
 from training.runs import Progress, RunDir, require_same_tokenizer, set_threads
@@ -68,16 +70,18 @@ class _Recorder(LengthPolicy):
 
     needs_hidden_states = True
 
-    def __init__(self, max_depth: int, step: int) -> None:
+    def __init__(self, max_depth: int, step: int, running: Callable[[], list[Sequence]]) -> None:
         super().__init__(max_depth)
         self.step = step  # advances with the engine's step counter: plan() runs once per speculation step
+        self.running = running  # the engine's rows, whose request ids key the features
         self.ids: list[str] = []
         self.features: dict[tuple[str, int, int, int], torch.Tensor] = {}
 
-    def plan(self, ids: list[str]) -> torch.Tensor:
+    def plan(self, rows: list[RowMemory]) -> torch.Tensor:
         self.step += 1
-        self.ids = ids
-        return super().plan(ids)
+        request_of = {id(seq.policy_memory): seq.request_id for seq in self.running()}
+        self.ids = [request_of[id(row)] for row in rows]
+        return super().plan(rows)
 
     def keep(self, level, depths, token_probs, hidden):
         features = DraftSignalMLP.features(hidden, token_probs, level)
@@ -88,7 +92,7 @@ class _Recorder(LengthPolicy):
 
 
 def _collect_shard(engine: Engine, prompts: list[tuple[str, list[int]]]) -> dict[str, torch.Tensor]:
-    recorder = _Recorder(engine.policy.max_depth, engine.steps)
+    recorder = _Recorder(engine.policy.max_depth, engine.steps, lambda: engine.running)
     engine.policy = recorder
     results = engine.generate([Request(id=i, prompt_token_ids=ids) for i, ids in prompts])
     features, soft, accepted, parent_accepted = [], [], [], []

@@ -19,7 +19,6 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import cached_property
-from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -28,16 +27,22 @@ from decoding.config import SpeculativeConfig
 from decoding.drafting.costs import BatchCosts, LearnedCosts
 from decoding.drafting.signal_head import DraftSignalMLP
 
-if TYPE_CHECKING:
-    from decoding.engine.batch import JoinedRows
-    from decoding.engine.sequence import Sequence
+
+@dataclass
+class RowMemory:
+    """What a length policy has learned of one sequence. It lives on the sequence (``Sequence.policy_memory``), so
+    it joins and leaves the batch with it; a policy reads and updates the memories of the rows it plans."""
+
+    depth: int | None = None  # the heuristic's depth (None: not planned yet)
+    rates: np.ndarray | None = None  # the online policy's own counts, [2, keys, depth + 1] (None: none yet)
+    steps: int = 0  # the online policy's steps of a seeded row (its probes count its own steps)
 
 
 @dataclass(frozen=True)
 class StepRecord:
     """What a policy learns from one verified step."""
 
-    ids: list[str]
+    rows: list[RowMemory]  # the memory of each row of the step
     planned_depth: list[int]  # depth each row was given (after the engine's room limits)
     drafted_depth: list[int]  # deepest valid drafted level of each row
     accepted: list[int]  # accepted drafted tokens of each row
@@ -70,12 +75,12 @@ class LengthPolicy:
     def __init__(self, max_depth: int) -> None:
         self.max_depth = max_depth
 
-    def plan(self, ids: list[str]) -> torch.Tensor:
+    def plan(self, rows: list[RowMemory]) -> torch.Tensor:
         """Planned depth per row before drafting."""
-        return torch.full((len(ids),), self.max_depth, dtype=torch.long)
+        return torch.full((len(rows),), self.max_depth, dtype=torch.long)
 
     def plan_rows(
-        self, ids: list[str], contexts: list[int] | None = None, fixed: list[bool] | None = None
+        self, rows: list[RowMemory], contexts: list[int] | None = None, fixed: list[bool] | None = None
     ) -> RowPlan:
         """Each row's depths and tree size.
 
@@ -83,7 +88,7 @@ class LengthPolicy:
         other rows (seeded sampling).
         """
         del contexts, fixed
-        return RowPlan(self.plan(ids))
+        return RowPlan(self.plan(rows))
 
     def keep(
         self, level: int, depths: torch.Tensor, token_probs: torch.Tensor, hidden: torch.Tensor | None
@@ -102,18 +107,6 @@ class LengthPolicy:
     def observe(self, record: StepRecord) -> None:
         del record
 
-    def forget(self, seq_id: str) -> None:
-        del seq_id
-
-    # The batch tells the policy when rows join and leave (``decoding.engine.batch.RowState``); what it learns is
-    # keyed by request id, so only leaving rows matter.
-    def rows_joined(self, joined: JoinedRows) -> None:
-        del joined
-
-    def row_removed(self, row: int, seq: Sequence) -> None:
-        del row
-        self.forget(seq.request_id)
-
     def to(self, device: torch.device) -> LengthPolicy:
         """Models the policy runs inside the draft loop move to the drafter's device (``keep`` runs there)."""
         del device
@@ -121,21 +114,14 @@ class LengthPolicy:
 
 
 class HeuristicPolicy(LengthPolicy):
-    def __init__(self, max_depth: int) -> None:
-        super().__init__(max_depth)
-        self.depth: dict[str, int] = {}
-
-    def plan(self, ids: list[str]) -> torch.Tensor:
-        return torch.tensor([self.depth.get(i, self.max_depth) for i in ids], dtype=torch.long)
+    def plan(self, rows: list[RowMemory]) -> torch.Tensor:
+        return torch.tensor([self.max_depth if r.depth is None else r.depth for r in rows], dtype=torch.long)
 
     def observe(self, record: StepRecord) -> None:
-        for seq_id, drafted, accepted in zip(record.ids, record.drafted_depth, record.accepted):
-            current = self.depth.get(seq_id, self.max_depth)
+        for memory, drafted, accepted in zip(record.rows, record.drafted_depth, record.accepted):
+            current = self.max_depth if memory.depth is None else memory.depth
             grown = current + 2 if drafted > 0 and accepted == drafted else current - 1
-            self.depth[seq_id] = min(self.max_depth, max(1, grown))
-
-    def forget(self, seq_id: str) -> None:
-        self.depth.pop(seq_id, None)
+            memory.depth = min(self.max_depth, max(1, grown))
 
 
 @dataclass(frozen=True)
@@ -195,7 +181,7 @@ def _level_counts(planned: list[int] | np.ndarray, matched: list[int] | np.ndarr
 
 class _Rates:
     """Per-level acceptance pseudo-counts ("reached level j", "accepted at level j"), exponentially decayed: the
-    batch's, per drafter (a row's own are rows of ``OnlinePolicy.row_rates``).
+    batch's, per drafter (a row's own are its ``RowMemory.rates``).
 
     numpy, not torch: a few numbers, read and updated at every step."""
 
@@ -283,11 +269,9 @@ class OnlinePolicy(LengthPolicy):
         self.margin = margin
         self.row_strength = row_strength
         self.batch_rates = {key: _Rates(max_depth, PRIOR_ACCEPTANCE, decay=decay) for key in sources.keys}
-        # Per row, [2, keys, depth + 1]: its own decayed ("reached", "accepted") counts per key of
-        # ``Sources.keys`` and level (no prior: ``_row_rates`` pulls them towards the batch's). One array per row, so
-        # a step stacks its rows and decides for all of them at once: row by row, planning took ~55 us a row.
-        self.row_rates: dict[str, np.ndarray] = {}
-        self.row_steps: dict[str, int] = {}
+        # Per row (``RowMemory.rates``), [2, keys, depth + 1]: its own decayed ("reached", "accepted") counts per key
+        # of ``Sources.keys`` and level (no prior: ``_row_rates`` pulls them towards the batch's). One array per row,
+        # so a step stacks its rows and decides for all of them at once: row by row, planning took ~55 us a row.
         self.steps = 0
         # Realized goodput of the steps that drafted, relative to plain decoding's predicted for the same rows and
         # context: when drafting has not paid, rows decode plainly and draft only on probe steps (the cost model
@@ -324,14 +308,14 @@ class OnlinePolicy(LengthPolicy):
         return seconds
 
     # ------------------------------------------------------------------------------------------ choices
-    def _row_rates(self, ids: list[str], fixed: list[bool]) -> np.ndarray:
+    def _row_rates(self, rows: list[RowMemory], fixed: list[bool]) -> np.ndarray:
         """[R, keys, depth + 1]: each row's acceptance per key of ``Sources.keys`` and level, its own counts pulled
         towards the batch's rates (a seeded row's: towards a fixed prior) with ``row_strength`` pseudo-steps."""
         shape = (2, len(self.sources.keys), self.max_depth + 1)
-        for seq_id in ids:
-            if seq_id not in self.row_rates:
-                self.row_rates[seq_id] = np.zeros(shape)
-        counts = np.array([self.row_rates[seq_id] for seq_id in ids])  # np.array: np.stack's dispatch costs more
+        for memory in rows:
+            if memory.rates is None:
+                memory.rates = np.zeros(shape)
+        counts = np.array([memory.rates for memory in rows])  # np.array: np.stack's dispatch costs more
         base = np.array([self.batch_rates[key].rate for key in self.sources.keys])[None]
         if any(fixed):
             base = np.where(np.array(fixed)[:, None, None], PRIOR_ACCEPTANCE, base)
@@ -381,11 +365,11 @@ class OnlinePolicy(LengthPolicy):
         return np.concatenate(expected, axis=1)
 
     def plan_rows(
-        self, ids: list[str], contexts: list[int] | None = None, fixed: list[bool] | None = None
+        self, memories: list[RowMemory], contexts: list[int] | None = None, fixed: list[bool] | None = None
     ) -> RowPlan:
         """Per row: the model's depth, the lookup's (None where the tree has no lookup siblings) and the size its
         tree is cut to (None where it has one size)."""
-        rows = len(ids)
+        rows = len(memories)
         contexts = contexts or [0] * rows
         fixed = fixed or [False] * rows
         # Python lists, one tensor at the end: a tensor item assignment per row cost ~4 us a row. Rows are chosen
@@ -406,16 +390,16 @@ class OnlinePolicy(LengthPolicy):
                 payable_rows.append(row)
         if not payable_rows:
             return self._row_plan(plans)
-        ids_payable = [ids[row] for row in payable_rows]
+        memories_payable = [memories[row] for row in payable_rows]
         fixed_payable = [fixed[row] for row in payable_rows]
         option_costs = np.array([costs[keys[row]] for row in payable_rows])  # [P, options]
-        expected = self._expected_tokens(self._row_rates(ids_payable, fixed_payable))
+        expected = self._expected_tokens(self._row_rates(memories_payable, fixed_payable))
         speed = expected / np.maximum(option_costs, 1e-9) * self._allowed
         best_options = speed.argmax(1)  # the first best, as ``max`` took it
         best_options[speed.max(1) < (1 + self.margin) * speed[:, 0]] = 0
         held_back = self.held_back
         gain = self.drafting_gain
-        for row, seq_id, is_fixed, best in zip(payable_rows, ids_payable, fixed_payable, best_options.tolist()):
+        for row, memory, is_fixed, best in zip(payable_rows, memories_payable, fixed_payable, best_options.tolist()):
             key, plan = keys[row], options[best]
             # Probe one level deeper with every drafter, and the model's tree one size larger, now and then (a
             # drafter left out comes back in at depth 1), so unused depths, sizes and drafters keep being measured:
@@ -441,7 +425,7 @@ class OnlinePolicy(LengthPolicy):
                 # different rates in step. A seeded row counts its own steps (its choices must not depend on other
                 # rows).
                 period = 1 << math.ceil(math.log2(max(self.probe_every, extra / self.probe_budget, 1)))
-                if (self.row_steps.get(seq_id, 0) + 1 if is_fixed else step) % period == 0:
+                if (memory.steps + 1 if is_fixed else step) % period == 0:
                     plan = deeper
             plans[row] = plan
         return self._row_plan(plans)
@@ -472,8 +456,8 @@ class OnlinePolicy(LengthPolicy):
         return RowPlan(model_depths, lookup_depths if self.sources.lookup_width else None,
                        sizes if self.sources.sizes > 1 else None)
 
-    def plan(self, ids: list[str]) -> torch.Tensor:
-        return self.plan_rows(ids).depths
+    def plan(self, rows: list[RowMemory]) -> torch.Tensor:
+        return self.plan_rows(rows).depths
 
     @property
     def drafting_gain(self) -> float:
@@ -492,7 +476,7 @@ class OnlinePolicy(LengthPolicy):
         timing = record.timing
         if timing is None:
             return
-        rows, context = len(record.ids), timing.verify[2]
+        rows, context = len(record.rows), timing.verify[2]
         seconds = timing.verify_seconds + timing.draft_seconds
         plain = self.step_seconds(0, 0, rows, context)
         if not any(record.drafted_depth):
@@ -523,11 +507,11 @@ class OnlinePolicy(LengthPolicy):
 
     def observe(self, record: StepRecord) -> None:
         self.steps += 1
-        for seq_id, is_fixed in zip(record.ids, record.fixed or []):
+        for memory, is_fixed in zip(record.rows, record.fixed or []):
             if is_fixed:  # only a seeded row's probes count its own steps
-                self.row_steps[seq_id] = self.row_steps.get(seq_id, 0) + 1
-        known = [row for row, seq_id in enumerate(record.ids) if seq_id in self.row_rates]
-        counts = np.array([self.row_rates[record.ids[row]] for row in known]) if known else None  # [M, 2, K, L]
+                memory.steps += 1
+        known = [row for row, memory in enumerate(record.rows) if memory.rates is not None]
+        counts = np.array([record.rows[row].rates for row in known]) if known else None  # [M, 2, K, L]
         for k, key in enumerate(self.sources.keys):
             plans, got = self._observed(record, key)
             if not any(plans):  # nothing planned reaches no level: the rates stay as they are (``_Rates.observe``)
@@ -543,17 +527,13 @@ class OnlinePolicy(LengthPolicy):
             added = _level_counts(depth, taken, self.max_depth + 1)  # [M, 2, L]
             counts[:, :, k] = counts[:, :, k] * np.where(depth > 0, self.decay, 1.0)[:, None, None] + added
         for row, row_counts in zip(known, counts if counts is not None else []):
-            self.row_rates[record.ids[row]] = row_counts
+            record.rows[row].rates = row_counts
         if record.timing is not None:
             timing = record.timing
             self.verify_cost.observe([timing.verify], timing.verify_seconds)
             if self.draft_cost is not None and timing.drafts:
                 self.draft_cost.observe(timing.drafts, timing.draft_seconds / record.draft_scale)
         self._observe_gain(record)
-
-    def forget(self, seq_id: str) -> None:
-        self.row_rates.pop(seq_id, None)
-        self.row_steps.pop(seq_id, None)
 
 
 class _HeadPolicy(LengthPolicy):

@@ -19,7 +19,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 from decoding.config import Config, SamplingParams
 from decoding.constraints.constrained import Constraints
 from decoding.constraints.grammar import GrammarBudget
-from decoding.drafting.length_policies import LengthPolicy
+from decoding.drafting.length_policies import LengthPolicy, RowMemory
 from decoding.engine.batch import Batch
 from decoding.engine.build import build_parts
 from decoding.engine.scheduler import Scheduler, prefill_groups
@@ -67,7 +67,6 @@ class Engine:
         self.batch = Batch(self.capacity, self.config.sampling, self.cache,
                            run_seeded=self.config.sampling.seed is not None, max_context=self.max_context)
         self.batch.listen(self.drafter)
-        self.batch.listen(parts.policy)
         limits = self.config.limits
         self.constraints = Constraints(self.loaded_target.config.vocab_size, GrammarBudget(
             limits.max_constraint_bytes, limits.grammar_compile_timeout_s, limits.max_grammar_bytes,
@@ -98,7 +97,8 @@ class Engine:
 
     @policy.setter
     def policy(self, policy: LengthPolicy) -> None:
-        self.batch.listeners = [policy if part is self.stepper.policy else part for part in self.batch.listeners]
+        for seq in self.batch.seqs:  # a new policy learns the running rows afresh
+            seq.policy_memory = RowMemory()
         self.stepper.policy = self.parts.policy = policy
 
     @property

@@ -11,6 +11,7 @@ import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from decoding.config import SamplingParams
+from decoding.drafting.length_policies import RowMemory
 from decoding.engine.text import IncrementalDecoder
 from decoding.params import EngineError
 from decoding.stats import SpecDecodeStats, acceptance_histogram
@@ -139,6 +140,7 @@ class Sequence:
     group: str = ""  # its request's admission group (Request.group, else its id)
     claims: list[Claim] = field(default_factory=list)  # KV blocks admission claimed, a claim per pool, until it joins
     cached_tokens: int = 0  # prompt tokens its prefill found in the prefix cache
+    policy_memory: RowMemory = field(default_factory=RowMemory)  # what the length policy learned of it
 
     @property
     def context(self) -> list[int]:

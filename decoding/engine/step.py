@@ -240,7 +240,7 @@ class Step:
         """Each row's depth within its room (max_tokens, the context) and its sampling parameters."""
         meta = self.batch.metadata()
         contexts = self.cache.host_lengths[: len(seqs)]  # cached tokens, known on the host
-        planned = self.policy.plan_rows([s.request_id for s in seqs], contexts, meta.reproducible)
+        planned = self.policy.plan_rows([s.policy_memory for s in seqs], contexts, meta.reproducible)
         depths, lookup_depths = planned.depths, planned.lookup_depths
         depths = depths.minimum(meta.room)
         lookup_depths = lookup_depths.minimum(meta.room) if lookup_depths is not None else None
@@ -488,7 +488,7 @@ class Step:
                                           plan.sizes is not None)
         depth_of = self.topology.depths[:size]
         self.policy.observe(StepRecord(
-            ids=[s.request_id for s in seqs],
+            rows=[s.policy_memory for s in seqs],
             planned_depth=plan.depths.tolist(),
             drafted_depth=(verdict.drafted_nodes * depth_of).amax(1).tolist() if size else [0] * len(seqs),
             accepted=committed.kept,
