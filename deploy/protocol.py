@@ -42,6 +42,7 @@ _NEUTRAL: dict[str, tuple[Any, ...]] = {
     "store": (None, False),
     "service_tier": (None, "auto", "default"),
     "guided_whitespace_pattern": (None,),
+    "priority": (None, 0),  # vLLM refuses others unless its scheduler orders by priority; this one does not
     "tools": (None, []),
     "tool_choice": (None, "none", "auto"),  # auto without tools chooses none
     "functions": (None, []),
@@ -126,6 +127,12 @@ class GenerationRequest(_Request):
     logit_bias: dict[str, float] | None = Field(None, description="token id (a decimal string) -> bias")
     store: Any = None
     service_tier: Any = None
+    # vLLM's server fields: the response's id is built from request_id; vllm_xargs feeds custom logits processors,
+    # none of which run here (ignored, as vLLM ignores them then); return_token_ids adds the ids to the text.
+    priority: int | None = None
+    request_id: str | None = Field(None, max_length=256, description="extension (vLLM): the response's id")
+    vllm_xargs: dict[str, str | int | float | list[str | int | float]] | None = None
+    return_token_ids: bool = False
     # Structured outputs: OpenAI's response_format, vLLM's structured_outputs and its older guided_* fields, merged
     # into one constraint (decoding.config.StructuredOutputs); more than one constraint is refused.
     response_format: ResponseFormat | None = None
@@ -381,10 +388,15 @@ class VersionResponse(BaseModel):
     version: str
 
 
+class PromptTokensDetails(BaseModel):
+    cached_tokens: int  # prompt tokens whose keys and values came from the prefix cache
+
+
 class Usage(BaseModel):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
+    prompt_tokens_details: PromptTokensDetails | None = None
 
 
 class SpecDecodeMetrics(BaseModel):
@@ -443,7 +455,10 @@ class CompletionChoice(BaseModel):
     text: str
     logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
+    stop_reason: int | str | None = None  # vLLM's: the stop string or stop_token_ids entry that ended it
     prompt_logprobs: PromptLogprobs | None = None  # vLLM's extension, with prompt_logprobs
+    prompt_token_ids: list[int] | None = None  # with return_token_ids (a stream's: in its first chunk)
+    token_ids: list[int] | None = None  # with return_token_ids (a stream's: each chunk's new ones)
 
 
 class CompletionResponse(_Response):
@@ -477,12 +492,15 @@ class ChatChoice(BaseModel):
     message: AssistantMessage
     logprobs: ChatLogprobs | None = None
     finish_reason: str
+    stop_reason: int | str | None = None
+    token_ids: list[int] | None = None  # with return_token_ids
 
 
 class ChatCompletionResponse(_Response):
     object: Literal["chat.completion"] = "chat.completion"
     choices: list[ChatChoice]
     prompt_logprobs: PromptLogprobs | None = None  # vLLM's extension, with prompt_logprobs (one prompt)
+    prompt_token_ids: list[int] | None = None  # with return_token_ids
 
 
 class ChatDelta(BaseModel):
@@ -495,12 +513,15 @@ class ChatChunkChoice(BaseModel):
     delta: ChatDelta
     logprobs: ChatLogprobs | None = None
     finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    token_ids: list[int] | None = None  # with return_token_ids: this chunk's new ones
 
 
 class ChatCompletionChunk(_Response):
     object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
     choices: list[ChatChunkChoice]
     prompt_logprobs: PromptLogprobs | None = None  # with prompt_logprobs: in the chunk that ends a choice
+    prompt_token_ids: list[int] | None = None  # with return_token_ids: in each choice's first chunk
 
 
 class ModelCard(BaseModel):

@@ -74,6 +74,7 @@ from deploy.protocol import (
     ModelList,
     Prompt,
     PromptLogprobs,
+    PromptTokensDetails,
     SpecDecodeMetrics,
     TokenizeRequest,
     TokenizeResponse,
@@ -213,7 +214,9 @@ def _totals(results: list[GenerationResult]) -> dict[str, Any]:
     """``usage`` and ``metrics`` of a response over all its choices."""
     prompt = sum(len(r.prompt_token_ids) for r in results)
     completion = sum(len(r.token_ids) for r in results)
-    usage = Usage(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)
+    cached = PromptTokensDetails(cached_tokens=sum(r.num_cached_tokens for r in results))
+    usage = Usage(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion,
+                  prompt_tokens_details=cached)
     return {"usage": usage, "metrics": _metrics(results)}
 
 
@@ -285,10 +288,18 @@ def _token_chars(tokenizer: Any, entries: Entries) -> int:
 class _Format(ABC):
     """How one endpoint shapes results: whole responses, stream chunks, and which field holds the input."""
 
-    def __init__(self, prefix: str, input_field: str, model: str, tokenizer: Any = None) -> None:
-        self.id, self.input_field, self.model = f"{prefix}-{uuid.uuid4().hex}", input_field, model
+    def __init__(self, prefix: str, input_field: str, model: str, tokenizer: Any = None,
+                 request_id: str | None = None, token_ids: bool = False) -> None:
+        """``request_id``: the body's (vLLM's), else a fresh one; ``token_ids``: choices carry their token ids
+        (``return_token_ids``)."""
+        self.id, self.input_field, self.model = f"{prefix}-{request_id or uuid.uuid4().hex}", input_field, model
         self.tokenizer = tokenizer  # for logprobs' token strings
+        self.token_ids = token_ids
         self.created = int(time.time())
+
+    def ids(self, ids: list[int] | None) -> list[int] | None:
+        """``ids`` where the request asked for token ids, else None (left out of the choice)."""
+        return list(ids) if self.token_ids and ids is not None else None
 
     def _fields(self) -> dict[str, Any]:
         return {"id": self.id, "created": self.created, "model": self.model}
@@ -299,13 +310,16 @@ class _Format(ABC):
     @abstractmethod
     def chunk(self, index: int, text: str | None, finish_reason: str | None, role: bool = False,
               logprobs: Entries | None = None, offset: int = 0, prompt_logprobs: Entries | None = None,
-              usage: Usage | None = None) -> BaseModel:
+              usage: Usage | None = None, token_ids: list[int] | None = None,
+              stop_reason: int | str | None = None) -> BaseModel:
         """One stream chunk; ``logprobs``: the entries of the tokens it carries, ``offset`` their first
         character in the choice's token text; ``prompt_logprobs``: the choice's (with the chunk that ends it);
-        ``usage``: the choice's so far (vLLM's ``continuous_usage_stats``)."""
+        ``usage``: the choice's so far (vLLM's ``continuous_usage_stats``); ``token_ids``: the ids of the tokens
+        it carries (``return_token_ids``); ``stop_reason``: with the chunk that ends the choice."""
 
-    def opening_chunks(self, usages: list[Usage | None]) -> list[BaseModel]:
-        """The chunks before any token, one per choice (``usages``: each one's, or None)."""
+    def opening_chunks(self, usages: list[Usage | None], prompts: list[list[int]]) -> list[BaseModel]:
+        """The chunks before any token, one per choice (``usages``: each one's, or None; ``prompts``: each one's
+        prompt token ids, sent where asked for)."""
         return []
 
     @abstractmethod
@@ -313,57 +327,76 @@ class _Format(ABC):
 
 
 class _CompletionFormat(_Format):
-    def __init__(self, model: str, tokenizer: Any = None, echo: bool = False) -> None:
-        super().__init__("cmpl", "prompt", model, tokenizer)
+    def __init__(self, model: str, tokenizer: Any = None, echo: bool = False, request_id: str | None = None,
+                 token_ids: bool = False) -> None:
+        super().__init__("cmpl", "prompt", model, tokenizer, request_id, token_ids)
         self.echo = echo  # each choice's text starts with its prompt's (vLLM's, OpenAI's echo)
+        self.prompts_sent: set[int] = set()  # stream choices whose first chunk carried the prompt's ids
 
     def response(self, results: list[GenerationResult]) -> CompletionResponse:
         choices = [
             CompletionChoice(index=i, text=r.prompt + r.text if self.echo else r.text, finish_reason=r.finish_reason,
-                             logprobs=_completion_logprobs(self.tokenizer, r.logprobs),
-                             prompt_logprobs=_prompt_logprobs(self.tokenizer, r.prompt_logprobs))
+                             stop_reason=r.stop_reason, logprobs=_completion_logprobs(self.tokenizer, r.logprobs),
+                             prompt_logprobs=_prompt_logprobs(self.tokenizer, r.prompt_logprobs),
+                             prompt_token_ids=self.ids(r.prompt_token_ids), token_ids=self.ids(r.token_ids))
             for i, r in enumerate(results)
         ]
         return CompletionResponse(**self._fields(), choices=choices, **_totals(results))
 
     def chunk(self, index: int, text: str | None, finish_reason: str | None, role: bool = False,
-              logprobs: Entries | None = None, offset: int = 0,
-              prompt_logprobs: Entries | None = None, usage: Usage | None = None) -> CompletionResponse:
-        choice = CompletionChoice(index=index, text=text or "", finish_reason=finish_reason,
+              logprobs: Entries | None = None, offset: int = 0, prompt_logprobs: Entries | None = None,
+              usage: Usage | None = None, token_ids: list[int] | None = None,
+              stop_reason: int | str | None = None) -> CompletionResponse:
+        choice = CompletionChoice(index=index, text=text or "", finish_reason=finish_reason, stop_reason=stop_reason,
                                   logprobs=_completion_logprobs(self.tokenizer, logprobs, offset),
-                                  prompt_logprobs=_prompt_logprobs(self.tokenizer, prompt_logprobs))
+                                  prompt_logprobs=_prompt_logprobs(self.tokenizer, prompt_logprobs),
+                                  token_ids=self.ids(token_ids))
         return CompletionResponse(**self._fields(), choices=[choice], usage=usage)
+
+    def opening_chunks(self, usages: list[Usage | None], prompts: list[list[int]]) -> list[CompletionResponse]:
+        # vLLM sends a choice's prompt ids in its first chunk; completions have no role chunk, so one of their own.
+        if not self.token_ids:
+            return []
+        return [CompletionResponse(**self._fields(), usage=usage, choices=[CompletionChoice(
+            index=i, text="", prompt_token_ids=list(prompt), token_ids=[])])
+            for i, (usage, prompt) in enumerate(zip(usages, prompts))]
 
     def usage_chunk(self, results: list[GenerationResult]) -> CompletionResponse:
         return CompletionResponse(**self._fields(), choices=[], **_totals(results))
 
 
 class _ChatFormat(_Format):
-    def __init__(self, model: str, tokenizer: Any = None) -> None:
-        super().__init__("chatcmpl", "messages", model, tokenizer)
+    def __init__(self, model: str, tokenizer: Any = None, request_id: str | None = None,
+                 token_ids: bool = False) -> None:
+        super().__init__("chatcmpl", "messages", model, tokenizer, request_id, token_ids)
 
     def response(self, results: list[GenerationResult]) -> ChatCompletionResponse:
         choices = [
             ChatChoice(index=i, message=AssistantMessage(content=r.text), finish_reason=r.finish_reason,
-                       logprobs=_chat_logprobs(self.tokenizer, r.logprobs))
+                       stop_reason=r.stop_reason, logprobs=_chat_logprobs(self.tokenizer, r.logprobs),
+                       token_ids=self.ids(r.token_ids))
             for i, r in enumerate(results)
         ]
         prompt_logprobs = _prompt_logprobs(self.tokenizer, results[0].prompt_logprobs) if results else None
+        prompt_ids = self.ids(results[0].prompt_token_ids) if results else None
         return ChatCompletionResponse(**self._fields(), choices=choices, prompt_logprobs=prompt_logprobs,
-                                      **_totals(results))
+                                      prompt_token_ids=prompt_ids, **_totals(results))
 
     def chunk(self, index: int, text: str | None, finish_reason: str | None, role: bool = False,
-              logprobs: Entries | None = None, offset: int = 0,
-              prompt_logprobs: Entries | None = None, usage: Usage | None = None) -> ChatCompletionChunk:
+              logprobs: Entries | None = None, offset: int = 0, prompt_logprobs: Entries | None = None,
+              usage: Usage | None = None, token_ids: list[int] | None = None,
+              stop_reason: int | str | None = None, prompt_token_ids: list[int] | None = None) -> ChatCompletionChunk:
         delta = ChatDelta(role="assistant" if role else None, content=text)
-        choice = ChatChunkChoice(index=index, delta=delta, finish_reason=finish_reason,
-                                 logprobs=_chat_logprobs(self.tokenizer, logprobs))
+        choice = ChatChunkChoice(index=index, delta=delta, finish_reason=finish_reason, stop_reason=stop_reason,
+                                 logprobs=_chat_logprobs(self.tokenizer, logprobs), token_ids=self.ids(token_ids))
         return ChatCompletionChunk(**self._fields(), choices=[choice], usage=usage,
-                                   prompt_logprobs=_prompt_logprobs(self.tokenizer, prompt_logprobs))
+                                   prompt_logprobs=_prompt_logprobs(self.tokenizer, prompt_logprobs),
+                                   prompt_token_ids=self.ids(prompt_token_ids))
 
-    def opening_chunks(self, usages: list[Usage | None]) -> list[ChatCompletionChunk]:
-        # OpenAI announces the role first.
-        return [self.chunk(i, "", None, role=True, usage=usage) for i, usage in enumerate(usages)]
+    def opening_chunks(self, usages: list[Usage | None], prompts: list[list[int]]) -> list[ChatCompletionChunk]:
+        # OpenAI announces the role first; vLLM sends the prompt's ids with it.
+        return [self.chunk(i, "", None, role=True, usage=usage, token_ids=[], prompt_token_ids=prompt)
+                for i, (usage, prompt) in enumerate(zip(usages, prompts))]
 
     def usage_chunk(self, results: list[GenerationResult]) -> ChatCompletionChunk:
         return ChatCompletionChunk(**self._fields(), choices=[], **_totals(results))
@@ -549,7 +582,9 @@ class OpenAIReplica:
                 prompt if isinstance(prompt, str) else tokenizer.decode(prompt)  # as the engine decodes token ids
                 for prompt in body.prompts for _ in range(body.n)], 0))
         return await self._generate(body, sampling, requests,
-                                    _CompletionFormat(self.model_id, self.tokenizer, echo=body.echo), echo)
+                                    _CompletionFormat(self.model_id, self.tokenizer, echo=body.echo,
+                                                      request_id=body.request_id, token_ids=body.return_token_ids),
+                                    echo)
 
     @api.post("/v1/chat/completions")
     async def chat_completions(self, raw: Request) -> Response:
@@ -561,7 +596,8 @@ class OpenAIReplica:
         except RequestError as exc:
             raise ApiError(400, str(exc), param="chat_template") from None
         requests = [self._request(body, sampling, choice, messages=messages, **rendering) for choice in range(body.n)]
-        return await self._generate(body, sampling, requests, _ChatFormat(self.model_id, self.tokenizer))
+        return await self._generate(body, sampling, requests, _ChatFormat(
+            self.model_id, self.tokenizer, request_id=body.request_id, token_ids=body.return_token_ids))
 
     # ------------------------------------------------------------------------------------------- internals
     async def _parse(self, request: Request, model: type[GenerationRequest]) -> Any:
@@ -615,11 +651,12 @@ class OpenAIReplica:
         events = self.loop.generate(requests, stream=body.stream)
         head = await self._until_admitted(events, len(requests), fmt.input_field)
         if body.stream:
-            prompt_tokens = [0] * len(requests)
+            prompt_tokens, prompts = [0] * len(requests), [[] for _ in requests]
             for index, event in head:  # the first event of every sequence
                 prompt_tokens[index] = prompt_tokens[index] or _prompt_tokens(event)
+                prompts[index] = prompts[index] or list(event.prompt_token_ids or [])
             usage = _StreamUsage(prompt_tokens, body.include_usage, body.continuous_usage)
-            chunks = self._stream(_replay(head, events), len(requests), fmt, sampling.stop, usage, echo)
+            chunks = self._stream(_replay(head, events), len(requests), fmt, sampling.stop, usage, echo, prompts)
             return StreamingResponse(chunks, media_type="text/event-stream")
         results: list[GenerationResult] = [None] * len(requests)  # type: ignore[list-item]
         async with aclosing(_replay(head, events)) as stream:
@@ -654,9 +691,13 @@ class OpenAIReplica:
 
     async def _stream(
         self, events: AsyncGenerator[tuple[int, Event], None], count: int, fmt: _Format, stops: list[str],
-        usage: _StreamUsage, echo: list[str] | None = None,
+        usage: _StreamUsage, echo: list[str] | None = None, prompts: list[list[int]] | None = None,
     ) -> AsyncIterator[str]:
+        """``prompts``: each choice's prompt token ids (its first chunk carries them, with ``return_token_ids``)."""
         texts = [IncrementalText(self.tokenizer, stops) for _ in range(count)]
+        # With return_token_ids, each chunk carries the ids of the tokens that came since the last one it sent.
+        received: list[list[int]] = [[] for _ in range(count)]
+        ids_sent = [0] * count
         # Logprob entries go out with the chunk that carries their text (a token's text may be held back), the
         # last ones with the final chunk, from the result (which a stop string may have cut short).
         pending: list[Entries] = [[] for _ in range(count)]
@@ -664,7 +705,7 @@ class OpenAIReplica:
         results: list[GenerationResult] = []
         # echo: the prompt's text leads the first chunk of each choice (vLLM sends it with the first tokens' text).
         leads = list(echo) if echo is not None else [""] * count
-        for chunk in fmt.opening_chunks([usage.so_far(i) for i in range(count)]):
+        for chunk in fmt.opening_chunks([usage.so_far(i) for i in range(count)], prompts or [[]] * count):
             yield _sse(chunk)
         try:
             async with aclosing(events):  # a client that goes away closes this, releasing the engine routes
@@ -675,16 +716,21 @@ class OpenAIReplica:
                         rest = None if event.logprobs is None else event.logprobs[sent[index]:]
                         text, leads[index] = leads[index] + texts[index].finish(event.text), ""
                         yield _sse(fmt.chunk(index, text, event.finish_reason, logprobs=rest, offset=offsets[index],
-                                             prompt_logprobs=event.prompt_logprobs, usage=usage.so_far(index)))
+                                             prompt_logprobs=event.prompt_logprobs, usage=usage.so_far(index),
+                                             token_ids=event.token_ids[ids_sent[index]:],
+                                             stop_reason=event.stop_reason))
                         continue
                     usage.generated[index] += len(event)
                     pending[index] += event.logprobs or []
+                    if fmt.token_ids:
+                        received[index] += event
                     delta = texts[index].push(event)
                     if delta or leads[index]:
                         delta, leads[index] = leads[index] + delta, ""
                         entries = pending[index] if event.logprobs is not None else None
                         yield _sse(fmt.chunk(index, delta, None, logprobs=entries, offset=offsets[index],
-                                             usage=usage.so_far(index)))
+                                             usage=usage.so_far(index), token_ids=received[index][ids_sent[index]:]))
+                        ids_sent[index] = len(received[index])
                         sent[index] += len(pending[index])
                         offsets[index] += _token_chars(self.tokenizer, pending[index])
                         pending[index] = []

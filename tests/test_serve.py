@@ -119,6 +119,7 @@ def test_completion_matches_engine(client, config, reference, tokenizer):
     assert body["usage"] == {
         "prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
         "total_tokens": prompt_tokens + completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": 0},  # a prompt shorter than a cache block: nothing cached
     }
     spec = body["metrics"]["speculative_decoding"]
     assert spec == expected.spec_decode  # one definition, computed in one place (decoding.stats)
@@ -193,7 +194,8 @@ def test_stream_concatenates_to_the_non_streamed_text(client, path, inputs, use_
     assert choice_chunks[-1]["choices"][0]["finish_reason"] == whole["choices"][0]["finish_reason"]
     assert all(c["choices"][0]["finish_reason"] is None for c in choice_chunks[:-1])
     assert usage_chunk["choices"] == []
-    assert usage_chunk["usage"] == whole["usage"]
+    # The same counts, but the stream's prompt was cached by the first request (``prompt_tokens_details``).
+    assert {**usage_chunk["usage"], "prompt_tokens_details": None} == {**whole["usage"], "prompt_tokens_details": None}
     assert len({c["id"] for c in chunks}) == 1
     if path == "/v1/chat/completions":
         assert chunks[0]["object"] == "chat.completion.chunk"
@@ -725,6 +727,59 @@ def test_a_client_leaving_a_stream_does_not_disturb_the_replica(client):
 
 def _steps(client: httpx.Client) -> int:
     return client.get("/health").json()["steps"]
+
+
+def test_vllms_request_fields_have_vllms_meaning(client, reference):
+    """request_id names the response, priority 0 is accepted and any other a 400 (no priority scheduling, as vLLM's
+    default scheduler answers), vllm_xargs is accepted and ignored (no custom logits processors run), and
+    return_token_ids puts the prompt's and the choice's ids beside the text, whole or streamed."""
+    body = {"prompt": "the cat", "max_tokens": 8, "temperature": 0}
+    expected = reference(prompt="the cat", sampling={"max_tokens": 8})
+    answer = _post(client, "/v1/completions", {**body, "request_id": "job-7", "priority": 0,
+                                               "vllm_xargs": {"a": 1, "b": [1.5, "x"]}, "return_token_ids": True})
+    assert answer["id"] == "cmpl-job-7"
+    choice = answer["choices"][0]
+    assert choice["text"] == expected.text
+    assert choice["token_ids"] == expected.token_ids and choice["prompt_token_ids"] == expected.prompt_token_ids
+    assert _post(client, "/v1/completions", body)["choices"][0]["token_ids"] is None  # only when asked for
+    refused = client.post("/v1/completions", json={**body, "priority": 1})
+    assert refused.status_code == 400 and refused.json()["error"]["param"] == "priority", refused.text
+
+    messages = [{"role": "user", "content": "a cat"}]
+    whole = _post(client, "/v1/chat/completions", {"messages": messages, "max_tokens": 8, "temperature": 0,
+                                                   "return_token_ids": True, "request_id": "chat-1"})
+    assert whole["id"] == "chatcmpl-chat-1"
+    chunks = _stream(client, "/v1/chat/completions", {"messages": messages, "max_tokens": 8, "temperature": 0,
+                                                      "return_token_ids": True})
+    assert chunks[0]["prompt_token_ids"] == whole["prompt_token_ids"] and whole["prompt_token_ids"]
+    streamed = [t for chunk in chunks for c in chunk["choices"] for t in c["token_ids"] or []]
+    assert streamed == whole["choices"][0]["token_ids"] and len(streamed) == whole["usage"]["completion_tokens"]
+    text = "".join(c["delta"]["content"] or "" for chunk in chunks for c in chunk["choices"])
+    assert text == whole["choices"][0]["message"]["content"]
+
+
+def test_stop_reason_names_what_stopped_a_choice_and_usage_counts_cached_prompt_tokens(client, reference):
+    """vLLM's stop_reason: the stop string or the stop token id that ended a choice, null for a length (or EOS)
+    ending, streamed with the last chunk; usage.prompt_tokens_details.cached_tokens counts the prompt tokens the
+    prefix cache held."""
+    expected = reference(prompt="the cat", sampling={"max_tokens": 12, "ignore_eos": True})
+    assert len(expected.token_ids) == 12
+    token = expected.token_ids[3]
+    stop_text = expected.text[len(expected.text) // 2:][:2]
+    body = {"prompt": "the cat", "max_tokens": 12, "temperature": 0, "ignore_eos": True}
+    assert _post(client, "/v1/completions", body)["choices"][0]["stop_reason"] is None  # ended by length
+    by_token = _post(client, "/v1/completions", {**body, "stop_token_ids": [token]})["choices"][0]
+    assert by_token["finish_reason"] == "stop" and by_token["stop_reason"] == token
+    by_text = _post(client, "/v1/completions", {**body, "stop": ["zzzz", stop_text]})["choices"][0]
+    assert by_text["finish_reason"] == "stop" and by_text["stop_reason"] == stop_text
+    chunks = _stream(client, "/v1/completions", {**body, "stop": [stop_text]})
+    assert [c["stop_reason"] for chunk in chunks for c in chunk["choices"] if c["finish_reason"]] == [stop_text]
+
+    long = {"prompt": " ".join(WORDS[i % len(WORDS)] for i in range(40)), "max_tokens": 2, "temperature": 0}
+    first = _post(client, "/v1/completions", long)["usage"]
+    again = _post(client, "/v1/completions", long)["usage"]
+    assert first["prompt_tokens_details"]["cached_tokens"] < again["prompt_tokens_details"]["cached_tokens"]
+    assert 0 < again["prompt_tokens_details"]["cached_tokens"] <= again["prompt_tokens"]
 
 
 def test_32_concurrent_requests_match_sequential_and_share_steps(client, server):

@@ -56,10 +56,12 @@ T = TypeVar("T")
 
 class NewTokens(list[int]):
     """A step's new token ids of one sequence; ``logprobs``: their entries, when its request asked for them;
-    ``num_prompt_tokens``: its prompt's length (a stream's usage before the result)."""
+    ``num_prompt_tokens``: its prompt's length (a stream's usage before the result); ``prompt_token_ids``: its
+    prompt (a stream's first chunk, where token ids are asked for)."""
 
     logprobs: list[dict[str, Any]] | None = None
     num_prompt_tokens: int | None = None
+    prompt_token_ids: list[int] | None = None
 
 
 Event = NewTokens | GenerationResult | BaseException
@@ -373,6 +375,7 @@ class EngineRunner:
             elif request_id not in finished and fresh:
                 event = NewTokens(fresh)
                 event.num_prompt_tokens = len(job.prepared.prompt_ids)
+                event.prompt_token_ids = job.prepared.prompt_ids
                 if (logprobs := output.new_logprobs.get(request_id)) is not None:
                     event.logprobs = logprobs[len(logprobs) - len(fresh):]
                 job.sink(event)

@@ -76,6 +76,8 @@ class GenerationResult:
     num_grammar_forced_tokens: int = 0
     # Prompt tokens whose keys and values came from the prefix cache (vLLM's RequestOutput.num_cached_tokens).
     num_cached_tokens: int = 0
+    # vLLM's stop_reason: the stop string, or the stop_token_ids entry, that ended it (None: EOS, length, error).
+    stop_reason: int | str | None = None
 
     @property
     def stats(self) -> SpecDecodeStats:
@@ -130,6 +132,7 @@ class Sequence:
     forwards: int = 0
     finish_reason: str | None = None
     stop_text: str | None = None
+    stop_reason: int | str | None = None  # ``GenerationResult.stop_reason``
     stop_ids: set[int] = field(default_factory=set)  # EOS unless ignore_eos, and stop_token_ids
     text: IncrementalDecoder | None = None  # the generation's text so far, kept only to match stop strings
     # A constrained row's grammar, at the committed tokens before the pending one (decoding.constraints.constrained).
@@ -161,6 +164,7 @@ class Sequence:
             self.accepted.append(flag)
             if token in self.stop_ids:
                 self.finish_reason = "stop"
+                self.stop_reason = token if token in (self.params.stop_token_ids or ()) else None
                 break
             if len(self.generated) >= self.params.max_tokens or (
                 len(self.prompt_ids) + len(self.generated) >= max_context
@@ -192,6 +196,7 @@ class Sequence:
                 del self.generated[end + 1 :], self.accepted[end + 1 :]
                 at, after = min(hits, key=lambda hit: hit[0])
                 self.stop_text = self.text.text[: after if self.params.include_stop_str_in_output else at]
+                self.stop_reason = self.text.text[at:after]
                 self.finish_reason = "stop"
                 return
 
@@ -213,6 +218,7 @@ class Sequence:
             prompt_logprobs=self.prompt_logprobs,
             num_grammar_forced_tokens=self.grammar_forced,
             num_cached_tokens=self.cached_tokens,
+            stop_reason=self.stop_reason,
         )
 
 
