@@ -133,6 +133,23 @@ class GenerationRequest(_Request):
     request_id: str | None = Field(None, max_length=256, description="extension (vLLM): the response's id")
     vllm_xargs: dict[str, str | int | float | list[str | int | float]] | None = None
     return_token_ids: bool = False
+    # vLLM's input options (decoding.engine.Request): special tokens added to a text prompt (chat: by the template,
+    # so none by default), the prompt cut to its last k tokens (-1: the context), a prefix-cache salt.
+    add_special_tokens: bool | None = None
+    truncate_prompt_tokens: int | None = Field(None, ge=-1)
+    cache_salt: str | None = Field(None, min_length=1, max_length=256)
+
+    @field_validator("truncate_prompt_tokens")
+    @classmethod
+    def _tokens_to_keep(cls, value: int | None) -> int | None:
+        if value == 0:
+            raise ValueError("truncate_prompt_tokens is -1 (the context) or a number of tokens >= 1")
+        return value
+
+    def input_options(self) -> dict[str, Any]:
+        """The engine request's input options (``decoding.engine.Request``) this body sets."""
+        return {name: getattr(self, name) for name in ("add_special_tokens", "truncate_prompt_tokens", "cache_salt")
+                if getattr(self, name) is not None}
     # Structured outputs: OpenAI's response_format, vLLM's structured_outputs and its older guided_* fields, merged
     # into one constraint (decoding.config.StructuredOutputs); more than one constraint is refused.
     response_format: ResponseFormat | None = None

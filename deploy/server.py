@@ -635,7 +635,8 @@ class OpenAIReplica:
         one = {"n": 1}  # each choice is one engine sequence
         if body.seed is not None and body.n > 1:  # n seeded choices: n reproducible, different samples
             one["seed"] = row_seed(body.seed, str(choice))
-        return EngineRequest(id=uuid.uuid4().hex, sampling=sampling.model_copy(update=one), **inputs)
+        return EngineRequest(id=uuid.uuid4().hex, sampling=sampling.model_copy(update=one), **inputs,
+                             **body.input_options())
 
     async def _generate(
         self, body: GenerationRequest, sampling: SamplingParams, requests: list[EngineRequest], fmt: _Format,

@@ -19,7 +19,7 @@ from engine_cases import (
     on_device,
     run,
 )
-from tiny import tiny_model
+from tiny import tiny_model, tiny_tokenizer
 
 from decoding import Engine, Request
 from decoding.drafting.feature_draft import FeatureDraft
@@ -732,3 +732,42 @@ def test_on_a_gpu_the_policy_learns_phase_costs_from_device_events_not_host_time
     engine.policy.observe = lambda record: timings.append(record.timing) or observe(record)
     engine.generate([Request(id=str(i), prompt=p) for i, p in enumerate(PROMPTS[:2])])
     assert timings and all(t.draft_seconds == t.verify_seconds == 1e-3 for t in timings), timings
+
+
+def test_truncate_prompt_tokens_keeps_the_prompts_last_tokens(tokenizer, target) -> None:
+    """vLLM's truncate_prompt_tokens: the prompt's last k tokens (text or ids), decoded as if sent alone; -1 keeps as
+    many as the context holds; 0 or below -1 is an error row naming the field."""
+    engine = Engine(make_config(method="ngram", sampling={"max_tokens": 6}), target=target, tokenizer=tokenizer)
+    ids = tokenizer(PROMPTS[0])["input_ids"]
+    cut, alone, whole, text_cut = engine.generate([
+        Request("cut", prompt_token_ids=ids, truncate_prompt_tokens=5),
+        Request("alone", prompt_token_ids=ids[-5:]),
+        Request("whole", prompt_token_ids=ids, truncate_prompt_tokens=-1),
+        Request("text", prompt=PROMPTS[0], truncate_prompt_tokens=5),
+    ])
+    assert cut.prompt_token_ids == ids[-5:] and cut.token_ids == alone.token_ids
+    assert text_cut.prompt_token_ids == ids[-5:] and text_cut.token_ids == alone.token_ids
+    assert text_cut.prompt == tokenizer.decode(ids[-5:])
+    assert whole.prompt_token_ids == ids  # shorter than the context: nothing cut
+    for bad in (0, -2):
+        [refused] = engine.generate([Request("bad", prompt_token_ids=ids, truncate_prompt_tokens=bad)])
+        assert refused.finish_reason == "error" and "truncate_prompt_tokens" in refused.error
+
+
+def test_add_special_tokens_decides_whether_a_text_prompt_gets_the_tokenizers_special_tokens(target) -> None:
+    """vLLM's add_special_tokens: a text prompt gets the tokenizer's special tokens (here a leading BOS) unless it is
+    false; rendered messages get none unless it is true (the chat template writes them)."""
+    from tokenizers.processors import TemplateProcessing
+
+    tokenizer = tiny_tokenizer()
+    bos = tokenizer.convert_tokens_to_ids("<s>")
+    tokenizer.backend_tokenizer.post_processor = TemplateProcessing(single="<s> $A", special_tokens=[("<s>", bos)])
+    tokenizer.chat_template = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
+    engine = Engine(make_config(method="none", sampling={"max_tokens": 2}), target=target, tokenizer=tokenizer)
+    messages = [{"role": "user", "content": "the cat"}]
+    with_bos, without, chat, chat_bos = engine.generate([
+        Request("a", prompt="the cat"), Request("b", prompt="the cat", add_special_tokens=False),
+        Request("c", messages=messages), Request("d", messages=messages, add_special_tokens=True),
+    ])
+    assert with_bos.prompt_token_ids == [bos, *without.prompt_token_ids] and bos not in without.prompt_token_ids
+    assert chat.prompt_token_ids == without.prompt_token_ids and chat_bos.prompt_token_ids == with_bos.prompt_token_ids

@@ -362,3 +362,20 @@ def test_prompt_logprobs_cover_every_prompt_token_whatever_the_cache_holds(
             assert [alt["rank"] for alt in alternatives] == list(range(1, top + 1))
     if drafter != "none":
         assert sum(sum(r.per_step_drafted) for r in results.values()) > 0  # it speculated
+
+
+def test_rows_of_different_cache_salts_share_no_cached_block(tokenizer, target, draft) -> None:
+    """vLLM's cache_salt: a prompt's blocks are found again only by rows of its own salt (no salt is a salt of its
+    own), and a salted row decodes what an unsalted one does."""
+    engine = _engine(_config(True, 1), tokenizer, target, draft, torch.device("cpu"))
+
+    def cached(salt: str | None) -> tuple[int, list[int]]:
+        [result] = engine.generate([Request(f"{salt}-{engine.steps}", prompt=BASE + "runs", cache_salt=salt)])
+        return result.num_cached_tokens, result.token_ids
+
+    first, plain = cached(None)
+    assert first == 0 and cached(None)[0] > 0
+    assert cached("tenant-a") == (0, plain)  # another salt: nothing shared, the same output
+    assert cached("tenant-a")[0] > 0 and cached("tenant-b")[0] == 0
+    [refused] = engine.generate([Request("bad", prompt="x", cache_salt="")])
+    assert refused.finish_reason == "error" and "cache_salt" in refused.error

@@ -744,6 +744,13 @@ def test_vllms_request_fields_have_vllms_meaning(client, reference):
     assert _post(client, "/v1/completions", body)["choices"][0]["token_ids"] is None  # only when asked for
     refused = client.post("/v1/completions", json={**body, "priority": 1})
     assert refused.status_code == 400 and refused.json()["error"]["param"] == "priority", refused.text
+    # Input options reach the engine (decoding.engine.Request; their meaning is tested there).
+    cut = _post(client, "/v1/completions", {**body, "truncate_prompt_tokens": 2, "add_special_tokens": False,
+                                            "cache_salt": "tenant-1", "return_token_ids": True})
+    assert cut["choices"][0]["prompt_token_ids"] == expected.prompt_token_ids[-2:]
+    for field, value in (("truncate_prompt_tokens", 0), ("cache_salt", "")):
+        refused = client.post("/v1/completions", json={**body, field: value})
+        assert refused.status_code == 400 and refused.json()["error"]["param"] == field, refused.text
 
     messages = [{"role": "user", "content": "a cat"}]
     whole = _post(client, "/v1/chat/completions", {"messages": messages, "max_tokens": 8, "temperature": 0,

@@ -9,6 +9,7 @@ finished.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Iterable
 from typing import Any
@@ -129,6 +130,7 @@ class Engine:
             seq.stop_ids = params.stop_ids(self.eos_ids)
             seq.bad_words = self._bad_words(params, tokenizer)
             seq.group = request.group or request.id
+            seq.cache_salt = request.cache_salt or ""
             # Compiled here, off the step.
             seq.grammar = self.constraints.row_grammar(params, seq.stop_ids, tokenizer, request.id)
             need = self.cache.blocks_for(self._positions(seq))
@@ -178,9 +180,22 @@ class Engine:
             what = "prompt" if request.messages is None else "messages' text"
             raise EngineError(f"the {what} has {size} bytes, more than limits.max_prompt_bytes "
                               f"({self.max_prompt_bytes}): longer than {bound} of {self.max_context} tokens can hold")
-        if request.prompt_token_ids is not None:
+        keep = request.truncate_prompt_tokens
+        if keep is not None and (type(keep) is not int or keep == 0 or keep < -1):
+            raise EngineError(f"truncate_prompt_tokens must be -1 (the context) or a number of tokens >= 1, "
+                              f"got {keep!r}")
+        if request.cache_salt is not None and (type(request.cache_salt) is not str or not request.cache_salt):
+            raise EngineError("cache_salt must be a non-empty string")
+        limit = None if keep is None else self.max_context if keep == -1 else keep  # the last tokens stay (vLLM's)
+        given = request.prompt_token_ids
+        if given is not None:
+            if limit is not None and isinstance(given, list) and len(given) > limit:
+                request = dataclasses.replace(request, prompt=None, prompt_token_ids=given[-limit:])
             self._check_prompt_ids(request.prompt_token_ids, bound)  # before they are decoded into the prompt's text
         prompt, ids = encode_request(tokenizer, request)
+        if limit is not None and len(ids) > limit:
+            ids = ids[-limit:]
+            prompt = tokenizer.decode(ids)
         self._check_prompt_ids(ids, bound)
         return prompt, ids
 

@@ -110,7 +110,8 @@ class Scheduler:
         claims: list[Claim] = []
         for pool in self.pools:
             # A row asking for prompt logprobs needs the logits at every prompt position: none from the cache.
-            claim = pool.claim(seq.prompt_ids, self.positions(seq), read_cache=seq.params.prompt_logprobs is None)
+            claim = pool.claim(seq.prompt_ids, self.positions(seq), read_cache=seq.params.prompt_logprobs is None,
+                               salt=seq.cache_salt)
             if claim is None:
                 for held in claims:
                     held.pool.release_claim(held)

@@ -47,6 +47,12 @@ class Request:
     continue_final_message: bool = False
     # Requests of one group (the n choices of one HTTP request) share one turn in fair admission; default: its id.
     group: str | None = None
+    # vLLM's input options: whether a text prompt is tokenized with the tokenizer's special tokens (None: yes for
+    # ``prompt``, no for ``messages``, whose template adds them); keep only the prompt's last k tokens (-1: as many
+    # as the context holds); a salt that separates its cached prefix blocks from those of other salts.
+    add_special_tokens: bool | None = None
+    truncate_prompt_tokens: int | None = None
+    cache_salt: str | None = None
 
 
 @dataclass
@@ -143,6 +149,7 @@ class Sequence:
     group: str = ""  # its request's admission group (Request.group, else its id)
     claims: list[Claim] = field(default_factory=list)  # KV blocks admission claimed, a claim per pool, until it joins
     cached_tokens: int = 0  # prompt tokens its prefill found in the prefix cache
+    cache_salt: str = ""  # ``Request.cache_salt``: its prefix blocks are shared only with rows of the same salt
     policy_memory: RowMemory = field(default_factory=RowMemory)  # what the length policy learned of it
 
     @property
@@ -287,11 +294,12 @@ def encode_request(tokenizer: PreTrainedTokenizerBase, request: Request) -> tupl
     if request.prompt_token_ids is not None:
         ids = [int(t) for t in request.prompt_token_ids]
         return (request.prompt if isinstance(request.prompt, str) else tokenizer.decode(ids)), ids
+    special = request.add_special_tokens
     if request.messages is not None:
         prompt = render_messages(tokenizer, request)
-        return prompt, tokenizer(prompt, add_special_tokens=False)["input_ids"]
+        return prompt, tokenizer(prompt, add_special_tokens=bool(special))["input_ids"]
     if isinstance(request.prompt, str):
-        return request.prompt, tokenizer(request.prompt)["input_ids"]
+        return request.prompt, tokenizer(request.prompt, add_special_tokens=special is not False)["input_ids"]
     raise EngineError(f"prompt must be a string, got {type(request.prompt).__name__}")
 
 

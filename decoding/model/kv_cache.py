@@ -165,11 +165,14 @@ class PagedKVCache:
         return self.active < self.max_rows and self.blocks_promised + self.blocks_for(positions) <= self.num_blocks
 
     # ------------------------------------------------------------------------------------------- prefixes
-    def prefix_keys(self, prompt: list[int]) -> list[bytes]:
-        """The keys of ``prompt``'s full blocks: each hashes the block's tokens with its parent's key."""
+    def prefix_keys(self, prompt: list[int], salt: str = "") -> list[bytes]:
+        """The keys of ``prompt``'s full blocks: each hashes the block's tokens with its parent's key, the first
+        with the pool's root key and the row's ``salt`` (rows of different salts share no block)."""
         if not self.prefix_caching:
             return []
         keys, parent, size = [], self._root_key, self.block_size
+        if salt:
+            parent = hashlib.blake2b(parent + salt.encode(), digest_size=16).digest()
         for start in range(0, len(prompt) - size + 1, size):
             parent = hashlib.blake2b(parent + array("q", prompt[start : start + size]).tobytes(),
                                      digest_size=16).digest()
@@ -202,13 +205,14 @@ class PagedKVCache:
                 else:
                     heapq.heappush(self._free, block)
 
-    def claim(self, prompt: list[int], positions: int, read_cache: bool = True) -> Claim | None:
+    def claim(self, prompt: list[int], positions: int, read_cache: bool = True, salt: str = "") -> Claim | None:
         """Admission of a row whose prompt is ``prompt`` and which may reach ``positions`` positions: the cached
         blocks of its prompt's prefix, held from now on, and the promise of the rest; None if the pool cannot
         promise it (nothing is held then). Without ``read_cache`` the row takes no cached block and prefills its
         whole prompt (vLLM's skip_reading_prefix_cache: a row asking for prompt logprobs needs the logits at every
-        prompt position); its full blocks are still registered for later rows, and it counts no prefix query."""
-        keys = self.prefix_keys(prompt)
+        prompt position); its full blocks are still registered for later rows, and it counts no prefix query.
+        ``salt``: the row's cache salt (``prefix_keys``)."""
+        keys = self.prefix_keys(prompt, salt)
         cacheable = min(len(keys), (len(prompt) - 1) // self.block_size) if read_cache else 0
         blocks = self._cached_run(keys, 0, cacheable)
         queried = len(prompt) if self.prefix_caching and read_cache else 0
