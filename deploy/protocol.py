@@ -279,11 +279,20 @@ def _prompts(prompt: str | list[Any]) -> list[Prompt]:
 
 class ChatCompletionRequest(GenerationRequest):
     messages: list[ChatMessage] = Field(min_length=1)
+
+    @property
+    def echoed(self) -> str:
+        """vLLM's chat echo: the last message's text when it is the assistant's (the role each choice continues),
+        which then leads each choice's content; else nothing."""
+        last = self.messages[-1].rendered()
+        return last["content"] if self.echo and last["role"] == "assistant" else ""
+
     # vLLM's: how messages render (over the config's chat_template / chat_template_kwargs).
     chat_template: str | None = None
     chat_template_kwargs: dict[str, Any] | None = None
     add_generation_prompt: bool = True
     continue_final_message: bool = False
+    echo: bool = Field(False, description="extension (vLLM): a last assistant message leads each choice's content")
     max_completion_tokens: int | None = Field(None, description="OpenAI's newer name for max_tokens")
     logprobs: bool | None = None
     top_logprobs_: int | None = Field(None, alias="top_logprobs")

@@ -367,12 +367,13 @@ class _CompletionFormat(_Format):
 
 class _ChatFormat(_Format):
     def __init__(self, model: str, tokenizer: Any = None, request_id: str | None = None,
-                 token_ids: bool = False) -> None:
+                 token_ids: bool = False, echo: str = "") -> None:
         super().__init__("chatcmpl", "messages", model, tokenizer, request_id, token_ids)
+        self.echo = echo  # the text each choice's content starts with (vLLM's chat echo)
 
     def response(self, results: list[GenerationResult]) -> ChatCompletionResponse:
         choices = [
-            ChatChoice(index=i, message=AssistantMessage(content=r.text), finish_reason=r.finish_reason,
+            ChatChoice(index=i, message=AssistantMessage(content=self.echo + r.text), finish_reason=r.finish_reason,
                        stop_reason=r.stop_reason, logprobs=_chat_logprobs(self.tokenizer, r.logprobs),
                        token_ids=self.ids(r.token_ids))
             for i, r in enumerate(results)
@@ -596,8 +597,10 @@ class OpenAIReplica:
         except RequestError as exc:
             raise ApiError(400, str(exc), param="chat_template") from None
         requests = [self._request(body, sampling, choice, messages=messages, **rendering) for choice in range(body.n)]
+        echo = body.echoed
         return await self._generate(body, sampling, requests, _ChatFormat(
-            self.model_id, self.tokenizer, request_id=body.request_id, token_ids=body.return_token_ids))
+            self.model_id, self.tokenizer, request_id=body.request_id, token_ids=body.return_token_ids, echo=echo),
+            [echo] * body.n if echo and body.stream else None)
 
     # ------------------------------------------------------------------------------------------- internals
     async def _parse(self, request: Request, model: type[GenerationRequest]) -> Any:

@@ -764,6 +764,20 @@ def test_vllms_request_fields_have_vllms_meaning(client, reference):
     text = "".join(c["delta"]["content"] or "" for chunk in chunks for c in chunk["choices"])
     assert text == whole["choices"][0]["message"]["content"]
 
+    # Chat echo: a last assistant message (continued here) leads each choice's content, whole or streamed.
+    prefix = [*messages, {"role": "assistant", "content": "the dog"}]
+    continued = {"messages": prefix, "max_tokens": 6, "temperature": 0, "add_generation_prompt": False,
+                 "continue_final_message": True, "n": 2}
+    bare = _post(client, "/v1/chat/completions", continued)["choices"][0]["message"]["content"]
+    echoed = _post(client, "/v1/chat/completions", {**continued, "echo": True})["choices"]
+    assert [c["message"]["content"] for c in echoed] == ["the dog" + bare] * 2
+    streamed = _stream(client, "/v1/chat/completions", {**continued, "echo": True, "n": 1})
+    assert "".join(c["delta"]["content"] or "" for chunk in streamed for c in chunk["choices"]) == "the dog" + bare
+    plain = _post(client, "/v1/chat/completions", {"messages": messages, "max_tokens": 4, "temperature": 0,
+                                                   "echo": True})  # the last message is the user's: nothing led
+    assert plain["choices"][0]["message"]["content"] == _post(client, "/v1/chat/completions", {
+        "messages": messages, "max_tokens": 4, "temperature": 0})["choices"][0]["message"]["content"]
+
 
 def test_stop_reason_names_what_stopped_a_choice_and_usage_counts_cached_prompt_tokens(client, reference):
     """vLLM's stop_reason: the stop string or the stop token id that ended a choice, null for a length (or EOS)
