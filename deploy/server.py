@@ -331,7 +331,6 @@ class _CompletionFormat(_Format):
                  token_ids: bool = False) -> None:
         super().__init__("cmpl", "prompt", model, tokenizer, request_id, token_ids)
         self.echo = echo  # each choice's text starts with its prompt's (vLLM's, OpenAI's echo)
-        self.prompts_sent: set[int] = set()  # stream choices whose first chunk carried the prompt's ids
 
     def response(self, results: list[GenerationResult]) -> CompletionResponse:
         choices = [

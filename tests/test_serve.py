@@ -742,6 +742,9 @@ def test_vllms_request_fields_have_vllms_meaning(client, reference):
     assert choice["text"] == expected.text
     assert choice["token_ids"] == expected.token_ids and choice["prompt_token_ids"] == expected.prompt_token_ids
     assert _post(client, "/v1/completions", body)["choices"][0]["token_ids"] is None  # only when asked for
+    chunks = _stream(client, "/v1/completions", {**body, "return_token_ids": True})
+    assert chunks[0]["choices"][0]["prompt_token_ids"] == expected.prompt_token_ids  # a first chunk of its own
+    assert [t for chunk in chunks for c in chunk["choices"] for t in c["token_ids"]] == expected.token_ids
     refused = client.post("/v1/completions", json={**body, "priority": 1})
     assert refused.status_code == 400 and refused.json()["error"]["param"] == "priority", refused.text
     # Input options reach the engine (decoding.engine.Request; their meaning is tested there).
