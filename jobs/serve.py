@@ -47,6 +47,10 @@ def start(app: Application, host: str, port: int) -> str:
 def ray_session() -> Iterator[None]:
     """Join the cluster Ray would join (RAY_ADDRESS, a `ray start` cluster), else start a local one; at the end,
     disconnect, and make sure every process this command started (a local cluster's daemons and agents) is gone."""
+    # Serve's controller gives the HTTP proxy 5 s to answer its readiness check, three times, then replaces it, and
+    # serve.start fails on the replaced proxy: on a busy 2-core machine a starting proxy took longer. The cluster
+    # this command starts (its processes inherit the environment) gives it 30 s; one it joins keeps its own setting.
+    os.environ.setdefault("RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S", "30")
     ray.init(namespace="serve")
     try:
         yield
