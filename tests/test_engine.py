@@ -25,7 +25,6 @@ from decoding import Engine, Request
 from decoding.drafting.feature_draft import FeatureDraft
 from decoding.drafting.length_policies import RowMemory, RowPlan
 from decoding.engine import prefill_groups
-from decoding.model.kv_cache import PagedKVCache
 from decoding.model.model_runner import ModelRunner
 
 # ------------------------------------------------------------------------------------------------------ greedy identity
@@ -208,9 +207,7 @@ def assert_verified_within_cuts(engine: Engine, results: list, size_of: Callable
 class _Replaying(ModelRunner):
     """A runner whose step forwards count as replayed (its forwards stay eager on a CPU): a CUDA engine's trees."""
 
-    def __init__(self, model: torch.nn.Module, cache: PagedKVCache, captured: bool) -> None:
-        super().__init__(model, cache, captured)
-        self.replays = True
+    replays = True
 
 
 @pytest.mark.parametrize("whole_trees", [False, True])

@@ -29,12 +29,17 @@ class ModelRunner:
     def __init__(self, model: torch.nn.Module, cache: PagedKVCache, captured: bool) -> None:
         self.model, self.cache, self.execution = model, cache, cache.execution
         self.clock = PhaseClock(cache.device)  # what the length policy learns the phases cost, timed on the device
-        # The one place that decides whether step forwards replay graphs.
-        self.replays = captured and self.execution.graphs and isinstance(model, LeanCausalLM)
+        # The one place that decides whether step forwards replay graphs: a replaying runner owns them.
+        replays = captured and self.execution.graphs and isinstance(model, LeanCausalLM)
         self.graphs = GraphedForward(
             functools.partial(model.flat_forward, execution=self.execution), cache.max_positions_per_row,
             key_buckets=self.execution.kernels != "triton",  # the fused kernels read sequence lengths on the device
-        ) if self.replays else None
+        ) if replays else None
+
+    @property
+    def replays(self) -> bool:
+        """Whether its step forwards replay captured graphs (and a verification carries whole trees)."""
+        return self.graphs is not None
 
     def capture(self, tokens_per_row: list[int], hidden: bool, budget: int, memory: Callable[[], int]) -> int:
         """Capture the step forwards of ``tokens_per_row`` tokens per row, every row and key bucket, within
@@ -55,7 +60,5 @@ class ModelRunner:
         """The target's forward over a tree (a decode: a one-node tree), replayed where captured."""
         return forward_tree(self.model, self.cache, rows, input_ids, ancestors, valid, replay=self.graphs, **options)
 
-    def draft_level(self, rows: Rows, input_ids: torch.Tensor, ancestors: torch.Tensor, valid: torch.Tensor,
-                    **options: Any) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """A draft's forward over one level of its chains (after its catch-up prefix), replayed where captured."""
-        return forward_tree(self.model, self.cache, rows, input_ids, ancestors, valid, replay=self.graphs, **options)
+    # A draft's forward over one level of its chains (after its catch-up prefix): the same step forward.
+    draft_level = verify
