@@ -34,7 +34,14 @@ from deploy import asgi, gate
 from deploy.engine_loop import REPLICA_RUNTIME_ENV
 from deploy.llm_config import LLMConfig, ServingArgs
 from deploy.protocol import ErrorDetail, ErrorResponse, ModelList, VersionResponse
-from deploy.server import MAX_BODY_BYTES, VERSION, ModelServer, deployment_options, env_api_key, make_app
+from deploy.server import (
+    MAX_BODY_BYTES,
+    VERSION,
+    ModelServer,
+    OpenAIServer,
+    deployment_options,
+    env_api_key,
+)
 from frontend.resources import check_cluster
 
 router_api = FastAPI(title="specbatch", description="OpenAI-compatible generation with speculative decoding")
@@ -204,12 +211,14 @@ def _deployment_name(model_id: str) -> str:
     return "LLMServer:" + re.sub(r"[^A-Za-z0-9_.:-]", "_", model_id)
 
 
-def _model_deployment(llm: LLMConfig, config: Config, key: str | None) -> Application:
+def _model_deployment(llm: LLMConfig, config: Config, key: str | None, ingress: bool = False) -> Application:
+    """The model's replicas with the LLMConfig's deployment options, accelerator, resources and runtime_env;
+    ``ingress``: the replicas serve HTTP themselves (``OpenAIServer``), else behind the router (``ModelServer``)."""
     if key and config.api_key is None:
         config = config.model_copy(update={"api_key": SecretStr(key)})
     options = llm.replica_options(deployment_options(config), REPLICA_RUNTIME_ENV)
     options.setdefault("name", _deployment_name(llm.model_id))
-    return ModelServer.options(**options).bind(config)
+    return (OpenAIServer if ingress else ModelServer).options(**options).bind(config)
 
 
 def _api_key(configs: list[LLMConfig]) -> str | None:
@@ -247,4 +256,6 @@ def build_llm_deployment(llm_config: LLMConfig | dict[str, Any]) -> Application:
     """Ray Serve LLM's ``build_llm_deployment``: one model's own app, without a router (its replicas are the
     HTTP ingress)."""
     llm = llm_config if isinstance(llm_config, LLMConfig) else LLMConfig.model_validate(llm_config)
-    return make_app(llm.engine_config(), routed=False)
+    config = llm.engine_config()
+    check_cluster(config, "replicas")
+    return _model_deployment(llm, config, _api_key([llm]), ingress=True)

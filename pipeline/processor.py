@@ -14,6 +14,7 @@ reaches ``postprocess``; the engine adds the output columns (no ``id`` needed, n
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -27,6 +28,7 @@ from pipeline.processor_config import ProcessorConfig
 from pipeline.schema import INFERENCE_ERROR, RowOptions
 
 Row = dict[str, Any]
+log = logging.getLogger(__name__)
 
 # Ray Data batches an actor works on at once with a ``Config``. Their rows share one engine, so while one batch's
 # last sequences finish, the next batch's rows already fill the freed engine rows.
@@ -111,16 +113,60 @@ class _Postprocess:
         return {**result, INFERENCE_ERROR: ""} if self.error_column else result
 
 
+# The engine stage's input columns, as ``Processor.log_input_column_names`` reports them.
+REQUIRED_COLUMNS = {"prompt or messages": "the text to continue, or the chat (OpenAI's message shape)"}
+OPTIONAL_COLUMNS = {
+    "sampling_params": "vLLM's SamplingParams fields (an object or its JSON text)",
+    "tools": "OpenAI's function tools, rendered by the chat template",
+    "tool_choice": "auto, none, required or {type: function, function: {name}}",
+    "chat_template_kwargs": "variables the chat template reads",
+    "add_generation_prompt / continue_final_message": "how the last message renders",
+}
+
+
 class Processor:
-    """A callable ``Dataset -> Dataset``; see ``build_processor``."""
+    """A callable ``Dataset -> Dataset``; see ``build_processor``. Also a context manager: ``close()`` (or leaving
+    the ``with`` block) ends its use, after which calling it is refused. Its engines live in the actor pool of the
+    dataset each call returns and are released when that dataset finishes executing."""
 
     def __init__(self, config: Config, preprocess: Callable[[Row], Row] | None = None,
                  postprocess: Callable[[Row], Row] | None = None, token_stats: bool = False,
                  options: StageOptions | None = None) -> None:
         self.config, self.preprocess, self.postprocess, self.token_stats = config, preprocess, postprocess, token_stats
         self.options = options or StageOptions(rows_per_block(config))
+        self.closed = False
+
+    def __enter__(self) -> Processor:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        self.closed = True
+
+    def list_stage_names(self) -> list[str]:
+        """Ray Data LLM's stage names, in order, of the stages this processor runs."""
+        return [name for name, runs in (("Preprocess", self.preprocess is not None), ("vLLMEngineStage", True),
+                                        ("Postprocess", self.postprocess is not None)) if runs]
+
+    def log_input_column_names(self) -> str:
+        """Logs (and returns) the first stage and the columns it reads, as Ray Data LLM's processor does: a dataset
+        without them needs a ``preprocess`` that makes them."""
+        lines = [f"The first stage of the processor is {self.list_stage_names()[0]}."]
+        if self.preprocess is None:
+            lines += ["Required input columns:", *(f"\t{k}: {v}" for k, v in REQUIRED_COLUMNS.items()),
+                      "Optional input columns:", *(f"\t{k}: {v}" for k, v in OPTIONAL_COLUMNS.items())]
+        else:
+            lines.append("Its input columns are whatever preprocess reads; preprocess's output columns: "
+                         + ", ".join([*REQUIRED_COLUMNS, *OPTIONAL_COLUMNS]))
+        message = "\n".join(lines)
+        log.info(message)
+        return message
 
     def __call__(self, ds: ray.data.Dataset) -> ray.data.Dataset:
+        if self.closed:
+            raise RuntimeError("this processor is closed (close() or its with block ended): build another")
         # The engine's side (torch, transformers) loads here, in the driver: Ray Data's tasks that run this module's
         # preprocess and postprocess do without it (5 s of CPU for each of their worker processes).
         from pipeline.actor import GenerationActor

@@ -350,6 +350,23 @@ def test_everyday_engine_kwargs_are_honoured():
     assert own.engine_config().sampling.max_tokens == 64 and own.engine_config().sampling.temperature == 1.0
 
 
+def test_processor_logs_its_input_columns_and_closes_as_a_context_manager(config, caplog):
+    with specbatch.build_processor(config) as processor:
+        assert processor.list_stage_names() == ["vLLMEngineStage"]
+        with caplog.at_level("INFO", logger="pipeline.processor"):
+            message = processor.log_input_column_names()
+        assert message in caplog.text and "first stage of the processor is vLLMEngineStage" in message
+        assert "Required input columns:\n\tprompt or messages" in message and "\ttools:" in message
+    with pytest.raises(RuntimeError, match="closed"):
+        processor(object())  # refused before the dataset is touched
+    staged = specbatch.build_processor(config, preprocess=lambda row: row, postprocess=lambda row: row)
+    assert staged.list_stage_names() == ["Preprocess", "vLLMEngineStage", "Postprocess"]
+    assert staged.log_input_column_names().startswith("The first stage of the processor is Preprocess.")
+    staged.close()
+    with pytest.raises(RuntimeError, match="closed"):
+        staged(object())
+
+
 def test_processor_maps_with_the_configs_batches_pool_and_resources(tiny_dirs, monkeypatch):
     import pipeline.processor
 

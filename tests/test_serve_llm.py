@@ -240,3 +240,18 @@ def test_llm_config_takes_ray_serve_llms_fields_and_refuses_what_specbatch_does_
             LLMConfig(model_loading_config={"model_id": "m"}, **fields)
     with pytest.raises(ValueError, match="more than once"):
         build_openai_app({"llm_configs": [{"model_loading_config": {"model_id": "m"}}] * 2})
+
+
+def test_build_llm_deployment_honours_deployment_config_runtime_env_and_accelerator(tiny_dirs):
+    from specbatch.serve import build_llm_deployment
+
+    app = build_llm_deployment(LLMConfig(
+        model_loading_config={"model_id": "m", "model_source": tiny_dirs["target"]}, accelerator_type="A100",
+        deployment_config={"num_replicas": 3, "max_ongoing_requests": 64, "ray_actor_options": {"num_cpus": 0.5}},
+        runtime_env={"env_vars": {"A": "1"}, "pip": ["x"]}))
+    deployment = app._bound_deployment  # the replicas are the app's ingress: no router in front
+    assert deployment.name == "LLMServer:m"
+    assert (deployment.num_replicas, deployment.max_ongoing_requests) == (3, 64)
+    actor = deployment.ray_actor_options
+    assert (actor["num_cpus"], actor["accelerator_type"]) == (0.5, "A100")
+    assert actor["runtime_env"] == {"pip": ["x"], "env_vars": {"RAY_worker_niceness": "0", "A": "1"}}
