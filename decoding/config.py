@@ -507,8 +507,12 @@ class Config(_Strict):
     # vLLM's --chat-template (a file or the template itself; default: the tokenizer's) and
     # --default-chat-template-kwargs (variables the template reads, e.g. enable_thinking); requests and rows may
     # override both.
+    # A built-in template's name is taken too: ``hermes`` (ChatML with tools, decoding/chat_templates.py).
     chat_template: str | None = None
     chat_template_kwargs: dict[str, Any] = Field(default_factory=dict)
+    # vLLM's --tool-call-parser: how generated text becomes tool calls with tool_choice auto (frontend/tool_calls.py);
+    # None: tools may be shown (tool_choice none) or required, but auto is refused.
+    tool_call_parser: Literal["hermes", "llama3_json", "mistral", "pythonic"] | None = None
     # vLLM's --trust-request-chat-template: a request's (or row's) own chat_template is Jinja code run in the
     # engine's process with no bound on its cost, so it is refused unless this is true.
     trust_request_chat_template: bool = False
@@ -517,6 +521,10 @@ class Config(_Strict):
     @field_validator("chat_template")
     @classmethod
     def _template_file(cls, value: str | None) -> str | None:
+        from decoding.chat_templates import builtin_template
+
+        if (builtin := builtin_template(value)) is not None:
+            return builtin
         if value and "{" not in value and "\n" not in value and Path(value).is_file():
             return Path(value).read_text()
         return value

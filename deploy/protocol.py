@@ -17,7 +17,8 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationIn
 from decoding.config import StructuredOutputs, format_validation_error
 
 # The one request validation, shared with the pipeline.
-from frontend.requests import MAX_DEPTH, ChatMessage, ChatOptions, TextPart, too_deep  # noqa: F401
+from frontend.requests import MAX_DEPTH, ChatMessage, ChatOptions, TextPart, check_history, too_deep  # noqa: F401
+from frontend.tool_calls import ToolChoice, ToolDefinition, ToolUse, check_tools, count_tools, tool_use
 
 # Context keys the server passes to ``model_validate_json`` (limits only a loaded model knows).
 MAX_CONTEXT = "max_context"
@@ -43,8 +44,6 @@ _NEUTRAL: dict[str, tuple[Any, ...]] = {
     "service_tier": (None, "auto", "default"),
     "guided_whitespace_pattern": (None,),
     "priority": (None, 0),  # vLLM refuses others unless its scheduler orders by priority; this one does not
-    "tools": (None, []),
-    "tool_choice": (None, "none", "auto"),  # auto without tools chooses none
     "functions": (None, []),
     "function_call": (None, "none", "auto"),
     "modalities": (None, ["text"]),
@@ -296,8 +295,10 @@ class ChatCompletionRequest(GenerationRequest):
     max_completion_tokens: int | None = Field(None, description="OpenAI's newer name for max_tokens")
     logprobs: bool | None = None
     top_logprobs_: int | None = Field(None, alias="top_logprobs")
-    tools: Any = None
-    tool_choice: Any = None
+    # OpenAI's function tools (frontend/tool_calls.py): shown by the chat template; tool_choice auto reads calls
+    # from the text with the configured parser, required and a named function constrain the output to calls.
+    tools: list[ToolDefinition] | None = None
+    tool_choice: ToolChoice | None = None
     parallel_tool_calls: bool | None = None
     functions: Any = None
     function_call: Any = None
@@ -312,6 +313,9 @@ class ChatCompletionRequest(GenerationRequest):
             return None
         return self.top_logprobs_ or 0
 
+    _check_tools = field_validator("tools")(lambda value: value if value is None else check_tools(value))
+    _count_tools = field_validator("tools", mode="before")(count_tools)
+
     @model_validator(mode="after")
     def _top_logprobs_need_logprobs(self) -> ChatCompletionRequest:
         if self.top_logprobs_ and not self.logprobs:
@@ -319,6 +323,30 @@ class ChatCompletionRequest(GenerationRequest):
         if self.add_generation_prompt and self.continue_final_message:
             raise ValueError("add_generation_prompt and continue_final_message cannot both be true")
         return self
+
+    @field_validator("messages")
+    @classmethod
+    def _tool_results_answer_calls(cls, value: list[ChatMessage]) -> list[ChatMessage]:
+        check_history(value)
+        return value
+
+    @field_validator("tool_choice")
+    @classmethod
+    def _choice_fits_tools(cls, value: ToolChoice | None, info: ValidationInfo) -> ToolChoice | None:
+        if "tools" not in info.data:  # the tools were refused: that error names them
+            return value
+        use = tool_use(info.data["tools"], value, None)
+        own = [name for name in ("structured_outputs", *_GUIDED) if info.data.get(name) is not None]
+        if (response_format := info.data.get("response_format")) is not None and response_format.type != "text":
+            own.append("response_format")
+        if use is not None and use.constraint is not None and own:
+            raise ValueError(f"tool_choice {use.choice} constrains the output to tool calls; it cannot be combined "
+                             f"with {', '.join(own)}")
+        return value
+
+    def tool_use(self) -> ToolUse | None:
+        """What the body's tools mean for its output (its parser still to be chosen by the server's config)."""
+        return tool_use(self.tools, self.tool_choice, self.parallel_tool_calls)
 
     @field_validator("chat_template_kwargs")
     @classmethod
@@ -339,6 +367,8 @@ class ChatCompletionRequest(GenerationRequest):
     def param(self, field: str | None) -> str | None:
         if field == "logprobs":
             return "top_logprobs"
+        if field == "structured_outputs" and self.constraint() is None:  # the constraint of a required call
+            return "tool_choice"
         if field == "max_tokens" and self.max_completion_tokens is not None:
             return "max_completion_tokens"
         return field
@@ -358,10 +388,12 @@ class TokenizeRequest(_Request):
     continue_final_message: bool | None = None
     chat_template: str | None = None
     chat_template_kwargs: dict[str, Any] | None = None
-    tools: Any = None
+    tools: list[ToolDefinition] | None = None
     mm_processor_kwargs: Any = None
 
-    _check_neutral = field_validator("tools", "mm_processor_kwargs", mode="before")(_neutral)
+    _check_neutral = field_validator("mm_processor_kwargs", mode="before")(_neutral)
+    _check_tools = field_validator("tools")(lambda value: value if value is None else check_tools(value))
+    _count_tools = field_validator("tools", mode="before")(count_tools)
 
     @field_validator("chat_template_kwargs")
     @classmethod
@@ -494,9 +526,21 @@ class CompletionResponse(_Response):
     choices: list[CompletionChoice]
 
 
+class FunctionCall(BaseModel):
+    name: str
+    arguments: str  # a JSON object's text
+
+
+class ToolCall(BaseModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class AssistantMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: str | None
+    tool_calls: list[ToolCall] = Field(default_factory=list)
 
 
 class TopLogprob(BaseModel):
@@ -529,9 +573,24 @@ class ChatCompletionResponse(_Response):
     prompt_token_ids: list[int] | None = None  # with return_token_ids
 
 
+class DeltaFunctionCall(BaseModel):
+    name: str | None = None
+    arguments: str | None = None
+
+
+class DeltaToolCall(BaseModel):
+    """OpenAI's streamed call: its first delta has the id, type and name, the next ones fragments of arguments."""
+
+    index: int
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: DeltaFunctionCall
+
+
 class ChatDelta(BaseModel):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    tool_calls: list[DeltaToolCall] | None = None
 
 
 class ChatChunkChoice(BaseModel):

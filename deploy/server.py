@@ -79,6 +79,7 @@ from deploy.protocol import (
     TokenizeRequest,
     TokenizeResponse,
     TokenLogprob,
+    ToolCall,
     TopLogprob,
     Usage,
     VersionResponse,
@@ -86,6 +87,7 @@ from deploy.protocol import (
 from frontend.logprobs import vllm_logprobs
 from frontend.metrics import EngineMetrics, prometheus_backend, ray_backend
 from frontend.resources import check_cluster
+from frontend.tool_calls import ToolStream, ToolUse, openai_calls
 
 log = logging.getLogger(__name__)
 
@@ -366,16 +368,28 @@ class _CompletionFormat(_Format):
 
 class _ChatFormat(_Format):
     def __init__(self, model: str, tokenizer: Any = None, request_id: str | None = None,
-                 token_ids: bool = False, echo: str = "") -> None:
+                 token_ids: bool = False, echo: str = "", tools: ToolUse | None = None) -> None:
         super().__init__("chatcmpl", "messages", model, tokenizer, request_id, token_ids)
         self.echo = echo  # the text each choice's content starts with (vLLM's chat echo)
+        self.tools = tools  # how each choice's text becomes tool calls
+        self.streams: dict[int, ToolStream] = {}
+
+    def _message(self, result: GenerationResult) -> tuple[AssistantMessage, str]:
+        """A choice's message and finish reason: with tools, the calls its text holds (``tool_calls`` when any)."""
+        if self.tools is None:
+            return AssistantMessage(content=self.echo + result.text), result.finish_reason
+        parsed = self.tools.extract(result.text)
+        calls = [ToolCall(**call) for call in openai_calls(parsed.calls)]
+        content = self.echo + (parsed.content or "") if parsed.content or self.echo else None
+        finish = "tool_calls" if calls and result.finish_reason == "stop" else result.finish_reason
+        return AssistantMessage(content=content, tool_calls=calls), finish
 
     def response(self, results: list[GenerationResult]) -> ChatCompletionResponse:
         choices = [
-            ChatChoice(index=i, message=AssistantMessage(content=self.echo + r.text), finish_reason=r.finish_reason,
+            ChatChoice(index=i, message=message, finish_reason=finish,
                        stop_reason=r.stop_reason, logprobs=_chat_logprobs(self.tokenizer, r.logprobs),
                        token_ids=self.ids(r.token_ids))
-            for i, r in enumerate(results)
+            for i, r in enumerate(results) for message, finish in [self._message(r)]
         ]
         prompt_logprobs = _prompt_logprobs(self.tokenizer, results[0].prompt_logprobs) if results else None
         prompt_ids = self.ids(results[0].prompt_token_ids) if results else None
@@ -387,6 +401,12 @@ class _ChatFormat(_Format):
               usage: Usage | None = None, token_ids: list[int] | None = None,
               stop_reason: int | str | None = None, prompt_token_ids: list[int] | None = None) -> ChatCompletionChunk:
         delta = ChatDelta(role="assistant" if role else None, content=text)
+        if self.tools is not None:  # text held back while it may be a call; calls as OpenAI's deltas
+            stream = self.streams.setdefault(index, self.tools.stream())
+            content, calls = stream.push(text or "", final=finish_reason is not None)
+            delta.content, delta.tool_calls = (content or None) if calls else content, calls or None
+            if finish_reason == "stop" and stream.called:
+                finish_reason = "tool_calls"
         choice = ChatChunkChoice(index=index, delta=delta, finish_reason=finish_reason, stop_reason=stop_reason,
                                  logprobs=_chat_logprobs(self.tokenizer, logprobs), token_ids=self.ids(token_ids))
         return ChatCompletionChunk(**self._fields(), choices=[choice], usage=usage,
@@ -518,7 +538,9 @@ class OpenAIReplica:
                 rendering = body.chat_options().request_fields(self.config)
             except RequestError as exc:
                 raise ApiError(400, str(exc), param="chat_template") from None
-            request = EngineRequest(id="tokenize", messages=[m.rendered() for m in body.messages], **rendering)
+            tools = [tool.model_dump(exclude_none=True) for tool in body.tools] if body.tools else None
+            request = EngineRequest(id="tokenize", messages=[m.rendered() for m in body.messages], tools=tools,
+                                    **rendering)
         engine = self.loop.engine
         size = input_bytes(request)
         if size > engine.max_prompt_bytes:
@@ -589,17 +611,25 @@ class OpenAIReplica:
     @api.post("/v1/chat/completions")
     async def chat_completions(self, raw: Request) -> Response:
         body: ChatCompletionRequest = await self._parse(raw, ChatCompletionRequest)
-        sampling = self._sampling(body)
+        tools = body.tool_use()
+        if tools is not None:
+            try:
+                tools = tools.parsed_by(self.config.tool_call_parser)
+            except ValueError as exc:
+                raise ApiError(400, str(exc), param="tool_choice") from None
+        sampling = self._sampling(body, tools)
         messages = [message.rendered() for message in body.messages]
         try:
             rendering = body.chat_options().request_fields(self.config)
         except RequestError as exc:
             raise ApiError(400, str(exc), param="chat_template") from None
-        requests = [self._request(body, sampling, choice, messages=messages, **rendering) for choice in range(body.n)]
+        shown = {"tools": tools.tools} if tools is not None else {}
+        requests = [self._request(body, sampling, choice, messages=messages, **rendering, **shown)
+                    for choice in range(body.n)]
         echo = body.echoed
         return await self._generate(body, sampling, requests, _ChatFormat(
-            self.model_id, self.tokenizer, request_id=body.request_id, token_ids=body.return_token_ids, echo=echo),
-            [echo] * body.n if echo and body.stream else None)
+            self.model_id, self.tokenizer, request_id=body.request_id, token_ids=body.return_token_ids, echo=echo,
+            tools=tools), [echo] * body.n if echo and body.stream else None)
 
     # ------------------------------------------------------------------------------------------- internals
     async def _parse(self, request: Request, model: type[GenerationRequest]) -> Any:
@@ -614,13 +644,14 @@ class OpenAIReplica:
             self._check_model(body.model)
         return body
 
-    def _sampling(self, body: GenerationRequest) -> SamplingParams:
+    def _sampling(self, body: GenerationRequest, tools: ToolUse | None = None) -> SamplingParams:
         """The body's sampling fields over the configured ones, with every bound (decoding.params, as for the
         pipeline's rows): nothing that passes can fail in an engine step. ``n`` is checked here, each choice being
-        an engine request of its own. A 400 naming the body's field otherwise."""
+        an engine request of its own. ``tools``: their constraint added. A 400 naming the body's field otherwise."""
         engine = self.loop.engine
+        fields = body.sampling() if tools is None else tools.sampling(body.sampling())
         try:
-            return resolve_sampling(body.sampling(), self.config.sampling, engine.target.config.vocab_size,
+            return resolve_sampling(fields, self.config.sampling, engine.target.config.vocab_size,
                                     engine.eos_ids, fan_out=True)
         except RequestError as exc:
             raise ApiError(400, str(exc), param=body.param(exc.param)) from None

@@ -26,6 +26,7 @@ from ray.serve import Application
 from decoding.config import ConfigError
 from deploy.drain import NAMESPACE, DrainSignal, signal_name
 from deploy.server import make_app
+from frontend.tool_parsers import PARSERS
 from jobs.common import parse_with_config, setup_logging
 
 log = logging.getLogger(__name__)
@@ -94,7 +95,13 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="specbatch serve", description=__doc__)
     parser.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0 for all interfaces)")
     parser.add_argument("--port", type=int, default=8000)
+    parser.add_argument("--tool-call-parser", choices=sorted(PARSERS),
+                        help="vLLM's: how tool_choice auto reads calls from the text (config: tool_call_parser)")
+    parser.add_argument("--enable-auto-tool-choice", action="store_true",
+                        help="vLLM's flag, accepted: tool_choice auto is on whenever a tool-call parser is set")
     args, config = parse_with_config(parser, argv)
+    if args.tool_call_parser is not None:
+        config = config.model_copy(update={"tool_call_parser": args.tool_call_parser})  # argparse checked the name
     setup_logging()
     stop = threading.Event()
 

@@ -27,6 +27,7 @@ from decoding.params import resolve_sampling
 from frontend.metrics import EngineMetrics, ray_backend
 from frontend.remote import localize_models
 from frontend.requests import ChatOptions, RequestError, parse_request
+from frontend.tool_calls import ToolUse, call_id
 from pipeline.schema import ENGINE_READY, PRODUCER_NODE, READ_ERROR, RowOptions, output_block
 
 log = logging.getLogger(__name__)
@@ -38,20 +39,24 @@ DEFAULT_ROWS = RowOptions()
 # Ray runs job drivers; env_vars merge with the job's runtime_env (working_dir etc. stay).
 ENGINE_RUNTIME_ENV = {"env_vars": {"RAY_worker_niceness": "0"}}
 
-# Row columns that set how a row's messages render (frontend.requests.ChatOptions).
+# Row columns that set how a row's messages render (frontend.requests.ChatOptions), and its tools.
 CHAT_COLUMNS = tuple(ChatOptions.model_fields)
+TOOL_COLUMNS = ("tools", "tool_choice", "parallel_tool_calls")
 # The row columns a request is made of; the others only pass through to the output.
-REQUEST_COLUMNS = frozenset({"id", "prompt", "messages", "sampling_params", READ_ERROR, *CHAT_COLUMNS})
+REQUEST_COLUMNS = frozenset({"id", "prompt", "messages", "sampling_params", READ_ERROR, *CHAT_COLUMNS,
+                             *TOOL_COLUMNS})
 
 
 class RowFailed(RuntimeError):
     """A row could not be generated and the processor does not continue on errors."""
 
 
-def request_from_row(key: str, row: dict[str, Any], engine: Engine, options: RowOptions = DEFAULT_ROWS) -> Request:
-    """An input row (docs/reference.md, "Input") as an engine request; ``RequestError`` when it cannot be one. Rows are
-    validated as the server validates its requests (frontend.requests), sampling parameters with every bound and
-    against the model; the engine itself rejects what only tokenizing shows: empty or over-long prompts."""
+def request_from_row(key: str, row: dict[str, Any], engine: Engine,
+                     options: RowOptions = DEFAULT_ROWS) -> tuple[Request, ToolUse | None]:
+    """An input row (docs/reference.md, "Input") as an engine request, with what its tools mean for its output;
+    ``RequestError`` when it cannot be one. Rows are validated as the server validates its requests
+    (frontend.requests), sampling parameters with every bound and against the model; the engine itself rejects what
+    only tokenizing shows: empty or over-long prompts and messages its chat template cannot render."""
     if row.get(READ_ERROR):
         raise RequestError(row[READ_ERROR])
     chat = {name: row[name] for name in CHAT_COLUMNS if row.get(name) is not None}
@@ -60,7 +65,8 @@ def request_from_row(key: str, row: dict[str, Any], engine: Engine, options: Row
         # Ray Data LLM's stages: the chat template renders messages into the prompt (a user's prompt column is
         # overwritten); without it, the prompt is generated from and messages are carried.
         prompt, messages = (None, messages) if options.apply_chat_template else (prompt, None)
-    parsed = parse_request(prompt, messages, row.get("sampling_params"), **chat)
+    tools = {name: row[name] for name in TOOL_COLUMNS if row.get(name) is not None}
+    parsed = parse_request(prompt, messages, row.get("sampling_params"), **tools, **chat)
     if parsed.messages is not None and not options.apply_chat_template:
         raise RequestError("a row with messages needs the chat template (apply_chat_template is false)")
     sampling = parsed.sampling
@@ -69,8 +75,16 @@ def request_from_row(key: str, row: dict[str, Any], engine: Engine, options: Row
         sampling = {**sampling, "n": 1}
     rendering = parsed.chat.request_fields(engine.config, continue_assistant=options.continue_assistant,
                                            messages=parsed.messages)
+    use = parsed.tool_use(engine.config.tool_call_parser)
+    if use is not None:
+        try:
+            sampling = use.sampling(sampling)
+        except ValueError as exc:
+            raise RequestError(f"invalid tool_choice: {exc}") from None
     sampling = resolve_sampling(sampling, engine.config.sampling, engine.target.config.vocab_size, engine.eos_ids)
-    return Request(key, prompt=parsed.prompt, messages=parsed.messages, sampling=sampling, **rendering)
+    request = Request(key, prompt=parsed.prompt, messages=parsed.messages, sampling=sampling,
+                      tools=use.tools if use is not None else None, **rendering)
+    return request, use
 
 
 def _rows(batch: pa.Table) -> list[dict[str, Any]]:
@@ -137,9 +151,9 @@ class GenerationActor:
         rows = _rows(batch)
         # Submitted in the order of their prompts, so rows sharing a prefix join the engine close together and find
         # it cached; results keep the batch's order.
-        futures = {index: self._submit(rows[index]) for index in sorted(range(len(rows)),
-                                                                         key=lambda i: _prompt_order(rows[i]))}
-        results = [futures[index].result() for index in range(len(rows))]
+        submitted = {index: self._submit(rows[index]) for index in sorted(range(len(rows)),
+                                                                          key=lambda i: _prompt_order(rows[i]))}
+        results = [submitted[index][0].result() for index in range(len(rows))]
         if not self.options.continue_on_error and (failed := [r for r in results if r.finish_reason == "error"]):
             raise RowFailed(f"{len(failed)} of {len(results)} rows failed, the first: {failed[0].error} "
                             "(should_continue_on_error: true makes them error rows)")
@@ -148,13 +162,16 @@ class GenerationActor:
             for result in results:
                 if not result.text and result.token_ids:  # its sampling_params had detokenize: false
                     result.text = tokenizer.decode(result.token_ids, skip_special_tokens=True)
+        calls = [_tool_calls(result, submitted[index][1]) for index, result in enumerate(results)]
         block = output_block(batch, results, self.provenance, self.token_stats,
                              decode=lambda ids: [tokenizer.decode([token]) for token in ids],
-                             python_logprobs=self.options.ray_data_llm_rows)
+                             python_logprobs=self.options.ray_data_llm_rows, tool_calls=calls)
         return block.replace_schema_metadata(self.metadata)
 
-    def _submit(self, row: dict[str, Any]) -> Future:
+    def _submit(self, row: dict[str, Any]) -> tuple[Future, ToolUse | None]:
+        """The row's result to come, and what its tools mean for it."""
         future: Future = Future()
+        use = None
         if self.pending is not None:
             self.pending.acquire()
             future.add_done_callback(lambda _: self.pending.release())
@@ -164,12 +181,12 @@ class GenerationActor:
         # histogram as long as the engine's, its time from the row's arrival.
         max_depth = self.runner.engine.topology.max_depth
         try:
-            request = request_from_row(key, row, self.runner.engine, self.options)
+            request, use = request_from_row(key, row, self.runner.engine, self.options)
             request.seed_key = str(row.get("id", key))  # a row's random stream follows its id, not its actor
             prepared = self.runner.prepare(request)  # on this call's thread, not the engine's
         except (RequestError, RequestRejected) as exc:
             future.set_result(error_result(key, row.get("prompt"), str(exc), started, max_depth))
-            return future
+            return future, None
 
         def sink(event: Event) -> None:  # called on the engine thread
             if isinstance(event, GenerationResult):
@@ -179,4 +196,12 @@ class GenerationActor:
                                                max_depth))
 
         self.runner.submit(request, prepared, sink)
-        return future
+        return future, use
+
+
+def _tool_calls(result: GenerationResult, use: ToolUse | None) -> list[dict[str, str]] | None:
+    """The row's ``tool_calls`` column: the calls its text holds as its tools' parser reads it (null for none)."""
+    if use is None or result.finish_reason == "error":
+        return None
+    calls = use.extract(result.text).calls
+    return [{"id": call_id(), "name": call.name, "arguments": call.arguments} for call in calls] or None

@@ -31,6 +31,9 @@ LOGPROB = pa.struct([pa.field("logprob", pa.float32()), pa.field("rank", pa.int3
 # vLLM's logprobs of one position: token id -> Logprob, the chosen token first, then the top alternatives.
 POSITION_LOGPROBS = pa.map_(pa.int32(), LOGPROB)
 
+# One call in OpenAI's terms: its id, the function's name, its arguments as a JSON object's text.
+TOOL_CALL = pa.struct([pa.field("id", pa.string()), pa.field("name", pa.string()), pa.field("arguments", pa.string())])
+
 OUTPUT_SCHEMA = pa.schema([
     pa.field("id", pa.string()),
     pa.field("prompt", pa.string()),
@@ -55,6 +58,8 @@ OUTPUT_SCHEMA = pa.schema([
     pa.field("logprobs", pa.list_(POSITION_LOGPROBS)),
     # sampling_params.prompt_logprobs: the same per prompt token, the first null (nothing precedes it).
     pa.field("prompt_logprobs", pa.list_(POSITION_LOGPROBS)),
+    # The calls generated_text holds, read by the row's tools (frontend/tool_calls.py); null where none.
+    pa.field("tool_calls", pa.list_(TOOL_CALL)),
 ])
 # The columns a processor hands on as Ray Data LLM's rows hold them: Python dicts keyed by token id.
 PYTHON_OBJECT_COLUMNS = ("logprobs", "prompt_logprobs")
@@ -119,13 +124,17 @@ def _output_row(result: GenerationResult, decode: Callable[[list[int]], list[str
 def output_block(
     inputs: pa.Table, results: list[GenerationResult], provenance: dict[str, str | None], token_stats: bool = True,
     *, decode: Callable[[list[int]], list[str]] | None = None, python_logprobs: bool = False,
+    tool_calls: list[list[dict[str, str]] | None] | None = None,
 ) -> pa.Table:
     """The output columns for ``results`` (one per input row, same order), carried-through input
     columns after them, and with ``token_stats`` the nested token statistics. ``id`` only where the input has
     one (build_processor needs none), first and of the input's type (the job's reader makes it a string).
     ``decode``: token ids to their texts, for the logprobs' ``decoded_token``. ``python_logprobs``: the logprob
-    columns as Python objects, as Ray Data LLM's rows hold them (else Arrow maps, which Parquet stores)."""
-    rows = [{**_output_row(result, decode), **provenance} for result in results]
+    columns as Python objects, as Ray Data LLM's rows hold them (else Arrow maps, which Parquet stores).
+    ``tool_calls``: each row's calls (``TOOL_CALL`` dicts), or None."""
+    calls = tool_calls or [None] * len(results)
+    rows = [{**_output_row(result, decode), **provenance, "tool_calls": row_calls}
+            for result, row_calls in zip(results, calls, strict=True)]
     table = pa.Table.from_pylist(rows, schema=OUTPUT_SCHEMA.remove(0))
     if python_logprobs:
         for name in PYTHON_OBJECT_COLUMNS:

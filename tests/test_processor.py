@@ -193,8 +193,8 @@ def test_an_error_row_has_one_shape_whichever_path_made_it(config):
 
     actor = GenerationActor(config.model_dump(mode="json"), options=RowOptions(metrics=False))
     try:
-        refused = actor._submit({"prompt": "the cat", "sampling_params": {"top_k": -5}}).result(timeout=120)
-        empty = actor._submit({"prompt": ""}).result(timeout=120)  # Engine.prepare's error result
+        refused = actor._submit({"prompt": "the cat", "sampling_params": {"top_k": -5}})[0].result(timeout=120)
+        empty = actor._submit({"prompt": ""})[0].result(timeout=120)  # Engine.prepare's error result
         max_depth = actor.runner.engine.topology.max_depth
     finally:
         actor.runner.close()

@@ -146,7 +146,7 @@ def test_chat_completion_matches_engine(client, reference):
     expected = reference(messages=messages)
     assert body["object"] == "chat.completion"
     [choice] = body["choices"]
-    assert choice["message"] == {"role": "assistant", "content": expected.text}
+    assert choice["message"] == {"role": "assistant", "content": expected.text, "tool_calls": []}  # vLLM's shape
     assert choice["finish_reason"] == expected.finish_reason
     assert body["usage"]["completion_tokens"] == len(expected.token_ids)
     assert body["metrics"]["speculative_decoding"]["num_spec_steps"] >= 1
@@ -351,6 +351,39 @@ def test_bad_request_is_a_400_with_an_openai_error(client, path, body, param):
     assert isinstance(error["message"], str) and error["message"]
     assert error["param"] == param
     assert client.get("/health").status_code == 200  # the replica survives
+
+
+TOOL = {"type": "function", "function": {"name": "f", "parameters": {"type": "object",
+                                                                    "properties": {"a": {"type": "string"}}}}}
+UNCOMPILABLE = {"type": "function", "function": {"name": "f", "parameters": {
+    "type": "object", "properties": {"a": {"$ref": "#/$defs/missing"}}}}}
+# (id, body, the error's param, what its message says): each a 400, bounded, and the replica unharmed.
+BAD_TOOLS = [
+    ("not-a-schema", {**CHAT, "tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": 5}}}]},
+     "tools", "not a JSON schema"),
+    ("duplicate-names", {**CHAT, "tools": [TOOL, TOOL]}, "tools", "f given more than once"),
+    ("ten-thousand", {**CHAT, "tools": [TOOL] * 10_000}, "tools", "at most 128 tools"),
+    ("schema-cannot-compile", {**CHAT, "tools": [UNCOMPILABLE], "tool_choice": "required"}, "tool_choice",
+     "structured_outputs.json"),
+    ("call-id-unmatched", {"messages": [{"role": "user", "content": "x"},
+                                        {"role": "tool", "tool_call_id": "call_9", "content": "r"}]},
+     "messages", "messages[1].tool_call_id 'call_9' matches no earlier assistant tool call"),
+    ("named-not-among-tools", {**CHAT, "tools": [TOOL], "tool_choice": {"type": "function", "function": {
+        "name": "g"}}}, "tool_choice", "'g', which is not among tools (f)"),
+    ("auto-without-parser", {**CHAT, "tools": [TOOL]}, "tool_choice", "set tool_call_parser"),
+    ("template-without-tools", {**CHAT, "tools": [TOOL], "tool_choice": "none"}, "messages", "no tool support"),
+    ("with-response-format", {**CHAT, "tools": [TOOL], "tool_choice": "required",
+                              "response_format": {"type": "json_object"}}, "tool_choice", "cannot be combined"),
+]
+
+
+@pytest.mark.parametrize(("body", "param", "named"), [c[1:] for c in BAD_TOOLS], ids=[c[0] for c in BAD_TOOLS])
+def test_bad_tools_are_400s_naming_the_field(client, body, param, named):
+    response = client.post("/v1/chat/completions", json=body)
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert (error["param"], named in error["message"]) == (param, True), error
+    assert client.get("/health").status_code == 200
 
 
 # (path, body, the same constraint as structured_outputs, a pattern every complete output matches)
@@ -1013,6 +1046,86 @@ def json_server(server, ray_cluster, tmp_path_factory) -> str:
                   route_prefix="/json")
     yield f"{server}/json"
     serve.delete("json")
+
+
+TOOLS_MODEL = "smollm2-tools"
+
+
+@pytest.fixture(scope="module")
+def tools_server(server, ray_cluster, tmp_path_factory) -> str:
+    """The real default model with the built-in hermes template and parser and the default speculative
+    configuration, as a third application under its own route prefix."""
+    from ray import serve
+
+    path = tmp_path_factory.mktemp("tools") / "serve.yaml"
+    path.write_text(yaml.safe_dump({"served_model_name": TOOLS_MODEL, "chat_template": "hermes",
+                                    "tool_call_parser": "hermes", "sampling": {"max_tokens": 128}}))
+    with pytest.MonkeyPatch.context() as patch:
+        for name in ("SPECBATCH_API_KEY", "VLLM_API_KEY"):
+            patch.delenv(name, raising=False)
+        serve.run(build_app({"config": str(path), "batch_size": 4}), name="tools", route_prefix="/tools")
+    yield f"{server}/tools"
+    serve.delete("tools")
+
+
+def _streamed_calls(stream) -> tuple[str, list[tuple[str, str]], str]:
+    """A streamed chat's content, its calls assembled from OpenAI's deltas (id, type and name first, then argument
+    fragments), and its finish reason."""
+    content, calls, finish = "", {}, None
+    for chunk in stream:
+        for choice in chunk.choices:
+            content += choice.delta.content or ""
+            for call in choice.delta.tool_calls or []:
+                if call.index not in calls:
+                    assert call.id and call.type == "function" and call.function.name
+                    calls[call.index] = [call.function.name, ""]
+                calls[call.index][1] += call.function.arguments or ""
+            finish = choice.finish_reason or finish
+    return content, [tuple(calls[i]) for i in sorted(calls)], finish
+
+
+def test_openai_client_required_and_named_tool_choices_answer_valid_calls_on_the_default_model(tools_server):
+    from test_tool_calls import TOOLS
+
+    schemas = {tool["function"]["name"]: tool["function"]["parameters"] for tool in TOOLS}
+    client = openai.OpenAI(base_url=f"{tools_server}/v1", api_key="unused", max_retries=0)
+    drafted = 0
+    for question, choice in (("Search the web for the latest news about Mars.", "required"),
+                             ("What's the weather like in Paris today?",
+                              {"type": "function", "function": {"name": "get_weather"}})):
+        asked = {"model": TOOLS_MODEL, "messages": [{"role": "user", "content": question}], "tools": TOOLS,
+                 "tool_choice": choice, "temperature": 0}
+        chat = client.chat.completions.create(**asked)
+        message, finish = chat.choices[0].message, chat.choices[0].finish_reason
+        assert finish == "tool_calls" and message.tool_calls and not message.content, (question, choice, chat)
+        for call in message.tool_calls:
+            jsonschema.validate(json.loads(call.function.arguments), schemas[call.function.name])
+        if choice != "required":
+            assert [call.function.name for call in message.tool_calls] == ["get_weather"]
+        drafted += chat.model_extra["metrics"]["speculative_decoding"]["num_draft_tokens"]
+        content, calls, finish = _streamed_calls(client.chat.completions.create(**asked, stream=True))
+        assert (content, finish) == ("", "tool_calls")
+        assert calls == [(call.function.name, call.function.arguments) for call in message.tool_calls]
+    assert drafted > 0  # the default configuration drafted under the tool-call constraint
+
+
+def test_tool_choice_auto_returns_what_the_parser_reads_from_the_text(tools_server):
+    from test_tool_calls import TOOLS, TRACE  # an agent trace: a call, its result, a new question
+
+    from frontend.tool_parsers import PARSERS
+
+    client = openai.OpenAI(base_url=f"{tools_server}/v1", api_key="unused", max_retries=0)
+    asked = {"model": TOOLS_MODEL, "messages": TRACE, "tools": TOOLS, "temperature": 0, "max_tokens": 24}
+    text = client.chat.completions.create(**asked, tool_choice="none").choices[0].message.content
+    parsed = PARSERS["hermes"]().parse(text)  # the same prompt: tools are shown with none too
+    chat = client.chat.completions.create(**asked, tool_choice="auto")
+    message = chat.choices[0].message
+    assert message.content == parsed.content
+    assert [(c.function.name, c.function.arguments) for c in message.tool_calls or []] == [
+        (call.name, call.arguments) for call in parsed.calls]
+    assert (chat.choices[0].finish_reason == "tool_calls") == bool(parsed.calls)
+    content, calls, _ = _streamed_calls(client.chat.completions.create(**asked, stream=True))
+    assert (content or None, calls) == (parsed.content, [(call.name, call.arguments) for call in parsed.calls])
 
 
 def test_official_openai_client_with_a_json_schema_response_format(json_server):

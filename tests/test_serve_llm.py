@@ -242,9 +242,12 @@ def test_llm_config_takes_ray_serve_llms_fields_and_refuses_what_specbatch_does_
         build_openai_app({"llm_configs": [{"model_loading_config": {"model_id": "m"}}] * 2})
 
 
-def test_build_llm_deployment_honours_deployment_config_runtime_env_and_accelerator(tiny_dirs):
+def test_build_llm_deployment_honours_deployment_config_runtime_env_and_accelerator(tiny_dirs, monkeypatch):
+    import deploy.router
     from specbatch.serve import build_llm_deployment
 
+    # The app is built, never run: whether the cluster can hold an A100 replica is not this test's point.
+    monkeypatch.setattr(deploy.router, "check_cluster", lambda config, what: None)
     app = build_llm_deployment(LLMConfig(
         model_loading_config={"model_id": "m", "model_source": tiny_dirs["target"]}, accelerator_type="A100",
         deployment_config={"num_replicas": 3, "max_ongoing_requests": 64, "ray_actor_options": {"num_cpus": 0.5}},

@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
+from decoding.chat_templates import supports_tools
 from decoding.config import SamplingParams
 from decoding.drafting.length_policies import RowMemory
 from decoding.engine.text import IncrementalDecoder
@@ -45,6 +46,8 @@ class Request:
     chat_template_kwargs: dict[str, Any] | None = None
     add_generation_prompt: bool = True
     continue_final_message: bool = False
+    # OpenAI's function tools (``{"type": "function", "function": {...}}``), given to the chat template.
+    tools: list[dict[str, Any]] | None = None
     # Requests of one group (the n choices of one HTTP request) share one turn in fair admission; default: its id.
     group: str | None = None
     # vLLM's input options: whether a text prompt is tokenized with the tokenizer's special tokens (None: yes for
@@ -212,7 +215,12 @@ class Sequence:
         if not self.params.detokenize:
             text = ""
         elif text is None:
-            text = tokenizer.decode(self.generated, skip_special_tokens=self.params.skip_special_tokens)
+            # vLLM's rule: the token that stopped the sequence (EOS, stop_token_ids) is not part of its text unless
+            # include_stop_str_in_output (it shows only where special tokens are kept).
+            ended_by_token = self.finish_reason == "stop" and self.generated and self.generated[-1] in self.stop_ids
+            shown = self.generated[:-1] if ended_by_token and not self.params.include_stop_str_in_output else (
+                self.generated)
+            text = tokenizer.decode(shown, skip_special_tokens=self.params.skip_special_tokens)
         return GenerationResult(
             id=self.request_id, prompt=self.prompt, prompt_token_ids=self.prompt_ids, token_ids=self.generated,
             text=text, finish_reason=self.finish_reason or "length", error=self.error,
@@ -309,7 +317,12 @@ def render_messages(tokenizer: PreTrainedTokenizerBase, request: Request) -> str
     if request.add_generation_prompt and request.continue_final_message:
         raise EngineError("add_generation_prompt and continue_final_message cannot both be true")
     options = {"chat_template": request.chat_template, "add_generation_prompt": request.add_generation_prompt,
-               "continue_final_message": request.continue_final_message}
+               "continue_final_message": request.continue_final_message, "tools": request.tools or None}
+    tool_turns = any(message.get("tool_calls") or message["role"] == "tool" for message in request.messages)
+    if (request.tools or tool_turns) and not supports_tools(request.chat_template or tokenizer.chat_template):
+        given = "tools" if request.tools else "messages with tool calls or results"
+        raise EngineError(f"{given} need a chat template that renders them, and this model's has no tool support: "
+                          f"set chat_template (for a ChatML model: chat_template: hermes, the built-in one)")
     try:
         return tokenizer.apply_chat_template(
             request.messages, **{**(request.chat_template_kwargs or {}), **options, "tokenize": False}
