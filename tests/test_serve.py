@@ -839,16 +839,15 @@ def test_stop_reason_names_what_stopped_a_choice_and_usage_counts_cached_prompt_
     assert 0 < again["prompt_tokens_details"]["cached_tokens"] <= again["prompt_tokens"]
 
 
-def test_32_concurrent_requests_match_sequential_and_share_steps(client, server):
+def test_32_concurrent_requests_match_sequential_and_share_steps(client, server, reference):
     prompts = [" ".join(WORDS[(i * k) % len(WORDS)] for k in (1, 3, 7)) + f" {WORDS[i // 12]}" for i in range(32)]
     # Each request lives ~30 steps: longer than its 32 arrivals take through Serve's proxy and the router (seconds
     # on 2 cores, while the first arrivals already step with few rows), so the steps they share dominate.
     bodies = [{"prompt": p, "max_tokens": 60 + i % 5, "temperature": 0, "ignore_eos": True}
               for i, p in enumerate(prompts)]
-
-    before = _steps(client)
-    sequential = [_post(client, "/v1/completions", b)["choices"][0]["text"] for b in bodies]
-    sequential_steps = _steps(client) - before
+    # One at a time (the same engine in-process): each request's text, and the steps it needs alone.
+    alone = [reference(prompt=b["prompt"], sampling={"max_tokens": b["max_tokens"], "ignore_eos": True})
+             for b in bodies]
 
     async def concurrent() -> list[httpx.Response]:
         async with httpx.AsyncClient(base_url=server, timeout=120) as aclient:
@@ -858,8 +857,9 @@ def test_32_concurrent_requests_match_sequential_and_share_steps(client, server)
     responses = asyncio.run(concurrent())
     concurrent_steps = _steps(client) - before
     assert [r.status_code for r in responses] == [200] * 32
-    assert [r.json()["choices"][0]["text"] for r in responses] == sequential
+    assert [r.json()["choices"][0]["text"] for r in responses] == [result.text for result in alone]
     # One at a time, every request needs its own steps; batched (8 rows) they share them.
+    sequential_steps = sum(result.spec_decode["num_spec_steps"] for result in alone)
     assert concurrent_steps * 3 < sequential_steps, (concurrent_steps, sequential_steps)
 
 
