@@ -8,6 +8,8 @@ the driver, which only lists commit markers (resume) and adds them up (summary.j
 from __future__ import annotations
 
 import logging
+import os
+import sys
 import time
 import warnings
 from collections.abc import Callable, Iterator
@@ -50,10 +52,35 @@ def ray_session(verbose: bool = True) -> Iterator[None]:
         return
     ray.init(logging_config=ray.LoggingConfig(encoding="TEXT", log_level="INFO" if verbose else "WARNING"),
              log_to_driver=verbose)
+    if not verbose:
+        _spend_actor_restart_warning()
     try:
         yield
     finally:
         ray.shutdown()
+
+
+@ray.remote(num_cpus=0, resources={"specbatch_never_scheduled": 1}, max_restarts=1)
+class _NeverScheduled:
+    def __init__(self, argument: object) -> None:
+        del argument
+
+
+def _spend_actor_restart_warning() -> None:
+    """Ray's core worker logs an error, once per process, when an actor that may restart has a constructor argument
+    in the object store; Ray Data's map actors always have one (their context and function), harmless while the
+    driver holds them (ray-project/ray#57733), and it was the one error line of a successful first run. The once is
+    spent on an actor that is never scheduled, with the driver's stderr closed for that call."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    try:
+        with open(os.devnull, "wb") as null:
+            os.dup2(null.fileno(), 2)
+        actor = _NeverScheduled.remote(ray.put(None))
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+    ray.kill(actor)
 
 
 # A generous size of an input row, to guess from the files' sizes how many rows a job has: a guess too small
