@@ -541,6 +541,30 @@ def test_prefill_groups_bound_the_padded_size() -> None:
     # Padding is bounded too: long prompts of different lengths go alone, short ones of any length together.
     assert prefill_groups([300, 700, 720, 1300], 8192) == [slice(0, 1), slice(1, 3), slice(3, 4)]
     assert prefill_groups([5, 40, 60, 90], 8192) == [slice(0, 4)]
+    # No prompt is padded past what its row's blocks were promised for.
+    assert prefill_groups([5, 40, 60, 90], 8192, limits=[50, 100, 100, 100]) == [slice(0, 2), slice(2, 4)]
+
+
+@pytest.mark.parametrize("caching", [False, True])
+@pytest.mark.parametrize("method", ["none", "draft_model"])
+def test_a_tight_pool_admits_prompts_of_different_lengths_without_padding_past_their_blocks(
+        method, caching, tokenizer, target, draft) -> None:
+    """48 blocks of 16 for 8 rows of 160-195-token prompts (chats, token ids, prompt logprobs; about 3 rows at a
+    time): a padded prefill gave the shorter prompts blocks past their promise and the pool ran out mid-step
+    (RuntimeError). Outputs equal those of a pool with room for every row."""
+    system = "the cat sat on the mat and the dog ran far away home " * 3
+    requests = [Request(id=str(i), messages=[{"role": "system", "content": system},
+                                             {"role": "user", "content": f"a cat {i % 5}"}]) if i % 3 == 0 else
+                Request(id=str(i), prompt_token_ids=tokenizer(system)["input_ids"] + [5 + i % 7, 9]) if i % 3 == 1 else
+                Request(id=str(i), prompt=system + f" dog {i % 4}", sampling={"prompt_logprobs": 2, "max_tokens": 12})
+                for i in range(48)]
+    outputs = {}
+    for blocks in (48, None):
+        config = make_config(method=method, batch_size=8, sampling={"max_tokens": 12}).model_copy(
+            update={"num_kv_blocks": blocks, "enable_prefix_caching": caching})
+        engine = Engine(config, target=target, tokenizer=tokenizer, draft=draft if method == "draft_model" else None)
+        outputs[blocks] = [r.token_ids for r in engine.generate(requests)]
+    assert outputs[48] == outputs[None]
 
 
 def test_prefill_in_small_groups_and_idle_caches_released(tokenizer, target, draft, reference) -> None:

@@ -85,6 +85,20 @@ def model_view(model: torch.nn.Module) -> torch.nn.Module:
     return lean_view(model) if supports_lean_forward(model) else for_inference(model)
 
 
+def _unpadded_past_promises(lengths: list[int], limits: list[int]) -> list[slice]:
+    """Consecutive groups of rows to prefill together, none padded past the positions its blocks were promised
+    for (``limits``: ``PagedKVCache.paddable``); one group where the promises allow."""
+    groups, start, longest, tightest = [], 0, 0, None
+    for end, (length, limit) in enumerate(zip(lengths, limits)):
+        if end > start and max(longest, length) > min(tightest, limit):
+            groups.append(slice(start, end))
+            start, longest, tightest = end, 0, None
+        longest, tightest = max(longest, length), limit if tightest is None else min(tightest, limit)
+    if lengths:
+        groups.append(slice(start, len(lengths)))
+    return groups
+
+
 @register_drafter("draft_model")
 class DraftModelDrafter(Drafter):
     """A small draft sharing the target's tokenizer, with its own paged cache kept on the accepted path.
@@ -219,14 +233,16 @@ class DraftModelDrafter(Drafter):
             last = torch.tensor([len(p) - 1 for p in prompts], device=self.device)
             self.root_states[rows] = target_states[torch.arange(len(prompts), device=self.device), last]
             states, prompts = target_states, [p[1:] for p in prompts]
-        ids, lengths = pad_rows(prompts)
-        width = ids.shape[1]
-        if width:
-            valid = torch.arange(width)[None] < lengths[:, None]
-            self.runner.prefill(rows, ids.to(self.device), chain_ancestors(width), valid,
-                                logits_at=torch.tensor([width - 1]),
-                                features=states[:, :width] if states is not None else None)
-            self.cache.advance(rows, lengths.tolist())
+        for group in _unpadded_past_promises([len(p) for p in prompts], self.cache.paddable(rows)):
+            ids, lengths = pad_rows(prompts[group])
+            width = ids.shape[1]
+            if width:
+                some = slice(rows.start + group.start, rows.start + group.stop)
+                valid = torch.arange(width)[None] < lengths[:, None]
+                self.runner.prefill(some, ids.to(self.device), chain_ancestors(width), valid,
+                                    logits_at=torch.tensor([width - 1]),
+                                    features=states[group, :width] if states is not None else None)
+                self.cache.advance(some, lengths.tolist())
         self.cache.register(rows)
 
     def _full_vocab(self, logits: torch.Tensor) -> torch.Tensor:

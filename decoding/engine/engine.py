@@ -309,7 +309,11 @@ class Engine:
                 now.append(seq)
                 uncached[seq.request_id] = len(seq.prompt_ids) - cache.block_size * held
             now.sort(key=lambda seq: uncached[seq.request_id])
-            for group in prefill_groups([uncached[seq.request_id] for seq in now], self.prefill_tokens):
+            # A row's blocks are promised up to the positions it may reach: no padding past them.
+            limits = [cache.blocks_for(claim.positions) * cache.block_size - (len(seq.prompt_ids) - uncached[
+                seq.request_id]) for seq in now for claim in [cache.own_claim(seq.claims)]]
+            for group in prefill_groups([uncached[seq.request_id] for seq in now], self.prefill_tokens,
+                                        limits=limits):
                 emitted.update(self.stepper.prefill(now[group]))
             joining = later
         return emitted

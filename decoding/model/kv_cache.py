@@ -335,6 +335,12 @@ class PagedKVCache:
     def _row_ids(self, rows: Rows) -> list[int]:
         return list(range(rows.start, rows.stop)) if isinstance(rows, slice) else rows.tolist()
 
+    def paddable(self, rows: Rows) -> list[int]:
+        """Positions past its committed length each row may write without taking more blocks than it was promised
+        (a padded forward writes every row up to the longest one's length)."""
+        return [(len(self.row_blocks[row]) + self.reserved[row]) * self.block_size - self.host_lengths[row]
+                for row in self._row_ids(rows)]
+
     def longest(self, rows: Rows) -> int:
         """Longest committed length among ``rows`` (host)."""
         return max((self.host_lengths[row] for row in self._row_ids(rows)), default=0)
