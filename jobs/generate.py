@@ -7,6 +7,7 @@ With no arguments it runs the bundled sample prompts on the default model into .
 from __future__ import annotations
 
 import argparse
+import errno
 import importlib.resources
 import logging
 import sys
@@ -68,6 +69,17 @@ class ProgressDisplay:
             self.bar.close()
 
 
+def _out_of_space(exc: BaseException) -> bool:
+    """Whether ``exc`` (or what it wraps: Ray Data re-raises a write task's error) is a full disk or quota."""
+    seen: set[int] = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        if isinstance(exc, OSError) and (exc.errno in (errno.ENOSPC, errno.EDQUOT) or "No space left" in str(exc)):
+            return True
+        exc = getattr(exc, "cause", None) or exc.__cause__ or exc.__context__
+    return False
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="specbatch generate",
@@ -97,6 +109,11 @@ def main(argv: list[str] | None = None) -> int:
                       verbose=args.verbose)
     except (InputError, ConfigError) as exc:
         parser.exit(2, f"{parser.prog}: error: {exc}\n")
+    except Exception as exc:
+        if not _out_of_space(exc):
+            raise
+        parser.exit(1, f"{parser.prog}: error: output {args.output}: no space left on the device; the parts written "
+                       "so far are kept: free space (or move the directory) and run the same command to resume\n")
     finally:
         display.close()
     print(summary_line(summary, args.output))

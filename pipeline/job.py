@@ -47,6 +47,9 @@ def ray_session(verbose: bool = True) -> Iterator[None]:
     # Ray Data saying that the progress bars this run turned off are off.
     for name in ("ray._private.authentication", "ray.data._internal.progress"):
         logging.getLogger(name).setLevel(logging.INFO if verbose else logging.ERROR)
+    # A failed task's traceback, logged by Ray Data before it re-raises the error to the job, which reports it.
+    for name in ("ray.data._internal.execution.streaming_executor_state", "ray.data.exceptions"):
+        logging.getLogger(name).setLevel(logging.INFO if verbose else logging.CRITICAL)
     if ray.is_initialized():
         yield
         return

@@ -690,3 +690,29 @@ def test_cli_output_is_a_few_lines_and_separates_build_from_generation(tiny_dirs
     # Nor Ray's error that Ray Data's own map actors have constructor arguments in the object store (harmless).
     assert "constructor arguments in the object store" not in output and "core_worker" not in output, output
     assert any(line.strip().startswith("engine build") for line in lines)
+
+
+def test_a_full_disk_is_one_line_naming_the_output_and_how_to_resume(tmp_path, monkeypatch, capsys):
+    """Ray Data re-raises a write task's ENOSPC wrapped in its own errors (seen on a 400 KB tmpfs: a 267-line
+    traceback); the job says it in one line, exit status 1, and the parts written stay for the resume."""
+    import errno
+
+    import jobs.generate
+    import pipeline.job
+
+    def full_disk(*args, **kwargs):
+        try:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        except OSError as exc:
+            raise RuntimeError("Write task failed") from exc
+
+    monkeypatch.setattr(pipeline.job, "run", full_disk)
+    with pytest.raises(SystemExit) as exited:
+        jobs.generate.main(["--output", str(tmp_path / "out")])
+    assert exited.value.code == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1].startswith(f"specbatch generate: error: output {tmp_path / 'out'}: no space left on the device")
+    assert "run the same command to resume" in err[-1]
+    monkeypatch.setattr(pipeline.job, "run", lambda *a, **k: (_ for _ in ()).throw(RuntimeError("other")))
+    with pytest.raises(RuntimeError, match="other"):  # any other failure keeps its traceback
+        jobs.generate.main(["--output", str(tmp_path / "out")])
