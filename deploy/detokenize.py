@@ -15,12 +15,17 @@ class IncrementalText:
     sending those characters early would make the stream disagree with the non-streamed text).
     """
 
-    def __init__(self, tokenizer: PreTrainedTokenizerBase, stop: list[str]) -> None:
-        self._decoder = IncrementalDecoder(tokenizer)
+    def __init__(self, tokenizer: PreTrainedTokenizerBase, stop: list[str], skip_special_tokens: bool = True,
+                 stop_ids: frozenset[int] = frozenset()) -> None:
+        """``stop_ids``: tokens that end the sequence without being part of its text (the engine's rule)."""
+        self._decoder = IncrementalDecoder(tokenizer, skip_special_tokens)
         self._stop = stop
+        self._stop_ids = stop_ids
         self.sent = ""
 
     def push(self, token_ids: list[int]) -> str:
+        if token_ids and token_ids[-1] in self._stop_ids:  # the sequence's last token: its text is not shown
+            token_ids = token_ids[:-1]
         self._decoder.push(token_ids)
         text = self._decoder.text
         return self._advance(text[: len(text) - self._stop_prefix_length(text)])

@@ -690,7 +690,12 @@ class OpenAIReplica:
                 prompt_tokens[index] = prompt_tokens[index] or _prompt_tokens(event)
                 prompts[index] = prompts[index] or list(event.prompt_token_ids or [])
             usage = _StreamUsage(prompt_tokens, body.include_usage, body.continuous_usage)
-            chunks = self._stream(_replay(head, events), len(requests), fmt, sampling.stop, usage, echo, prompts)
+            stop_ids = frozenset(sampling.stop_token_ids) | (frozenset() if sampling.ignore_eos else frozenset(
+                self.loop.engine.eos_ids))
+            texts = [IncrementalText(self.tokenizer, sampling.stop, sampling.skip_special_tokens,
+                                     frozenset() if sampling.include_stop_str_in_output else stop_ids)
+                     for _ in requests]
+            chunks = self._stream(_replay(head, events), texts, fmt, usage, echo, prompts)
             return StreamingResponse(chunks, media_type="text/event-stream")
         results: list[GenerationResult] = [None] * len(requests)  # type: ignore[list-item]
         async with aclosing(_replay(head, events)) as stream:
@@ -724,11 +729,12 @@ class OpenAIReplica:
         return head
 
     async def _stream(
-        self, events: AsyncGenerator[tuple[int, Event], None], count: int, fmt: _Format, stops: list[str],
+        self, events: AsyncGenerator[tuple[int, Event], None], texts: list[IncrementalText], fmt: _Format,
         usage: _StreamUsage, echo: list[str] | None = None, prompts: list[list[int]] | None = None,
     ) -> AsyncIterator[str]:
-        """``prompts``: each choice's prompt token ids (its first chunk carries them, with ``return_token_ids``)."""
-        texts = [IncrementalText(self.tokenizer, stops) for _ in range(count)]
+        """``texts``: each choice's detokenizer, as its sampling parameters say; ``prompts``: each choice's prompt token
+        ids (its first chunk carries them, with ``return_token_ids``)."""
+        count = len(texts)
         # With return_token_ids, each chunk carries the ids of the tokens that came since the last one it sent.
         received: list[list[int]] = [[] for _ in range(count)]
         ids_sent = [0] * count

@@ -467,6 +467,29 @@ def test_an_overflowing_top_k_is_a_400_while_six_requests_in_flight_complete(cli
     assert client.get("/health").status_code == 200
 
 
+def test_a_stream_keeping_special_tokens_concatenates_to_the_non_streamed_text(client, tokenizer):
+    """With skip_special_tokens false (a tool parser's markers may be special tokens) the stream's text keeps them
+    as the whole response does, and neither shows the token that ended the sequence (EOS, a stop_token_ids
+    entry), as vLLM's text does not."""
+    stopped = 0
+    for prompt in ("the cat", "a dog ran", "on a mat and"):
+        body = {"prompt": prompt, "temperature": 0, "max_tokens": 40, "skip_special_tokens": False}
+        whole = _post(client, "/v1/completions", body)["choices"][0]
+        ids = _post(client, "/v1/completions", {**body, "return_token_ids": True})["choices"][0]["token_ids"]
+        assert _streamed_text("/v1/completions", _stream(client, "/v1/completions", body)) == whole["text"]
+        if whole["finish_reason"] == "stop":
+            stopped += 1
+            assert whole["text"] == tokenizer.decode(ids[:-1], skip_special_tokens=False)
+        # Stopping on a token of the text: that token's text is left out, streamed or not.
+        token = ids[len(ids) // 2]
+        cut = _post(client, "/v1/completions", {**body, "stop_token_ids": [token]})["choices"][0]
+        assert cut["finish_reason"] == "stop" and cut["stop_reason"] == token
+        streamed = _streamed_text("/v1/completions", _stream(client, "/v1/completions", {**body,
+                                                                                          "stop_token_ids": [token]}))
+        assert streamed == cut["text"] == tokenizer.decode(ids[:ids.index(token)], skip_special_tokens=False)
+    assert stopped  # some ended with EOS
+
+
 def test_health_answers_while_200_streams_are_in_flight(client, server):
     """Requests wait in the engine's queue, not in Serve's: the replica answers /health while it holds 200
     streams. With 4 x batch_size (32) slots, Serve held the rest back and /health queued behind them.
