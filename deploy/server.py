@@ -690,10 +690,9 @@ class OpenAIReplica:
                 prompt_tokens[index] = prompt_tokens[index] or _prompt_tokens(event)
                 prompts[index] = prompts[index] or list(event.prompt_token_ids or [])
             usage = _StreamUsage(prompt_tokens, body.include_usage, body.continuous_usage)
-            stop_ids = frozenset(sampling.stop_token_ids) | (frozenset() if sampling.ignore_eos else frozenset(
-                self.loop.engine.eos_ids))
-            texts = [IncrementalText(self.tokenizer, sampling.stop, sampling.skip_special_tokens,
-                                     frozenset() if sampling.include_stop_str_in_output else stop_ids)
+            stop_ids = frozenset() if sampling.include_stop_str_in_output else frozenset(
+                sampling.stop_ids(self.loop.engine.eos_ids))
+            texts = [IncrementalText(self.tokenizer, sampling.stop, sampling.skip_special_tokens, stop_ids)
                      for _ in requests]
             chunks = self._stream(_replay(head, events), texts, fmt, usage, echo, prompts)
             return StreamingResponse(chunks, media_type="text/event-stream")
