@@ -10,6 +10,7 @@ still drafts; on an accelerator every planned level runs.
 from __future__ import annotations
 
 import copy
+import math
 import weakref
 from typing import TYPE_CHECKING
 
@@ -38,7 +39,7 @@ from decoding.model.loading import (
     load_tokenizer,
 )
 from decoding.model.model_runner import ModelRunner
-from decoding.model.padding import pad_rows
+from decoding.model.padding import pad_rows, prefill_groups
 from decoding.model.quantize import quantized
 from decoding.model.rows import move_last_row
 from decoding.verification.sampling import row_uniforms, warp_probs
@@ -83,20 +84,6 @@ def model_view(model: torch.nn.Module) -> torch.nn.Module:
     if isinstance(model, LeanCausalLM):
         return model
     return lean_view(model) if supports_lean_forward(model) else for_inference(model)
-
-
-def _unpadded_past_promises(lengths: list[int], limits: list[int]) -> list[slice]:
-    """Consecutive groups of rows to prefill together, none padded past the positions its blocks were promised
-    for (``limits``: ``PagedKVCache.paddable``); one group where the promises allow."""
-    groups, start, longest, tightest = [], 0, 0, None
-    for end, (length, limit) in enumerate(zip(lengths, limits)):
-        if end > start and max(longest, length) > min(tightest, limit):
-            groups.append(slice(start, end))
-            start, longest, tightest = end, 0, None
-        longest, tightest = max(longest, length), limit if tightest is None else min(tightest, limit)
-    if lengths:
-        groups.append(slice(start, len(lengths)))
-    return groups
 
 
 @register_drafter("draft_model")
@@ -233,7 +220,9 @@ class DraftModelDrafter(Drafter):
             last = torch.tensor([len(p) - 1 for p in prompts], device=self.device)
             self.root_states[rows] = target_states[torch.arange(len(prompts), device=self.device), last]
             states, prompts = target_states, [p[1:] for p in prompts]
-        for group in _unpadded_past_promises([len(p) for p in prompts], self.cache.paddable(rows)):
+        # No row padded past the positions its blocks were promised for (its prefill budget is the target's).
+        for group in prefill_groups([len(p) for p in prompts], padding_floor=math.inf,
+                                    limits=self.cache.paddable(rows)):
             ids, lengths = pad_rows(prompts[group])
             width = ids.shape[1]
             if width:

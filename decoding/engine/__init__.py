@@ -13,11 +13,11 @@ import importlib
 from typing import Any
 
 # Whole module names (a baseline checkout's import rewriting finds them as such: bench/baseline.py).
-_ENGINE, _SEQUENCE, _SCHEDULER = "decoding.engine.engine", "decoding.engine.sequence", "decoding.engine.scheduler"
+_ENGINE, _SEQUENCE, _PADDING = "decoding.engine.engine", "decoding.engine.sequence", "decoding.model.padding"
 _PUBLIC = {
     "Engine": _ENGINE, "EngineError": _SEQUENCE, "GenerationResult": _SEQUENCE, "Prepared": _SEQUENCE,
     "Request": _SEQUENCE, "StepOutput": _SEQUENCE, "encode_request": _SEQUENCE, "eos_token_ids": _SEQUENCE,
-    "prefill_groups": _SCHEDULER,
+    "prefill_groups": _PADDING,
 }
 
 __all__ = sorted(_PUBLIC)

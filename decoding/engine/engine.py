@@ -23,7 +23,7 @@ from decoding.constraints.grammar import GrammarBudget
 from decoding.drafting.length_policies import LengthPolicy, RowMemory
 from decoding.engine.batch import Batch
 from decoding.engine.build import build_parts
-from decoding.engine.scheduler import Scheduler, prefill_groups
+from decoding.engine.scheduler import Scheduler
 from decoding.engine.sequence import (
     EngineError,
     GenerationResult,
@@ -37,6 +37,7 @@ from decoding.engine.sequence import (
     longest_token_bytes,
 )
 from decoding.engine.step import HostReads, Step
+from decoding.model.padding import prefill_groups
 from decoding.params import RequestError, bad_words_token_ids, check_bans, resolve_sampling
 from decoding.stats import SpecDecodeStats
 from decoding.verification.sampling import row_generator, run_seed
@@ -296,7 +297,7 @@ class Engine:
         emitted: dict[str, list[int]] = {}
         cache = self.cache
         while joining:
-            now, later, computing, uncached = [], [], set(), {}
+            now, later, computing, uncached, limits = [], [], set(), {}, {}
             for seq in joining:
                 claim = cache.own_claim(seq.claims)
                 held = cache.cached_blocks(claim)
@@ -308,12 +309,11 @@ class Engine:
                 computing.add(key)
                 now.append(seq)
                 uncached[seq.request_id] = len(seq.prompt_ids) - cache.block_size * held
+                # Its blocks are promised up to the positions it may reach: no padding past them.
+                limits[seq.request_id] = (cache.blocks_for(claim.positions) - held) * cache.block_size
             now.sort(key=lambda seq: uncached[seq.request_id])
-            # A row's blocks are promised up to the positions it may reach: no padding past them.
-            limits = [cache.blocks_for(claim.positions) * cache.block_size - (len(seq.prompt_ids) - uncached[
-                seq.request_id]) for seq in now for claim in [cache.own_claim(seq.claims)]]
             for group in prefill_groups([uncached[seq.request_id] for seq in now], self.prefill_tokens,
-                                        limits=limits):
+                                        limits=[limits[seq.request_id] for seq in now]):
                 emitted.update(self.stepper.prefill(now[group]))
             joining = later
         return emitted

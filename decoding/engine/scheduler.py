@@ -7,7 +7,7 @@ that came before it. A sequence joins when the KV pool can promise
 it the positions its prompt, its ``max_tokens`` and one draft tree need, less the cached blocks of its prompt's
 prefix it takes (``PagedKVCache.claim``, in the target's pool and in a draft's own); otherwise it waits for a
 finishing row to return its blocks. Joining sequences are prefilled shortest first, in groups whose padded size
-stays within the per-forward token budget (``prefill_groups``).
+stays within the per-forward token budget (``decoding.model.padding.prefill_groups``).
 """
 
 from __future__ import annotations
@@ -121,34 +121,3 @@ class Scheduler:
 
     def drop_waiting(self, request_id: str) -> bool:
         return self.waiting.remove_request(request_id)
-
-
-def prefill_groups(
-    lengths: list[int], max_tokens: int, padding_slack: float = 0.1, padding_floor: int = 256,
-    limits: list[int] | None = None,
-) -> list[slice]:
-    """Consecutive groups of prompts whose padded size (rows x longest prompt) stays within ``max_tokens`` and
-    within ``padding_slack`` of their real tokens (or ``padding_floor`` tokens, for short prompts). ``limits``: the
-    longest each prompt may be padded to (a padded position takes a KV block, and a row's blocks are promised only
-    up to the positions it may reach): no group is longer than a limit of its rows.
-
-    A prompt longer than the budget gets a forward of its own. Padding is paid in full, and a prefill costs about
-    the same per token for one row as for eight (1.9 vs 1.8 ms a token for 700-token rows, 2-core CPU,
-    SmolLM2-135M), so bounding the padding costs nothing.
-    """
-    groups, start, longest, real, tightest = [], 0, 0, 0, None
-    for end, length in enumerate(lengths):
-        padded = (end - start + 1) * max(longest, length)
-        allowed = min(max_tokens, max(real + length + padding_floor, (1 + padding_slack) * (real + length)))
-        limit = limits[end] if limits is not None else None
-        too_long = limits is not None and end > start and (
-            max(longest, length) > min(tightest, limit) if tightest is not None else False)
-        if end > start and (padded > allowed or too_long):
-            groups.append(slice(start, end))
-            start, longest, real, tightest = end, 0, 0, None
-        longest, real = max(longest, length), real + length
-        if limit is not None:
-            tightest = limit if tightest is None else min(tightest, limit)
-    if lengths:
-        groups.append(slice(start, len(lengths)))
-    return groups
