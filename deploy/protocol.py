@@ -18,7 +18,7 @@ from decoding.config import StructuredOutputs, format_validation_error
 
 # The one request validation, shared with the pipeline.
 from frontend.requests import MAX_DEPTH, ChatMessage, ChatOptions, TextPart, check_history, too_deep  # noqa: F401
-from frontend.tool_calls import ToolChoice, ToolDefinition, ToolUse, check_tools, count_tools, tool_use
+from frontend.tool_calls import ToolChoice, Tools, ToolUse, tool_use
 
 # Context keys the server passes to ``model_validate_json`` (limits only a loaded model knows).
 MAX_CONTEXT = "max_context"
@@ -297,7 +297,7 @@ class ChatCompletionRequest(GenerationRequest):
     top_logprobs_: int | None = Field(None, alias="top_logprobs")
     # OpenAI's function tools (frontend/tool_calls.py): shown by the chat template; tool_choice auto reads calls
     # from the text with the configured parser, required and a named function constrain the output to calls.
-    tools: list[ToolDefinition] | None = None
+    tools: Tools | None = None
     tool_choice: ToolChoice | None = None
     parallel_tool_calls: bool | None = None
     functions: Any = None
@@ -312,9 +312,6 @@ class ChatCompletionRequest(GenerationRequest):
         if not self.logprobs:
             return None
         return self.top_logprobs_ or 0
-
-    _check_tools = field_validator("tools")(lambda value: value if value is None else check_tools(value))
-    _count_tools = field_validator("tools", mode="before")(count_tools)
 
     @model_validator(mode="after")
     def _top_logprobs_need_logprobs(self) -> ChatCompletionRequest:
@@ -388,13 +385,10 @@ class TokenizeRequest(_Request):
     continue_final_message: bool | None = None
     chat_template: str | None = None
     chat_template_kwargs: dict[str, Any] | None = None
-    tools: list[ToolDefinition] | None = None
+    tools: Tools | None = None
     mm_processor_kwargs: Any = None
 
     _check_neutral = field_validator("mm_processor_kwargs", mode="before")(_neutral)
-    _check_tools = field_validator("tools")(lambda value: value if value is None else check_tools(value))
-    _count_tools = field_validator("tools", mode="before")(count_tools)
-
     @field_validator("chat_template_kwargs")
     @classmethod
     def _bounded(cls, value: dict[str, Any] | None) -> dict[str, Any] | None:

@@ -30,7 +30,7 @@ from decoding.config import (
 
 # The one error of a request's inputs, sampling parameters included (decoding.params.resolve_sampling raises it).
 from decoding.params import RequestError
-from frontend.tool_calls import ToolChoice, ToolDefinition, ToolUse, check_tools, count_tools, tool_use
+from frontend.tool_calls import ToolChoice, ToolDefinition, Tools, ToolUse, tool_use
 
 
 def parse_json(text: Any, field: str, limit: int = MAX_DEPTH) -> Any:
@@ -188,12 +188,9 @@ class _Inputs(ChatOptions):
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
     sampling_params: dict[str, Any] | None = None
-    tools: list[ToolDefinition] | None = None
+    tools: Tools | None = None
     tool_choice: ToolChoice | None = None
     parallel_tool_calls: bool | None = None
-
-    _check_tools = field_validator("tools")(lambda value: value if value is None else check_tools(value))
-    _count_tools = field_validator("tools", mode="before")(count_tools)
 
     @field_validator("prompt", mode="before")
     @classmethod

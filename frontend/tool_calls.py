@@ -17,10 +17,10 @@ from __future__ import annotations
 import json
 import uuid
 from dataclasses import dataclass, field, replace
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import jsonschema
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, field_validator
 
 from frontend.tool_parsers import (
     PARSERS,
@@ -90,6 +90,10 @@ def check_tools(tools: list[ToolDefinition]) -> list[ToolDefinition]:
         twice = sorted({name for name in names if names.count(name) > 1})
         raise ValueError(f"tool names must be unique: {', '.join(twice)} given more than once")
     return tools
+
+
+# A request's or row's ``tools``: counted before any is validated, then checked as a whole.
+Tools = Annotated[list[ToolDefinition], BeforeValidator(count_tools), AfterValidator(check_tools)]
 
 
 def _parameters(tool: ToolDefinition) -> dict[str, Any]:
