@@ -42,9 +42,9 @@ class Recorder:
         assert joined.rows == slice(len(self.rows), len(self.rows) + len(joined.seqs))
         self.rows += [seq.request_id for seq in joined.seqs]
 
-    def row_removed(self, row: int, seq: Sequence) -> None:
-        assert self.rows[row] == seq.request_id
-        self.rows[row] = self.rows[-1]
+    def row_removed(self, row: int, last: int, seq: Sequence) -> None:
+        assert self.rows[row] == seq.request_id and last == len(self.rows) - 1
+        self.rows[row] = self.rows[last]
         self.rows.pop()
 
 

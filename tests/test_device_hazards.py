@@ -159,7 +159,7 @@ def test_the_hazard_check_catches_a_boolean_mask_write(tokenizer, target, monkey
     """The recycling table written through a boolean mask (a device sync each step on a GPU) is caught."""
     monkeypatch.setattr(execution, "CPU_READS_FREE", False)
 
-    def masked_observe(self, paths, path_tokens, draft, topology, target_states=None, target_topk=None) -> None:
+    def masked_observe(self, rows, paths, path_tokens, draft, topology, target_states=None, target_topk=None) -> None:
         if target_topk is not None:
             valid = draft.valid.to(self.table.device)
             self.table[draft.tokens.to(self.table.device)[valid]] = target_topk[valid]

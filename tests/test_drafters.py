@@ -6,6 +6,7 @@ model's tree only."""
 from __future__ import annotations
 
 import dataclasses
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -13,10 +14,11 @@ from engine_cases import PROMPTS, make_config, run
 
 from decoding import Config, Engine, Request
 from decoding.drafting.draft_model import SOME_ROWS_MAX_SHARE
-from decoding.drafting.drafters import DraftInputs
+from decoding.drafting.drafters import DraftInputs, RowDraftState
 from decoding.drafting.lookup import NgramDrafter, TokenHistory, lookup_continuations
 from decoding.drafting.recycle import RecycleDrafter, recycling_tree_nodes
 from decoding.drafting.signal_head import DraftSignalMLP
+from decoding.engine.batch import JoinedRows
 from decoding.engine.sequence import Contexts, Sequence
 from decoding.verification.tree import TreeTopology
 
@@ -65,7 +67,7 @@ def _ngram_inputs(topology: TreeTopology, contexts: list[list[int]], roots: list
     return DraftInputs(
         contexts=contexts, roots=roots_tensor, root_valid=torch.tensor(root_valid), pending=roots_tensor[:, 0],
         depths=torch.tensor(depths), topology=topology, warp=None, greedy=torch.ones(len(roots), dtype=torch.bool),
-        generators=[], replacement=False, stop=None,
+        generators=[], replacement=False, stop=None, rows=[RowDraftState() for _ in roots],
     )
 
 
@@ -140,18 +142,25 @@ def test_the_device_lookup_finds_what_the_reference_finds(max_ngram, min_ngram, 
                 assert valid[row, c].tolist() == [True] * len(chain) + [False] * (depth - len(chain))
 
 
+def _joined(states: list[RowDraftState]) -> JoinedRows:
+    """Rows joining with these drafter states (a drafter reads only their sequences' ``draft_state``)."""
+    seqs = [SimpleNamespace(draft_state=state) for state in states]
+    return JoinedRows(slice(0, len(states)), seqs, None, None)  # type: ignore[arg-type]
+
+
 def test_the_token_history_appends_what_rows_gained_and_follows_swap_removal() -> None:
     history = TokenHistory(torch.device("cpu"))
-    joined = type("Joined", (), {"seqs": [None, None, None]})()
-    history.rows_joined(joined)
-    tokens, lengths = history.sync([[1, 2], [3], [4, 5, 6]], torch.tensor([9, 8, 7]))
-    assert lengths.tolist() == [3, 2, 4]
+    states = [RowDraftState() for _ in range(3)]
+    history.rows_joined(_joined(states))
+    tokens, lengths = history.sync([[1, 2], [3], [4, 5, 6]], torch.tensor([9, 8, 7]), states)
+    assert lengths.tolist() == [3, 2, 4] and [state.history_length for state in states] == [3, 2, 4]
     assert [tokens[r, :n].tolist() for r, n in enumerate(lengths.tolist())] == [[1, 2, 9], [3, 8], [4, 5, 6, 7]]
-    history.row_removed(0, None)  # the last row takes row 0's place
-    tokens, lengths = history.sync([[4, 5, 6, 7, 1] + list(range(100)), [3, 8, 2]], torch.tensor([5, 5]))
+    history.row_removed(0, 2)  # the last row takes row 0's place, its state with it
+    states = [states[2], states[1]]
+    tokens, lengths = history.sync([[4, 5, 6, 7, 1] + list(range(100)), [3, 8, 2]], torch.tensor([5, 5]), states)
     assert lengths.tolist() == [106, 4] and tokens.shape[1] == 106  # grown past its first width
     assert tokens[0, :8].tolist() == [4, 5, 6, 7, 1, 0, 1, 2] and tokens[1, :4].tolist() == [3, 8, 2, 5]
-    tokens, lengths = history.sync([[1], [3, 8, 2, 5]], torch.tensor([2, 6]))  # row 0 is another sequence now
+    tokens, lengths = history.sync([[1], [3, 8, 2, 5]], torch.tensor([2, 6]), states)  # not row 0's history: anew
     assert [tokens[r, :n].tolist() for r, n in enumerate(lengths.tolist())] == [[1, 2], [3, 8, 2, 5, 6]]
 
 
@@ -160,11 +169,14 @@ def test_a_row_that_joined_after_the_last_lookup_takes_a_leaving_row_s_place_wit
     the next sync copies its whole context (its stale length once made it append only a tail after row 0's
     tokens)."""
     history = TokenHistory(torch.device("cpu"))
-    history.rows_joined(type("Joined", (), {"seqs": [None, None]})())
-    history.sync([[1, 2, 3], [4]], torch.tensor([9, 8]))
-    history.rows_joined(type("Joined", (), {"seqs": [None]})())
-    history.row_removed(0, None)
-    tokens, lengths = history.sync([[5, 6, 7, 8, 9, 10], [4, 8]], torch.tensor([11, 12]))
+    states = [RowDraftState() for _ in range(2)]
+    history.rows_joined(_joined(states))
+    history.sync([[1, 2, 3], [4]], torch.tensor([9, 8]), states)
+    joining = RowDraftState(history_length=3)  # a state that held tokens before: joining resets it
+    history.rows_joined(_joined([joining]))
+    history.row_removed(0, 2)
+    states = [joining, states[1]]
+    tokens, lengths = history.sync([[5, 6, 7, 8, 9, 10], [4, 8]], torch.tensor([11, 12]), states)
     assert [tokens[r, :n].tolist() for r, n in enumerate(lengths.tolist())] == [[5, 6, 7, 8, 9, 10, 11],
                                                                                  [4, 8, 12]]
 
@@ -327,9 +339,11 @@ def test_a_rows_context_tail_is_read_without_building_the_context() -> None:
         for start in range(len(seq.context) + 2):
             assert contexts.tail(row, start) == (len(seq.context), seq.context[start:])
     by_tail, by_lists = TokenHistory(torch.device("cpu")), TokenHistory(torch.device("cpu"))
+    tail_states, list_states = [RowDraftState() for _ in seqs], [RowDraftState() for _ in seqs]
     for step in range(3):
         pending = torch.tensor([seq.generated[-1] for seq in seqs])
-        got, expected = by_tail.sync(contexts, pending), by_lists.sync([seq.context for seq in seqs], pending)
+        got = by_tail.sync(contexts, pending, tail_states)
+        expected = by_lists.sync([seq.context for seq in seqs], pending, list_states)
         assert got[1].tolist() == expected[1].tolist() and torch.equal(got[0], expected[0])
         for seq in seqs:
             seq.generated.extend([20 + step] * (1 + step))

@@ -23,6 +23,7 @@ from decoding.drafting.drafters import (
     Drafter,
     DraftInputs,
     DraftPlan,
+    RowDraftState,
     register_drafter,
 )
 from decoding.drafting.feature_draft import load_draft
@@ -90,8 +91,9 @@ def model_view(model: torch.nn.Module) -> torch.nn.Module:
 class DraftModelDrafter(Drafter):
     """A small draft sharing the target's tokenizer, with its own paged cache kept on the accepted path.
 
-    Tokens committed while the draft did not run on them (the last accepted leaf, steps at depth 0) wait in
-    ``uncached`` and are fed as a causal prefix of the next draft tree, so no extra forward is spent on them.
+    Tokens committed while the draft did not run on them (the last accepted leaf, steps at depth 0) wait in the
+    row's ``RowDraftState.uncached`` and are fed as a causal prefix of the next draft tree, so no extra forward is
+    spent on them.
 
     A feature draft (``FeatureDraft``) reads with each token the state before it: root-level nodes the target's
     state at the last committed position, deeper nodes the draft's own state at their parent. Only entries built
@@ -170,8 +172,6 @@ class DraftModelDrafter(Drafter):
             self.model = search.model
         self.capacity = capacity
         self.cache: PagedKVCache | None = None  # ``attach``
-        self.uncached: list[list[int]] = []
-        self.uncached_states: list[list[torch.Tensor]] = []  # feature draft: the target's state before each
         self.root_states = (  # feature draft: the target's state at each row's last committed position
             torch.zeros(capacity, model.feature_size, device=device) if reads_states else None
         )
@@ -206,8 +206,8 @@ class DraftModelDrafter(Drafter):
     def rows_joined(self, joined: JoinedRows) -> None:
         rows, positions, target_states = joined.rows, joined.positions, joined.target_states
         prompts = [seq.prompt_ids for seq in joined.seqs]
-        self.uncached.extend([] for _ in prompts)
-        self.uncached_states.extend([] for _ in prompts)
+        for seq in joined.seqs:
+            seq.draft_state.uncached, seq.draft_state.uncached_states = [], []
         if self.target_cache is not None:  # the target's prefill filled the cache both read
             return
         added = self.cache.add_rows(joining_entries(self.cache, [seq.claims for seq in joined.seqs], positions))
@@ -241,11 +241,9 @@ class DraftModelDrafter(Drafter):
         full[..., self.vocab_subset.to(logits.device, non_blocking=True)] = logits
         return full
 
-    def row_removed(self, row: int, seq: Sequence) -> None:
+    def row_removed(self, row: int, last: int, seq: Sequence) -> None:
         del seq
-        move_last_row(row, len(self.uncached) - 1, self.root_states, self.uncached, self.uncached_states)
-        self.uncached.pop()
-        self.uncached_states.pop()
+        move_last_row(row, last, self.root_states)
         if self.target_cache is None:  # a shared cache has moved its rows already
             self.cache.remove_row(row)
 
@@ -303,7 +301,7 @@ class DraftModelDrafter(Drafter):
         if max(model_depth, lookup_depth) == 0:
             return Draft.roots_only(inputs)
         row_ids = range(rows.start, rows.stop) if isinstance(rows, slice) else rows.tolist()
-        uncached = [self.uncached[row] for row in row_ids]
+        uncached = [state.uncached for state in inputs.rows]
         prefix = max(len(u) for u in uncached)
         ancestors = with_prefix_chain(topology.sliced_ancestors(max(model_depth, lookup_depth)), prefix)
         total = ancestors.shape[0]
@@ -325,7 +323,7 @@ class DraftModelDrafter(Drafter):
         states = None  # feature draft: the state each node reads
         if self.root_states is not None:
             states = self.root_states.new_zeros(batch, total, self.root_states.shape[1])
-            for row, waiting_states in enumerate(self.uncached_states[row] for row in row_ids):
+            for row, waiting_states in enumerate(state.uncached_states for state in inputs.rows):
                 if waiting_states:
                     states[row, : len(waiting_states)] = torch.stack(waiting_states)
             states[:, prefix : prefix + width] = self.root_states[list(row_ids), None]
@@ -406,8 +404,9 @@ class DraftModelDrafter(Drafter):
         """Every forward this drafter may run (a layer-skip search's candidates), to prepare and capture at build."""
         return self.search.views if self.search is not None else [self.model]
 
-    def observe(self, paths: list[list[int]], path_tokens: list[list[int]], draft: Draft, topology: TreeTopology,
-                target_states: torch.Tensor | None = None, target_topk: torch.Tensor | None = None) -> None:
+    def observe(self, rows: list[RowDraftState], paths: list[list[int]], path_tokens: list[list[int]], draft: Draft,
+                topology: TreeTopology, target_states: torch.Tensor | None = None,
+                target_topk: torch.Tensor | None = None) -> None:
         """Keep the accepted path's final entries in the draft cache; the rest of the path waits for next time.
 
         Final: what the draft ran on with the inputs it will always have; for a token draft every level it ran,
@@ -425,15 +424,15 @@ class DraftModelDrafter(Drafter):
             final_nodes = (topology.root_width if self.root_states is not None
                            else topology.size(draft.forwarded_levels - 1))
         keeps = []
-        for row, path in enumerate(paths):
+        for row, (state, path) in enumerate(zip(rows, paths)):
             if ran:
-                keeps.append(list(range(len(self.uncached[row]))) + [draft.prefix + n for n in path if n < final_nodes])
-                self.uncached[row], self.uncached_states[row] = [], []
+                keeps.append(list(range(len(state.uncached))) + [draft.prefix + n for n in path if n < final_nodes])
+                state.uncached, state.uncached_states = [], []
             waiting = [i for i, node in enumerate(path) if node >= final_nodes]
-            self.uncached[row] += [path_tokens[row][i] for i in waiting]
+            state.uncached += [path_tokens[row][i] for i in waiting]
             if self.root_states is not None:
                 before = [self.root_states[row].clone(), *target_states[row, path[:-1]]]  # the state before each node
-                self.uncached_states[row] += [before[i] for i in waiting]
+                state.uncached_states += [before[i] for i in waiting]
                 self.root_states[row] = target_states[row, path[-1]]
         if not ran:
             return

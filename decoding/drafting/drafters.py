@@ -3,7 +3,8 @@
 Interface (after transformers' candidate generators): ``rows_joined`` when sequences join, ``propose`` a tree
 below the root-level tokens the engine supplies, ``observe`` the verified outcome, ``row_removed`` when a
 sequence leaves (swap-remove, mirroring the target cache). What one step's proposal needs later (how many levels a
-draft forward ran, its catch-up prefix) travels in the ``Draft`` it returns, never on the drafter. Verification
+draft forward ran, its catch-up prefix) travels in the ``Draft`` it returns, and what a drafter keeps of a row on
+the host lives on the row's sequence (``RowDraftState``), never on the drafter. Verification
 lives elsewhere (``verification/verify_batched.py``, with ``acceptance.py`` its readable oracle), as in vLLM.
 
 Each drafter is a class in a file of its own (``lookup.py``, ``recycle.py``, ``draft_model.py``) that builds itself
@@ -13,7 +14,7 @@ from the config (``from_config``) and registers its ``speculative.method`` (``re
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
 
 import torch
@@ -46,6 +47,18 @@ class StopRule(Protocol):
 
 
 @dataclass
+class RowDraftState:
+    """What drafters keep of one sequence on the host. It lives on the sequence (``Sequence.draft_state``), so it
+    joins and leaves the batch with its row; a drafter resets its part in ``rows_joined`` and reads each row's in
+    ``DraftInputs.rows`` and ``observe``."""
+
+    uncached: list[int] = field(default_factory=list)  # a draft model's accepted tokens its cache does not hold yet
+    # A feature draft: the target's state before each of ``uncached`` (on the device).
+    uncached_states: list[torch.Tensor] = field(default_factory=list)
+    history_length: int = 0  # the row's tokens in a device lookup's history (``TokenHistory``)
+
+
+@dataclass
 class DraftInputs:
     contexts: list[list[int]]  # committed tokens of each row, root-level tokens excluded
     roots: torch.Tensor  # [B, root_width] root-level tokens, the pending token first (host: capabilities.host_roots)
@@ -58,6 +71,7 @@ class DraftInputs:
     generators: list[torch.Generator]
     replacement: bool
     stop: StopRule
+    rows: list[RowDraftState]  # each row's drafter state (its sequence's)
     # [B] depth of the n-gram siblings of a model's tree (None: ``depths``): a row may draft with either alone.
     lookup_depths: torch.Tensor | None = None
     # Constrained rows (decoding.constraints.constrained): the tree's grammar masks, which the draft's laws get and
@@ -78,6 +92,7 @@ class DraftInputs:
             root_valid=self.root_valid[rows.to(self.roots.device)], pending=self.pending[rows],
             depths=self.depths[rows], warp=self.warp[rows],
             greedy=self.greedy[rows], generators=[self.generators[row] for row in row_ids],
+            rows=[self.rows[row] for row in row_ids],
             lookup_depths=self.lookup_depths[rows] if self.lookup_depths is not None else None,
             grammar=self.grammar.select(rows) if self.grammar is not None else None,
             grammar_drafts=[self.grammar_drafts[row] for row in row_ids] if self.grammar_drafts is not None else None,
@@ -273,15 +288,16 @@ class Drafter:
         """Sequences joined the batch at ``joined.rows`` (their prefill ran: the target's states are there)."""
         del joined
 
-    def row_removed(self, row: int, seq: Sequence) -> None:
-        """``seq`` left ``row``; the last row takes its place."""
-        del row, seq
+    def row_removed(self, row: int, last: int, seq: Sequence) -> None:
+        """``seq`` left ``row``; row ``last`` takes its place (``move_last_row``)."""
+        del row, last, seq
 
     def propose(self, inputs: DraftInputs) -> Draft:
         return Draft.roots_only(inputs)
 
-    def observe(self, paths: list[list[int]], path_tokens: list[list[int]], draft: Draft, topology: TreeTopology,
-                target_states: torch.Tensor | None = None, target_topk: torch.Tensor | None = None) -> None:
-        """The verified outcome: each row's accepted path (node indices, the pending token first) and its
-        tokens; with ``capabilities.target_topk``, ``target_topk`` [B, N, k] on the device."""
-        del paths, path_tokens, draft, topology, target_states, target_topk
+    def observe(self, rows: list[RowDraftState], paths: list[list[int]], path_tokens: list[list[int]], draft: Draft,
+                topology: TreeTopology, target_states: torch.Tensor | None = None,
+                target_topk: torch.Tensor | None = None) -> None:
+        """The verified outcome: each row's drafter state, its accepted path (node indices, the pending token first)
+        and its tokens; with ``capabilities.target_topk``, ``target_topk`` [B, N, k] on the device."""
+        del rows, paths, path_tokens, draft, topology, target_states, target_topk

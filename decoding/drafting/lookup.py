@@ -16,6 +16,7 @@ from decoding.drafting.drafters import (
     Drafter,
     DraftInputs,
     DraftPlan,
+    RowDraftState,
     register_drafter,
 )
 from decoding.model.padding import pad_rows
@@ -28,34 +29,34 @@ if TYPE_CHECKING:
 
 class TokenHistory:
     """Each row's tokens (prompt, generated, the pending one last) on the device, for lookups there. Rows only grow
-    while they run: each step appends what a row gained since the last (the whole prompt once), one small copy."""
+    while they run: each step appends what a row gained since the last (the whole prompt once), one small copy. How
+    many of a row's tokens are there is the row's (``RowDraftState.history_length``), so it moves with its row."""
 
     def __init__(self, device: torch.device) -> None:
         self.tokens = torch.zeros(0, 0, dtype=torch.long, device=device)
-        self.lengths: list[int] = []  # per row, the tokens on the device
 
     def rows_joined(self, joined: JoinedRows) -> None:
-        self.lengths.extend(0 for _ in joined.seqs)
+        for seq in joined.seqs:
+            seq.draft_state.history_length = 0
 
-    def row_removed(self, row: int, seq: Sequence) -> None:
-        move_last_row(row, len(self.lengths) - 1, self.tokens, self.lengths)  # (rows never looked up hold no tokens)
-        self.lengths.pop()
+    def row_removed(self, row: int, last: int) -> None:
+        move_last_row(row, last, self.tokens)  # (rows never looked up hold no tokens)
 
-    def sync(self, contexts: SequenceABC[list[int]], pending: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def sync(self, contexts: SequenceABC[list[int]], pending: torch.Tensor, states: list[RowDraftState]
+             ) -> tuple[torch.Tensor, torch.Tensor]:
         """Each row's ``contexts[row]`` + its pending token on the device: ([B, longest] tokens, [B] lengths)."""
         rows = len(contexts)
-        self.lengths += [0] * (rows - len(self.lengths))  # rows the batch never announced (a drafter used alone)
         # Only what a row gained is read (``Contexts.tail``): building whole contexts cost O(context) a row a step.
         tail = getattr(contexts, "tail", None) or (lambda row, start: (len(contexts[row]), contexts[row][start:]))
+        known = [state.history_length for state in states]
         added = []
         for row, token in enumerate(pending.tolist()):
-            known = self.lengths[row]
-            length, new = tail(row, known)
-            if length + 1 < known:  # not this row's history any more: written anew
-                known = self.lengths[row] = 0
+            length, new = tail(row, known[row])
+            if length + 1 < known[row]:  # not this row's history: written anew
+                known[row] = 0
                 length, new = tail(row, 0)
-            added.append(new + [token] if known <= length else [])
-        lengths = [known + len(new) for known, new in zip(self.lengths, added)]
+            added.append(new + [token] if known[row] <= length else [])
+        lengths = [have + len(new) for have, new in zip(known, added)]
         longest = max(lengths, default=0)
         if self.tokens.shape[0] < rows or self.tokens.shape[1] < longest:  # grown by doubling
             grown = self.tokens.new_zeros(max(rows, self.tokens.shape[0]), max(64, 1 << (longest - 1).bit_length()))
@@ -63,12 +64,13 @@ class TokenHistory:
             self.tokens = grown
         if any(added):
             ids, counts = pad_rows(added)
-            columns = torch.tensor(self.lengths[:rows])[:, None] + torch.arange(ids.shape[1])[None]
+            columns = torch.tensor(known)[:, None] + torch.arange(ids.shape[1])[None]
             where = torch.arange(ids.shape[1])[None] < counts[:, None]
             device = self.tokens.device
             row_index = torch.arange(rows)[:, None].expand_as(columns)[where]
             self.tokens.index_put_((row_index.to(device), columns[where].to(device)), ids[where].to(device))
-        self.lengths[:rows] = lengths
+        for state, length in zip(states, lengths):
+            state.history_length = length
         return self.tokens[:rows, :longest], torch.tensor(lengths).to(self.tokens.device, non_blocking=True)
 
 
@@ -138,9 +140,9 @@ class NgramDrafter(Drafter):
         if self.history is not None:
             self.history.rows_joined(joined)
 
-    def row_removed(self, row: int, seq: Sequence) -> None:
+    def row_removed(self, row: int, last: int, seq: Sequence) -> None:
         if self.history is not None:
-            self.history.row_removed(row, seq)
+            self.history.row_removed(row, last)
 
     def continuations(self, context: list[int], depth: int, width: int) -> list[list[int]]:
         tokens = np.asarray(context, dtype=np.int64)
@@ -181,7 +183,7 @@ class NgramDrafter(Drafter):
         deepest = 0
         if self.history is not None and len(depths) and int(depths.max()) > 0:
             deepest = int(depths.max())
-            history, lengths = self.history.sync(inputs.contexts, inputs.pending)
+            history, lengths = self.history.sync(inputs.contexts, inputs.pending, inputs.rows)
             chains, found = lookup_continuations(history, lengths, deepest, count, self.max_ngram, self.min_ngram)
             found &= (torch.arange(deepest) < depths[:, None]).to(found.device, non_blocking=True)[:, None]
             nodes = torch.tensor([[offset + topology.chain_node(level, candidate) for level in range(1, deepest + 1)]

@@ -16,6 +16,7 @@ from decoding.drafting.drafters import (
     Drafter,
     DraftInputs,
     DraftPlan,
+    RowDraftState,
     register_drafter,
 )
 from decoding.drafting.lookup import NgramDrafter
@@ -72,9 +73,9 @@ class RecycleDrafter(Drafter):
         if self.lookup is not None:
             self.lookup.rows_joined(joined)
 
-    def row_removed(self, row: int, seq: Sequence) -> None:
+    def row_removed(self, row: int, last: int, seq: Sequence) -> None:
         if self.lookup is not None:
-            self.lookup.row_removed(row, seq)
+            self.lookup.row_removed(row, last, seq)
 
     def propose(self, inputs: DraftInputs) -> Draft:
         topology = inputs.topology
@@ -101,8 +102,9 @@ class RecycleDrafter(Drafter):
         size = topology.size(depth)
         return Draft(tokens[:, :size], valid[:, :size], draft.token_probs[:, :size], None, depth)
 
-    def observe(self, paths: list[list[int]], path_tokens: list[list[int]], draft: Draft, topology: TreeTopology,
-                target_states: torch.Tensor | None = None, target_topk: torch.Tensor | None = None) -> None:
+    def observe(self, rows: list[RowDraftState], paths: list[list[int]], path_tokens: list[list[int]], draft: Draft,
+                topology: TreeTopology, target_states: torch.Tensor | None = None,
+                target_topk: torch.Tensor | None = None) -> None:
         if target_topk is None:
             return
         device = self.table.device

@@ -43,8 +43,8 @@ class RowState(Protocol):
 
     def rows_joined(self, joined: JoinedRows) -> None: ...
 
-    def row_removed(self, row: int, seq: Sequence) -> None:
-        """``seq`` left ``row``; the last row takes its place (swap-remove)."""
+    def row_removed(self, row: int, last: int, seq: Sequence) -> None:
+        """``seq`` left ``row``; row ``last`` takes its place (swap-remove)."""
 
 
 @dataclass(frozen=True)
@@ -120,7 +120,7 @@ class Batch:
                       self.max_tokens, self.root_scores)
         self.cache.remove_row(row)
         for part in self.listeners:
-            part.row_removed(row, seq)
+            part.row_removed(row, last, seq)
         move_last_row(row, last, self.seqs)
         self.seqs.pop()
         return seq

@@ -12,6 +12,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from decoding.chat_templates import supports_tools
 from decoding.config import SamplingParams
+from decoding.drafting.drafters import RowDraftState
 from decoding.drafting.length_policies import RowMemory
 from decoding.engine.text import IncrementalDecoder
 from decoding.params import EngineError
@@ -154,6 +155,7 @@ class Sequence:
     cached_tokens: int = 0  # prompt tokens its prefill found in the prefix cache
     cache_salt: str = ""  # ``Request.cache_salt``: its prefix blocks are shared only with rows of the same salt
     policy_memory: RowMemory = field(default_factory=RowMemory)  # what the length policy learned of it
+    draft_state: RowDraftState = field(default_factory=RowDraftState)  # what the drafter keeps of it
 
     @property
     def context(self) -> list[int]:

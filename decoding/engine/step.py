@@ -298,7 +298,7 @@ class Step:
             depths=plan.depths,
             topology=self.topology, warp=plan.warp, greedy=plan.meta.greedy,
             generators=[s.generator for s in seqs], replacement=self.speculative.replacement,
-            stop=self.policy, lookup_depths=plan.lookup_depths,
+            stop=self.policy, rows=[s.draft_state for s in seqs], lookup_depths=plan.lookup_depths,
             grammar=grammar.view() if grammar is not None else None, grammar_drafts=plan.grammar_drafts,
         )))
         if grammar is not None:  # the levels the drafter did not walk (all of a host drafter's)
@@ -481,8 +481,8 @@ class Step:
         topk = self.drafter.capabilities.target_topk
         search = self.drafter.search  # a layer-skipping draft: the cost of the set that drafted
         draft_scale = search.cost_scale_of(draft.candidate) if search is not None else 1.0
-        self.drafter.observe(verdict.paths, path_tokens, draft, self.topology, verdict.states,
-                             verdict.raw_logits.topk(topk, dim=-1).indices if topk else None)
+        self.drafter.observe([s.draft_state for s in seqs], verdict.paths, path_tokens, draft, self.topology,
+                             verdict.states, verdict.raw_logits.topk(topk, dim=-1).indices if topk else None)
         size = draft.tokens.shape[1]
         matched = self._matched_by_source(draft.depth, verdict.draft_tokens, verdict.drafted_nodes, committed.emitted,
                                           plan.sizes is not None)
