@@ -145,7 +145,7 @@ def test_step_phases_change_batch_state_only_in_commit() -> None:
     for seq in seqs:  # a repeating prompt, so lookup drafts
         seq.prompt_ids = [3, 4, 5, 3, 4, 5, 3, 4][: len(seq.prompt_ids)]
     emitted = step.prefill(seqs, [40, 60])
-    assert set(emitted) == {"a", "b"} and all(len(tokens) == 1 for tokens in emitted.values())
+    assert emitted == [seq.generated for seq in seqs] and all(len(tokens) == 1 for tokens in emitted)
     plan = step.plan(seqs)
     assert plan.rows == slice(0, 2)
     assert plan.depths.tolist()[0] == 3 - 1 - 1  # max_tokens 3, one token out: room for 1 draft token
@@ -159,9 +159,9 @@ def test_step_phases_change_batch_state_only_in_commit() -> None:
     assert [seq.generated for seq in seqs] == generated
     committed = step.commit(seqs, plan, drafted, verdict)
     assert torch.equal(batch.root_scores[:2], verdict.batch.next_law)
-    for seq, before in zip(seqs, generated):
+    for seq, before, kept in zip(seqs, generated, committed.kept_tokens, strict=True):
         assert seq.generated[: len(before)] == before
-        assert committed.new_tokens[seq.request_id] == seq.generated[len(before):]
+        assert kept == seq.generated[len(before):]
     assert parts.cache.host_lengths[:2] == [n + len(path) for n, path in zip(lengths, verdict.paths)]
 
 

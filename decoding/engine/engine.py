@@ -271,8 +271,8 @@ class Engine:
             verdict = step.verify(seqs, plan, drafted)
             committed = step.commit(seqs, plan, drafted, verdict)
             step.observe(seqs, plan, drafted, verdict, committed)
-            for request_id, tokens in committed.new_tokens.items():
-                emitted.setdefault(request_id, []).extend(tokens)
+            for seq, tokens in zip(seqs, committed.kept_tokens):
+                emitted.setdefault(seq.request_id, []).extend(tokens)
             finished += self._retire()
         spec = SpecDecodeStats.from_steps(
             [seq.per_step_drafted[-1] for seq in seqs], [seq.per_step_accepted[-1] for seq in seqs],
@@ -314,7 +314,8 @@ class Engine:
             now.sort(key=lambda seq: uncached[seq.request_id])
             for group in prefill_groups([uncached[seq.request_id] for seq in now], self.prefill_tokens,
                                         limits=[limits[seq.request_id] for seq in now]):
-                emitted.update(self.stepper.prefill(now[group]))
+                grouped = now[group]
+                emitted.update(zip((seq.request_id for seq in grouped), self.stepper.prefill(grouped)))
             joining = later
         return emitted
 

@@ -119,7 +119,7 @@ class SourceMatches:
 class Committed:
     emitted: list[list[int]]  # tokens each row emitted this step (before stop conditions cut them)
     kept: list[int]  # accepted draft tokens each row kept
-    new_tokens: dict[str, list[int]]  # per request: the tokens it kept this step (for streaming)
+    kept_tokens: list[list[int]]  # tokens each row kept this step (for streaming)
 
 
 class Step:
@@ -165,9 +165,9 @@ class Step:
 
     # ----------------------------------------------------------------------------------------------- prefill
     @torch.no_grad()
-    def prefill(self, joining: list[Sequence], positions: list[int] | None = None) -> dict[str, list[int]]:
+    def prefill(self, joining: list[Sequence], positions: list[int] | None = None) -> list[list[int]]:
         """Admit ``joining`` into new rows (with their claims, or promised ``positions``): one target forward over
-        the part of their prompts not found cached, the first token of each (returned per request)."""
+        the part of their prompts not found cached, the first token of each (returned per joining sequence)."""
         rows = self.batch.admit(joining, positions)
         meta = self.batch.metadata(joining)
         cached = self.cache.host_lengths[rows]  # prompt positions each row took from the prefix cache
@@ -208,13 +208,13 @@ class Step:
         if _may_empty(joining):
             tokens = or_no_token(tokens, last)
         self.batch.set_root_scores(rows, scores)
-        emitted = {}
+        emitted = []
         for i, (seq, token) in enumerate(zip(joining, self.to_host(tokens).tolist())):
             seq.forwards = 1
             if seq.params.logprobs is not None and token != NO_TOKEN:
                 seq.logprobs += token_logprobs(raw[i : i + 1], [token], seq.params.logprobs, self._read_stats)
             seq.emit([token], [False], self.max_context, self.tokenizer)
-            emitted[seq.request_id] = list(seq.generated)
+            emitted.append(list(seq.generated))
         self.batch.joined(JoinedRows(rows, joining, positions, states))
         for seq, skip in zip(joining, cached):
             seq.claims, seq.cached_tokens = [], skip
@@ -416,7 +416,7 @@ class Step:
         node_candidates = self.topology.candidate_index.tolist()
         grammar = drafted.grammar
         forced = grammar.forced(len(verdict.draft_tokens[0])) if grammar is not None else None
-        all_emitted, all_kept, kept_tokens = [], [], {}
+        all_emitted, all_kept, kept_tokens = [], [], []
         for row, (seq, path) in enumerate(zip(seqs, paths)):
             accepted_nodes = [n for n in path if node_depths[n] > 0]
             seq.forwards += 1
@@ -429,7 +429,7 @@ class Step:
                 seq.logprobs += token_logprobs(at_path, real, seq.params.logprobs, self._read_stats)
             before = len(seq.generated)
             kept = seq.emit(new_tokens, [True] * len(accepted_nodes) + [False], self.max_context, self.tokenizer)
-            kept_tokens[seq.request_id] = seq.generated[before:]
+            kept_tokens.append(seq.generated[before:])
             kept_nodes = set(accepted_nodes[:kept])  # a stop inside the accepted run drops the rest
             if forced is not None:
                 seq.grammar_forced += sum(forced[row][node] for node in kept_nodes)
