@@ -268,12 +268,12 @@ def _parts(out: Path) -> list[tuple[float, pa.Table]]:
 def test_many_short_rows_commit_their_first_part_within_the_first_fifth_of_the_run(ray_cluster, tiny_dirs, tmp_path):
     """Parts hold at most four engine batches and are committed as they finish. Before, 20,000 rows came out as 4
     parts of 5,000, the first committed 185 s into a 201 s run: a kill before then lost everything. A smaller job
-    gets smaller parts (91 parts of 44 rows for these 4,000), so it makes the same point. The run is
+    gets smaller parts (63 parts of 32 rows, half a batch, for these 2,000), so it makes the same point. The run is
     counted from its first row's start (the first part's commit less its slowest row's time), so that the actor's
     start, which depends on the machine's load, is not part of it."""
     from pipeline.job import rows_per_part
 
-    rows = 4_000
+    rows = 2_000
     config = Config.model_validate({"model": tiny_dirs["target"], "speculative": {"method": "none"},
                                     "sampling": {"max_tokens": 12, "ignore_eos": True}, "batch_size": 64})
     source = write_jsonl(tmp_path / "big.jsonl",
@@ -606,6 +606,8 @@ def start_head(temp_dir: str, log: Path) -> tuple[subprocess.Popen, int]:
                  "--include-dashboard=true", f"--dashboard-port={dashboard}", "--disable-usage-stats",
                  *(f"--{name}-port={port}" for name, port in zip(names, others, strict=True))],
                 stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
+                # A job's `python` is the head's, found on its PATH: this interpreter's, as with its virtualenv active.
+                env={**os.environ, "PATH": os.pathsep.join([str(Path(sys.executable).parent), os.environ["PATH"]])},
             )
         deadline = time.monotonic() + 120
         while head.poll() is None and time.monotonic() < deadline:

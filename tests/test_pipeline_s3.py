@@ -79,9 +79,11 @@ def committed(fs: pafs.FileSystem, root: str) -> list[str]:
 
 def test_s3_generate_killed_driver_resume_every_id_once(ray_cluster, s3, s3_config, tmp_path):
     fs, uri = s3
-    rows = good_rows(30)
-    put(fs, "specbatch-test/in/a.jsonl", "".join(json.dumps(r) + "\n" for r in rows[:18]).encode())
-    put(fs, "specbatch-test/in/b.jsonl", "".join(json.dumps(r) + "\n" for r in rows[18:]).encode())
+    # 16 rows in one-row parts (batch 2) over two files: the driver dies within a part or two of the first commit
+    # (polled every 0.2 s; a part takes ~40 steps), so midway with room to spare, and the resume reads both files.
+    rows = good_rows(16)
+    put(fs, "specbatch-test/in/a.jsonl", "".join(json.dumps(r) + "\n" for r in rows[:9]).encode())
+    put(fs, "specbatch-test/in/b.jsonl", "".join(json.dumps(r) + "\n" for r in rows[9:]).encode())
     root = "specbatch-test/runs/killed"
     (tmp_path / "config.yaml").write_text(yaml.safe_dump(s3_config.model_dump(mode="json")))
     env = {**os.environ, "RAY_ADDRESS": ray_cluster.get_runtime_context().gcs_address}

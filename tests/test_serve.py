@@ -1108,14 +1108,15 @@ def _streamed_calls(stream) -> tuple[str, list[tuple[str, str]], str]:
 
 
 def test_openai_client_required_and_named_tool_choices_answer_valid_calls_on_the_default_model(tools_server):
+    from concurrent.futures import ThreadPoolExecutor
+
     from test_tool_calls import TOOLS
 
     schemas = {tool["function"]["name"]: tool["function"]["parameters"] for tool in TOOLS}
     client = openai.OpenAI(base_url=f"{tools_server}/v1", api_key="unused", max_retries=0)
-    drafted = 0
-    for question, choice in (("Search the web for the latest news about Mars.", "required"),
-                             ("What's the weather like in Paris today?",
-                              {"type": "function", "function": {"name": "get_weather"}})):
+
+    def ask(question: str, choice: str | dict) -> int:
+        """The call asked for, streamed and not; returns the tokens drafted."""
         asked = {"model": TOOLS_MODEL, "messages": [{"role": "user", "content": question}], "tools": TOOLS,
                  "tool_choice": choice, "temperature": 0}
         chat = client.chat.completions.create(**asked)
@@ -1125,29 +1126,40 @@ def test_openai_client_required_and_named_tool_choices_answer_valid_calls_on_the
             jsonschema.validate(json.loads(call.function.arguments), schemas[call.function.name])
         if choice != "required":
             assert [call.function.name for call in message.tool_calls] == ["get_weather"]
-        drafted += chat.model_extra["metrics"]["speculative_decoding"]["num_draft_tokens"]
         content, calls, finish = _streamed_calls(client.chat.completions.create(**asked, stream=True))
         assert (content, finish) == ("", "tool_calls")
         assert calls == [(call.function.name, call.function.arguments) for call in message.tool_calls]
+        return chat.model_extra["metrics"]["speculative_decoding"]["num_draft_tokens"]
+
+    # The two questions at once: their rows share the replica's steps (each answer is its own row's either way).
+    with ThreadPoolExecutor(2) as pool:
+        drafted = sum(pool.map(ask, ["Search the web for the latest news about Mars.",
+                                     "What's the weather like in Paris today?"],
+                               ["required", {"type": "function", "function": {"name": "get_weather"}}]))
     assert drafted > 0  # the default configuration drafted under the tool-call constraint
 
 
 def test_tool_choice_auto_returns_what_the_parser_reads_from_the_text(tools_server):
+    from concurrent.futures import ThreadPoolExecutor
+
     from test_tool_calls import TOOLS, TRACE  # an agent trace: a call, its result, a new question
 
     from frontend.tool_parsers import PARSERS
 
     client = openai.OpenAI(base_url=f"{tools_server}/v1", api_key="unused", max_retries=0)
     asked = {"model": TOOLS_MODEL, "messages": TRACE, "tools": TOOLS, "temperature": 0, "max_tokens": 24}
-    text = client.chat.completions.create(**asked, tool_choice="none").choices[0].message.content
-    parsed = PARSERS["hermes"]().parse(text)  # the same prompt: tools are shown with none too
-    chat = client.chat.completions.create(**asked, tool_choice="auto")
+    with ThreadPoolExecutor(3) as pool:  # the three at once, sharing the replica's steps
+        none = pool.submit(client.chat.completions.create, **asked, tool_choice="none")
+        auto = pool.submit(client.chat.completions.create, **asked, tool_choice="auto")
+        streamed = pool.submit(lambda: _streamed_calls(client.chat.completions.create(**asked, stream=True)))
+    parsed = PARSERS["hermes"]().parse(none.result().choices[0].message.content)  # tools are shown with none too
+    chat = auto.result()
     message = chat.choices[0].message
     assert message.content == parsed.content
     assert [(c.function.name, c.function.arguments) for c in message.tool_calls or []] == [
         (call.name, call.arguments) for call in parsed.calls]
     assert (chat.choices[0].finish_reason == "tool_calls") == bool(parsed.calls)
-    content, calls, _ = _streamed_calls(client.chat.completions.create(**asked, stream=True))
+    content, calls, _ = streamed.result()
     assert (content or None, calls) == (parsed.content, [(call.name, call.arguments) for call in parsed.calls])
 
 

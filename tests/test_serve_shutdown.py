@@ -38,50 +38,63 @@ def long_context_model(tmp_path_factory, tokenizer, target) -> str:
     return str(path)
 
 
-@pytest.fixture
-def serve_process(long_context_model, tmp_path):
-    """`python -m jobs.serve` on its own local Ray cluster, one engine row (requests queue behind each other),
-    a one-second grace period, the API key from the environment."""
-    yield from _serve(long_context_model, tmp_path, grace=1.0)
+# Each test stops its server with signals, so each has a server and a Ray cluster of its own. The three start
+# together, when the first test asks for its own: most of a start is waiting on Ray's daemons and Serve's actors
+# coming up, which they then do at once.
+SERVERS = {"drain": 1.0, "drain_after_actor_died": 1.0, "patient": 600.0}  # name -> grace period (s)
 
 
-@pytest.fixture
-def patient_serve_process(long_context_model, tmp_path):
-    """The same with a grace period longer than any test: only a second signal ends the drain early."""
-    yield from _serve(long_context_model, tmp_path, grace=600.0)
+class Servers:
+    """`python -m jobs.serve` processes, each on its own local Ray cluster with one engine row (requests queue
+    behind each other), its grace period, and the API key from the environment."""
 
+    def __init__(self, model: str, root: Path) -> None:
+        ports = unused_ports(len(SERVERS))
+        self.started = {name: _start(model, root / name, grace, port)
+                        for (name, grace), port in zip(SERVERS.items(), ports)}
 
-def _serve(long_context_model: str, tmp_path: Path, grace: float):
-    config = tmp_path / "serve.yaml"
-    config.write_text(yaml.safe_dump({
-        "model": long_context_model, "speculative": {"method": "none"}, "batch_size": 1,
-        "sampling": {"max_tokens": 8}, "graceful_shutdown_timeout_s": grace,
-    }))
-    port = unused_ports(1)[0]
-    log = tmp_path / "serve.log"
-    # A cluster of its own: the signal stops it, and every process it started must be gone afterwards.
-    env = {**os.environ, "RAY_ADDRESS": "local", "SPECBATCH_API_KEY": KEY}
-    with log.open("wb") as out:
-        process = subprocess.Popen([sys.executable, "-m", "jobs.serve", "--config", str(config), "--port", str(port)],
-                                   cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{port}"
-    try:
+    def take(self, name: str) -> tuple[subprocess.Popen, str, Path]:
+        """The named server once it answers /health."""
+        process, url, log = self.started[name]
         for _ in range(600):
             if process.poll() is not None:
                 pytest.fail(f"specbatch serve exited with {process.returncode}:\n{log.read_text()[-5000:]}")
             try:
                 if httpx.get(f"{url}/health", timeout=5).status_code == 200:
-                    break
+                    return process, url, log
             except httpx.TransportError:
                 pass
             time.sleep(0.5)
-        else:
-            pytest.fail(f"specbatch serve did not come up:\n{log.read_text()[-5000:]}")
-        yield process, url, log
-    finally:
-        if process.poll() is None:
-            process.kill()
-            process.wait()
+        pytest.fail(f"specbatch serve did not come up:\n{log.read_text()[-5000:]}")
+
+    def stop(self) -> None:
+        for process, _, _ in self.started.values():
+            if process.poll() is None:
+                process.kill()
+                process.wait()
+
+
+@pytest.fixture(scope="module")
+def servers(long_context_model, tmp_path_factory):
+    started = Servers(long_context_model, tmp_path_factory.mktemp("servers"))
+    yield started
+    started.stop()
+
+
+def _start(long_context_model: str, directory: Path, grace: float, port: int) -> tuple[subprocess.Popen, str, Path]:
+    directory.mkdir(parents=True)
+    config = directory / "serve.yaml"
+    config.write_text(yaml.safe_dump({
+        "model": long_context_model, "speculative": {"method": "none"}, "batch_size": 1,
+        "sampling": {"max_tokens": 8}, "graceful_shutdown_timeout_s": grace,
+    }))
+    log = directory / "serve.log"
+    # A cluster of its own: the signal stops it, and every process it started must be gone afterwards.
+    env = {**os.environ, "RAY_ADDRESS": "local", "SPECBATCH_API_KEY": KEY}
+    with log.open("wb") as out:
+        process = subprocess.Popen([sys.executable, "-m", "jobs.serve", "--config", str(config), "--port", str(port)],
+                                   cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT)
+    return process, f"http://127.0.0.1:{port}", log
 
 
 def _outcome(response_status: int, headers: dict[str, str], lines: list[str], stream: bool) -> str:
@@ -105,12 +118,12 @@ def _outcome(response_status: int, headers: dict[str, str], lines: list[str], st
     return "done"
 
 
-def test_sigterm_drains_requests_in_flight_and_leaves_no_process_behind(serve_process):
+def test_sigterm_drains_requests_in_flight_and_leaves_no_process_behind(servers):
     """20 requests in flight (10 streamed; half of each kind long): after SIGTERM, new requests get 503 with
     Retry-After; each request in flight completes or gets a clean 503, each stream ends with [DONE] (after its
     last chunk or an error event); the command exits 0 and every process it started (Ray's daemons and agents)
     is gone."""
-    _drain_under_sigterm(serve_process)
+    _drain_under_sigterm(servers.take("drain"))
 
 
 def _drain_signal_processes(process: subprocess.Popen) -> list[psutil.Process]:
@@ -124,10 +137,11 @@ def _drain_signal_processes(process: subprocess.Popen) -> list[psutil.Process]:
     return found
 
 
-def test_sigterm_drains_even_after_the_drain_actor_died(serve_process):
+def test_sigterm_drains_even_after_the_drain_actor_died(servers):
     """The drain actor killed first (as Ray's memory monitor kills a worker): SIGTERM used to shut Serve down at
     once, cutting every request in flight, and exit with a traceback. Ray restarts the actor and the replicas
     register again: the same drain as with it alive."""
+    serve_process = servers.take("drain_after_actor_died")
     process, _, log = serve_process
     (signal_actor,) = _drain_signal_processes(process)
     signal_actor.kill()
@@ -140,11 +154,11 @@ def test_sigterm_drains_even_after_the_drain_actor_died(serve_process):
     assert "Traceback" not in Path(log).read_text()
 
 
-def test_a_second_sigterm_stops_at_once(patient_serve_process):
+def test_a_second_sigterm_stops_at_once(servers):
     """Requests queued for minutes and a ten-minute grace period: the first SIGTERM starts the drain, a second one
     stops the server within seconds (no wait for the requests, none for Serve's graceful shutdown); the requests
     still in flight are cut, and every process the command started is gone."""
-    process, url, log = patient_serve_process
+    process, url, log = servers.take("patient")
     requests = 40
 
     async def scenario() -> tuple[float, list[bool]]:
