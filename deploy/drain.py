@@ -4,7 +4,8 @@ they hold (up to the grace period), then shuts Serve down.
 The command creates one named ``DrainSignal`` actor before deploying. Each replica long-polls it from a thread
 (``watch``); when the signal comes, the replica answers new requests 503 with ``Retry-After``, lets the requests
 it holds finish until the grace period ends, ends the rest (a 503, or an error event closing a stream), and
-reports back. Under ``serve run`` or a Serve config file there is no signal actor: Serve's own graceful shutdown
+reports back. The command then waits for the HTTP proxies to finish forwarding those answers before it shuts
+Serve down. Under ``serve run`` or a Serve config file there is no signal actor: Serve's own graceful shutdown
 (``graceful_shutdown_timeout_s``) applies.
 """
 
@@ -22,7 +23,6 @@ import ray
 log = logging.getLogger(__name__)
 
 NAMESPACE = "specbatch"
-PROXY_FLUSH_S = 1.0  # after the last request held is answered, before the replica reports it has drained
 
 
 def signal_name(app: str) -> str:
@@ -97,10 +97,6 @@ def watch(app: str, replica: str, start: Callable[[], None], busy: Callable[[], 
             if busy() and seconds == grace:
                 log.warning("draining: %d requests did not finish within %.0f s; ending them", busy(), grace)
                 end(grace)
-        # A request counts as done once its handler returns, but the proxy may still be forwarding its last chunks
-        # (an error event and [DONE]); Serve's shutdown would cut them off (a client saw a truncated stream when
-        # the proxy was stopped 0.12 s after the replica's last answer).
-        time.sleep(PROXY_FLUSH_S)
         with contextlib.suppress(ray.exceptions.RayError):
             ray.get(signal.done.remote(replica))
 

@@ -15,6 +15,7 @@ import os
 import signal
 import sys
 import threading
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 
@@ -35,6 +36,26 @@ APP_NAME = "specbatch"
 # How long the processes of a cluster this command started get to exit after ray.shutdown before they are killed
 # (Ray's dashboard and runtime-env agents outlived the command by minutes).
 REAP_TIMEOUT_S = 10.0
+# How long the drain waits, after the replicas have answered everything they held, for the HTTP proxies to forward
+# the last chunks (an error event and [DONE]); Serve's shutdown would cut them off (a client saw a truncated
+# stream when the proxy stopped 1 s after the replica's last answer, on a loaded 2-core machine).
+PROXY_DRAIN_TIMEOUT_S = 15.0
+PROXY_ACTOR_PREFIX = "SERVE_PROXY_ACTOR"  # Serve's proxies, one per node, named in its namespace "serve"
+
+
+def wait_for_proxies(timeout: float) -> bool:
+    """Put every Serve HTTP proxy in draining mode (only its health route changes: it answers 503) and wait until
+    each has no request in flight; whether all did within ``timeout`` seconds."""
+    proxies = [ray.get_actor(actor["name"], namespace=actor["namespace"])
+               for actor in ray.util.list_named_actors(all_namespaces=True)
+               if actor["name"].startswith(PROXY_ACTOR_PREFIX)]
+    ray.get([proxy.update_draining.remote(True) for proxy in proxies], timeout=timeout)
+    deadline = time.monotonic() + timeout
+    while proxies and time.monotonic() < deadline:
+        drained = ray.get([proxy.is_drained.remote() for proxy in proxies], timeout=timeout)
+        proxies = [proxy for proxy, done in zip(proxies, drained) if not done]
+        time.sleep(0.05)
+    return not proxies
 
 
 def start(app: Application, host: str, port: int) -> str:
@@ -52,6 +73,9 @@ def ray_session() -> Iterator[None]:
     # serve.start fails on the replaced proxy: on a busy 2-core machine a starting proxy took longer. The cluster
     # this command starts (its processes inherit the environment) gives it 30 s; one it joins keeps its own setting.
     os.environ.setdefault("RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S", "30")
+    # A draining proxy reports drained once it forwards nothing and this period has passed (Ray's default, 30 s, is
+    # for a load balancer to notice): the drain waits on it (``wait_for_proxies``).
+    os.environ.setdefault("RAY_SERVE_PROXY_MIN_DRAINING_PERIOD_S", "0.1")
     ray.init(namespace="serve")
     try:
         yield
@@ -83,6 +107,12 @@ def serve_until_signalled(app: Application, host: str, port: int, grace: float, 
         else:
             if left:
                 log.warning("replicas that did not report back from draining: %s", ", ".join(left))
+            try:
+                if not wait_for_proxies(PROXY_DRAIN_TIMEOUT_S):
+                    log.warning("the HTTP proxies still forward answers after %.0f s; stopping them",
+                                PROXY_DRAIN_TIMEOUT_S)
+            except (ray.exceptions.RayError, TimeoutError) as exc:
+                log.warning("waiting for the HTTP proxies failed (%s)", type(exc).__name__)
     except KeyboardInterrupt:  # a second signal: Serve's graceful shutdown would wait for the requests again
         interrupted = True
         raise
