@@ -1,0 +1,261 @@
+"""LoRA adapters in PEFT's format: read with ``safetensors``, checked against the base model, and held on the
+device in stacked per-slot tensors that one batched matmul pair applies to every token of a step.
+
+Slot 0 is the base (all zeros); slots 1..max_loras hold resident adapters. For each targeted projection and layer,
+the slots' A matrices are stacked into ``A [S*R, in]`` and their B matrices, scaling folded in, into
+``B [S*R, out]`` (S slots, R = max_lora_rank; an adapter of lower rank is zero-padded). A step's tokens carry
+their row's slot as a one-hot mask over the ``S*R`` columns, so the delta of every row, whatever its adapter, is
+
+    delta = ((x @ A.T) * mask) @ B
+
+two dense matmuls with static shapes and no loop over adapters (punica's shrink and expand, with the slot
+selection done by the mask instead of a gather; an inner dimension of S*R = 80 for 4 adapters of rank 16 is small
+beside the projection's own).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from collections import OrderedDict
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+CONFIG_FILE = "adapter_config.json"
+WEIGHTS_FILE = "adapter_model.safetensors"
+PICKLED_WEIGHTS_FILE = "adapter_model.bin"
+
+ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj")
+MLP = ("gate_proj", "up_proj", "down_proj")
+PROJECTIONS = ATTENTION + MLP
+
+# PEFT's key of a LoRA matrix in a Llama-style model: base_model.model.model.layers.3.self_attn.q_proj.lora_A.weight
+_KEY = re.compile(r"^base_model\.model\.(?:model\.)?layers\.(\d+)\.(?:self_attn|mlp)\.(\w+)\.lora_([AB])\.weight$")
+
+# adapter_config.json fields that change what the adapter computes and that this module does not apply: refused
+# when set (to anything but these inert values), naming the field.
+_UNSUPPORTED = {
+    "modules_to_save": (None, []),
+    "use_dora": (False, None),
+    "bias": ("none", None),
+    "fan_in_fan_out": (False, None),
+    "rank_pattern": ({}, None),
+    "alpha_pattern": ({}, None),
+    "target_parameters": (None, []),
+    "trainable_token_indices": (None, {}),
+    "layer_replication": (None, []),
+    "use_qalora": (False, None),
+}
+
+
+class AdapterError(ValueError):
+    """An adapter that cannot be applied; the message names the adapter and the field, file or tensor."""
+
+
+@dataclass(frozen=True)
+class LoraAdapter:
+    """One adapter read from its folder: per (layer, projection), A ``[r, in]`` and B ``[out, r]`` with the scaling
+    (``lora_alpha / r``, or ``lora_alpha / sqrt(r)`` with ``use_rslora``) folded into B."""
+
+    name: str
+    rank: int
+    weights: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]]
+
+    @property
+    def projections(self) -> set[str]:
+        return {projection for _, projection in self.weights}
+
+
+def projection_shapes(config) -> dict[str, tuple[int, int]]:
+    """(in, out) features of each projection of a Llama-style model config."""
+    hidden, heads = config.hidden_size, config.num_attention_heads
+    head_dim = getattr(config, "head_dim", None) or hidden // heads
+    kv = (getattr(config, "num_key_value_heads", None) or heads) * head_dim
+    intermediate = config.intermediate_size
+    return {
+        "q_proj": (hidden, heads * head_dim), "k_proj": (hidden, kv), "v_proj": (hidden, kv),
+        "o_proj": (heads * head_dim, hidden), "gate_proj": (hidden, intermediate), "up_proj": (hidden, intermediate),
+        "down_proj": (intermediate, hidden),
+    }
+
+
+def _targets(name: str, value) -> set[str]:
+    if value == "all-linear":
+        return set(PROJECTIONS)
+    names = [value] if isinstance(value, str) else value
+    if not isinstance(names, list) or not names or not all(isinstance(n, str) for n in names):
+        raise AdapterError(f"adapter {name!r}: target_modules must be a list of projection names or 'all-linear', "
+                           f"got {value!r}")
+    # PEFT matches a name as a suffix of a module's path and saves "all-linear" as the full paths it matched.
+    unknown = sorted(n for n in names if n.rsplit(".", 1)[-1] not in PROJECTIONS)
+    if unknown:
+        raise AdapterError(f"adapter {name!r}: target_modules {unknown} are not among the projections an adapter may "
+                           f"target ({', '.join(PROJECTIONS)}); embedding and LM-head adapters are not supported")
+    return {n.rsplit(".", 1)[-1] for n in names}
+
+
+def read_adapter(name: str, path: str | Path, model_config, max_rank: int) -> LoraAdapter:
+    """Read and check the PEFT adapter folder ``path`` against the base model's config; raises ``AdapterError``
+    naming what cannot be applied."""
+    folder = Path(path)
+    config_path = folder / CONFIG_FILE
+    if not config_path.is_file():
+        raise AdapterError(f"adapter {name!r}: {config_path} not found (a PEFT adapter folder holds {CONFIG_FILE} "
+                           f"and {WEIGHTS_FILE})")
+    try:
+        config = json.loads(config_path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise AdapterError(f"adapter {name!r}: {config_path} is not readable JSON ({exc})") from exc
+    if not isinstance(config, dict):
+        raise AdapterError(f"adapter {name!r}: {config_path} must hold a JSON object")
+    if config.get("peft_type", "LORA") != "LORA":
+        raise AdapterError(f"adapter {name!r}: peft_type {config['peft_type']!r} is not supported (only LORA)")
+    for field, inert in _UNSUPPORTED.items():
+        if field in config and config[field] not in inert:
+            raise AdapterError(f"adapter {name!r}: {field} = {config[field]!r} is not supported")
+    rank = config.get("r")
+    if not isinstance(rank, int) or isinstance(rank, bool) or rank < 1:
+        raise AdapterError(f"adapter {name!r}: r must be a positive integer, got {rank!r}")
+    if rank > max_rank:
+        raise AdapterError(f"adapter {name!r}: r = {rank} is above max_lora_rank = {max_rank}")
+    alpha = config.get("lora_alpha", 8)
+    if not isinstance(alpha, int | float) or isinstance(alpha, bool):
+        raise AdapterError(f"adapter {name!r}: lora_alpha must be a number, got {alpha!r}")
+    scaling = alpha / math.sqrt(rank) if config.get("use_rslora", False) else alpha / rank
+    targets = _targets(name, config.get("target_modules"))
+
+    weights_path = folder / WEIGHTS_FILE
+    if not weights_path.is_file():
+        if (folder / PICKLED_WEIGHTS_FILE).is_file():
+            raise AdapterError(f"adapter {name!r}: {PICKLED_WEIGHTS_FILE} (pickle) is not read; save the adapter "
+                               f"with safetensors ({WEIGHTS_FILE})")
+        raise AdapterError(f"adapter {name!r}: {weights_path} not found")
+    shapes = projection_shapes(model_config)
+    layers = model_config.num_hidden_layers
+    matrices: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
+    try:
+        with safe_open(str(weights_path), framework="pt") as tensors:
+            for key in tensors.keys():  # noqa: SIM118 (safe_open has no __iter__)
+                match = _KEY.match(key)
+                if match is None:
+                    raise AdapterError(f"adapter {name!r}: tensor {key!r} is not a LoRA matrix of a supported "
+                                       f"projection ({', '.join(PROJECTIONS)})")
+                layer, projection, which = int(match[1]), match[2], match[3]
+                if projection not in targets:
+                    raise AdapterError(f"adapter {name!r}: tensor {key!r} targets {projection}, which target_modules "
+                                       f"does not name")
+                if layer >= layers:
+                    raise AdapterError(f"adapter {name!r}: tensor {key!r} is for layer {layer}; the base model has "
+                                       f"{layers} (base_model_name_or_path: {config.get('base_model_name_or_path')})")
+                matrices.setdefault((layer, projection), {})[which] = tensors.get_tensor(key)
+    except AdapterError:
+        raise
+    except Exception as exc:  # safetensors raises its own errors for a truncated or corrupt file
+        raise AdapterError(f"adapter {name!r}: {weights_path} could not be read ({type(exc).__name__}: {exc})") from exc
+    if not matrices:
+        raise AdapterError(f"adapter {name!r}: {weights_path} holds no LoRA matrices")
+
+    weights = {}
+    for (layer, projection), pair in sorted(matrices.items()):
+        if set(pair) != {"A", "B"}:
+            missing = ({"A", "B"} - set(pair)).pop()
+            raise AdapterError(f"adapter {name!r}: layer {layer} {projection} has no lora_{missing} matrix")
+        a, b = pair["A"], pair["B"]
+        features_in, features_out = shapes[projection]
+        if tuple(a.shape) != (rank, features_in) or tuple(b.shape) != (features_out, rank):
+            raise AdapterError(
+                f"adapter {name!r}: layer {layer} {projection} has lora_A {tuple(a.shape)} and lora_B "
+                f"{tuple(b.shape)}, the base model needs ({rank}, {features_in}) and ({features_out}, {rank}) "
+                f"(base_model_name_or_path: {config.get('base_model_name_or_path')!r} has other shapes)")
+        if not (a.is_floating_point() and b.is_floating_point()):
+            raise AdapterError(f"adapter {name!r}: layer {layer} {projection} matrices must be floating point")
+        weights[layer, projection] = (a.float(), b.float() * scaling)
+    return LoraAdapter(name=name, rank=rank, weights=weights)
+
+
+class LoraSlots:
+    """The resident adapters of one model on its device: per projection, ``A [layers, S*R, in]`` and
+    ``B [layers, S*R, out]`` with S = max_loras + 1 slots of R = max_rank columns each; slot 0 stays zero."""
+
+    def __init__(self, model_config, max_loras: int, max_rank: int, device: torch.device | str = "cpu",
+                 dtype: torch.dtype = torch.float32) -> None:
+        self.slots, self.rank = max_loras + 1, max_rank
+        layers = model_config.num_hidden_layers
+        width = self.slots * max_rank
+        self.a = {p: torch.zeros(layers, width, i, device=device, dtype=dtype)
+                  for p, (i, _) in projection_shapes(model_config).items()}
+        self.b = {p: torch.zeros(layers, width, o, device=device, dtype=dtype)
+                  for p, (_, o) in projection_shapes(model_config).items()}
+
+    def load(self, slot: int, adapter: LoraAdapter) -> None:
+        """Write ``adapter`` into ``slot`` (1..max_loras); its rank is at most max_rank (checked at read)."""
+        if not 1 <= slot < self.slots:
+            raise ValueError(f"slot {slot} is not one of 1..{self.slots - 1}")
+        self.clear(slot)
+        columns = slice(slot * self.rank, slot * self.rank + adapter.rank)
+        for (layer, projection), (a, b) in adapter.weights.items():
+            self.a[projection][layer, columns] = a.to(self.a[projection])
+            self.b[projection][layer, columns] = b.T.to(self.b[projection])
+
+    def clear(self, slot: int) -> None:
+        columns = slice(slot * self.rank, (slot + 1) * self.rank)
+        for tensors in (self.a, self.b):
+            for stacked in tensors.values():
+                stacked[:, columns] = 0
+
+    def mask(self, token_slots: torch.Tensor) -> torch.Tensor:
+        """``[tokens, S*R]``: one for each of a token's own slot's columns; built once a step, shared by every
+        projection."""
+        columns = torch.arange(self.slots * self.rank, device=token_slots.device) // self.rank
+        return (columns == token_slots[:, None]).to(self.a["q_proj"].dtype)
+
+    def delta(self, x: torch.Tensor, mask: torch.Tensor, layer: int, projection: str) -> torch.Tensor:
+        """What each token's adapter adds to ``projection``'s output at ``layer``: ``x [tokens, in]`` ->
+        ``[tokens, out]`` (zero for base tokens)."""
+        return ((x @ self.a[projection][layer].T) * mask) @ self.b[projection][layer]
+
+
+class SlotTable:
+    """Which adapter holds which device slot. A slot in use by running rows is never taken; a free slot goes to
+    the adapter asked for, else the least recently used unreferenced one is replaced; ``acquire`` returns None when
+    every slot is in use (the row waits, never fails)."""
+
+    def __init__(self, max_loras: int) -> None:
+        self.max_loras = max_loras
+        self._slots: OrderedDict[str, int] = OrderedDict()  # resident adapter -> slot, least recently used first
+        self._users: dict[str, int] = {}
+
+    def slot_of(self, name: str) -> int | None:
+        return self._slots.get(name)
+
+    def acquire(self, name: str) -> tuple[int, bool] | None:
+        """(slot, whether the adapter must be written into it), or None when no slot can be had now."""
+        if name in self._slots:
+            self._slots.move_to_end(name)
+            self._users[name] = self._users.get(name, 0) + 1
+            return self._slots[name], False
+        taken = set(self._slots.values())
+        free = next((slot for slot in range(1, self.max_loras + 1) if slot not in taken), None)
+        if free is None:
+            idle = next((held for held in self._slots if not self._users.get(held)), None)
+            if idle is None:
+                return None
+            free = self._slots.pop(idle)
+            self._users.pop(idle, None)
+        self._slots[name] = free
+        self._users[name] = 1
+        return free, True
+
+    def release(self, name: str) -> None:
+        self._users[name] -= 1
+
+    def evict(self, name: str) -> None:
+        """Forget ``name`` (unloaded); its slot is free once no running row uses it."""
+        if self._users.get(name):
+            raise ValueError(f"adapter {name!r} is in use by {self._users[name]} running rows")
+        self._slots.pop(name, None)
+        self._users.pop(name, None)
