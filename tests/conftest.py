@@ -94,6 +94,10 @@ def ray_cluster():
     import ray
 
     os.environ.setdefault("RAY_ENABLE_UV_RUN_RUNTIME_ENV", "0")
+    # As `specbatch serve` gives the cluster it starts (jobs/serve.py): Serve's controller replaces an HTTP proxy
+    # that has not answered its readiness check in 5 s three times, and serve.start then fails; beside a CPU-heavy
+    # job a starting proxy took longer. The cluster's processes inherit this.
+    os.environ.setdefault("RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S", "30")
     # Processes report their metrics every second (Ray's default: 10 s), so the metrics tests wait seconds.
     ray.init(num_cpus=4, include_dashboard=False, ignore_reinit_error=True, log_to_driver=False,
              _system_config={"metrics_report_interval_ms": 1000})
