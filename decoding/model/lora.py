@@ -65,10 +65,6 @@ class LoraAdapter:
     rank: int
     weights: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]]
 
-    @property
-    def projections(self) -> set[str]:
-        return {projection for _, projection in self.weights}
-
 
 def projection_shapes(config) -> dict[str, tuple[int, int]]:
     """(in, out) features of each projection of a Llama-style model config."""
@@ -91,11 +87,12 @@ def _targets(name: str, value) -> set[str]:
         raise AdapterError(f"adapter {name!r}: target_modules must be a list of projection names or 'all-linear', "
                            f"got {value!r}")
     # PEFT matches a name as a suffix of a module's path and saves "all-linear" as the full paths it matched.
-    unknown = sorted(n for n in names if n.rsplit(".", 1)[-1] not in PROJECTIONS)
+    projections = {n: n.rsplit(".", 1)[-1] for n in names}
+    unknown = sorted(n for n, projection in projections.items() if projection not in PROJECTIONS)
     if unknown:
         raise AdapterError(f"adapter {name!r}: target_modules {unknown} are not among the projections an adapter may "
                            f"target ({', '.join(PROJECTIONS)}); embedding and LM-head adapters are not supported")
-    return {n.rsplit(".", 1)[-1] for n in names}
+    return set(projections.values())
 
 
 def read_adapter(name: str, path: str | Path, model_config, max_rank: int) -> LoraAdapter:
@@ -186,10 +183,9 @@ class LoraSlots:
         self.slots, self.rank = max_loras + 1, max_rank
         layers = model_config.num_hidden_layers
         width = self.slots * max_rank
-        self.a = {p: torch.zeros(layers, width, i, device=device, dtype=dtype)
-                  for p, (i, _) in projection_shapes(model_config).items()}
-        self.b = {p: torch.zeros(layers, width, o, device=device, dtype=dtype)
-                  for p, (_, o) in projection_shapes(model_config).items()}
+        shapes = projection_shapes(model_config)
+        self.a = {p: torch.zeros(layers, width, i, device=device, dtype=dtype) for p, (i, _) in shapes.items()}
+        self.b = {p: torch.zeros(layers, width, o, device=device, dtype=dtype) for p, (_, o) in shapes.items()}
 
     def load(self, slot: int, adapter: LoraAdapter) -> None:
         """Write ``adapter`` into ``slot`` (1..max_loras); its rank is at most max_rank (checked at read)."""
@@ -254,7 +250,7 @@ class SlotTable:
         self._users[name] -= 1
 
     def evict(self, name: str) -> None:
-        """Forget ``name`` (unloaded); its slot is free once no running row uses it."""
+        """Forget ``name`` (unloaded), freeing its slot; refused while running rows use it."""
         if self._users.get(name):
             raise ValueError(f"adapter {name!r} is in use by {self._users[name]} running rows")
         self._slots.pop(name, None)
