@@ -440,6 +440,31 @@ class ExecutionConfig(_Strict):
     graph_memory_mb: int = Field(1024, ge=0, le=1 << 20)
 
 
+class LoraConfig(_Strict):
+    """LoRA adapters (PEFT folders) applied per row over the one base model (``decoding.model.lora``).
+
+    ``max_loras``: adapters resident on the device at once (a row whose adapter finds no free slot waits);
+    ``max_lora_rank``: the largest rank (slots are this wide); ``max_cpu_loras``: adapters kept read on the host
+    (least recently used first out); ``modules``: adapter name -> folder or URI; ``dynamic_lora_loading_path``: a
+    folder or URI under which any other name is looked up as ``<path>/<name>``."""
+
+    enable: bool = False
+    max_loras: int = Field(4, ge=1, le=256)
+    max_lora_rank: int = Field(16, ge=1, le=512)
+    max_cpu_loras: int = Field(16, ge=1, le=1 << 16)
+    modules: dict[Annotated[str, Field(min_length=1, max_length=256)], str] = Field(default_factory=dict)
+    dynamic_lora_loading_path: str | None = None
+
+    @model_validator(mode="after")
+    def _cpu_holds_the_device(self) -> LoraConfig:
+        if self.max_cpu_loras < self.max_loras:
+            raise ValueError(f"max_cpu_loras ({self.max_cpu_loras}) must be at least max_loras ({self.max_loras})")
+        if not self.enable and (self.modules or self.dynamic_lora_loading_path):
+            what = "modules" if self.modules else "dynamic_lora_loading_path"
+            raise ValueError(f"{what} names adapters, but enable is false: set lora.enable: true")
+        return self
+
+
 class LimitsConfig(_Strict):
     """Bounds on the work one request or row may cause. A request past one fails alone (HTTP 400, or an error row)
     with a message naming the limit; nothing it sends runs unbounded on the engine's stepping thread."""
@@ -517,6 +542,7 @@ class Config(_Strict):
     # engine's process with no bound on its cost, so it is refused unless this is true.
     trust_request_chat_template: bool = False
     limits: LimitsConfig = Field(default_factory=LimitsConfig)
+    lora: LoraConfig = Field(default_factory=LoraConfig)
 
     @field_validator("chat_template")
     @classmethod

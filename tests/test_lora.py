@@ -12,7 +12,8 @@ import pytest
 import torch
 from tiny import tiny_model
 
-from decoding.model.lora import PROJECTIONS, AdapterError, LoraSlots, SlotTable, projection_shapes, read_adapter
+from decoding import Config, Engine, Request
+from decoding.model.lora import AdapterError, LoraSlots, SlotTable, adapted, projection_shapes, read_adapter
 
 # name -> PEFT LoraConfig fields: ranks 8 and 16, q/v only and all-linear, rslora.
 ADAPTERS = {
@@ -46,22 +47,6 @@ def adapters(base, tmp_path_factory) -> dict[str, tuple[str, torch.nn.Module]]:
             for seed, (name, fields) in enumerate(ADAPTERS.items())}
 
 
-def _with_slots(model, slots: LoraSlots, token_slots: torch.Tensor):
-    """Hooks on ``model``'s projections adding each token's adapter delta; returns the handles to remove."""
-    mask = slots.mask(token_slots.flatten())
-    handles = []
-    for layer, block in enumerate(model.model.layers):
-        for projection in PROJECTIONS:
-            module = getattr(block.self_attn, projection, None) or getattr(block.mlp, projection)
-
-            def hook(_, inputs, output, layer=layer, projection=projection):
-                x = inputs[0].reshape(-1, inputs[0].shape[-1])
-                return output + slots.delta(x, mask, layer, projection).reshape(output.shape)
-
-            handles.append(module.register_forward_hook(hook))
-    return handles
-
-
 @torch.no_grad()
 def test_each_adapter_alone_and_all_mixed_with_base_rows_equal_peft(base, adapters):
     slots = LoraSlots(base.config, max_loras=3, max_rank=MAX_RANK)
@@ -78,13 +63,9 @@ def test_each_adapter_alone_and_all_mixed_with_base_rows_equal_peft(base, adapte
     layouts = [[slot] * 8 for slot in (0, 1, 2, 3)] + [[0, 1, 2, 3, 3, 2, 1, 0]]
     names = ["base", *adapters]
     for layout in layouts:
-        token_slots = torch.tensor(layout)[:, None].expand(ids.shape)
-        handles = _with_slots(base, slots, token_slots)
-        try:
+        token_slots = torch.tensor(layout)[:, None].expand(ids.shape).flatten()
+        with adapted(base, slots.batch(token_slots)):
             logits = base(ids).logits
-        finally:
-            for handle in handles:
-                handle.remove()
         for row, slot in enumerate(layout):
             torch.testing.assert_close(logits[row], expected[names[slot]][row], rtol=1e-5, atol=1e-5)
 
@@ -178,3 +159,202 @@ def test_slots_go_to_the_least_recently_used_idle_adapter_and_a_full_table_waits
     table.release("b")
     table.evict("b")
     assert table.slot_of("b") is None and table.acquire("d") == (1, True)
+
+
+# ------------------------------------------------------------------------------------------- in the engine
+ENGINE_PROMPTS = ["abc abc abc abc", "hello world", "one two one two one", "so it goes, so it goes"]
+ENGINE_TOKENS = 16
+# name -> PEFT's greedy generation of each of ENGINE_PROMPTS (None: the base model)
+METHODS = {"none": {"method": "none"},
+           "self-draft int4": {"method": "draft_model", "model": "target", "num_speculative_tokens": 3},
+           "ngram": {"method": "ngram", "num_speculative_tokens": 3},
+           "recycle": {"method": "recycle", "num_speculative_tokens": 3}}
+
+
+@pytest.fixture(scope="module")
+def peft_greedy(base, adapters, tokenizer) -> dict[str | None, list[list[int]]]:
+    """transformers + PEFT ``generate(do_sample=False)`` of each prompt under each adapter and the base."""
+    expected = {}
+    for name, model in [(None, base)] + [(name, reference) for name, (_, reference) in adapters.items()]:
+        outputs = []
+        for prompt in ENGINE_PROMPTS:
+            ids = tokenizer(prompt, return_tensors="pt").input_ids
+            generated = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), do_sample=False,
+                                       max_new_tokens=ENGINE_TOKENS, eos_token_id=2, pad_token_id=0)
+            outputs.append(generated[0, ids.shape[1]:].tolist())
+        expected[name] = outputs
+    assert all(expected[name] != expected[None] for name in adapters)  # each adapter changes the generation
+    return expected
+
+
+def _engine(base, tokenizer, adapters, speculative: dict, lora: dict | None = None, **fields):
+    """An engine over ``base`` with ``adapters`` as its modules (and ``lora``'s other fields), static draft lengths."""
+    config = Config.model_validate({
+        "model": "in-memory", "batch_size": 8, "speculative": {**speculative, "length_policy": "static"},
+        "sampling": {"max_tokens": ENGINE_TOKENS},
+        "lora": {"enable": True, "max_lora_rank": MAX_RANK, "modules": {n: p for n, (p, _) in adapters.items()},
+                 **(lora or {})},
+        **fields,
+    })
+    return Engine(config, target=base, tokenizer=tokenizer)
+
+
+def _requests(layout: list[str | None]):
+    return [Request(id=f"{row}", prompt=ENGINE_PROMPTS[row % len(ENGINE_PROMPTS)], lora=name)
+            for row, name in enumerate(layout)]
+
+
+# Each adapter alone, then 8 rows of the three and the base in one batch.
+LAYOUTS = [[name] * 4 for name in ADAPTERS] + [[None, "qv8", "all16", "rs16", "rs16", "all16", "qv8", None]]
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_greedy_engine_outputs_equal_peft_for_each_adapter_alone_and_mixed(base, adapters, tokenizer, peft_greedy,
+                                                                          method):
+    engine = _engine(base, tokenizer, adapters, METHODS[method])
+    drafted = accepted = 0
+    for layout in LAYOUTS:
+        results = engine.generate(_requests(layout))
+        for row, (name, result) in enumerate(zip(layout, results)):
+            assert result.error is None, result.error
+            assert result.lora == name
+            assert result.token_ids == peft_greedy[name][row % len(ENGINE_PROMPTS)], (method, name, row)
+            drafted += sum(result.per_step_drafted)
+            accepted += sum(result.per_step_accepted)
+    assert (drafted > 0) == (method != "none")  # speculation happened under the adapters
+    if method == "self-draft int4":  # the int4 twin drafts with each row's adapter: 0.44 here, 0.12 without it
+        assert accepted / drafted > 0.3
+
+
+@pytest.mark.parametrize("method", ["none", "self-draft int4", "ngram"])
+def test_greedy_with_the_triton_kernels_equals_peft_in_a_mixed_batch(base, adapters, tokenizer, peft_greedy, method):
+    """The fused Triton layer (under the interpreter here: four rows, eight tokens) adds the same deltas."""
+    engine = _engine(base, tokenizer, adapters, METHODS[method], execution={"kernels": "triton"},
+                     sampling={"max_tokens": 8})
+    assert engine.cache.execution.kernels == "triton"
+    layout = [None, "qv8", "all16", "rs16"]
+    results = engine.generate(_requests(layout))
+    for row, (name, result) in enumerate(zip(layout, results)):
+        assert result.token_ids == peft_greedy[name][row][:8], (method, name, row)
+    assert (sum(sum(r.per_step_drafted) for r in results) > 0) == (method != "none")
+
+
+def test_greedy_through_transformers_forward_equals_peft(base, adapters, tokenizer, peft_greedy, monkeypatch):
+    """A model without the lean forward runs transformers' own, the deltas added by hooks."""
+    from decoding.model import lean_forward
+
+    monkeypatch.setattr(lean_forward, "supports_lean_forward", lambda model: False)
+    engine = _engine(base, tokenizer, adapters, METHODS["ngram"])
+    assert not isinstance(engine.target, lean_forward.LeanCausalLM)
+    layout = LAYOUTS[-1]
+    results = engine.generate(_requests(layout))
+    for row, (name, result) in enumerate(zip(layout, results)):
+        assert result.token_ids == peft_greedy[name][row % len(ENGINE_PROMPTS)], (name, row)
+    assert sum(sum(r.per_step_drafted) for r in results) > 0
+
+
+def test_sampling_with_an_adapter_and_speculation_follows_the_adapted_law(tokenizer, tmp_path):
+    """n-gram candidates (two per level) at temperature 1 under an adapter: the joint law of the first two tokens
+    is the adapted target's (PEFT's model, exact law by enumeration), with drafts verified and some rejected."""
+    from engine_cases import END, SMALL_VOCAB, chi_square_pvalue, sequence_law
+
+    target = tiny_model(seed=7, layers=1, vocab_size=SMALL_VOCAB, heads=2, kv_heads=1)
+    reference = _make_adapter(target, {"r": 8, "lora_alpha": 16, "target_modules": "all-linear"}, tmp_path / "a", 3)
+    prompt, warp, samples = [3, 4, 5, 3], {"temperature": 1.0, "top_k": 0, "top_p": 1.0}, 160
+    laws = {}
+    for name, model in (("adapted", reference), ("base", target)):
+        law = torch.zeros(SMALL_VOCAB + 1, SMALL_VOCAB + 1, dtype=torch.float64)
+        for tokens, weight in sequence_law(model, prompt, warp, 2):
+            law[tokens[0], tokens[1]] += weight
+        laws[name] = law
+    # The adapter moves the law far enough (total variation) that a run without it fails the test.
+    assert (laws["adapted"] - laws["base"]).abs().sum() / 2 > 0.3
+    engine = _engine(target, tokenizer, {"a": (str(tmp_path / "a"), reference)},
+                     {"method": "ngram", "num_candidates": 2, "num_speculative_tokens": 2}, batch_size=80,
+                     sampling={"max_tokens": 3, **warp})
+    results = engine.generate([Request(id=str(i), prompt_token_ids=prompt, sampling={"seed": i}, lora="a")
+                               for i in range(samples)])
+    drafted = sum(sum(r.per_step_drafted) for r in results)
+    accepted = sum(sum(r.per_step_accepted) for r in results)
+    assert drafted > samples / 2 and 0 < accepted < drafted  # speculation really happened, with rejections
+    counts = torch.zeros(SMALL_VOCAB + 1, SMALL_VOCAB + 1)
+    for result in results:
+        tokens = result.token_ids + [END] * 3
+        counts[tokens[0], tokens[1]] += 1
+    assert chi_square_pvalue(counts, laws["adapted"]) > 1e-3
+
+
+def _generate(model, tokenizer, prompt: str, tokens: int) -> list[int]:
+    ids = tokenizer(prompt, return_tensors="pt").input_ids
+    generated = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), do_sample=False,
+                               max_new_tokens=tokens, eos_token_id=2, pad_token_id=0)
+    return generated[0, ids.shape[1]:].tolist()
+
+
+def test_prefix_blocks_are_never_shared_across_adapters_or_with_the_base(base, adapters, tokenizer):
+    """Rows of two adapters and the base with one prompt: each finds only blocks its own adapter computed."""
+    prompt = "the quick brown fox jumps over the lazy dog, said the quick brown fox"  # 4 full blocks of 16
+    expected = {None: _generate(base, tokenizer, prompt, ENGINE_TOKENS)}
+    expected.update({name: _generate(adapters[name][1], tokenizer, prompt, ENGINE_TOKENS) for name in ("qv8", "rs16")})
+    engine = _engine(base, tokenizer, adapters, METHODS["ngram"])
+
+    def run(names: list[str | None]) -> list[int]:
+        results = engine.generate([Request(id=str(i), prompt=prompt, lora=name) for i, name in enumerate(names)])
+        for name, result in zip(names, results):
+            assert result.error is None and result.token_ids == expected[name], name
+        return [result.num_cached_tokens for result in results]
+
+    assert run([None]) == [0]
+    assert run(["qv8", "rs16", None]) == [0, 0, 64]  # only the base row finds the base's blocks
+    assert run(["rs16", "qv8", None]) == [64, 64, 64]  # and each adapter's rows their own adapter's
+
+
+def _broken(adapters, tmp_path, name: str, **edits) -> str:
+    folder = tmp_path / name
+    shutil.copytree(adapters["qv8"][0], folder)
+    config = json.loads((folder / "adapter_config.json").read_text())
+    (folder / "adapter_config.json").write_text(json.dumps({**config, **edits}))
+    return str(folder)
+
+
+def test_an_adapter_that_cannot_be_had_fails_its_row_alone(base, adapters, tokenizer, peft_greedy, tmp_path):
+    """Unknown, corrupt, missing, too high a rank, an unreadable URI: that row's error names it; the others run."""
+
+    corrupt = tmp_path / "corrupt"
+    shutil.copytree(adapters["qv8"][0], corrupt)
+    (corrupt / "adapter_model.safetensors").write_bytes(b"\0" * 64)
+    modules = {**{n: p for n, (p, _) in adapters.items()}, "corrupt": str(corrupt),
+               "missing": str(tmp_path / "nowhere"), "wide": _broken(adapters, tmp_path, "wide", r=64),
+               "remote": "nosuchscheme://bucket/adapter"}
+    engine = _engine(base, tokenizer, adapters, METHODS["ngram"], lora={"modules": modules})
+    names = ["qv8", "unknown", "corrupt", None, "missing", "wide", "remote", "rs16"]
+    results = engine.generate(_requests(names))
+    errors = {name: result.error for name, result in zip(names, results)}
+    assert "unknown adapter 'unknown'" in errors["unknown"]
+    assert "'corrupt'" in errors["corrupt"] and "could not be read" in errors["corrupt"]
+    assert "'missing'" in errors["missing"] and "adapter_config.json not found" in errors["missing"]
+    assert "'wide'" in errors["wide"] and "max_lora_rank = 16" in errors["wide"]
+    assert "'remote'" in errors["remote"] and "nosuchscheme://bucket/adapter" in errors["remote"]
+    for row, (name, result) in enumerate(zip(names, results)):
+        if name in (None, "qv8", "rs16"):
+            assert result.error is None and result.token_ids == peft_greedy[name][row % len(ENGINE_PROMPTS)]
+        else:
+            assert result.finish_reason == "error" and result.token_ids == []
+
+
+def test_more_adapters_than_slots_queue_and_all_finish(base, adapters, tokenizer, peft_greedy):
+    """One device slot, three adapters in one batch: rows wait for the slot, none fails, every output is right."""
+    engine = _engine(base, tokenizer, adapters, METHODS["ngram"], lora={"max_loras": 1})
+    layout = LAYOUTS[-1]
+    results = engine.generate(_requests(layout))
+    for row, (name, result) in enumerate(zip(layout, results)):
+        assert result.error is None and result.token_ids == peft_greedy[name][row % len(ENGINE_PROMPTS)], (name, row)
+
+
+def test_adapters_are_refused_where_lora_is_off(base, tokenizer):
+    engine = Engine(Config.model_validate({"model": "in-memory", "speculative": {"method": "none"}}), target=base,
+                    tokenizer=tokenizer)
+    [result] = engine.generate([Request(id="0", prompt="ab", lora="qv8")])
+    assert "LoRA adapters are not enabled" in result.error
+    with pytest.raises(ValueError, match="enable is false"):
+        Config.model_validate({"lora": {"modules": {"a": "/x"}}})

@@ -93,6 +93,7 @@ class Batch:
         """Rows for ``seqs`` after the running ones: cache rows with what admission claimed for them (or promised
         ``positions``), their row tensors."""
         rows = self.cache.add_rows(joining_entries(self.cache, [seq.claims for seq in seqs], positions))
+        self.cache.row_adapters[rows] = torch.tensor([seq.lora_slot for seq in seqs], dtype=torch.long)
         params = [seq.params for seq in seqs]
         new = WarpParams.from_params(params)
         for name in ROW_FIELDS:

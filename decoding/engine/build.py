@@ -26,7 +26,9 @@ from decoding.model.loading import (
     resolve_draft,
     resolve_model_path,
 )
+from decoding.model.lora import Adapters, LoraSlots
 from decoding.model.model_runner import ModelRunner
+from decoding.paths import localize
 from decoding.verification.tree import TreeTopology
 
 log = logging.getLogger(__name__)
@@ -72,8 +74,13 @@ class _Builder:
             max_context = min(max_context, config.max_model_len)
         execution = self.execution(target)
         cache = self._cache(loaded, topology, max_context, execution, drafter)
-        runner = ModelRunner(target, cache, captured=True)
+        adapters = self._adapters(loaded)
+        lora = adapters.slots if adapters is not None else None
+        runner = ModelRunner(target, cache, captured=True, lora=lora)
         drafter.attach(cache)
+        for draft_runner in drafter.runners:  # a self-draft (in the target's pool) follows each row's adapter
+            if draft_runner.cache is cache:
+                draft_runner.lora = lora
         # A recycling tree is the "model" source, with no forward to price.
         sources = Sources(
             plan.root_width, plan.model_candidates, plan.lookup_candidates, prefix_tokens=plan.prefix_tokens,
@@ -103,11 +110,22 @@ class _Builder:
             config=config, device=self.device, tokenizer=tokenizer, loaded_target=loaded, target=target,
             drafter=drafter, topology=topology, sources=sources, nested_trees=nested, cache=cache, policy=policy,
             max_context=max_context,
-            eos_ids=eos_token_ids(tokenizer, loaded), runner=runner,
+            eos_ids=eos_token_ids(tokenizer, loaded), runner=runner, adapters=adapters,
         )
         if runner.replays:
             _capture_graphs(parts)
         return parts
+
+    def _adapters(self, loaded: PreTrainedModel) -> Adapters | None:
+        """The LoRA adapters' registry and device slots, where ``lora.enable``."""
+        lora = self.config.lora
+        if not lora.enable:
+            return None
+        dtype = next(loaded.parameters()).dtype
+        slots = LoraSlots(loaded.config, lora.max_loras, lora.max_lora_rank, self.device,
+                          dtype if dtype.is_floating_point else torch.float32)
+        return Adapters(lora.modules, lora.dynamic_lora_loading_path, lora.max_cpu_loras, slots, loaded.config,
+                        localize)
 
     def execution(self, target: torch.nn.Module) -> Execution:
         """How the engine's forwards run (``execution.py``): decided once, here, and logged. Where it captures CUDA

@@ -37,6 +37,7 @@ from decoding.engine.sequence import (
     longest_token_bytes,
 )
 from decoding.engine.step import HostReads, Step
+from decoding.model.lora import AdapterError
 from decoding.model.padding import prefill_groups
 from decoding.params import RequestError, bad_words_token_ids, check_bans, resolve_sampling
 from decoding.stats import SpecDecodeStats
@@ -74,8 +75,12 @@ class Engine:
             limits.max_constraint_bytes, limits.grammar_compile_timeout_s, limits.max_grammar_bytes,
             limits.grammar_cache_bytes))
         self.max_prompt_bytes = limits.max_prompt_bytes or self.max_context * longest_token_bytes(self.tokenizer)
+        self.adapters = parts.adapters
         self.scheduler = Scheduler(self.batch, self._positions,
-                                   [self.cache, *([self.drafter.own_cache] if self.drafter.own_cache else [])])
+                                   [self.cache, *([self.drafter.own_cache] if self.drafter.own_cache else [])],
+                                   self.adapters, self._failed_result)
+        if self.adapters is not None:
+            self.batch.listen(self.adapters)  # a leaving row's adapter slot is released
         self.reads = HostReads()
         self.stepper = Step(parts, self.batch, self.reads)
 
@@ -132,6 +137,9 @@ class Engine:
             seq.bad_words = self._bad_words(params, tokenizer)
             seq.group = request.group or request.id
             seq.cache_salt = request.cache_salt or ""
+            if request.lora is not None:
+                seq.lora = request.lora
+                seq.cache_salt = f"{self._adapter_identity(request.lora)}|{seq.cache_salt}"
             # Compiled here, off the step.
             seq.grammar = self.constraints.row_grammar(params, seq.stop_ids, tokenizer, request.id)
             need = self.cache.blocks_for(self._positions(seq))
@@ -327,4 +335,22 @@ class Engine:
 
     def _error_result(self, request_id: str, prompt: str, message: str, started: float) -> GenerationResult:
         return error_result(request_id, prompt, message, started, self.topology.max_depth)
+
+    def _failed_result(self, seq: Sequence, message: str) -> GenerationResult:
+        """The error result of a waiting sequence that cannot join (its adapter could not be loaded)."""
+        result = self._error_result(seq.request_id, seq.prompt, message, seq.started)
+        result.lora = seq.lora
+        return result
+
+    def _adapter_identity(self, name: str) -> str:
+        """The adapter's identity, after reading it (on the preparing thread: a bad adapter fails its request)."""
+        if self.adapters is None:
+            raise EngineError(f"lora {name!r}: LoRA adapters are not enabled (set lora.enable: true)")
+        if type(name) is not str or not name:
+            raise EngineError(f"lora must be an adapter's name, got {name!r}")
+        try:
+            self.adapters.read(name)
+            return self.adapters.identity(name)
+        except AdapterError as exc:
+            raise EngineError(str(exc)) from exc
 

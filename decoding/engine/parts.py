@@ -11,6 +11,7 @@ from decoding.config import Config, SpeculativeConfig
 from decoding.drafting.drafters import Drafter
 from decoding.drafting.length_policies import LengthPolicy, Sources
 from decoding.model.kv_cache import PagedKVCache
+from decoding.model.lora import Adapters
 from decoding.model.model_runner import ModelRunner
 from decoding.verification.tree import TreeTopology
 
@@ -33,6 +34,7 @@ class EngineParts:
     max_context: int  # positions a sequence may reach (the model's, the draft's, max_model_len)
     eos_ids: set[int]
     runner: ModelRunner  # the target's forwards over ``cache``
+    adapters: Adapters | None = None  # LoRA adapters (``lora.enable``)
 
     @property
     def speculative(self) -> SpeculativeConfig:

@@ -7,7 +7,9 @@ that came before it. A sequence joins when the KV pool can promise
 it the positions its prompt, its ``max_tokens`` and one draft tree need, less the cached blocks of its prompt's
 prefix it takes (``PagedKVCache.claim``, in the target's pool and in a draft's own); otherwise it waits for a
 finishing row to return its blocks. Joining sequences are prefilled shortest first, in groups whose padded size
-stays within the per-forward token budget (``decoding.model.padding.prefill_groups``).
+stays within the per-forward token budget (``decoding.model.padding.prefill_groups``). A sequence with a LoRA adapter
+also needs a device slot holding it (``decoding.model.lora.Adapters``): while every slot serves running rows of
+other adapters it waits, and an adapter that cannot be loaded fails that sequence alone.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from collections.abc import Callable, Iterable, Iterator
 from decoding.engine.batch import Batch
 from decoding.engine.sequence import GenerationResult, Sequence
 from decoding.model.kv_cache import Claim, PagedKVCache
+from decoding.model.lora import AdapterError, Adapters
 
 
 def group_of(seq: Sequence) -> str:
@@ -73,10 +76,13 @@ class FairQueue:
 
 class Scheduler:
     def __init__(self, batch: Batch, positions: Callable[[Sequence], int],
-                 pools: list[PagedKVCache] | None = None) -> None:
+                 pools: list[PagedKVCache] | None = None, adapters: Adapters | None = None,
+                 failed: Callable[[Sequence, str], GenerationResult] | None = None) -> None:
         """``positions``: the KV positions a sequence may reach (prompt, generation, one draft tree); ``pools``:
-        the KV pools a joining row takes blocks in (default: the batch's)."""
+        the KV pools a joining row takes blocks in (default: the batch's); ``adapters``: the LoRA adapters' slots;
+        ``failed``: the error result of a sequence whose adapter cannot be loaded."""
         self.batch = batch
+        self.adapters, self.failed = adapters, failed
         self.cache = batch.cache
         self.pools = pools or [batch.cache]
         self.positions = positions
@@ -96,8 +102,20 @@ class Scheduler:
         active = Counter(group_of(seq) for seq in self.batch.seqs)
         while self.waiting and len(self.batch) + len(joining) < self.batch.capacity:
             seq = self.waiting.next_for(active)
+            if seq.lora is not None:
+                try:
+                    slot = self.adapters.acquire(seq.lora) if self.adapters is not None else 0
+                except AdapterError as exc:  # read at prepare, but dropped from the host cache and gone since
+                    self.waiting.pop(seq)
+                    self.rejected.append(self.failed(seq, str(exc)))
+                    continue
+                if slot is None:  # every slot serves running rows of other adapters
+                    break
+                seq.lora_slot = slot
             claims = self._claims(seq)
             if claims is None:
+                if seq.lora is not None:
+                    self.adapters.release(seq.lora)
                 break
             seq.claims = claims
             self.waiting.pop(seq)

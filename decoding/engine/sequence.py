@@ -57,6 +57,9 @@ class Request:
     add_special_tokens: bool | None = None
     truncate_prompt_tokens: int | None = None
     cache_salt: str | None = None
+    # The LoRA adapter it runs under (a name of ``lora.modules``, or one under ``dynamic_lora_loading_path``); None:
+    # the base model.
+    lora: str | None = None
 
 
 @dataclass
@@ -88,6 +91,7 @@ class GenerationResult:
     num_cached_tokens: int = 0
     # vLLM's stop_reason: the stop string, or the stop_token_ids entry, that ended it (None: EOS, length, error).
     stop_reason: int | str | None = None
+    lora: str | None = None  # the adapter that produced it (None: the base model)
 
     @property
     def stats(self) -> SpecDecodeStats:
@@ -154,6 +158,8 @@ class Sequence:
     claims: list[Claim] = field(default_factory=list)  # KV blocks admission claimed, a claim per pool, until it joins
     cached_tokens: int = 0  # prompt tokens its prefill found in the prefix cache
     cache_salt: str = ""  # ``Request.cache_salt``: its prefix blocks are shared only with rows of the same salt
+    lora: str | None = None  # ``Request.lora`` (its adapter's identity is part of ``cache_salt``)
+    lora_slot: int = 0  # the device slot its adapter holds while it runs (0: the base)
     policy_memory: RowMemory = field(default_factory=RowMemory)  # what the length policy learned of it
     draft_state: RowDraftState = field(default_factory=RowDraftState)  # what the drafter keeps of it
 
@@ -236,6 +242,7 @@ class Sequence:
             num_grammar_forced_tokens=self.grammar_forced,
             num_cached_tokens=self.cached_tokens,
             stop_reason=self.stop_reason,
+            lora=self.lora,
         )
 
 

@@ -22,6 +22,7 @@ from decoding.model.attention import (
 from decoding.model.cuda_graphs import GraphedForward
 from decoding.model.kv_cache import PagedKVCache, Rows
 from decoding.model.lean_forward import LeanCausalLM
+from decoding.model.lora import LoraBatch
 
 
 class _PoolLayer(CacheLayerMixin):
@@ -81,6 +82,7 @@ def forward_tree(
     hidden_at: torch.Tensor | None = None,
     features: torch.Tensor | None = None,
     replay: GraphedForward | None = None,
+    lora: LoraBatch | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """One forward over tree nodes [start, start + T) of ``rows``; returns (logits [B, k, V], hidden [B, k', H]).
 
@@ -89,8 +91,9 @@ def forward_tree(
     node) limits the LM head to those nodes: a prefill needs only each row's last prompt position, and the head is
     most of a small model's cost. The last hidden state comes back at ``hidden_at`` (default: the ``logits_at``
     nodes) when ``want_hidden``. ``features`` [B, T, H] is a feature draft's extra input. ``replay``: a lean
-    forward's captured graphs (its ``ModelRunner``'s), replayed where this shape was captured. The forward runs as the
-    pool's ``execution`` says (``execution.py``).
+    forward's captured graphs (its ``ModelRunner``'s), replayed where this shape was captured. ``lora``: a lean
+    forward's adapters (``ModelRunner.adapters``). The forward runs as the pool's ``execution`` says
+    (``execution.py``).
     """
     batch, count = input_ids.shape
     end = start + count
@@ -101,7 +104,7 @@ def forward_tree(
     if isinstance(model, LeanCausalLM):
         replayed = replay(input_ids, positions, meta, cache.keys, cache.values, at, hidden_nodes) if replay else None
         logits, hidden = replayed or model(input_ids, positions, meta, cache.keys, cache.values, at, hidden_nodes,
-                                           execution=cache.execution)
+                                           execution=cache.execution, lora=lora)
         hidden = hidden.view(batch, len(hidden_nodes), -1) if hidden is not None else None
         return logits.view(batch, len(at), -1), hidden
     layout = dense_layout(meta, cache.block_size, pools_zero_filled(cache.device))

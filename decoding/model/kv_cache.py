@@ -136,6 +136,9 @@ class PagedKVCache:
         self.row_keys: list[list[bytes]] = [[] for _ in range(max_rows)]  # keys of each row's full prompt blocks
         self.host_lengths = [0] * max_rows  # committed positions per row
         self.reserved = [0] * max_rows  # blocks each row may still take
+        # Each row's LoRA slot (0: the base), set as rows join (``decoding.model.lora``): its entries are the adapted
+        # model's, and the forwards of runners that apply adapters read it.
+        self.row_adapters = torch.zeros(max_rows, dtype=torch.long)
         self.active = 0
         self.peak_blocks = 0
 
@@ -319,9 +322,11 @@ class PagedKVCache:
         """Return the row's blocks to the pool; the last live row takes its place (its table row moves)."""
         self._release(self.row_blocks[row])
         last = self.active - 1
-        move_last_row(row, last, self.row_blocks, self.row_keys, self.host_lengths, self.reserved, self.tables)
+        move_last_row(row, last, self.row_blocks, self.row_keys, self.host_lengths, self.reserved, self.tables,
+                      self.row_adapters)
         self._tables_stale |= row != last
         self.row_blocks[last], self.row_keys[last], self.host_lengths[last], self.reserved[last] = [], [], 0, 0
+        self.row_adapters[last] = 0
         self.active = last
 
     def device_tables(self) -> torch.Tensor:

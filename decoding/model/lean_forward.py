@@ -43,6 +43,7 @@ from decoding.model.attention import (
 )
 from decoding.model.compiled_forward import compiled_stack
 from decoding.model.execution import Execution, Kernels
+from decoding.model.lora import LoraBatch
 from decoding.model.quantize import (
     ACTIVATION_DTYPE,
     fused_kernel,
@@ -207,19 +208,26 @@ class LayerWeights:
         return cls(norm1, norm2, q_norm, k_norm, qkv, o, rest[: spec.gate_up.count], rest[spec.gate_up.count :])
 
 
+def _adapted(out: torch.Tensor, lora: LoraBatch | None, group: str, layer: int, x: torch.Tensor) -> torch.Tensor:
+    """A projection's output ``out`` (in the hidden states' dtype) plus each token's adapter delta, if any."""
+    return out if lora is None else out + lora.delta(group, layer, x).to(out.dtype)
+
+
 def decoder_layer(
     spec: LayerSpec, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, slots: torch.Tensor,
     block_tables: torch.Tensor, row_starts: torch.Tensor, prefix_len: torch.Tensor, tree_mask: torch.Tensor,
     max_keys: int, keys: torch.Tensor, values: torch.Tensor, *weights: torch.Tensor,
-    layout: DenseLayout | None = None, cpu_kernels: bool = True,
+    layout: DenseLayout | None = None, cpu_kernels: bool = True, lora: LoraBatch | None = None, layer: int = 0,
 ) -> torch.Tensor:
     """One decoder layer over flat tokens ``hidden`` [N, H] (the unit that is compiled). ``layout``: the reference
     attention's per-forward part (``attention.dense_layout``), where the kernel does not run; ``cpu_kernels``: the
-    C++ attention kernel and packed weights run (else the reference)."""
+    C++ attention kernel and packed weights run (else the reference); ``lora``: the tokens' adapters, added to each
+    projection in float over whatever computes it (a quantized twin's kernels too), ``layer`` the pool layer."""
     w = LayerWeights.of(spec, weights)
     tokens, dtype = hidden.shape[0], spec.kernel_dtype or hidden.dtype
     x = _rms_norm(hidden, w.norm1, spec.eps).to(dtype)
-    qkv = spec.qkv.apply(x, w.qkv, cpu_kernels).to(hidden.dtype).view(tokens, -1, spec.head_dim)
+    qkv = _adapted(spec.qkv.apply(x, w.qkv, cpu_kernels).to(hidden.dtype), lora, "qkv", layer, x)
+    qkv = qkv.view(tokens, -1, spec.head_dim)
     q, k, v = qkv.split([spec.q_heads, spec.kv_heads, spec.kv_heads], 1)
     if w.q_norm is not None:
         q, k = _rms_norm(q, w.q_norm, spec.eps), _rms_norm(k, w.k_norm, spec.eps)
@@ -227,23 +235,28 @@ def decoder_layer(
     k = k * cos + _rotate_half(k) * sin
     meta = AttentionMetadata(slots, block_tables, row_starts, prefix_len, tree_mask, max_keys)
     attended = paged_attention(keys, values, q, k, v.contiguous(), meta, spec.scale, layout, cpu=cpu_kernels)
-    hidden = hidden + spec.o.apply(attended.reshape(tokens, -1).to(dtype), w.o, cpu_kernels).to(hidden.dtype)
+    attended = attended.reshape(tokens, -1).to(dtype)
+    hidden = hidden + _adapted(spec.o.apply(attended, w.o, cpu_kernels).to(hidden.dtype), lora, "o", layer, attended)
     x = _rms_norm(hidden, w.norm2, spec.eps).to(dtype)
-    gate, up = spec.gate_up.apply(x, w.gate_up, cpu_kernels).chunk(2, -1)
-    return hidden + spec.down.apply((ACT2FN[spec.act](gate) * up).to(dtype), w.down, cpu_kernels).to(hidden.dtype)
+    gate_up = spec.gate_up.apply(x, w.gate_up, cpu_kernels)
+    gate, up = (gate_up if lora is None else _adapted(gate_up.to(hidden.dtype), lora, "gate_up", layer, x)).chunk(2, -1)
+    activated = (ACT2FN[spec.act](gate) * up).to(dtype)
+    return hidden + _adapted(spec.down.apply(activated, w.down, cpu_kernels).to(hidden.dtype), lora, "down", layer,
+                             activated)
 
 
 def fused_stack(
     specs: list[LayerSpec], counts: list[int], final_eps: float, hidden: torch.Tensor, cos: torch.Tensor,
     sin: torch.Tensor, slots: torch.Tensor, block_tables: torch.Tensor, prefix_len: torch.Tensor,
     tree_mask: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, weights: list[torch.Tensor],
-    layers: tuple[int, ...],
+    layers: tuple[int, ...], lora: LoraBatch | None = None,
 ) -> torch.Tensor:
     """The decoder layers and the final norm with the fused Triton kernels (``triton_kernels.py``), about ten
     launches a layer: add + RMSNorm, the qkv GEMM, rotary + the new keys and values into their slots, attention
     over the paged pool (and its split reduction), the o GEMM, add + RMSNorm, the gate|up GEMM, SiLU x up, the down
     GEMM (whose output the next layer's norm adds). Each row has ``N / rows`` tokens; sequence lengths are read on
-    the device, so one captured graph serves every context. ``layers``: each layer's index in the pool."""
+    the device, so one captured graph serves every context. ``layers``: each layer's index in the pool; ``lora``: the
+    tokens' adapters (``decoder_layer``'s), their deltas added to each GEMM's output."""
     from decoding.model import triton_kernels as tk  # Triton loads where this path runs (``execution.py``)
 
     tokens = hidden.shape[0]
@@ -255,20 +268,26 @@ def fused_stack(
         at += count
         dtype = spec.kernel_dtype or hidden.dtype
         residual, x = tk.add_rms_norm(residual, delta, w.norm1, spec.eps)
-        qkv = spec.qkv.apply(x.to(dtype), w.qkv).to(hidden.dtype)
+        x = x.to(dtype)
+        qkv = _adapted(spec.qkv.apply(x, w.qkv).to(hidden.dtype), lora, "qkv", index, x)
         q = tk.rotary_write_kv(qkv, cos, sin, slots, keys[index], values[index], spec.q_heads, spec.kv_heads,
                                spec.head_dim, w.q_norm, w.k_norm, spec.eps)
         attended = tk.paged_attention(q, keys[index], values[index], block_tables, prefix_len, tree_mask, spec.scale,
                                       per_row)
-        o = spec.o.apply(attended.view(tokens, -1).to(dtype), w.o).to(hidden.dtype)
+        attended = attended.view(tokens, -1).to(dtype)
+        o = _adapted(spec.o.apply(attended, w.o).to(hidden.dtype), lora, "o", index, attended)
         residual, x = tk.add_rms_norm(residual, o, w.norm2, spec.eps)
-        gate_up = spec.gate_up.apply(x.to(dtype), w.gate_up)
+        x = x.to(dtype)
+        gate_up = spec.gate_up.apply(x, w.gate_up)
+        if lora is not None:
+            gate_up = _adapted(gate_up.to(hidden.dtype), lora, "gate_up", index, x)
         if spec.act == "silu":
             activated = tk.silu_mul(gate_up)
         else:
             gate, up = gate_up.chunk(2, -1)
             activated = ACT2FN[spec.act](gate) * up
-        delta = spec.down.apply(activated.to(dtype), w.down).to(hidden.dtype)
+        activated = activated.to(dtype)
+        delta = _adapted(spec.down.apply(activated, w.down).to(hidden.dtype), lora, "down", index, activated)
     return tk.add_rms_norm(residual, delta, weights[at], final_eps)[1]
 
 
@@ -288,13 +307,13 @@ class LayerStack(nn.Module):
         self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, slots: torch.Tensor,
         block_tables: torch.Tensor, row_starts: torch.Tensor, prefix_len: torch.Tensor, tree_mask: torch.Tensor,
         keys: torch.Tensor, values: torch.Tensor, weights: list[torch.Tensor], max_keys: int = 0,
-        kernels: Kernels = "cpu",
+        kernels: Kernels = "cpu", lora: LoraBatch | None = None,
     ) -> torch.Tensor:
         """``kernels``: how attention and the layer's small operations run (``execution.Execution.kernels``; the
-        compiled stack is the CPU kernels')."""
+        compiled stack is the CPU kernels'); ``lora``: the tokens' adapters (``decoder_layer``)."""
         if kernels == "triton":
             return fused_stack(self.specs, self.counts, self.final_eps, hidden, cos, sin, slots, block_tables,
-                               prefix_len, tree_mask, keys, values, weights, self.layers)
+                               prefix_len, tree_mask, keys, values, weights, self.layers, lora)
         layout = None
         if kernels != "cpu":  # the reference attention: its metadata part once, not per layer
             meta = AttentionMetadata(slots, block_tables, row_starts, prefix_len, tree_mask, max_keys)
@@ -303,7 +322,7 @@ class LayerStack(nn.Module):
         for index, spec, count in zip(self.layers, self.specs, self.counts):
             hidden = decoder_layer(spec, hidden, cos, sin, slots, block_tables, row_starts, prefix_len, tree_mask,
                                    max_keys, keys[index], values[index], *weights[at : at + count], layout=layout,
-                                   cpu_kernels=kernels == "cpu")
+                                   cpu_kernels=kernels == "cpu", lora=lora, layer=index)
             at += count
         return _rms_norm(hidden, weights[at], self.final_eps)
 
@@ -420,6 +439,7 @@ class LeanCausalLM(nn.Module):
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata, keys: torch.Tensor,
         values: torch.Tensor, logits_nodes: torch.Tensor, hidden_nodes: torch.Tensor | None, *, execution: Execution,
+        lora: LoraBatch | None = None,
     ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """``input_ids``/``positions`` [B, T] (every row as many tokens); logits at each row's ``logits_nodes``
         [B * k, V] and hidden states at its ``hidden_nodes`` [B * k', H] (node indices on the host), eagerly, as
@@ -430,27 +450,29 @@ class LeanCausalLM(nn.Module):
         return self.flat_forward(input_ids.flatten(), positions.flatten(), meta, keys, values,
                     (flat + logits_nodes[None]).flatten().to(device, non_blocking=True),
                     (flat + hidden_nodes[None]).flatten().to(device, non_blocking=True)
-                    if hidden_nodes is not None else None, execution=execution)
+                    if hidden_nodes is not None else None, execution=execution, lora=lora)
 
     @torch.no_grad()
     def flat_forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
         keys: torch.Tensor, values: torch.Tensor, logits_at: torch.Tensor | None,
-        hidden_at: torch.Tensor | None = None, *, execution: Execution,
+        hidden_at: torch.Tensor | None = None, *, execution: Execution, lora: LoraBatch | None = None,
     ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """Flat tokens [N] at ``positions`` [N]; returns (logits at ``logits_at`` [M, V], last hidden states at
-        ``hidden_at`` [K, H]), each None when not asked for. ``keys``/``values``: the cache's [layers, ...] pools."""
+        ``hidden_at`` [K, H]), each None when not asked for. ``keys``/``values``: the cache's [layers, ...] pools.
+        ``lora``: the tokens' adapters; a forward with adapter rows runs the stack eagerly (the compiled stack has
+        no adapter inputs)."""
         base = self.inner.model
         hidden = base.embed_tokens(input_ids)  # [N, H]
         cos, sin = base.rotary_emb(hidden, positions[None])
         cos, sin = cos[0][:, None], sin[0][:, None]  # [N, 1, D]: broadcast over heads
         inputs = [hidden, cos, sin, meta.slots, meta.block_tables, meta.row_starts, meta.prefix_len, meta.tree_mask,
                   keys, values]
-        compiled = self.compiled() if execution.compile else None
+        compiled = self.compiled() if execution.compile and lora is None else None
         if compiled is not None:
             hidden = compiled(inputs + self.weights)
         else:
-            hidden = self.stack(*inputs, self.weights, meta.max_keys, kernels=execution.kernels)
+            hidden = self.stack(*inputs, self.weights, meta.max_keys, kernels=execution.kernels, lora=lora)
         logits = None
         if logits_at is not None:
             kept = hidden[logits_at]

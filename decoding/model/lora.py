@@ -3,8 +3,9 @@ device in stacked per-slot tensors that one batched matmul pair applies to every
 
 Slot 0 is the base (all zeros); slots 1..max_loras hold resident adapters. For each targeted projection and layer,
 the slots' A matrices are stacked into ``A [S*R, in]`` and their B matrices, scaling folded in, into
-``B [S*R, out]`` (S slots, R = max_lora_rank; an adapter of lower rank is zero-padded). A step's tokens carry
-their row's slot as a one-hot mask over the ``S*R`` columns, so the delta of every row, whatever its adapter, is
+``B [S*R, out]`` (S slots, R = max_lora_rank; an adapter of lower rank is zero-padded), and the projections the lean
+forward fuses (q|k|v, gate|up) are stacked together. A step's tokens carry their row's slot as a one-hot mask over
+the ``S*R`` columns, so the delta of every row, whatever its adapter, is
 
     delta = ((x @ A.T) * mask) @ B
 
@@ -18,7 +19,10 @@ from __future__ import annotations
 import json
 import math
 import re
+import threading
 from collections import OrderedDict
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -174,45 +178,123 @@ def read_adapter(name: str, path: str | Path, model_config, max_rank: int) -> Lo
     return LoraAdapter(name=name, rank=rank, weights=weights)
 
 
+# The lean forward's projections, each one GEMM: q|k|v and gate|up run fused (``lean_forward.Projection``), and so
+# do their adapters' deltas.
+GROUPS = {"qkv": ("q_proj", "k_proj", "v_proj"), "o": ("o_proj",), "gate_up": ("gate_proj", "up_proj"),
+          "down": ("down_proj",)}
+
+
 class LoraSlots:
-    """The resident adapters of one model on its device: per projection, ``A [layers, S*R, in]`` and
-    ``B [layers, S*R, out]`` with S = max_loras + 1 slots of R = max_rank columns each; slot 0 stays zero."""
+    """The resident adapters of one model on its device, stacked per projection group of the lean forward (q|k|v,
+    o, gate|up, down): ``A [layers, P*W, in]`` holds each part's slots one after the other (W = S*R columns a part,
+    S = max_loras + 1 slots of R = max_rank), ``B [layers, P*W, out]`` is block-diagonal (part p's rows write part
+    p's output columns only), so a group's delta is one shrink and one expand whatever its parts. Slot 0 stays
+    zero."""
 
     def __init__(self, model_config, max_loras: int, max_rank: int, device: torch.device | str = "cpu",
                  dtype: torch.dtype = torch.float32) -> None:
         self.slots, self.rank = max_loras + 1, max_rank
+        self.width = self.slots * max_rank
         layers = model_config.num_hidden_layers
-        width = self.slots * max_rank
         shapes = projection_shapes(model_config)
-        self.a = {p: torch.zeros(layers, width, i, device=device, dtype=dtype) for p, (i, _) in shapes.items()}
-        self.b = {p: torch.zeros(layers, width, o, device=device, dtype=dtype) for p, (_, o) in shapes.items()}
+        # projection -> (group, part index, first output column)
+        self.places: dict[str, tuple[str, int, int]] = {}
+        self.a, self.b = {}, {}
+        for group, parts in GROUPS.items():
+            features_in, at = shapes[parts[0]][0], 0
+            for index, projection in enumerate(parts):
+                self.places[projection] = (group, index, at)
+                at += shapes[projection][1]
+            self.a[group] = torch.zeros(layers, len(parts) * self.width, features_in, device=device, dtype=dtype)
+            self.b[group] = torch.zeros(layers, len(parts) * self.width, at, device=device, dtype=dtype)
+        self.shapes = shapes
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.a["o"].dtype
+
+    def _rows(self, projection: str, slot: int, rank: int | None = None) -> tuple[str, slice, slice]:
+        """(group, A/B rows of ``slot``'s first ``rank`` columns in ``projection``'s part, its output columns)."""
+        group, index, at = self.places[projection]
+        first = index * self.width + slot * self.rank
+        return group, slice(first, first + (self.rank if rank is None else rank)), \
+            slice(at, at + self.shapes[projection][1])
 
     def load(self, slot: int, adapter: LoraAdapter) -> None:
         """Write ``adapter`` into ``slot`` (1..max_loras); its rank is at most max_rank (checked at read)."""
         if not 1 <= slot < self.slots:
             raise ValueError(f"slot {slot} is not one of 1..{self.slots - 1}")
         self.clear(slot)
-        columns = slice(slot * self.rank, slot * self.rank + adapter.rank)
         for (layer, projection), (a, b) in adapter.weights.items():
-            self.a[projection][layer, columns] = a.to(self.a[projection])
-            self.b[projection][layer, columns] = b.T.to(self.b[projection])
+            group, rows, columns = self._rows(projection, slot, adapter.rank)
+            self.a[group][layer, rows] = a.to(self.a[group])
+            self.b[group][layer, rows, columns] = b.T.to(self.b[group])
 
     def clear(self, slot: int) -> None:
-        columns = slice(slot * self.rank, (slot + 1) * self.rank)
-        for tensors in (self.a, self.b):
-            for stacked in tensors.values():
-                stacked[:, columns] = 0
+        for projection in PROJECTIONS:
+            group, rows, _ = self._rows(projection, slot)
+            self.a[group][:, rows] = 0
+            self.b[group][:, rows] = 0
 
     def mask(self, token_slots: torch.Tensor) -> torch.Tensor:
-        """``[tokens, S*R]``: one for each of a token's own slot's columns; built once a step, shared by every
-        projection."""
-        columns = torch.arange(self.slots * self.rank, device=token_slots.device) // self.rank
-        return (columns == token_slots[:, None]).to(self.a["q_proj"].dtype)
+        """``[tokens, W]``: one for each of a token's own slot's columns (one part's worth; a group of P parts
+        repeats it P times)."""
+        columns = torch.arange(self.width, device=token_slots.device) // self.rank
+        return (columns == token_slots[:, None]).to(self.dtype)
+
+    def batch(self, token_slots: torch.Tensor) -> LoraBatch:
+        """What one forward's adapted projections read: each group's mask over its parts, built once."""
+        mask = self.mask(token_slots)
+        return LoraBatch(self, {group: mask.repeat(1, len(parts)) if len(parts) > 1 else mask
+                                for group, parts in GROUPS.items()})
 
     def delta(self, x: torch.Tensor, mask: torch.Tensor, layer: int, projection: str) -> torch.Tensor:
         """What each token's adapter adds to ``projection``'s output at ``layer``: ``x [tokens, in]`` ->
-        ``[tokens, out]`` (zero for base tokens)."""
-        return ((x @ self.a[projection][layer].T) * mask) @ self.b[projection][layer]
+        ``[tokens, out]`` (zero for base tokens); ``mask``: ``mask(token_slots)``."""
+        group, _, columns = self._rows(projection, 0)
+        part = self.places[projection][1] * self.width
+        rows = slice(part, part + self.width)
+        return ((x @ self.a[group][layer, rows].T) * mask) @ self.b[group][layer, rows, columns]
+
+
+@dataclass(frozen=True)
+class LoraBatch:
+    """One forward's adapters: the slots and each group's per-token mask (``LoraSlots.batch``)."""
+
+    slots: LoraSlots
+    masks: dict[str, torch.Tensor]
+
+    def delta(self, group: str, layer: int, x: torch.Tensor) -> torch.Tensor:
+        """What each token's adapter adds to ``group``'s fused output at ``layer`` (``x [tokens, in]`` in any
+        dtype; the delta in the slots' dtype): one shrink, the mask, one expand."""
+        slots = self.slots
+        return ((x.to(slots.dtype) @ slots.a[group][layer].T) * self.masks[group]) @ slots.b[group][layer]
+
+    def projection_delta(self, projection: str, layer: int, x: torch.Tensor) -> torch.Tensor:
+        """The same for one projection of a group (transformers' forward runs them apart)."""
+        mask = self.masks[self.slots.places[projection][0]][:, : self.slots.width]
+        return self.slots.delta(x.to(self.slots.dtype), mask, layer, projection)
+
+
+@contextmanager
+def adapted(model: torch.nn.Module, lora: LoraBatch) -> Iterator[None]:
+    """Within it, transformers' forward of the Llama-style ``model`` adds each token's adapter delta to every
+    projection's output (forward hooks; tokens in the forward's [B, T] order, as ``lora``'s masks)."""
+    handles = []
+    for layer, block in enumerate(model.model.layers):
+        for projection in PROJECTIONS:
+            module = getattr(block.self_attn if projection in ATTENTION else block.mlp, projection)
+
+            def hook(_, inputs, output, layer=layer, projection=projection):
+                x = inputs[0].reshape(-1, inputs[0].shape[-1])
+                return output + lora.projection_delta(projection, layer, x).reshape(output.shape).to(output.dtype)
+
+            handles.append(module.register_forward_hook(hook))
+    try:
+        yield
+    finally:
+        for handle in handles:
+            handle.remove()
 
 
 class SlotTable:
@@ -255,3 +337,83 @@ class SlotTable:
             raise ValueError(f"adapter {name!r} is in use by {self._users[name]} running rows")
         self._slots.pop(name, None)
         self._users.pop(name, None)
+
+
+class Adapters:
+    """An engine's adapters: names resolved (``modules``, else ``dynamic_lora_loading_path/<name>``), read adapters
+    kept on the host (``max_cpu_loras``, least recently used first out), device slots (``SlotTable``) written as
+    rows that need them join. ``read`` runs on any thread (requests are prepared off the engine's); the rest on the
+    engine's. ``localize``: a local folder for a path or URI."""
+
+    def __init__(self, modules: dict[str, str], dynamic_path: str | None, max_cpu_loras: int, slots: LoraSlots,
+                 model_config, localize=lambda path: path) -> None:
+        self.modules, self.dynamic_path = dict(modules), dynamic_path
+        self.max_cpu_loras, self.slots, self.model_config = max_cpu_loras, slots, model_config
+        self.table = SlotTable(slots.slots - 1)
+        self.localize = localize
+        self._read: OrderedDict[str, LoraAdapter] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def path_of(self, name: str) -> str:
+        """Where adapter ``name`` is read from; raises ``AdapterError`` (unknown) where neither names it."""
+        if name in self.modules:
+            return self.modules[name]
+        if self.dynamic_path is not None and name and "/" not in name and name not in (".", ".."):
+            return f"{self.dynamic_path.rstrip('/')}/{name}"
+        known = ", ".join(sorted(self.modules)) or "none"
+        raise AdapterError(f"unknown adapter {name!r} (lora.modules names: {known}; no dynamic_lora_loading_path"
+                           f"{' holds it' if self.dynamic_path else ''})")
+
+    def identity(self, name: str) -> str:
+        """What separates this adapter's cached prefix blocks from every other's and the base's."""
+        return f"lora:{name}@{self.path_of(name)}"
+
+    def read(self, name: str) -> LoraAdapter:
+        """The adapter, read on first use (and again once the host cache dropped it)."""
+        with self._lock:
+            if name in self._read:
+                self._read.move_to_end(name)
+                return self._read[name]
+        path = self.path_of(name)
+        try:
+            folder = self.localize(path)
+        except Exception as exc:  # a URI that cannot be read
+            raise AdapterError(f"adapter {name!r}: {path} could not be read ({type(exc).__name__}: {exc})") from exc
+        adapter = read_adapter(name, folder, self.model_config, self.slots.rank)
+        with self._lock:
+            self._read[name] = adapter
+            self._read.move_to_end(name)
+            while len(self._read) > self.max_cpu_loras:
+                oldest = next(iter(self._read))
+                if oldest == name:
+                    break
+                del self._read[oldest]
+        return adapter
+
+    def acquire(self, name: str) -> int | None:
+        """A device slot holding ``name`` for one more row (written now if it was not resident), or None while every
+        slot is used by running rows (the row waits)."""
+        taken = self.table.acquire(name)
+        if taken is None:
+            return None
+        slot, write = taken
+        if write:
+            try:
+                self.slots.load(slot, self.read(name))
+            except Exception:
+                self.table.release(name)
+                self.table.evict(name)
+                raise
+        return slot
+
+    def release(self, name: str) -> None:
+        self.table.release(name)
+
+    # A ``decoding.engine.batch.RowState``: a row leaving releases its adapter's slot.
+    def rows_joined(self, joined) -> None:
+        del joined
+
+    def row_removed(self, row: int, last: int, seq) -> None:
+        del row, last
+        if seq.lora is not None:
+            self.release(seq.lora)

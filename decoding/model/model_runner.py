@@ -5,6 +5,9 @@ graphs its step forwards replay (``cuda_graphs.py``) and the clock its phases ar
 decides, here only, which forwards replay: a prefill never (prompt lengths vary); a verification (a decode is one of
 a one-node tree) or a draft level where the model's step shapes are captured and the execution replays graphs. A
 replaying verification carries whole trees (only those are captured).
+
+A runner given the engine's adapter slots (``lora``: the target's, a self-draft's) adds each row's adapter to its
+forwards, as its pool's ``row_adapters`` say; a forward whose rows are all the base's runs exactly as without.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ from decoding.model.cuda_graphs import GraphedForward, build_shapes, pool_key
 from decoding.model.forward import forward_tree
 from decoding.model.kv_cache import PagedKVCache, Rows
 from decoding.model.lean_forward import LeanCausalLM
+from decoding.model.lora import LoraBatch, LoraSlots, adapted
 from decoding.model.timing import PhaseClock
 
 
@@ -26,8 +30,10 @@ class ModelRunner:
     """``model``'s forwards over ``cache``; ``captured``: its step shapes are captured (the target's, a self-draft's
     levels; not a separate draft's, whose catch-up prefix varies its shapes)."""
 
-    def __init__(self, model: torch.nn.Module, cache: PagedKVCache, captured: bool) -> None:
+    def __init__(self, model: torch.nn.Module, cache: PagedKVCache, captured: bool,
+                 lora: LoraSlots | None = None) -> None:
         self.model, self.cache, self.execution = model, cache, cache.execution
+        self.lora = lora
         self.clock = PhaseClock(cache.device)  # what the length policy learns the phases cost, timed on the device
         # The one place that decides whether step forwards replay graphs: a replaying runner owns them.
         replays = captured and self.execution.graphs and isinstance(model, LeanCausalLM)
@@ -50,15 +56,35 @@ class ModelRunner:
                               hidden, self.graphs.key_buckets)
         return self.graphs.capture(shapes, cache.keys, cache.values, budget, memory)
 
+    def adapters(self, rows: Rows, tokens_per_row: int) -> LoraBatch | None:
+        """The adapters of a forward of ``tokens_per_row`` tokens for each of ``rows``; None where none applies."""
+        if self.lora is None:
+            return None
+        slots = self.cache.row_adapters[rows]
+        if not bool(slots.any()):
+            return None
+        return self.lora.batch(slots.repeat_interleave(tokens_per_row).to(self.cache.device, non_blocking=True))
+
     def prefill(self, rows: Rows, input_ids: torch.Tensor, ancestors: torch.Tensor, valid: torch.Tensor,
                 **options: Any) -> tuple[torch.Tensor, torch.Tensor | None]:
         """A forward over prompts (``forward_tree``'s arguments), eager."""
-        return forward_tree(self.model, self.cache, rows, input_ids, ancestors, valid, **options)
+        return self._forward(rows, input_ids, ancestors, valid, None, options)
 
     def verify(self, rows: Rows, input_ids: torch.Tensor, ancestors: torch.Tensor, valid: torch.Tensor,
                **options: Any) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """The target's forward over a tree (a decode: a one-node tree), replayed where captured."""
-        return forward_tree(self.model, self.cache, rows, input_ids, ancestors, valid, replay=self.graphs, **options)
+        """The target's forward over a tree (a decode: a one-node tree), replayed where captured (the base's rows
+        only: graphs hold no adapters)."""
+        return self._forward(rows, input_ids, ancestors, valid, self.graphs, options)
+
+    def _forward(self, rows: Rows, input_ids: torch.Tensor, ancestors: torch.Tensor, valid: torch.Tensor,
+                 replay: GraphedForward | None, options: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor | None]:
+        lora = self.adapters(rows, input_ids.shape[1])
+        if lora is None:
+            return forward_tree(self.model, self.cache, rows, input_ids, ancestors, valid, replay=replay, **options)
+        if isinstance(self.model, LeanCausalLM):
+            return forward_tree(self.model, self.cache, rows, input_ids, ancestors, valid, lora=lora, **options)
+        with adapted(self.model, lora):  # transformers' forward: the deltas added by hooks on its projections
+            return forward_tree(self.model, self.cache, rows, input_ids, ancestors, valid, **options)
 
     # A draft's forward over one level of its chains (after its catch-up prefix): the same step forward.
     draft_level = verify
