@@ -72,14 +72,19 @@ def test_each_adapter_alone_and_all_mixed_with_base_rows_equal_peft(base, adapte
 
 def test_the_base_slot_adds_nothing_and_a_cleared_slot_is_the_base(base, adapters):
     slots = LoraSlots(base.config, max_loras=2, max_rank=MAX_RANK)
+    assert slots.batch(torch.tensor([0, 0])) is None  # no adapter row: the forward runs without
     slots.load(1, read_adapter("qv8", adapters["qv8"][0], base.config, MAX_RANK))
     x = torch.randn(5, base.config.hidden_size)
-    mask = slots.mask(torch.tensor([0, 1, 1, 0, 2]))
-    delta = slots.delta(x, mask, 0, "q_proj")
+    lora = slots.batch(torch.tensor([0, 1, 1, 0, 2]))
+    assert set(lora.a) == {"qkv"}  # qv8 targets q and v only: the other groups are left out
+    delta = lora.projection_delta("q_proj", 0, x)
     assert delta[[0, 3, 4]].abs().max() == 0 and delta[[1, 2]].abs().max() > 0
-    assert slots.delta(x, mask, 0, "k_proj").abs().max() == 0  # qv8 does not target k_proj
+    assert lora.projection_delta("k_proj", 0, x).abs().max() == 0  # nor k_proj
+    assert lora.projection_delta("o_proj", 0, x) is None
+    fused = lora.delta("qkv", 0, x)
+    torch.testing.assert_close(fused[:, : base.config.hidden_size], delta)
     slots.clear(1)
-    assert slots.delta(x, mask, 0, "q_proj").abs().max() == 0
+    assert slots.batch(torch.tensor([0, 1, 1, 0, 2])).projection_delta("q_proj", 0, x) is None
 
 
 def test_shapes_follow_the_model_config(base):

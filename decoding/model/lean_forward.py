@@ -210,7 +210,8 @@ class LayerWeights:
 
 def _adapted(out: torch.Tensor, lora: LoraBatch | None, group: str, layer: int, x: torch.Tensor) -> torch.Tensor:
     """A projection's output ``out`` (in the hidden states' dtype) plus each token's adapter delta, if any."""
-    return out if lora is None else out + lora.delta(group, layer, x).to(out.dtype)
+    delta = lora.delta(group, layer, x) if lora is not None else None
+    return out if delta is None else out + delta.to(out.dtype)
 
 
 def decoder_layer(

@@ -1,17 +1,17 @@
-"""LoRA adapters in PEFT's format: read with ``safetensors``, checked against the base model, and held on the
-device in stacked per-slot tensors that one batched matmul pair applies to every token of a step.
+"""LoRA adapters in PEFT's format: read with ``safetensors``, checked against the base model, held on the device
+in stacked per-slot tensors, and applied to every token of a forward, whatever its adapter, by one batched matmul
+pair per projection.
 
-Slot 0 is the base (all zeros); slots 1..max_loras hold resident adapters. For each targeted projection and layer,
-the slots' A matrices are stacked into ``A [S*R, in]`` and their B matrices, scaling folded in, into
-``B [S*R, out]`` (S slots, R = max_lora_rank; an adapter of lower rank is zero-padded), and the projections the lean
-forward fuses (q|k|v, gate|up) are stacked together. A step's tokens carry their row's slot as a one-hot mask over
-the ``S*R`` columns, so the delta of every row, whatever its adapter, is
+Slot 0 is the base (all zeros); slots 1..max_loras hold resident adapters, R = max_lora_rank rows each (an adapter
+of lower rank is zero-padded), the scaling folded into B. A forward gathers the rows of the U adapters its tokens
+use, once for every layer, and gives each token a one-hot mask over those U*R rows (all zero for a base token), so
+each projection's delta is
 
     delta = ((x @ A.T) * mask) @ B
 
-two dense matmuls with static shapes and no loop over adapters (punica's shrink and expand, with the slot
-selection done by the mask instead of a gather; an inner dimension of S*R = 80 for 4 adapters of rank 16 is small
-beside the projection's own).
+two dense matmuls with no loop over adapters (punica's shrink and expand, the selection done by the mask). Its cost
+grows with the adapters present, not the slots: on SmolLM2-135M one rank-16 adapter on every projection adds ~5% of
+a base token's multiply-adds. The projections the lean forward fuses (q|k|v, gate|up) share one shrink.
 """
 
 from __future__ import annotations
@@ -179,17 +179,17 @@ def read_adapter(name: str, path: str | Path, model_config, max_rank: int) -> Lo
 
 
 # The lean forward's projections, each one GEMM: q|k|v and gate|up run fused (``lean_forward.Projection``), and so
-# do their adapters' deltas.
+# do their adapters' shrinks.
 GROUPS = {"qkv": ("q_proj", "k_proj", "v_proj"), "o": ("o_proj",), "gate_up": ("gate_proj", "up_proj"),
           "down": ("down_proj",)}
+GROUP_OF = {projection: group for group, parts in GROUPS.items() for projection in parts}
 
 
 class LoraSlots:
-    """The resident adapters of one model on its device, stacked per projection group of the lean forward (q|k|v,
-    o, gate|up, down): ``A [layers, P*W, in]`` holds each part's slots one after the other (W = S*R columns a part,
-    S = max_loras + 1 slots of R = max_rank), ``B [layers, P*W, out]`` is block-diagonal (part p's rows write part
-    p's output columns only), so a group's delta is one shrink and one expand whatever its parts. Slot 0 stays
-    zero."""
+    """The resident adapters of one model on its device. Per projection group of the lean forward (q|k|v, o,
+    gate|up, down), ``a[group] [layers, P*W, in]`` holds its P parts' A matrices side by side (W = S*R rows a part:
+    S = max_loras + 1 slots of R = max_rank rows; slot 0, the base, stays zero), and per projection
+    ``b[projection] [layers, W, out]`` its B matrices (transposed, the scaling folded in)."""
 
     def __init__(self, model_config, max_loras: int, max_rank: int, device: torch.device | str = "cpu",
                  dtype: torch.dtype = torch.float32) -> None:
@@ -197,97 +197,110 @@ class LoraSlots:
         self.width = self.slots * max_rank
         layers = model_config.num_hidden_layers
         shapes = projection_shapes(model_config)
-        # projection -> (group, part index, first output column)
-        self.places: dict[str, tuple[str, int, int]] = {}
-        self.a, self.b = {}, {}
-        for group, parts in GROUPS.items():
-            features_in, at = shapes[parts[0]][0], 0
-            for index, projection in enumerate(parts):
-                self.places[projection] = (group, index, at)
-                at += shapes[projection][1]
-            self.a[group] = torch.zeros(layers, len(parts) * self.width, features_in, device=device, dtype=dtype)
-            self.b[group] = torch.zeros(layers, len(parts) * self.width, at, device=device, dtype=dtype)
-        self.shapes = shapes
+        self.a = {group: torch.zeros(layers, len(parts) * self.width, shapes[parts[0]][0], device=device, dtype=dtype)
+                  for group, parts in GROUPS.items()}
+        self.b = {projection: torch.zeros(layers, self.width, out, device=device, dtype=dtype)
+                  for projection, (_, out) in shapes.items()}
+        self.groups: list[set[str]] = [set() for _ in range(self.slots)]  # the groups each slot's adapter targets
 
     @property
     def dtype(self) -> torch.dtype:
         return self.a["o"].dtype
 
-    def _rows(self, projection: str, slot: int, rank: int | None = None) -> tuple[str, slice, slice]:
-        """(group, A/B rows of ``slot``'s first ``rank`` columns in ``projection``'s part, its output columns)."""
-        group, index, at = self.places[projection]
-        first = index * self.width + slot * self.rank
-        return group, slice(first, first + (self.rank if rank is None else rank)), \
-            slice(at, at + self.shapes[projection][1])
+    @property
+    def device(self) -> torch.device:
+        return self.a["o"].device
+
+    def _a_rows(self, projection: str, slot: int, rank: int) -> slice:
+        first = GROUPS[GROUP_OF[projection]].index(projection) * self.width + slot * self.rank
+        return slice(first, first + rank)
 
     def load(self, slot: int, adapter: LoraAdapter) -> None:
         """Write ``adapter`` into ``slot`` (1..max_loras); its rank is at most max_rank (checked at read)."""
         if not 1 <= slot < self.slots:
             raise ValueError(f"slot {slot} is not one of 1..{self.slots - 1}")
         self.clear(slot)
+        rows = slice(slot * self.rank, slot * self.rank + adapter.rank)
         for (layer, projection), (a, b) in adapter.weights.items():
-            group, rows, columns = self._rows(projection, slot, adapter.rank)
-            self.a[group][layer, rows] = a.to(self.a[group])
-            self.b[group][layer, rows, columns] = b.T.to(self.b[group])
+            group = GROUP_OF[projection]
+            self.a[group][layer, self._a_rows(projection, slot, adapter.rank)] = a.to(self.a[group])
+            self.b[projection][layer, rows] = b.T.to(self.b[projection])
+            self.groups[slot].add(group)
 
     def clear(self, slot: int) -> None:
         for projection in PROJECTIONS:
-            group, rows, _ = self._rows(projection, slot)
-            self.a[group][:, rows] = 0
-            self.b[group][:, rows] = 0
+            self.a[GROUP_OF[projection]][:, self._a_rows(projection, slot, self.rank)] = 0
+            self.b[projection][:, slot * self.rank : (slot + 1) * self.rank] = 0
+        self.groups[slot] = set()
 
-    def mask(self, token_slots: torch.Tensor) -> torch.Tensor:
-        """``[tokens, W]``: one for each of a token's own slot's columns (one part's worth; a group of P parts
-        repeats it P times)."""
-        columns = torch.arange(self.width, device=token_slots.device) // self.rank
-        return (columns == token_slots[:, None]).to(self.dtype)
-
-    def batch(self, token_slots: torch.Tensor) -> LoraBatch:
-        """What one forward's adapted projections read: each group's mask over its parts, built once."""
-        mask = self.mask(token_slots)
-        return LoraBatch(self, {group: mask.repeat(1, len(parts)) if len(parts) > 1 else mask
-                                for group, parts in GROUPS.items()})
-
-    def delta(self, x: torch.Tensor, mask: torch.Tensor, layer: int, projection: str) -> torch.Tensor:
-        """What each token's adapter adds to ``projection``'s output at ``layer``: ``x [tokens, in]`` ->
-        ``[tokens, out]`` (zero for base tokens); ``mask``: ``mask(token_slots)``."""
-        group, _, columns = self._rows(projection, 0)
-        part = self.places[projection][1] * self.width
-        rows = slice(part, part + self.width)
-        return ((x @ self.a[group][layer, rows].T) * mask) @ self.b[group][layer, rows, columns]
+    def batch(self, token_slots: torch.Tensor) -> LoraBatch | None:
+        """One forward's adapters for tokens on ``token_slots`` ([N], on the host): the rows of the adapters
+        present, gathered once for every layer (U adapters: U*R rows a part), and each token's one-hot mask over
+        them (zero for base tokens). Groups no present adapter targets are left out. None: no token has one."""
+        present = sorted(set(token_slots.unique().tolist()) - {0})
+        if not present:
+            return None
+        rank, device = self.rank, self.device
+        part_rows = torch.tensor([slot * rank + r for slot in present for r in range(rank)], device=device)
+        position = torch.zeros(self.slots, dtype=torch.long)  # slot -> 1 + its index among the present
+        position[present] = torch.arange(1, len(present) + 1)
+        columns = torch.arange(len(present) * rank, device=device) // rank + 1
+        mask = (columns == position[token_slots].to(device, non_blocking=True)[:, None]).to(self.dtype)
+        a, b = {}, {}
+        for group in set().union(*(self.groups[slot] for slot in present)):
+            parts = GROUPS[group]
+            rows = torch.cat([part_rows + index * self.width for index in range(len(parts))])
+            a[group] = self.a[group].index_select(1, rows)
+            b[group] = [self.b[projection].index_select(1, part_rows) for projection in parts]
+        return LoraBatch(a, b, mask)
 
 
 @dataclass(frozen=True)
 class LoraBatch:
-    """One forward's adapters: the slots and each group's per-token mask (``LoraSlots.batch``)."""
+    """One forward's adapters (``LoraSlots.batch``): per targeted group, the present adapters' A rows
+    ``[layers, P*U*R, in]`` and each part's B ``[layers, U*R, out]``; ``mask [N, U*R]``."""
 
-    slots: LoraSlots
-    masks: dict[str, torch.Tensor]
+    a: dict[str, torch.Tensor]
+    b: dict[str, list[torch.Tensor]]
+    mask: torch.Tensor
 
-    def delta(self, group: str, layer: int, x: torch.Tensor) -> torch.Tensor:
-        """What each token's adapter adds to ``group``'s fused output at ``layer`` (``x [tokens, in]`` in any
-        dtype; the delta in the slots' dtype): one shrink, the mask, one expand."""
-        slots = self.slots
-        return ((x.to(slots.dtype) @ slots.a[group][layer].T) * self.masks[group]) @ slots.b[group][layer]
+    def delta(self, group: str, layer: int, x: torch.Tensor) -> torch.Tensor | None:
+        """What each token's adapter adds to ``group``'s fused output at ``layer`` (``x [N, in]`` in any dtype; the
+        delta in the adapters' dtype), or None where no present adapter targets the group: one shrink for every
+        part, the mask, one expand per part."""
+        if group not in self.a:
+            return None
+        a = self.a[group][layer]
+        shrunk = x.to(a.dtype) @ a.T
+        parts = self.b[group]
+        if len(parts) == 1:
+            return (shrunk * self.mask) @ parts[0][layer]
+        shrunk = shrunk.view(x.shape[0], len(parts), -1) * self.mask[:, None]
+        return torch.cat([shrunk[:, index] @ part[layer] for index, part in enumerate(parts)], -1)
 
-    def projection_delta(self, projection: str, layer: int, x: torch.Tensor) -> torch.Tensor:
+    def projection_delta(self, projection: str, layer: int, x: torch.Tensor) -> torch.Tensor | None:
         """The same for one projection of a group (transformers' forward runs them apart)."""
-        mask = self.masks[self.slots.places[projection][0]][:, : self.slots.width]
-        return self.slots.delta(x.to(self.slots.dtype), mask, layer, projection)
+        group = GROUP_OF[projection]
+        if group not in self.a:
+            return None
+        parts = GROUPS[group]
+        index, rows = parts.index(projection), self.mask.shape[1]
+        a = self.a[group][layer, index * rows : (index + 1) * rows]
+        return ((x.to(a.dtype) @ a.T) * self.mask) @ self.b[group][index][layer]
 
 
 @contextmanager
-def adapted(model: torch.nn.Module, lora: LoraBatch) -> Iterator[None]:
+def adapted(model: torch.nn.Module, lora: LoraBatch | None) -> Iterator[None]:
     """Within it, transformers' forward of the Llama-style ``model`` adds each token's adapter delta to every
-    projection's output (forward hooks; tokens in the forward's [B, T] order, as ``lora``'s masks)."""
+    projection's output (forward hooks; tokens in the forward's [B, T] order, as ``lora``'s masks; None: none)."""
     handles = []
-    for layer, block in enumerate(model.model.layers):
+    for layer, block in enumerate(model.model.layers if lora is not None else []):
         for projection in PROJECTIONS:
             module = getattr(block.self_attn if projection in ATTENTION else block.mlp, projection)
 
             def hook(_, inputs, output, layer=layer, projection=projection):
-                x = inputs[0].reshape(-1, inputs[0].shape[-1])
-                return output + lora.projection_delta(projection, layer, x).reshape(output.shape).to(output.dtype)
+                delta = lora.projection_delta(projection, layer, inputs[0].reshape(-1, inputs[0].shape[-1]))
+                return output if delta is None else output + delta.reshape(output.shape).to(output.dtype)
 
             handles.append(module.register_forward_hook(hook))
     try:

@@ -61,9 +61,7 @@ class ModelRunner:
         if self.lora is None:
             return None
         slots = self.cache.row_adapters[rows]
-        if not bool(slots.any()):
-            return None
-        return self.lora.batch(slots.repeat_interleave(tokens_per_row).to(self.cache.device, non_blocking=True))
+        return self.lora.batch(slots.repeat_interleave(tokens_per_row)) if bool(slots.any()) else None
 
     def prefill(self, rows: Rows, input_ids: torch.Tensor, ancestors: torch.Tensor, valid: torch.Tensor,
                 **options: Any) -> tuple[torch.Tensor, torch.Tensor | None]:
