@@ -4,6 +4,7 @@ fields)."""
 from __future__ import annotations
 
 import json
+import os
 import re
 import reprlib
 from collections.abc import Mapping
@@ -454,6 +455,9 @@ class LoraConfig(_Strict):
     max_cpu_loras: int = Field(16, ge=1, le=1 << 16)
     modules: dict[Annotated[str, Field(min_length=1, max_length=256)], str] = Field(default_factory=dict)
     dynamic_lora_loading_path: str | None = None
+    # vLLM's VLLM_ALLOW_RUNTIME_LORA_UPDATING: the server's /v1/load_lora_adapter and /v1/unload_lora_adapter work.
+    allow_runtime_lora_updating: bool = Field(
+        default_factory=lambda: os.environ.get("VLLM_ALLOW_RUNTIME_LORA_UPDATING", "").lower() in ("1", "true"))
 
     @model_validator(mode="after")
     def _cpu_holds_the_device(self) -> LoraConfig:

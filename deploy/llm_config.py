@@ -11,8 +11,9 @@ for field, for this engine; ``ServingArgs`` is its ``LLMServingArgs``, what ``bu
 ``model_id`` is the name clients send as ``model``; ``model_source`` the model (path, hub id, URI or alias; default
 ``model_id``); ``engine_kwargs`` vLLM's engine arguments as the processor takes them (``frontend.engine_args``);
 ``deployment_config`` Serve's deployment options for the model's replicas; ``specbatch`` this engine's own
-``Config`` fields. What a field asks for that this engine does not do (LoRA, another engine or server class,
-accelerator configs, model parallelism) is refused naming the field and the alternative.
+``Config`` fields; ``lora_config`` lets requests name adapters (``Config.lora``). What a field asks for that this
+engine does not do (another engine or server class, accelerator configs, model parallelism) is refused naming the
+field and the alternative.
 """
 
 from __future__ import annotations
@@ -22,8 +23,8 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-from decoding.config import Config, ModelName, format_validation_error, read_yaml_file
-from frontend.engine_args import INSTEAD, bundle_resources, config_fields
+from decoding.config import Config, LoraConfig, ModelName, format_validation_error, read_yaml_file
+from frontend.engine_args import bundle_resources, config_fields
 
 # Serve's deployment options a model's replicas take from deployment_config (Ray Serve LLM's list).
 DEPLOYMENT_OPTIONS = frozenset({
@@ -33,6 +34,9 @@ DEPLOYMENT_OPTIONS = frozenset({
 })
 # Ray Serve LLM's experimental_configs keys: both tune its own router and streaming.
 EXPERIMENTAL = frozenset({"stream_batching_interval_ms", "num_ingress_replicas"})
+# Ray Serve LLM's LoraConfig fields (the download's timeout and retries: adapters are read once, by pyarrow).
+LORA_CONFIG = frozenset({"dynamic_lora_loading_path", "max_num_adapters_per_replica", "download_timeout_s",
+                         "max_download_tries"})
 
 
 class ModelLoadingConfig(BaseModel):
@@ -79,8 +83,7 @@ class LLMConfig(BaseModel):
         if self.llm_engine.lower() != "vllm":
             raise ValueError(f"llm_engine={self.llm_engine!r}: specbatch is its own engine and takes vLLM's "
                              "engine_kwargs ('vLLM')")
-        for name, instead in (("lora_config", INSTEAD["enable_lora"]),
-                              ("server_cls", "the server is specbatch's OpenAI server"),
+        for name, instead in (("server_cls", "the server is specbatch's OpenAI server"),
                               ("accelerator_config", "set accelerator_type, and engine_kwargs for the engine")):
             if getattr(self, name):
                 raise ValueError(f"{name}={getattr(self, name)!r}: {instead}")
@@ -119,11 +122,30 @@ class LLMConfig(BaseModel):
             fields["concurrency"] = int(self.deployment_config["num_replicas"])
         if "graceful_shutdown_timeout_s" in self.deployment_config:
             fields["graceful_shutdown_timeout_s"] = self.deployment_config["graceful_shutdown_timeout_s"]
+        if self.lora_config is not None:
+            fields["lora"] = self._lora(fields.get("lora", {}))
         fields.update(self.specbatch)
         try:
             return Config.model_validate(fields)
         except ValidationError as exc:
             raise ValueError(f"llm config {self.model_id!r}: {format_validation_error(exc)}") from None
+
+    def _lora(self, lora: dict[str, Any]) -> dict[str, Any]:
+        """Ray Serve LLM's ``lora_config`` as ``Config.lora`` (over what ``engine_kwargs`` gave): requests name
+        adapters under ``dynamic_lora_loading_path``; ``max_num_adapters_per_replica`` adapters stay loaded in a
+        replica (``max_cpu_loras``; the device slots, ``max_loras``, at most as many)."""
+        given = dict(self.lora_config or {})
+        if unknown := set(given) - LORA_CONFIG:
+            raise ValueError(f"lora_config: {sorted(unknown)} unknown (accepted: {sorted(LORA_CONFIG)})")
+        fields = {**lora, "enable": True}
+        if given.get("dynamic_lora_loading_path") is not None:
+            fields["dynamic_lora_loading_path"] = given["dynamic_lora_loading_path"]
+        if given.get("max_num_adapters_per_replica") is not None:
+            held = given["max_num_adapters_per_replica"]
+            fields["max_cpu_loras"] = held
+            if isinstance(held, int):
+                fields["max_loras"] = min(fields.get("max_loras", LoraConfig.model_fields["max_loras"].default), held)
+        return fields
 
     def replica_options(self, base: dict[str, Any], runtime_env: dict[str, Any]) -> dict[str, Any]:
         """Serve's options for the model's replicas: ``base`` (the engine's own, from its Config) with

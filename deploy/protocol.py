@@ -12,7 +12,16 @@ import json
 import time
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    PrivateAttr,
+    ValidationError,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
 
 from decoding.config import StructuredOutputs, format_validation_error
 
@@ -97,7 +106,8 @@ _GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "cho
 
 
 class GenerationRequest(_Request):
-    model: str | None = Field(None, description="served model id; defaults to the only model served")
+    model: str | None = Field(None, description="served model id or LoRA adapter; defaults to the only model served")
+    _lora: str | None = PrivateAttr(None)  # the adapter ``model`` names (the server resolves it), None: the base
     # Sampling fields (decoding.config.SamplingParams names and limits, checked by decoding.params).
     max_tokens: int | None = None
     temperature: float | None = None
@@ -147,8 +157,9 @@ class GenerationRequest(_Request):
 
     def input_options(self) -> dict[str, Any]:
         """The engine request's input options (``decoding.engine.Request``) this body sets."""
-        return {name: getattr(self, name) for name in ("add_special_tokens", "truncate_prompt_tokens", "cache_salt")
-                if getattr(self, name) is not None}
+        options = {name: getattr(self, name) for name in ("add_special_tokens", "truncate_prompt_tokens", "cache_salt")
+                   if getattr(self, name) is not None}
+        return {**options, "lora": self._lora} if self._lora is not None else options
     # Structured outputs: OpenAI's response_format, vLLM's structured_outputs and its older guided_* fields, merged
     # into one constraint (decoding.config.StructuredOutputs); more than one constraint is refused.
     response_format: ResponseFormat | None = None
@@ -609,6 +620,23 @@ class ModelCard(BaseModel):
     created: int = Field(default_factory=_created)
     owned_by: str = "specbatch"
     max_model_len: int
+    root: str | None = None  # vLLM's: the model's path (an adapter's folder)
+    parent: str | None = None  # vLLM's: a LoRA adapter's base model (None: a base model)
+
+
+class LoadLoraAdapterRequest(_Request):
+    """vLLM's ``POST /v1/load_lora_adapter`` body."""
+
+    lora_name: str = Field(min_length=1, max_length=256)
+    lora_path: str = Field(min_length=1)
+    load_inplace: bool = False
+
+
+class UnloadLoraAdapterRequest(_Request):
+    """vLLM's ``POST /v1/unload_lora_adapter`` body."""
+
+    lora_name: str = Field(min_length=1, max_length=256)
+    lora_int_id: int | None = None
 
 
 class ModelList(BaseModel):

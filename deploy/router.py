@@ -6,7 +6,9 @@ configuration); an ingress deployment, ``OpenAIRouter``, hands each request to t
 names, through a DeploymentHandle: the replica runs it through its own HTTP API (``OpenAIReplica.forward``), so
 every route, check and error of the replica's API applies unchanged, streams included. With several models the
 router answers ``/v1/models``, ``/health``, ``/ping``, ``/version`` and ``/metrics`` itself; with one, only
-``/v1/models`` and ``/version``, the rest being the replica's. An unknown model is a 404 naming the models served; a
+``/v1/models`` and ``/version``, the rest being the replica's. A model's LoRA adapters are listed after it (their
+``parent``) and named as Ray Serve LLM names them, ``base_model_id:adapter`` (with one model, by their own names too,
+as vLLM does). An unknown model is a 404 naming the models served; a
 replica that dies or cannot be reached is an OpenAI-shaped 503 (in a stream already answered: an error event, then
 ``[DONE]``), where Serve's proxy alone would answer a plain-text 500 and cut a stream short.
 
@@ -121,17 +123,21 @@ class OpenAIRouter:
     @router_api.get("/v1/models")
     async def list_models(self) -> Any:
         try:
-            cards = [await handle.card.remote() for handle in self.models.values()]
+            cards = [card for handle in self.models.values() for card in await handle.cards.remote()]
         except Exception as exc:  # a replica died, or none could be reached
             return gate.unavailable(f"a model's replica is unavailable: {type(exc).__name__}")
         return ModelList(data=cards).model_dump()
 
     @router_api.get("/v1/models/{model_id:path}")
     async def get_model(self, model_id: str) -> Any:
-        if model_id not in self.models:
+        base = self.only or self._model_of_name(model_id)  # one model: its replica knows its adapters' names
+        if base is None:
             return self._unknown(model_id)
         try:
-            return await self.models[model_id].card.remote()
+            cards = await self.models[base].cards.remote()
+            adapter = model_id.partition(":")[2] if model_id.startswith(f"{base}:") else model_id
+            card = next((card for card in cards if card["id"] in (model_id, adapter)), None)
+            return card if card is not None else self._unknown(model_id)
         except Exception as exc:
             return gate.unavailable(f"the replica of `{model_id}` is unavailable: {type(exc).__name__}")
 
@@ -168,9 +174,18 @@ class OpenAIRouter:
         if name is None:
             return _error(400, f"`model` is required: this server serves {sorted(self.models)}",
                           "invalid_request_error", param="model")
-        if name not in self.models:
+        base = self._model_of_name(name)
+        if base is None:
             return self._unknown(name)
-        return await self._forward(request, name, f"/{path}", body)
+        return await self._forward(request, base, f"/{path}", body)
+
+    def _model_of_name(self, name: str) -> str | None:
+        """The model a request's ``model`` names: itself, or for Ray Serve LLM's ``base_model_id:adapter`` (a LoRA
+        adapter of that model, which its replica resolves) the base; None: no model served."""
+        if name in self.models:
+            return name
+        base = name.partition(":")[0]
+        return base if ":" in name and base in self.models else None
 
     async def _forward(self, request: Request, name: str, path: str, body: bytes = b"") -> Any:
         """``request`` answered by a replica of model ``name``, as ``path`` under the app's route prefix."""

@@ -30,7 +30,7 @@ from typing import Any
 
 import prometheus_client
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from pydantic import BaseModel, SecretStr, ValidationError
 from ray import serve
 from ray.runtime_context import get_runtime_context
@@ -42,6 +42,7 @@ from decoding.engine import Engine, GenerationResult
 from decoding.engine import Request as EngineRequest
 from decoding.engine.sequence import EngineError, input_bytes, render_messages
 from decoding.model.loading import load_tokenizer, worker_threads
+from decoding.model.lora import AdapterError
 from decoding.params import RequestError, resolve_sampling
 from decoding.stats import SpecDecodeStats
 from decoding.verification.sampling import row_seed
@@ -68,6 +69,7 @@ from deploy.protocol import (
     ErrorDetail,
     ErrorResponse,
     GenerationRequest,
+    LoadLoraAdapterRequest,
     Logprob,
     Metrics,
     ModelCard,
@@ -81,6 +83,7 @@ from deploy.protocol import (
     TokenLogprob,
     ToolCall,
     TopLogprob,
+    UnloadLoraAdapterRequest,
     Usage,
     VersionResponse,
 )
@@ -576,17 +579,56 @@ class OpenAIReplica:
         text = await asyncio.wrap_future(self.loop.runner.in_pool(lambda tokenizer: tokenizer.decode(body.tokens), 0))
         return DetokenizeResponse(prompt=text).model_dump()
 
-    def _card(self) -> ModelCard:
-        return ModelCard(id=self.model_id, max_model_len=self.loop.engine.max_context)
+    def _cards(self) -> list[ModelCard]:
+        """The base model's card, then each LoRA adapter's (vLLM's: ``parent`` the base, ``root`` its path)."""
+        engine = self.loop.engine
+        cards = [ModelCard(id=self.model_id, root=self.config.model, max_model_len=engine.max_context)]
+        if engine.adapters is not None:
+            cards += [ModelCard(id=name, root=path, parent=self.model_id, max_model_len=engine.max_context)
+                      for name, path in sorted(engine.adapters.loaded().items())]
+        return cards
 
     @api.get("/v1/models")
     async def models(self) -> dict[str, Any]:
-        return ModelList(data=[self._card()]).model_dump()
+        return ModelList(data=self._cards()).model_dump()
 
     @api.get("/v1/models/{model_id:path}")
     async def model(self, model_id: str) -> dict[str, Any]:
-        self._check_model(model_id)
-        return self._card().model_dump()
+        adapter = await self._resolve_model(model_id)
+        card = next(card for card in self._cards() if card.id == (adapter or self.model_id))
+        return card.model_dump()
+
+    @api.post("/v1/load_lora_adapter")
+    async def load_lora_adapter(self, raw: Request) -> Response:
+        """vLLM's: adapter ``lora_name`` read from ``lora_path`` (a folder or URI) and served from now on, where the
+        configuration allows runtime updates (``lora.allow_runtime_lora_updating``)."""
+        adapters = self._runtime_adapters()
+        body: LoadLoraAdapterRequest = await self._parse(raw, LoadLoraAdapterRequest)
+        if body.lora_name in self.model_names:
+            raise ApiError(400, f"`{body.lora_name}` is the base model's name", param="lora_name")
+        try:
+            await asyncio.to_thread(adapters.add, body.lora_name, body.lora_path)
+        except AdapterError as exc:
+            raise ApiError(400, str(exc), param="lora_path") from None
+        return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' added successfully.")
+
+    @api.post("/v1/unload_lora_adapter")
+    async def unload_lora_adapter(self, raw: Request) -> Response:
+        """vLLM's: adapter ``lora_name`` no longer served (requests running under it finish)."""
+        adapters = self._runtime_adapters()
+        body: UnloadLoraAdapterRequest = await self._parse(raw, UnloadLoraAdapterRequest)
+        try:
+            adapters.remove(body.lora_name)
+        except AdapterError as exc:
+            raise ApiError(404, str(exc), param="lora_name", code="model_not_found") from None
+        return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' removed successfully.")
+
+    def _runtime_adapters(self) -> Any:
+        engine = self.loop.engine
+        if engine.adapters is None or not self.config.lora.allow_runtime_lora_updating:
+            raise ApiError(404, "runtime LoRA adapter updates are off: set lora.enable and "
+                                "lora.allow_runtime_lora_updating (vLLM: VLLM_ALLOW_RUNTIME_LORA_UPDATING)")
+        return engine.adapters
 
     @api.post("/v1/completions")
     async def completions(self, raw: Request) -> Response:
@@ -604,7 +646,7 @@ class OpenAIReplica:
                 prompt if isinstance(prompt, str) else tokenizer.decode(prompt)  # as the engine decodes token ids
                 for prompt in body.prompts for _ in range(body.n)], 0))
         return await self._generate(body, sampling, requests,
-                                    _CompletionFormat(self.model_id, self.tokenizer, echo=body.echo,
+                                    _CompletionFormat(self._answering(body), self.tokenizer, echo=body.echo,
                                                       request_id=body.request_id, token_ids=body.return_token_ids),
                                     echo)
 
@@ -628,8 +670,8 @@ class OpenAIReplica:
                     for choice in range(body.n)]
         echo = body.echoed
         return await self._generate(body, sampling, requests, _ChatFormat(
-            self.model_id, self.tokenizer, request_id=body.request_id, token_ids=body.return_token_ids, echo=echo,
-            tools=tools), [echo] * body.n if echo and body.stream else None)
+            self._answering(body), self.tokenizer, request_id=body.request_id, token_ids=body.return_token_ids,
+            echo=echo, tools=tools), [echo] * body.n if echo and body.stream else None)
 
     # ------------------------------------------------------------------------------------------- internals
     async def _parse(self, request: Request, model: type[GenerationRequest]) -> Any:
@@ -640,9 +682,15 @@ class OpenAIReplica:
             body = await asyncio.get_running_loop().run_in_executor(_PARSE_LANE, _parse, raw, model, max_context)
         else:
             body = _parse(raw, model, max_context)
-        if body.model is not None:
-            self._check_model(body.model)
+        if getattr(body, "model", None) is not None:
+            adapter = await self._resolve_model(body.model)
+            if isinstance(body, GenerationRequest):
+                body._lora = adapter
         return body
+
+    def _answering(self, body: GenerationRequest) -> str:
+        """The model a response names: the adapter asked for, else the served model."""
+        return body.model if body._lora is not None and body.model else self.model_id
 
     def _sampling(self, body: GenerationRequest, tools: ToolUse | None = None) -> SamplingParams:
         """The body's sampling fields over the configured ones, with every bound (decoding.params, as for the
@@ -656,12 +704,23 @@ class OpenAIReplica:
         except RequestError as exc:
             raise ApiError(400, str(exc), param=body.param(exc.param)) from None
 
-    def _check_model(self, name: str) -> None:
-        if name not in self.model_names:  # OpenAI's answer to an unknown model: 404, code model_not_found
-            raise ApiError(
-                404, f"The model `{name}` does not exist; this server serves '{self.model_id}'", param="model",
-                code="model_not_found",
-            )
+    async def _resolve_model(self, name: str) -> str | None:
+        """The LoRA adapter ``name`` names (None: the base model): an adapter's name, or Ray Serve LLM's
+        ``base_model_id:adapter``. An unknown model, or an adapter that cannot be read, is OpenAI's 404."""
+        if name in self.model_names:
+            return None
+        adapters = self.loop.engine.adapters
+        problem = f"this server serves '{self.model_id}'"
+        if adapters is not None:
+            base, colon, adapter = name.partition(":")
+            adapter = adapter if colon and base in self.model_names else name
+            try:
+                await asyncio.to_thread(lambda: adapters.read(adapters.resolve(adapter)))
+                return adapter
+            except AdapterError as exc:
+                problem = str(exc)
+        # OpenAI's answer to an unknown model: 404, code model_not_found
+        raise ApiError(404, f"The model `{name}` does not exist; {problem}", param="model", code="model_not_found")
 
     @staticmethod
     def _request(body: GenerationRequest, sampling: SamplingParams, choice: int, **inputs: Any) -> EngineRequest:
@@ -789,8 +848,8 @@ class OpenAIReplica:
         async for item in asgi.call(api, method, path, headers, body):
             yield item
 
-    async def card(self) -> dict[str, Any]:
-        return self._card().model_dump()
+    async def cards(self) -> list[dict[str, Any]]:
+        return [card.model_dump() for card in self._cards()]
 
 
 # The one-model application's deployment: the replica class with ``api`` as its HTTP ingress.

@@ -22,12 +22,15 @@ VLLM_TUNING = frozenset({
     "enable_chunked_prefill", "enforce_eager", "disable_log_stats", "swap_space", "distributed_executor_backend",
     "max_seq_len_to_capture", "disable_custom_all_reduce", "compilation_config", "cuda_graph_sizes",
     "async_scheduling", "max_num_partial_prefills", "long_prefill_token_threshold", "enable_log_requests",
-    "disable_log_requests", "max_logprobs", "max_lora_rank", "max_loras", "max_cpu_loras", "task_type",
+    "disable_log_requests", "max_logprobs", "task_type",
 })
+# vLLM's LoRA engine arguments -> Config.lora fields.
+VLLM_LORA = {"enable_lora": "enable", "max_lora_rank": "max_lora_rank", "max_loras": "max_loras",
+             "max_cpu_loras": "max_cpu_loras"}
 # engine_kwargs values that only name what the engine does anyway.
 VLLM_NEUTRAL = {"kv_cache_dtype": {"auto"}, "generation_config": {"auto", "vllm"},
                 "load_format": {"auto", "safetensors", "pt", "runai_streamer"}, "quantization": {None},
-                "enable_lora": {False, None}, "tensor_parallel_size": {1}, "pipeline_parallel_size": {1},
+                "tensor_parallel_size": {1}, "pipeline_parallel_size": {1},
                 "data_parallel_size": {1}}
 # What the engine supports instead, for each engine_kwargs value it refuses.
 INSTEAD = {
@@ -36,7 +39,6 @@ INSTEAD = {
     "load_format": "checkpoints load with transformers from safetensors or pytorch files ('auto')",
     "quantization": "pre-quantized checkpoints are not loaded: give the full-precision model (the engine's own "
                     "int4 self-draft needs no quantized checkpoint)",
-    "enable_lora": "LoRA adapters are not loaded: merge the adapter into the model's weights and give that model",
     "tensor_parallel_size": "one engine runs on one device: use concurrency for more engines",
     "pipeline_parallel_size": "one engine runs on one device: use concurrency for more engines",
     "data_parallel_size": "use concurrency for more engines",
@@ -57,11 +59,14 @@ def config_fields(engine_kwargs: dict[str, Any]) -> dict[str, Any]:
         log.info("engine_kwargs %s tune vLLM's own scheduler, kernels and loading; they change nothing here", tuning)
         for name in tuning:
             del kwargs[name]
-    known = set(Config.model_fields) | {"speculative_config", "seed"}
+    known = set(Config.model_fields) | {"speculative_config", "seed", *VLLM_LORA}
     if unknown := sorted(set(kwargs) - known):
         raise ValueError(f"engine_kwargs {unknown}: not an engine argument specbatch takes (it takes vLLM's listed "
                          "in docs/reference.md, \"ProcessorConfig\", and the fields of its Config)")
     fields: dict[str, Any] = {}
+    lora = {field: kwargs.pop(name) for name, field in VLLM_LORA.items() if kwargs.get(name) is not None}
+    if lora:
+        fields["lora"] = {**kwargs.pop("lora", {}), **lora}
     if "speculative_config" in kwargs:
         speculative = dict(kwargs.pop("speculative_config") or {"method": "none"})
         if "method" not in speculative:  # vLLM infers it: a draft model, else n-gram lookup

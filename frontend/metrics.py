@@ -20,6 +20,8 @@ Per step, as vLLM records its iteration stats:
 - ``vllm:num_requests_running``, ``vllm:num_requests_waiting``, ``vllm:kv_cache_usage_perc``: after each step.
 - ``vllm:prefix_cache_queries``, ``vllm:prefix_cache_hits``: prompt tokens of the rows that joined a step, and of
   those the tokens found in the prefix cache (zero queries where caching is off).
+- ``vllm:lora_requests_info`` (with LoRA adapters): the step's time, labelled with ``max_lora`` and the adapters of
+  the running and of the waiting requests (``running_lora_adapters``, ``waiting_lora_adapters``, comma-separated).
 - ``vllm:num_preemptions``: this engine never preempts a request (a row keeps its KV blocks until it finishes).
 - ``vllm:time_to_first_token_seconds``: arrival (submission to the runner, after tokenization) to the first
   tokens; ``vllm:inter_token_latency_seconds``: after the first tokens, the time between a request's successive
@@ -144,6 +146,8 @@ SPECS = {spec.name: spec for spec in (
                REQUEST_LATENCY_BUCKETS),
     _histogram("vllm:request_prefill_kv_computed_tokens",
                "Histogram of new KV tokens computed during prefill (excluding cached tokens).", None),
+    MetricSpec("vllm:lora_requests_info", "gauge", "Running stats on lora requests.",
+               (*LABELS, "max_lora", "waiting_lora_adapters", "running_lora_adapters")),
 )}
 
 
@@ -255,8 +259,8 @@ class EngineMetrics:
     def _create(self, specs: list[MetricSpec]) -> None:
         for spec in specs:
             self.metrics[spec.name] = metrics = [backend(spec) for backend in self._backends]
-            if spec.name == "vllm:spec_decode_num_accepted_tokens_per_pos":
-                continue  # a series per draft position, as positions are reached
+            if set(spec.labels) - {*LABELS, "finished_reason"}:
+                continue  # a series per draft position, or per set of adapters in use, as they appear
             extra = [{"finished_reason": reason} for reason in FINISHED_REASONS] if (
                 "finished_reason" in spec.labels) else [{}]
             for metric in metrics:
@@ -319,6 +323,10 @@ class EngineMetrics:
         self._record("vllm:kv_cache_usage_perc", output.kv_cache_usage)
         self._record("vllm:prefix_cache_queries", output.prefix_cache_queries)
         self._record("vllm:prefix_cache_hits", output.prefix_cache_hits)
+        if output.max_lora:  # vLLM's: the step's time, labelled with the adapters in use
+            self._record("vllm:lora_requests_info", time.time(), max_lora=str(output.max_lora),
+                         waiting_lora_adapters=",".join(output.waiting_adapters),
+                         running_lora_adapters=",".join(output.running_adapters))
         prompt_tokens, first, between, finished, parents = 0, [], [], [], []
         with self._lock:
             for request_id, max_tokens in output.scheduled.items():

@@ -10,6 +10,7 @@ ignored while they are).
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import os
 import signal
@@ -24,7 +25,7 @@ import ray
 from ray import serve
 from ray.serve import Application
 
-from decoding.config import ConfigError
+from decoding.config import Config, ConfigError, LoraConfig
 from deploy.drain import NAMESPACE, DrainSignal, signal_name
 from deploy.server import make_app
 from frontend.tool_parsers import PARSERS
@@ -121,7 +122,22 @@ def serve_until_signalled(app: Application, host: str, port: int, grace: float, 
             serve.shutdown()
 
 
-def main(argv: list[str] | None = None) -> int:
+def lora_module(value: str) -> tuple[str, str]:
+    """vLLM's ``--lora-modules`` entry: ``name=path``, or JSON ``{"name": ..., "path": ...}``."""
+    if value.lstrip().startswith("{"):
+        try:
+            entry = json.loads(value)
+            return str(entry["name"]), str(entry["path"])
+        except (ValueError, KeyError, TypeError) as exc:
+            raise argparse.ArgumentTypeError(f"{value!r}: expected {{\"name\": ..., \"path\": ...}} ({exc})") from None
+    name, equals, path = value.partition("=")
+    if not equals or not name or not path:
+        raise argparse.ArgumentTypeError(f"{value!r}: expected NAME=PATH")
+    return name, path
+
+
+def parse(argv: list[str] | None = None) -> tuple[argparse.ArgumentParser, argparse.Namespace, Config]:
+    """The command's options and the configuration they make (the file, dotted overrides, then the flags)."""
     parser = argparse.ArgumentParser(prog="specbatch serve", description=__doc__)
     parser.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0 for all interfaces)")
     parser.add_argument("--port", type=int, default=8000)
@@ -129,9 +145,21 @@ def main(argv: list[str] | None = None) -> int:
                         help="vLLM's: how tool_choice auto reads calls from the text (config: tool_call_parser)")
     parser.add_argument("--enable-auto-tool-choice", action="store_true",
                         help="vLLM's flag, accepted: tool_choice auto is on whenever a tool-call parser is set")
+    parser.add_argument("--lora-modules", nargs="+", metavar="NAME=PATH", type=lora_module, default=[],
+                        help="vLLM's: LoRA adapters served by name, a PEFT folder or URI each (config: lora.modules)")
+    parser.add_argument("--enable-lora", action="store_true", help="vLLM's: requests may name adapters (lora.enable)")
     args, config = parse_with_config(parser, argv)
     if args.tool_call_parser is not None:
         config = config.model_copy(update={"tool_call_parser": args.tool_call_parser})  # argparse checked the name
+    if args.lora_modules or args.enable_lora:
+        lora = config.lora.model_dump()
+        lora.update(enable=True, modules={**lora["modules"], **dict(args.lora_modules)})
+        config = config.model_copy(update={"lora": LoraConfig.model_validate(lora)})
+    return parser, args, config
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser, args, config = parse(argv)
     setup_logging()
     stop = threading.Event()
 

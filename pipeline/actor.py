@@ -44,19 +44,20 @@ CHAT_COLUMNS = tuple(ChatOptions.model_fields)
 TOOL_COLUMNS = ("tools", "tool_choice", "parallel_tool_calls")
 # The row columns a request is made of; the others only pass through to the output.
 REQUEST_COLUMNS = frozenset({"id", "prompt", "messages", "sampling_params", READ_ERROR, *CHAT_COLUMNS,
-                             *TOOL_COLUMNS})
+                             *TOOL_COLUMNS, "lora", "model"})
 
 
 class RowFailed(RuntimeError):
     """A row could not be generated and the processor does not continue on errors."""
 
 
-def request_from_row(key: str, row: dict[str, Any], engine: Engine,
-                     options: RowOptions = DEFAULT_ROWS) -> tuple[Request, ToolUse | None]:
+def request_from_row(key: str, row: dict[str, Any], engine: Engine, options: RowOptions = DEFAULT_ROWS,
+                     base_names: frozenset[str] = frozenset()) -> tuple[Request, ToolUse | None]:
     """An input row (docs/reference.md, "Input") as an engine request, with what its tools mean for its output;
     ``RequestError`` when it cannot be one. Rows are validated as the server validates its requests
     (frontend.requests), sampling parameters with every bound and against the model; the engine itself rejects what
-    only tokenizing shows: empty or over-long prompts and messages its chat template cannot render."""
+    only tokenizing shows: empty or over-long prompts and messages its chat template cannot render, and adapters it
+    cannot load. ``base_names``: what a Ray Data LLM row's ``model`` holds to mean the base model."""
     if row.get(READ_ERROR):
         raise RequestError(row[READ_ERROR])
     chat = {name: row[name] for name in CHAT_COLUMNS if row.get(name) is not None}
@@ -83,8 +84,21 @@ def request_from_row(key: str, row: dict[str, Any], engine: Engine,
             raise RequestError(f"invalid tool_choice: {exc}") from None
     sampling = resolve_sampling(sampling, engine.config.sampling, engine.target.config.vocab_size, engine.eos_ids)
     request = Request(key, prompt=parsed.prompt, messages=parsed.messages, sampling=sampling,
-                      tools=use.tools if use is not None else None, **rendering)
+                      tools=use.tools if use is not None else None, lora=_row_adapter(row, engine, options, base_names),
+                      **rendering)
     return request, use
+
+
+def _row_adapter(row: dict[str, Any], engine: Engine, options: RowOptions, base_names: frozenset[str]) -> str | None:
+    """The row's LoRA adapter: its ``lora`` column, else (Ray Data LLM's rows, adapters enabled) its ``model``
+    unless that names the base model."""
+    adapter = row.get("lora")
+    if adapter is None and options.ray_data_llm_rows and engine.config.lora.enable:
+        model = row.get("model")
+        adapter = None if model in base_names else model
+    if adapter is not None and (not isinstance(adapter, str) or not adapter):
+        raise RequestError(f"lora must be an adapter's name (a non-empty string), got {adapter!r}")
+    return adapter
 
 
 def _rows(batch: pa.Table) -> list[dict[str, Any]]:
@@ -138,6 +152,8 @@ class GenerationActor:
         # Ray Data LLM's max_pending_requests: a row waits for a place before it is submitted.
         self.pending = threading.BoundedSemaphore(options.max_pending) if options.max_pending else None
         spec = self.runner.engine.config.speculative  # as resolved: the default draft may have fallen back to ngram
+        # What a Ray Data LLM row's ``model`` holds to mean the base model (not an adapter).
+        self.base_names = frozenset(name for name in (given.model, given.served_model_name) if name)
         self.provenance = {
             "target_model": given.model,
             "draft_model": given.speculative.model if spec.method == "draft_model" else None,
@@ -181,7 +197,7 @@ class GenerationActor:
         # histogram as long as the engine's, its time from the row's arrival.
         max_depth = self.runner.engine.topology.max_depth
         try:
-            request, use = request_from_row(key, row, self.runner.engine, self.options)
+            request, use = request_from_row(key, row, self.runner.engine, self.options, self.base_names)
             request.seed_key = str(row.get("id", key))  # a row's random stream follows its id, not its actor
             prepared = self.runner.prepare(request)  # on this call's thread, not the engine's
         except (RequestError, RequestRejected) as exc:

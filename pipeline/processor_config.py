@@ -12,7 +12,7 @@ A Ray Data LLM job switches by changing the import and the class name::
 
 Every field of ``vLLMEngineProcessorConfig`` is taken, the older boolean flags (``apply_chat_template``,
 ``chat_template``, ``tokenize``, ``detokenize``, ``has_image``) and ``resources_per_bundle`` / ``experimental`` too.
-What a field asks for that this engine does not do (images, LoRA, pooling tasks, model parallelism, pre-quantized
+What a field asks for that this engine does not do (images, pooling tasks, model parallelism, pre-quantized
 checkpoints) is refused with one message naming the field, the value and what is supported instead; an unknown field
 or ``engine_kwargs`` key is refused by name. docs/reference.md ("ProcessorConfig") lists what each field means here.
 """
@@ -25,7 +25,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from decoding.config import Config, format_validation_error
-from frontend.engine_args import INSTEAD, bundle_resources, config_fields
+from frontend.engine_args import bundle_resources, config_fields
 
 # engine_kwargs that would set what the processor's own fields set.
 _PROCESSOR_FIELDS = {"model": "model_source", "batch_size": "max_num_seqs", "concurrency": "concurrency",
@@ -182,8 +182,6 @@ class ProcessorConfig(BaseModel):
         if self.task_type != "generate":
             raise ValueError(f"task_type={self.task_type!r}: specbatch generates text (task_type 'generate'); "
                              "embedding, classification and scoring models are not run")
-        if self.dynamic_lora_loading_path is not None:
-            raise ValueError(f"dynamic_lora_loading_path={self.dynamic_lora_loading_path!r}: {INSTEAD['enable_lora']}")
         if unknown := set(self.experimental) - {"max_tasks_in_flight_per_actor"}:
             raise ValueError(f"experimental: {sorted(unknown)} unknown (accepted: max_tasks_in_flight_per_actor)")
         if self.max_tasks_in_flight_per_actor is None and "max_tasks_in_flight_per_actor" in self.experimental:
@@ -222,6 +220,9 @@ class ProcessorConfig(BaseModel):
             fields["chat_template"] = self.chat_template
         if self.chat_template_kwargs:
             fields["chat_template_kwargs"] = self.chat_template_kwargs
+        if self.dynamic_lora_loading_path is not None:  # Ray Data LLM: a row's ``model`` names an adapter under it
+            fields["lora"] = {"enable": True, **fields.get("lora", {}),
+                              "dynamic_lora_loading_path": self.dynamic_lora_loading_path}
         try:
             return Config.model_validate(fields)
         except ValidationError as exc:

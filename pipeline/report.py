@@ -63,7 +63,7 @@ def _read_parquet_dir(fs: pafs.FileSystem, path: str, columns: list[str]) -> Any
     missing = [c for c in columns if c not in table.column_names]
     if missing:
         raise ValueError(f"{path} lacks column(s) {missing} required by the output schema")
-    extra = [c for c in ("target_model", "draft_model") if c in table.column_names]
+    extra = [c for c in ("target_model", "draft_model", "lora") if c in table.column_names]
     return table.select(columns + extra)
 
 
@@ -191,11 +191,28 @@ def summarize(data: RunData, baseline: RunData | None = None) -> dict[str, Any]:
         values = sorted({str(r[name]) for r in data.rows if r.get(name)})
         if values:
             table[name.replace("_", " ")] = ", ".join(values)
+    table.update(_per_adapter(ok))
     if data.summary:  # the job's own totals (wall-clock throughput across actors), as it recorded them
         notes = {"tokens_per_second": " (over the wall time, engine build included)",
                  "generation_tokens_per_second": " (from the first engine built)"}
         table.update({f"summary.json: {k}{notes.get(k, '')}": v for k, v in data.summary.items()
                       if isinstance(v, int | float | str)})
+    return table
+
+
+def _per_adapter(ok: list[dict[str, Any]]) -> dict[str, Any]:
+    """Acceptance per LoRA adapter (and the base model's rows), where some row ran under one."""
+    names = sorted({r.get("lora") for r in ok}, key=lambda name: (name is not None, name or ""))
+    if names in ([], [None]):
+        return {}
+    table = {}
+    for name in names:
+        rows = [r for r in ok if r.get("lora") == name]
+        total = SpecDecodeStats.total(SpecDecodeStats.from_row(r) for r in rows)
+        label = f"adapter {name}" if name is not None else "base model (no adapter)"
+        table[f"{label}: rows, mean acceptance length, draft acceptance rate"] = (
+            f"{len(rows)}, {total.mean_acceptance_length:.3f}, "
+            f"{total.draft_acceptance_rate:.3f}" if total.num_draft_tokens else f"{len(rows)}, -, -")
     return table
 
 

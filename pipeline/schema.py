@@ -53,6 +53,8 @@ OUTPUT_SCHEMA = pa.schema([
     pa.field("spec_decode", SPEC_DECODE),
     pa.field("target_model", pa.string()),
     pa.field("draft_model", pa.string()),
+    # The LoRA adapter that produced the row (null: the base model).
+    pa.field("lora", pa.string()),
     # sampling_params.logprobs (vLLM's RequestOutput): per generated token, the target's log-probabilities of the
     # token and of its top alternatives; null for rows that did not ask.
     pa.field("logprobs", pa.list_(POSITION_LOGPROBS)),
@@ -116,6 +118,7 @@ def _output_row(result: GenerationResult, decode: Callable[[list[int]], list[str
         "per_step_drafted": result.per_step_drafted,
         "per_step_accepted": result.per_step_accepted,
         "spec_decode": spec_decode,
+        "lora": result.lora,
         "logprobs": vllm_logprobs(result.logprobs, decode),
         "prompt_logprobs": vllm_logprobs(getattr(result, "prompt_logprobs", None), decode),
     }

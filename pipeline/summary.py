@@ -65,19 +65,30 @@ _STATS = ("num_spec_steps", "num_draft_tokens", "num_accepted_draft_tokens", "nu
           "num_target_forwards", "num_grammar_forced_tokens", "acceptance_histogram")
 
 
-def part_stats(outputs: pa.Table, stats: pa.Table) -> dict[str, Any]:
-    """The sums one part contributes to the summary (stored in its commit marker): its rows, errors and the
-    fields of its ``SpecDecodeStats`` (the one definition of the acceptance metrics)."""
-    del stats  # the per-position counts come from the histogram (vLLM's definition), not from token_stats
+def _sums(outputs: pa.Table) -> dict[str, Any]:
+    """Rows, errors and the fields of their ``SpecDecodeStats`` (the one definition of the acceptance metrics)."""
     totals = run_totals(outputs)
+    return {"rows": outputs.num_rows, "errors": _sum(pc.equal(outputs["finish_reason"], "error")),
+            **{field: getattr(totals, field) for field in _STATS}}
+
+
+def part_stats(outputs: pa.Table, stats: pa.Table) -> dict[str, Any]:
+    """The sums one part contributes to the summary (stored in its commit marker), and where some row ran under a
+    LoRA adapter the same sums per adapter (``lora``; null: the base model)."""
+    del stats  # the per-position counts come from the histogram (vLLM's definition), not from token_stats
     prefilled = pc.greater(outputs["num_generated_tokens"], 0)  # rows that reached the engine's prefill
-    return {
-        "rows": outputs.num_rows,
-        "errors": _sum(pc.equal(outputs["finish_reason"], "error")),
-        **{field: getattr(totals, field) for field in _STATS},
+    sums = {
+        **_sums(outputs),
         "prompt_tokens": _sum(pc.filter(outputs["num_input_tokens"], prefilled)),
         "cached_tokens": _sum(outputs["num_cached_tokens"]),
     }
+    adapters = outputs["lora"] if "lora" in outputs.column_names else None
+    if adapters is not None and adapters.null_count < outputs.num_rows:
+        names = pc.unique(adapters).to_pylist()
+        sums["adapters"] = [
+            {"lora": name, **_sums(outputs.filter(pc.is_null(adapters) if name is None else pc.equal(adapters, name)))}
+            for name in names]
+    return sums
 
 
 def _stats(marker: dict[str, Any]) -> SpecDecodeStats:
@@ -89,6 +100,30 @@ def _add(parts: list[dict[str, Any]]) -> tuple[int, int, SpecDecodeStats]:
     """(rows, errors, statistics) of these parts."""
     return (sum(p["rows"] for p in parts), sum(p["errors"] for p in parts),
             SpecDecodeStats.total(_stats(p) for p in parts))
+
+
+def _per_adapter(markers: list[dict[str, Any]]) -> list[dict[str, Any]] | None:
+    """The acceptance statistics of each LoRA adapter's rows (``lora`` null: the base model's), where some part ran
+    rows under one."""
+    by_name: dict[str | None, list[dict[str, Any]]] = {}
+    for marker in markers:
+        if "adapters" not in marker:  # a part of base rows only
+            by_name.setdefault(None, []).append(marker)
+            continue
+        for part in marker["adapters"]:
+            by_name.setdefault(part["lora"], []).append(part)
+    if set(by_name) <= {None}:
+        return None
+    breakdown = []
+    for name, parts in sorted(by_name.items(), key=lambda item: (item[0] is not None, item[0] or "")):
+        rows, errors, total = _add(parts)
+        breakdown.append({"lora": name, "rows": rows, "errors": errors, "generated_tokens": total.num_generated_tokens,
+                          "mean_acceptance_length": total.mean_acceptance_length,
+                          "draft_acceptance_rate": total.draft_acceptance_rate,
+                          "tokens_per_forward": total.tokens_per_forward, "num_spec_steps": total.num_spec_steps,
+                          "num_draft_tokens": total.num_draft_tokens,
+                          "num_accepted_draft_tokens": total.num_accepted_draft_tokens})
+    return breakdown
 
 
 def summarize(markers: list[dict[str, Any]], runs: list[dict[str, Any]], config: Config, run: RunStats,
@@ -129,6 +164,8 @@ def summarize(markers: list[dict[str, Any]], runs: list[dict[str, Any]], config:
         "prefix_cache_queries": queries,
         "prefix_cache_hits": hits,
         "prefix_cache_hit_rate": hits / queries if queries else 0.0,
+        # Per LoRA adapter (null: the base model), where some row ran under one.
+        "adapters": _per_adapter(markers),
         "input": input_path,
         "config": config.model_dump(mode="json"),
         # Every run that wrote into this directory, with its own configuration: a directory resumed under

@@ -6,6 +6,7 @@ from __future__ import annotations
 import copy
 import json
 import shutil
+from pathlib import Path
 
 import peft  # a test dependency (pyproject's dev extra): the reference implementation
 import pytest
@@ -23,6 +24,7 @@ ADAPTERS = {
              "use_rslora": True},
 }
 MAX_RANK = 16
+REPO = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture(scope="module")
@@ -363,3 +365,96 @@ def test_adapters_are_refused_where_lora_is_off(base, tokenizer):
     assert "LoRA adapters are not enabled" in result.error
     with pytest.raises(ValueError, match="enable is false"):
         Config.model_validate({"lora": {"modules": {"a": "/x"}}})
+
+
+# ----------------------------------------------------------------------------------------------- the surfaces
+def test_vllm_ray_data_llm_and_serve_llm_lora_fields_make_the_lora_section():
+    from deploy.llm_config import LLMConfig
+    from jobs.serve import parse
+    from pipeline.processor_config import ProcessorConfig
+
+    processor = ProcessorConfig(model_source="m", dynamic_lora_loading_path="s3://bucket/adapters",
+                                engine_kwargs={"enable_lora": True, "max_lora_rank": 32, "max_loras": 2,
+                                               "max_cpu_loras": 8})
+    assert processor.engine_config().lora.model_dump() == {
+        "enable": True, "max_loras": 2, "max_lora_rank": 32, "max_cpu_loras": 8, "modules": {},
+        "dynamic_lora_loading_path": "s3://bucket/adapters", "allow_runtime_lora_updating": False}
+    assert not ProcessorConfig(model_source="m", engine_kwargs={"enable_lora": False}).engine_config().lora.enable
+    serve_llm = LLMConfig(model_loading_config={"model_id": "m"}, engine_kwargs={"max_lora_rank": 8},
+                          lora_config={"dynamic_lora_loading_path": "/adapters", "max_num_adapters_per_replica": 2})
+    lora = serve_llm.engine_config().lora
+    assert (lora.enable, lora.dynamic_lora_loading_path, lora.max_cpu_loras, lora.max_loras, lora.max_lora_rank) == (
+        True, "/adapters", 2, 2, 8)
+    _, _, config = parse(["--lora-modules", "a=/x", '{"name": "b", "path": "s3://x/b"}'])
+    assert config.lora.enable and config.lora.modules == {"a": "/x", "b": "s3://x/b"}
+    with pytest.raises(SystemExit):
+        parse(["--lora-modules", "no-path"])
+    with pytest.raises(ValueError, match="max_cpu_loras"):
+        Config.model_validate({"lora": {"enable": True, "max_loras": 8, "max_cpu_loras": 4}})
+
+
+@pytest.fixture(scope="module")
+def job_config(tiny_dirs, target, tmp_path_factory) -> tuple[Config, dict[str, str]]:
+    """The pipeline's tiny target (``tiny_dirs``) with two adapters of it and n-gram drafting."""
+    root = tmp_path_factory.mktemp("job-adapters")
+    for seed, name in enumerate(("qv8", "rs16")):
+        _make_adapter(target, ADAPTERS[name], root / name, seed)
+    config = Config.model_validate({
+        "model": tiny_dirs["target"], "batch_size": 4, "sampling": {"max_tokens": 12},
+        "speculative": {"method": "ngram", "num_speculative_tokens": 3, "length_policy": "static"},
+        "lora": {"enable": True, "max_lora_rank": MAX_RANK, "dynamic_lora_loading_path": str(root)},
+    })
+    return config, {"qv8": str(root / "qv8"), "rs16": str(root / "rs16")}
+
+
+def test_rows_name_adapters_by_their_lora_column_or_ray_data_llms_model(job_config):
+    """The actor's rows: a ``lora`` column, or (Ray Data LLM's rows) ``model`` unless it names the base; output rows
+    say which adapter produced them and equal the engine's; a bad name is that row's error alone."""
+    import pyarrow as pa
+
+    from pipeline.actor import GenerationActor
+    from pipeline.schema import RowOptions
+
+    config, _ = job_config
+    prompts = ["the cat sat", "one two one two", "abc abc abc", "so it goes"]
+    expected = Engine(config).generate([Request(str(i), prompt=p, lora=name) for i, (p, name) in
+                                        enumerate(zip(prompts, [None, "qv8", "rs16", "qv8"]))])
+    actor = GenerationActor(config.model_dump(mode="json"), options=RowOptions(metrics=False))
+    block = actor(pa.table({"id": ["0", "1", "2", "3", "4"], "prompt": [*prompts, "ab"],
+                            "lora": [None, "qv8", "rs16", "qv8", "missing"]}))
+    assert block["lora"].to_pylist() == [None, "qv8", "rs16", "qv8", "missing"]
+    assert block["generated_tokens"].to_pylist()[:4] == [r.token_ids for r in expected]
+    assert block["finish_reason"][4].as_py() == "error" and "'missing'" in block["error"][4].as_py()
+    ray_llm = GenerationActor(config.model_dump(mode="json"), options=RowOptions(metrics=False, ray_data_llm_rows=True))
+    block = ray_llm(pa.table({"prompt": prompts, "model": [config.model, "qv8", "rs16", "qv8"]}))
+    assert block["lora"].to_pylist() == [None, "qv8", "rs16", "qv8"]
+    assert block["generated_tokens"].to_pylist() == [r.token_ids for r in expected]
+
+
+def test_a_job_breaks_its_acceptance_statistics_down_per_adapter(ray_cluster, job_config, tmp_path):
+    from pipeline.job import run
+    from pipeline.report import load_run, summarize
+
+    config, _ = job_config
+    rows = [{"id": str(i), "prompt": "one two one two one two", "lora": [None, "qv8", "rs16"][i % 3]}
+            for i in range(6)]
+    (tmp_path / "in.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
+    summary = run(config, str(tmp_path / "in.jsonl"), str(tmp_path / "out"))
+    per_adapter = {entry["lora"]: entry for entry in summary["adapters"]}
+    assert set(per_adapter) == {None, "qv8", "rs16"} and all(e["rows"] == 2 for e in per_adapter.values())
+    for total in ("generated_tokens", "num_draft_tokens", "num_accepted_draft_tokens", "num_spec_steps"):
+        assert sum(e[total] for e in per_adapter.values()) == summary[total], total
+    assert per_adapter["qv8"]["num_draft_tokens"] > 0 and per_adapter["rs16"]["num_draft_tokens"] > 0
+    table = summarize(load_run(tmp_path / "out"))
+    assert {label.split(":")[0] for label in table if label.startswith(("adapter", "base model"))} == {
+        "adapter qv8", "adapter rs16", "base model (no adapter)"}
+
+
+def test_the_ray_data_llm_lora_example_runs(ray_cluster, monkeypatch, capsys):
+    import runpy
+
+    monkeypatch.setattr(ray_cluster, "init", lambda *args, **kwargs: None)  # the session's cluster runs it
+    runpy.run_path(str(REPO / "examples" / "ray_data_llm_lora.py"), run_name="__main__")
+    lines = capsys.readouterr().out.strip().splitlines()
+    assert [line.split(":")[0] for line in lines] == ["0 [base]", "1 [random-adapter]", "2 [base]",
+                                                      "3 [random-adapter]"], lines

@@ -316,8 +316,6 @@ def test_stage_configs_and_the_older_flags_mean_what_they_mean_in_ray_data_llm()
     ({"has_image": True}, "has_image", "text only"),
     ({"prepare_multimodal_stage": {"enabled": True}}, "prepare_multimodal_stage", "text only"),
     ({"prepare_image_stage": True}, "prepare_image_stage", "text only"),
-    ({"dynamic_lora_loading_path": "s3://adapters"}, "dynamic_lora_loading_path", "merge the adapter"),
-    ({"engine_kwargs": {"enable_lora": True, "max_lora_rank": 32}}, "enable_lora=True", "merge the adapter"),
     ({"task_type": "embed"}, "task_type='embed'", "generates text"),
     ({"engine_kwargs": {"tensor_parallel_size": 2}}, "tensor_parallel_size=2", "use concurrency"),
     ({"engine_kwargs": {"pipeline_parallel_size": 2}}, "pipeline_parallel_size=2", "use concurrency"),

@@ -29,8 +29,24 @@ MODEL = "tiny-llm"  # served_model_name
 WORDS = ["the", "cat", "sat", "on", "a", "mat", "and", "dog", "ran", "far", "away", "home"]
 
 
+# LoRA adapters of the tiny target (PEFT's, random weights) the server is configured with.
+ADAPTERS = {"qv8": {"r": 8, "lora_alpha": 16, "target_modules": ["q_proj", "v_proj"]},
+            "rs16": {"r": 16, "lora_alpha": 8, "target_modules": "all-linear", "use_rslora": True}}
+
+
 @pytest.fixture(scope="module")
-def config_file(tiny_dirs, tmp_path_factory) -> str:
+def adapter_dirs(target, tmp_path_factory) -> dict[str, str]:
+    from test_lora import _make_adapter
+
+    root = tmp_path_factory.mktemp("adapters")
+    for seed, (name, fields) in enumerate(ADAPTERS.items()):
+        _make_adapter(target, fields, root / name, seed)
+    _make_adapter(target, {"r": 4, "target_modules": ["o_proj"]}, root / "late", 9)  # loaded at run time
+    return {name: str(root / name) for name in (*ADAPTERS, "late")}
+
+
+@pytest.fixture(scope="module")
+def config_file(tiny_dirs, adapter_dirs, tmp_path_factory) -> str:
     path = tmp_path_factory.mktemp("serve") / "serve.yaml"
     path.write_text(yaml.safe_dump({
         "model": tiny_dirs["target"],
@@ -39,6 +55,8 @@ def config_file(tiny_dirs, tmp_path_factory) -> str:
                         "length_policy": "static"},  # deterministic statistics, compared with the engine's
         "sampling": {"max_tokens": MAX_TOKENS},
         "trust_request_chat_template": True,  # test_chat_template_options_reach_the_template sends its own
+        "lora": {"enable": True, "modules": {name: adapter_dirs[name] for name in ADAPTERS},
+                 "allow_runtime_lora_updating": True},
     }))
     return str(path)
 
@@ -101,7 +119,7 @@ def _stream(client: httpx.Client, path: str, body: dict[str, Any]) -> list[dict[
 def test_models_and_health(client, config):
     models = client.get("/v1/models").json()
     assert models["object"] == "list"
-    assert [m["id"] for m in models["data"]] == [MODEL]
+    assert [(m["id"], m["parent"]) for m in models["data"]] == [(MODEL, None), ("qv8", MODEL), ("rs16", MODEL)]
     health = client.get("/health")
     assert health.status_code == 200
     assert health.json()["status"] == "ok"
@@ -590,7 +608,8 @@ def keyed_server(server, config_file, ray_cluster, monkeypatch_module) -> str:
     from ray import serve
 
     monkeypatch_module.setenv("SPECBATCH_API_KEY", "sk-test-key")
-    serve.run(build_app({"config": config_file, "batch_size": 2}), name="keyed", route_prefix="/keyed")
+    serve.run(build_app({"config": config_file, "batch_size": 2, "lora": {"allow_runtime_lora_updating": False}}),
+              name="keyed", route_prefix="/keyed")
     yield f"{server}/keyed"
     serve.delete("keyed")
 
@@ -606,6 +625,8 @@ def test_an_api_key_guards_every_route_but_health_ping_and_metrics(keyed_server)
               ("POST", "/v1/completions", {"prompt": "ab", "max_tokens": 2}),
               ("POST", "/v1/chat/completions", {"messages": [{"role": "user", "content": "ab"}], "max_tokens": 2}),
               ("POST", "/tokenize", {"prompt": "ab"}), ("POST", "/detokenize", {"tokens": [3]}),
+              ("POST", "/v1/load_lora_adapter", {"lora_name": "x", "lora_path": "/x"}),
+              ("POST", "/v1/unload_lora_adapter", {"lora_name": "qv8"}),
               ("GET", "/version", None), ("GET", "/v1/nothing", None)]
     with httpx.Client(base_url=keyed_server, timeout=60) as client:
         assert client.get("/health").status_code == 200
@@ -621,8 +642,9 @@ def test_an_api_key_guards_every_route_but_health_ping_and_metrics(keyed_server)
                 assert error["type"] == "invalid_request_error" and error["code"] == "invalid_api_key"
                 assert "sk-test-key" not in response.text
         good = {"Authorization": "Bearer sk-test-key"}
+        # The adapter routes are off on this server (lora.allow_runtime_lora_updating: false): 404 behind the key.
         assert [client.request(m, p, json=b, headers=good).status_code for m, p, b in routes] == [
-            200, 200, 200, 200, 200, 200, 200, 404]
+            200, 200, 200, 200, 200, 200, 404, 404, 200, 404]
     client = openai.OpenAI(base_url=f"{keyed_server}/v1", api_key="sk-test-key", max_retries=0)
     assert client.completions.create(model=MODEL, prompt="ab", max_tokens=2).choices[0].text is not None
     with pytest.raises(openai.AuthenticationError):
@@ -1666,3 +1688,60 @@ def test_deployment_options_follow_the_config():
     scaled = deployment_options(Config(concurrency=(1, 3)))
     assert "num_replicas" not in scaled
     assert (scaled["autoscaling_config"]["min_replicas"], scaled["autoscaling_config"]["max_replicas"]) == (1, 3)
+
+
+# ----------------------------------------------------------------------------------------------- LoRA adapters
+def test_each_adapter_answers_through_the_openai_client_streamed_and_not(server, reference):
+    """The base and two adapters of one replica, by name and as Ray Serve LLM's ``base:adapter``: each answer is
+    the engine's under that adapter (temperature 0), and names the model asked for."""
+    client = openai.OpenAI(base_url=f"{server}/v1", api_key="unused", max_retries=0)
+    answers = set()
+    for model, adapter in ((MODEL, None), ("qv8", "qv8"), (f"{MODEL}:rs16", "rs16")):
+        expected = reference(prompt="the cat sat", lora=adapter)
+        completion = client.completions.create(model=model, prompt="the cat sat", temperature=0)
+        assert completion.model == model and completion.choices[0].text == expected.text, model
+        chunks = list(client.completions.create(model=model, prompt="the cat sat", temperature=0, stream=True))
+        assert "".join(c.choices[0].text for c in chunks if c.choices) == expected.text
+        assert {c.model for c in chunks} == {model}
+        messages = [{"role": "user", "content": "hi"}]
+        chat = reference(messages=messages, lora=adapter)
+        streamed = client.chat.completions.create(model=model, messages=messages, temperature=0, stream=True)
+        assert "".join(c.choices[0].delta.content or "" for c in streamed if c.choices) == chat.text
+        answers.add(expected.text)
+    assert len(answers) == 3  # each adapter changed the answer
+    # vLLM's adapter gauge: one series per set of adapters seen running after a step.
+    metrics = httpx.get(f"{server}/metrics").text
+    series = re.findall(r'^vllm:lora_requests_info\{(.*)\} ', metrics, re.M)
+    assert any('max_lora="4"' in labels and 'running_lora_adapters="qv8"' in labels for labels in series), series
+
+
+def test_an_unknown_adapter_is_a_404_naming_it(client):
+    for model in ("nope", f"{MODEL}:nope", "other:qv8"):
+        response = client.post("/v1/completions", json={"prompt": "ab", "model": model})
+        assert response.status_code == 404, response.text
+        error = response.json()["error"]
+        assert error["code"] == "model_not_found" and f"`{model}`" in error["message"]
+    assert client.get("/v1/models/rs16").json()["parent"] == MODEL
+    assert client.get("/v1/models/nope").status_code == 404
+
+
+def test_adapters_load_and_unload_at_run_time_where_the_config_allows(client, adapter_dirs, keyed_server):
+    before = client.post("/v1/completions", json={"prompt": "ab", "model": "late", "temperature": 0})
+    assert before.status_code == 404
+    loaded = client.post("/v1/load_lora_adapter", json={"lora_name": "late", "lora_path": adapter_dirs["late"]})
+    assert loaded.status_code == 200 and "late" in loaded.text
+    assert ("late", MODEL) in [(m["id"], m["parent"]) for m in client.get("/v1/models").json()["data"]]
+    answer = client.post("/v1/completions", json={"prompt": "ab", "model": "late", "temperature": 0})
+    assert answer.status_code == 200 and answer.json()["model"] == "late"
+    again = client.post("/v1/load_lora_adapter", json={"lora_name": "late", "lora_path": adapter_dirs["late"]})
+    assert again.status_code == 400 and "already loaded" in again.json()["error"]["message"]
+    bad = client.post("/v1/load_lora_adapter", json={"lora_name": "bad", "lora_path": "/nowhere"})
+    assert bad.status_code == 400 and "adapter_config.json not found" in bad.json()["error"]["message"]
+    assert client.post("/v1/unload_lora_adapter", json={"lora_name": "late"}).status_code == 200
+    assert client.post("/v1/completions", json={"prompt": "ab", "model": "late"}).status_code == 404
+    assert client.post("/v1/unload_lora_adapter", json={"lora_name": "late"}).status_code == 404
+    # Off unless the configuration allows it (vLLM's VLLM_ALLOW_RUNTIME_LORA_UPDATING), as behind the API key.
+    keyed = httpx.Client(base_url=keyed_server, timeout=60, headers={"Authorization": "Bearer sk-test-key"})
+    refused = keyed.post("/v1/unload_lora_adapter", json={"lora_name": "qv8"})
+    assert refused.status_code == 404 and "allow_runtime_lora_updating" in refused.json()["error"]["message"]
+    assert keyed.post("/v1/completions", json={"prompt": "ab", "model": "qv8", "max_tokens": 2}).status_code == 200

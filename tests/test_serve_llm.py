@@ -231,7 +231,7 @@ def test_llm_config_takes_ray_serve_llms_fields_and_refuses_what_specbatch_does_
     assert (config.served_model_name, config.model, config.batch_size, config.max_model_len) == (
         "m", tiny_dirs["target"], 8, 64)
     assert (config.concurrency, config.graceful_shutdown_timeout_s, config.sampling.seed) == (2, 5, 3)
-    for fields, named in (({"lora_config": {"dynamic_lora_loading_path": "s3://x"}}, "lora_config"),
+    for fields, named in (({"lora_config": {"dynamic_lora_loading_path": "s3://x", "bogus": 1}}, "lora_config"),
                           ({"llm_engine": "SGLang"}, "llm_engine"),
                           ({"engine_kwargs": {"tensor_parallel_size": 2}}, "tensor_parallel_size"),
                           ({"deployment_config": {"replicas": 2}}, "deployment_config"),

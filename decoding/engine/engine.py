@@ -138,8 +138,8 @@ class Engine:
             seq.group = request.group or request.id
             seq.cache_salt = request.cache_salt or ""
             if request.lora is not None:
-                seq.lora = request.lora
-                seq.cache_salt = f"{self._adapter_identity(request.lora)}|{seq.cache_salt}"
+                seq.lora, seq.lora_key = request.lora, self._adapter_key(request.lora)
+                seq.cache_salt = f"lora:{seq.lora_key}|{seq.cache_salt}"
             # Compiled here, off the step.
             seq.grammar = self.constraints.row_grammar(params, seq.stop_ids, tokenizer, request.id)
             need = self.cache.blocks_for(self._positions(seq))
@@ -151,7 +151,9 @@ class Engine:
                 )
         except EngineError as exc:
             prompt = request.prompt if isinstance(request.prompt, str) else ""
-            return self._error_result(request.id, prompt, str(exc), started)
+            result = self._error_result(request.id, prompt, str(exc), started)
+            result.lora = request.lora if isinstance(request.lora, str) else None
+            return result
         return seq
 
     def add_prepared(self, prepared: Prepared) -> None:
@@ -294,7 +296,7 @@ class Engine:
                           new_logprobs=new_logprobs, prefix_cache_queries=self.cache.prefix_queries - queries,
                           prefix_cache_hits=self.cache.prefix_hits - hits,
                           scheduled={seq.request_id: seq.params.max_tokens for seq in joining}, started=started,
-                          max_context=self.max_context)
+                          max_context=self.max_context, **self._adapters_in_use())
 
     def _admit(self, joining: list[Sequence]) -> dict[str, list[int]]:
         """Prefill the joining sequences into new rows: shortest uncached part first, in ragged forwards of bounded
@@ -336,21 +338,28 @@ class Engine:
     def _error_result(self, request_id: str, prompt: str, message: str, started: float) -> GenerationResult:
         return error_result(request_id, prompt, message, started, self.topology.max_depth)
 
+    def _adapters_in_use(self) -> dict[str, Any]:
+        """``StepOutput``'s LoRA fields: the slots, and the adapters of the running and of the waiting rows."""
+        if self.adapters is None:
+            return {}
+        return {"max_lora": self.config.lora.max_loras,
+                "running_adapters": tuple(sorted({seq.lora for seq in self.running if seq.lora is not None})),
+                "waiting_adapters": tuple(sorted({seq.lora for seq in self.waiting if seq.lora is not None}))}
+
     def _failed_result(self, seq: Sequence, message: str) -> GenerationResult:
         """The error result of a waiting sequence that cannot join (its adapter could not be loaded)."""
         result = self._error_result(seq.request_id, seq.prompt, message, seq.started)
         result.lora = seq.lora
         return result
 
-    def _adapter_identity(self, name: str) -> str:
-        """The adapter's identity, after reading it (on the preparing thread: a bad adapter fails its request)."""
+    def _adapter_key(self, name: str) -> str:
+        """The adapter's key, after reading it (on the preparing thread: a bad adapter fails its request)."""
         if self.adapters is None:
             raise EngineError(f"lora {name!r}: LoRA adapters are not enabled (set lora.enable: true)")
-        if type(name) is not str or not name:
-            raise EngineError(f"lora must be an adapter's name, got {name!r}")
         try:
-            self.adapters.read(name)
-            return self.adapters.identity(name)
+            key = self.adapters.resolve(name)
+            self.adapters.read(key)
+            return key
         except AdapterError as exc:
             raise EngineError(str(exc)) from exc
 

@@ -102,9 +102,9 @@ class Scheduler:
         active = Counter(group_of(seq) for seq in self.batch.seqs)
         while self.waiting and len(self.batch) + len(joining) < self.batch.capacity:
             seq = self.waiting.next_for(active)
-            if seq.lora is not None:
+            if seq.lora_key is not None:
                 try:
-                    slot = self.adapters.acquire(seq.lora) if self.adapters is not None else 0
+                    slot = self.adapters.acquire(seq.lora_key) if self.adapters is not None else 0
                 except AdapterError as exc:  # read at prepare, but dropped from the host cache and gone since
                     self.waiting.pop(seq)
                     self.rejected.append(self.failed(seq, str(exc)))
@@ -114,8 +114,8 @@ class Scheduler:
                 seq.lora_slot = slot
             claims = self._claims(seq)
             if claims is None:
-                if seq.lora is not None:
-                    self.adapters.release(seq.lora)
+                if seq.lora_key is not None:
+                    self.adapters.release(seq.lora_key)
                 break
             seq.claims = claims
             self.waiting.pop(seq)

@@ -123,6 +123,11 @@ class StepOutput:
     scheduled: dict[str, int] = field(default_factory=dict)
     started: float = 0.0
     max_context: int = 0
+    # With LoRA adapters (``max_lora`` device slots, 0: none): the adapters of the running and of the waiting rows
+    # after the step (vLLM's lora_requests_info).
+    max_lora: int = 0
+    running_adapters: tuple[str, ...] = ()
+    waiting_adapters: tuple[str, ...] = ()
 
 
 @dataclass
@@ -158,7 +163,8 @@ class Sequence:
     claims: list[Claim] = field(default_factory=list)  # KV blocks admission claimed, a claim per pool, until it joins
     cached_tokens: int = 0  # prompt tokens its prefill found in the prefix cache
     cache_salt: str = ""  # ``Request.cache_salt``: its prefix blocks are shared only with rows of the same salt
-    lora: str | None = None  # ``Request.lora`` (its adapter's identity is part of ``cache_salt``)
+    lora: str | None = None  # ``Request.lora``
+    lora_key: str | None = None  # its adapter's key (``decoding.model.lora.Adapters``), part of ``cache_salt``
     lora_slot: int = 0  # the device slot its adapter holds while it runs (0: the base)
     policy_memory: RowMemory = field(default_factory=RowMemory)  # what the length policy learned of it
     draft_state: RowDraftState = field(default_factory=RowDraftState)  # what the drafter keeps of it

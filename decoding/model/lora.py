@@ -353,10 +353,11 @@ class SlotTable:
 
 
 class Adapters:
-    """An engine's adapters: names resolved (``modules``, else ``dynamic_lora_loading_path/<name>``), read adapters
-    kept on the host (``max_cpu_loras``, least recently used first out), device slots (``SlotTable``) written as
-    rows that need them join. ``read`` runs on any thread (requests are prepared off the engine's); the rest on the
-    engine's. ``localize``: a local folder for a path or URI."""
+    """An engine's adapters: names resolved (``modules``, else ``dynamic_lora_loading_path/<name>``) to keys
+    (``name@path``: re-adding a name with another path makes another adapter), read adapters kept on the host
+    (``max_cpu_loras``, least recently used first out), device slots (``SlotTable``) written as rows that need them
+    join. ``resolve``, ``read``, ``add`` and ``remove`` run on any thread (requests are prepared off the engine's);
+    ``acquire`` and ``release`` on the engine's. ``localize``: a local folder for a path or URI."""
 
     def __init__(self, modules: dict[str, str], dynamic_path: str | None, max_cpu_loras: int, slots: LoraSlots,
                  model_config, localize=lambda path: path) -> None:
@@ -365,62 +366,88 @@ class Adapters:
         self.table = SlotTable(slots.slots - 1)
         self.localize = localize
         self._read: OrderedDict[str, LoraAdapter] = OrderedDict()
+        self._paths: dict[str, tuple[str, str]] = {}  # key -> (name, path)
         self._lock = threading.Lock()
 
-    def path_of(self, name: str) -> str:
-        """Where adapter ``name`` is read from; raises ``AdapterError`` (unknown) where neither names it."""
-        if name in self.modules:
-            return self.modules[name]
-        if self.dynamic_path is not None and name and "/" not in name and name not in (".", ".."):
-            return f"{self.dynamic_path.rstrip('/')}/{name}"
-        known = ", ".join(sorted(self.modules)) or "none"
-        raise AdapterError(f"unknown adapter {name!r} (lora.modules names: {known}; no dynamic_lora_loading_path"
-                           f"{' holds it' if self.dynamic_path else ''})")
-
-    def identity(self, name: str) -> str:
-        """What separates this adapter's cached prefix blocks from every other's and the base's."""
-        return f"lora:{name}@{self.path_of(name)}"
-
-    def read(self, name: str) -> LoraAdapter:
-        """The adapter, read on first use (and again once the host cache dropped it)."""
+    def resolve(self, name: str) -> str:
+        """The key of adapter ``name``; raises ``AdapterError`` (unknown) where neither ``modules`` nor the dynamic
+        path names it."""
+        if not isinstance(name, str) or not name:
+            raise AdapterError(f"an adapter's name must be a non-empty string, got {name!r}")
+        path = self.modules.get(name)
+        if path is None and self.dynamic_path is not None and "/" not in name and name not in (".", ".."):
+            path = f"{self.dynamic_path.rstrip('/')}/{name}"
+        if path is None:
+            known = ", ".join(sorted(self.modules)) or "none"
+            raise AdapterError(f"unknown adapter {name!r} (lora.modules names: {known}; no dynamic_lora_loading_path"
+                               f"{' holds it' if self.dynamic_path else ''})")
+        key = f"{name}@{path}"
         with self._lock:
-            if name in self._read:
-                self._read.move_to_end(name)
-                return self._read[name]
-        path = self.path_of(name)
+            self._paths[key] = (name, path)
+        return key
+
+    def read(self, key: str) -> LoraAdapter:
+        """The adapter of ``key`` (``resolve``'s), read on first use (and again once the host cache dropped it)."""
+        with self._lock:
+            if key in self._read:
+                self._read.move_to_end(key)
+                return self._read[key]
+            name, path = self._paths[key]
         try:
             folder = self.localize(path)
         except Exception as exc:  # a URI that cannot be read
             raise AdapterError(f"adapter {name!r}: {path} could not be read ({type(exc).__name__}: {exc})") from exc
         adapter = read_adapter(name, folder, self.model_config, self.slots.rank)
         with self._lock:
-            self._read[name] = adapter
-            self._read.move_to_end(name)
+            self._read[key] = adapter
             while len(self._read) > self.max_cpu_loras:
-                oldest = next(iter(self._read))
-                if oldest == name:
-                    break
-                del self._read[oldest]
+                self._read.popitem(last=False)
         return adapter
 
-    def acquire(self, name: str) -> int | None:
-        """A device slot holding ``name`` for one more row (written now if it was not resident), or None while every
-        slot is used by running rows (the row waits)."""
-        taken = self.table.acquire(name)
+    def loaded(self) -> dict[str, str]:
+        """Adapter name -> path of those configured or read (a dynamic one once a request used it)."""
+        with self._lock:
+            read = {self._paths[key][0]: self._paths[key][1] for key in self._read}
+        return {**read, **self.modules}
+
+    def add(self, name: str, path: str) -> None:
+        """Register (and read, so a bad adapter is refused now) adapter ``name`` at ``path``."""
+        if name in self.modules:
+            raise AdapterError(f"adapter {name!r} is already loaded (from {self.modules[name]})")
+        self.modules[name] = path
+        try:
+            self.read(self.resolve(name))
+        except Exception:
+            del self.modules[name]
+            raise
+
+    def remove(self, name: str) -> None:
+        """Forget adapter ``name``: new requests may not name it; rows running under it finish."""
+        if name not in self.loaded():
+            raise AdapterError(f"unknown adapter {name!r}")
+        self.modules.pop(name, None)
+        with self._lock:
+            for key in [key for key in self._read if self._paths[key][0] == name]:
+                del self._read[key]
+
+    def acquire(self, key: str) -> int | None:
+        """A device slot holding ``key``'s adapter for one more row (written now if it was not resident), or None
+        while every slot is used by running rows (the row waits)."""
+        taken = self.table.acquire(key)
         if taken is None:
             return None
         slot, write = taken
         if write:
             try:
-                self.slots.load(slot, self.read(name))
+                self.slots.load(slot, self.read(key))
             except Exception:
-                self.table.release(name)
-                self.table.evict(name)
+                self.table.release(key)
+                self.table.evict(key)
                 raise
         return slot
 
-    def release(self, name: str) -> None:
-        self.table.release(name)
+    def release(self, key: str) -> None:
+        self.table.release(key)
 
     # A ``decoding.engine.batch.RowState``: a row leaving releases its adapter's slot.
     def rows_joined(self, joined) -> None:
@@ -428,5 +455,5 @@ class Adapters:
 
     def row_removed(self, row: int, last: int, seq) -> None:
         del row, last
-        if seq.lora is not None:
-            self.release(seq.lora)
+        if seq.lora_key is not None:
+            self.release(seq.lora_key)
