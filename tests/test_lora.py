@@ -32,12 +32,17 @@ def base():
     return tiny_model(seed=11)
 
 
-def _make_adapter(model, fields: dict, path, seed: int) -> torch.nn.Module:
-    """A PEFT adapter over a copy of ``model`` with random A and B (PEFT's init_lora_weights=False), saved to
-    ``path``; returns the PEFT model (the reference)."""
+def _make_adapter(model, fields: dict, path, seed: int, scale: float = 1.0) -> torch.nn.Module:
+    """A PEFT adapter over a copy of ``model`` with random A and B (PEFT's init_lora_weights=False, B times
+    ``scale``), saved to ``path``; returns the PEFT model (the reference)."""
     torch.manual_seed(seed)
     config = peft.LoraConfig(init_lora_weights=False, lora_dropout=0.0, **fields)
     model = peft.get_peft_model(copy.deepcopy(model), config).eval()
+    if scale != 1.0:
+        with torch.no_grad():
+            for name, parameter in model.named_parameters():
+                if "lora_B" in name:
+                    parameter.mul_(scale)
     model.save_pretrained(path)
     return model
 

