@@ -5,13 +5,16 @@
         [--baseline-tree PATH]
     specbatch bench --overhead [--rounds 3] [--steps 32] [--batch-sizes 1 64] [--baseline-tree PATH]
     specbatch bench --shape-costs llama3-8b [--context 512] [--batch-sizes 1 8 64]
+    specbatch bench --lora 1 4 16 --input prompts.jsonl [--lora-rank 16] [--rounds 3] [--batch-sizes 16]
 
 Each ``--input`` is one prompt set (JSONL, Parquet or CSV with a ``prompt`` or ``messages`` column, or an
 XSum-style ``document`` column that becomes a one-sentence summarization request). Writes ``bench.csv``,
 ``bench.json`` and ``bench.png`` to the output directory and prints the table. ``--overhead`` measures the
 framework's cost per step on a model too small to cost anything (``bench/overhead.py``, writes
 ``overhead.json``); ``--shape-costs`` times the engine's forwards on a model of a given shape with random weights
-(``bench/shape_costs.py``, writes ``shape_costs.json``).
+(``bench/shape_costs.py``, writes ``shape_costs.json``); ``--lora`` the cost of LoRA adapters: a batch's rows over
+that many distinct adapters, base rows beside adapter rows, and one adapter against its merged weights
+(``bench/lora.py``, writes ``lora.json``).
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ import yaml
 
 from bench.baseline import load_baseline
 from bench.harness import BenchGrid, BenchRow, LengthPolicyName, format_table, plot, run_bench
+from bench.lora import format_lora, run_lora_bench
 from bench.overhead import format_overhead, run_overhead
 from bench.shape_costs import SHAPES, format_shape_costs, run_shape_costs
 from decoding.engine import Request
@@ -119,7 +123,12 @@ def build_parser() -> argparse.ArgumentParser:
                        help="ms per step on a SmolLM2-shaped model of hidden size 64, against transformers")
     modes.add_argument("--shape-costs", choices=sorted(SHAPES),
                        help="time the engine's forwards on a model of this shape with random weights")
-    parser.add_argument("--rounds", type=int, default=3, help="--overhead: rounds (the minimum is reported)")
+    modes.add_argument("--lora", type=int, nargs="+", metavar="COUNT",
+                       help="LoRA adapters: a batch over each COUNT of distinct adapters, base rows beside adapter "
+                            "rows, one adapter against merged weights (with --input; bench/lora.py)")
+    parser.add_argument("--lora-rank", type=int, default=16, help="--lora: the adapters' rank (on q, k, v, o)")
+    parser.add_argument("--rounds", type=int, default=3,
+                        help="--overhead: rounds (the minimum is reported); --lora: rounds (the median)")
     parser.add_argument("--steps", type=int, default=32, help="--overhead: decode steps per round")
     parser.add_argument("--context", type=int, default=512, help="--shape-costs: cached positions per row")
     parser.add_argument("--repeats", type=int, default=20, help="--shape-costs: timed forwards per figure")
@@ -181,6 +190,18 @@ def shape_costs_main(args: argparse.Namespace) -> int:
     return 0
 
 
+def lora_main(args: argparse.Namespace, config: Any) -> int:
+    if args.batch_sizes:
+        config = config.model_copy(update={"batch_size": args.batch_sizes[0]})
+    prompts = [request for path in args.input for request in read_prompt_set(path, args.max_prompts, args.from_end)]
+    rows = run_lora_bench(config, prompts, args.lora, args.lora_rank, args.rounds, progress=log.info)
+    print(f"LoRA rank {args.lora_rank} on q/k/v/o, batch {config.batch_size}, max_tokens {config.sampling.max_tokens}, "
+          f"{torch.get_num_threads()} threads, median of {args.rounds} rounds")
+    print(format_lora(rows))
+    _write_json(Path(args.output), "lora.json", json.dumps([row.model_dump() for row in rows], indent=2))
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     setup_logging()
     parser = build_parser()
@@ -197,6 +218,8 @@ def main(argv: list[str] | None = None) -> int:
         return overhead_main(args, baseline)
     if not args.input:
         parser.error("--input is required (or --overhead, or --shape-costs)")
+    if args.lora:
+        return lora_main(args, config)
     try:
         grid = load_grid(args)
         paths = dict(zip(_set_names(args.input), args.input, strict=True))

@@ -461,5 +461,18 @@ def test_the_ray_data_llm_lora_example_runs(ray_cluster, monkeypatch, capsys):
     monkeypatch.setattr(ray_cluster, "init", lambda *args, **kwargs: None)  # the session's cluster runs it
     runpy.run_path(str(REPO / "examples" / "ray_data_llm_lora.py"), run_name="__main__")
     lines = capsys.readouterr().out.strip().splitlines()
-    assert [line.split(":")[0] for line in lines] == ["0 [base]", "1 [random-adapter]", "2 [base]",
-                                                      "3 [random-adapter]"], lines
+    assert sorted(line.split(":")[0] for line in lines) == ["0 [base]", "1 [random-adapter]", "2 [base]",
+                                                            "3 [random-adapter]"], lines
+
+
+def test_the_lora_benchmark_measures_each_contender(tiny_dirs):
+    from bench.lora import format_lora, run_lora_bench
+
+    config = Config.model_validate({"model": tiny_dirs["target"], "batch_size": 4, "speculative": {"method": "none"},
+                                    "sampling": {"max_tokens": 4, "ignore_eos": True}})
+    rows = run_lora_bench(config, [Request("p", prompt="the cat")], [1, 2], rank=4, rounds=1, progress=lambda _: None)
+    assert [(r.contender, r.adapters, r.rows) for r in rows] == [
+        ("base", 0, 4), ("1 adapters", 1, 4), ("2 adapters", 2, 4), ("mixed: base rows", 1, 4),
+        ("merged weights", 0, 4)]
+    assert all(r.tokens_per_s > 0 for r in rows) and rows[0].vs_base == 1.0
+    assert "one adapter batched / its merged weights" in format_lora(rows)

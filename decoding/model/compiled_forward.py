@@ -30,10 +30,13 @@ from typing import Any
 import torch
 import torch.utils._pytree as pytree
 
+from decoding.model.lora import GROUPS, LoraBatch
+
 log = logging.getLogger(__name__)
 
 _HERE = Path(__file__).parent
-_SOURCES = ("lean_forward.py", "attention.py", "compiled_forward.py", "quantize.py", "csrc/paged_attention.cpp")
+_SOURCES = ("lean_forward.py", "attention.py", "compiled_forward.py", "quantize.py", "lora.py",
+            "csrc/paged_attention.cpp")
 _lock = threading.Lock()  # engines built on threads of one process compile each stack once
 _loaded: dict[str, Callable[[list[torch.Tensor]], torch.Tensor] | None] = {}
 EXAMPLE_BLOCK_SIZE = 16
@@ -43,15 +46,18 @@ def _key(stack: torch.nn.Module, weights: list[torch.Tensor], config: Any) -> st
     sources = [(_HERE / name).read_bytes() for name in _SOURCES]
     described = json.dumps([
         [hashlib.sha256(s).hexdigest() for s in sources], torch.__version__, torch.backends.cpu.get_cpu_capability(),
-        repr(stack.specs), stack.counts, stack.layers, stack.final_eps,
+        repr(stack.specs), stack.counts, stack.layers, stack.final_eps, getattr(stack, "groups", ()),
         [(list(w.shape), str(w.dtype)) for w in weights], getattr(config, "model_type", ""), EXAMPLE_BLOCK_SIZE,
     ])
     return hashlib.sha256(described.encode()).hexdigest()[:16]
 
 
-def _examples(stack: torch.nn.Module, weights: list[torch.Tensor], pool_layers: int) -> tuple[tuple, tuple]:
+def _examples(stack: torch.nn.Module, weights: list[torch.Tensor], pool_layers: int,
+              lora: LoraBatch | None = None) -> tuple[tuple, tuple]:
     """Example inputs with every dynamic dimension at least 2 (a size of 1 would be traced as a constant), and
-    their dynamic shapes; the pool has ``pool_layers`` layers (a layer-skipping stack runs some of them)."""
+    their dynamic shapes; the pool has ``pool_layers`` layers (a layer-skipping stack runs some of them). ``lora``:
+    an adapted stack's adapters (their shapes; ``lean_forward.AdaptedStack``), whose rows vary with the adapters a
+    forward holds."""
     spec = stack.specs[0]
     dtype, tokens, rows, words, blocks, width = weights[0].dtype, 4, 2, 2, 4, 2
     block_size = EXAMPLE_BLOCK_SIZE
@@ -73,13 +79,24 @@ def _examples(stack: torch.nn.Module, weights: list[torch.Tensor], pool_layers: 
     dynamic = ({0: n}, {0: n}, {0: n}, {0: n}, {0: r, 1: t}, {0: r + 1}, {0: n}, {0: n, 1: w}, {1: b}, {1: b},
                [None] * len(weights))
     del rows, width
+    if lora is not None:
+        ur = torch.export.Dim("adapter_rows", min=1, max=1 << 20)
+        present = 3  # example adapter rows (U * R)
+        groups = [group for group in GROUPS if group in lora.a]  # AdaptedStack.inputs' order
+        examples += (torch.zeros(tokens, present, dtype=lora.mask.dtype),
+                     [lora.a[g].new_zeros(lora.a[g].shape[0], len(lora.b[g]) * present, lora.a[g].shape[2])
+                      for g in groups],
+                     [b.new_zeros(b.shape[0], present, b.shape[2]) for g in groups for b in lora.b[g]])
+        dynamic += ({0: n, 1: ur}, [{1: len(lora.b[g]) * ur} for g in groups],
+                    [{1: ur} for g in groups for _ in lora.b[g]])
     return examples, dynamic
 
 
-def compiled_stack(stack: torch.nn.Module, weights: list[torch.Tensor], config: Any
-                   ) -> Callable[[list[torch.Tensor]], torch.Tensor] | None:
-    """``stack`` compiled for this machine as a function of its flat inputs (weights last); None where it cannot
-    be had (a warning says why)."""
+def compiled_stack(stack: torch.nn.Module, weights: list[torch.Tensor], config: Any,
+                   lora: LoraBatch | None = None) -> Callable[[list[torch.Tensor]], torch.Tensor] | None:
+    """``stack`` compiled for this machine as a function of its flat inputs (weights, then an adapted stack's
+    mask and adapter tensors, last); None where it cannot be had (a warning says why). ``lora``: a forward's
+    adapters, whose shapes an adapted stack is compiled for."""
     key = _key(stack, weights, config)
     with _lock:
         if key not in _loaded:
@@ -87,7 +104,7 @@ def compiled_stack(stack: torch.nn.Module, weights: list[torch.Tensor], config: 
 
             try:
                 pool_layers = int(getattr(config, "num_hidden_layers", 0) or max(stack.layers) + 1)
-                _loaded[key] = _load_or_compile(stack, weights, cache_dir() / "compiled" / key, pool_layers)
+                _loaded[key] = _load_or_compile(stack, weights, cache_dir() / "compiled" / key, pool_layers, lora)
             except Exception as exc:  # no compiler, an unsupported operation: the eager stack computes the same
                 log.warning("could not compile the forward (%s: %s); running the eager forward",
                             type(exc).__name__, str(exc).splitlines()[0] if str(exc) else "")
@@ -95,14 +112,14 @@ def compiled_stack(stack: torch.nn.Module, weights: list[torch.Tensor], config: 
         return _loaded[key]
 
 
-def _load_or_compile(stack: torch.nn.Module, weights: list[torch.Tensor], folder: Path, pool_layers: int
-                     ) -> Callable[[list[torch.Tensor]], torch.Tensor]:
+def _load_or_compile(stack: torch.nn.Module, weights: list[torch.Tensor], folder: Path, pool_layers: int,
+                     lora: LoraBatch | None = None) -> Callable[[list[torch.Tensor]], torch.Tensor]:
     path = folder / "stack.pt2"
     if not path.is_file():
         started = time.perf_counter()
         log.info("compiling the %d-layer forward for this machine (once; cached in %s)", len(stack.specs), folder)
         folder.mkdir(parents=True, exist_ok=True)
-        examples, dynamic = _examples(stack, weights, pool_layers)
+        examples, dynamic = _examples(stack, weights, pool_layers, lora)
         with warnings.catch_warnings(), tempfile.TemporaryDirectory(dir=folder) as scratch, torch.no_grad():
             warnings.simplefilter("ignore", FutureWarning)  # torch's own pytree internals, on every export
             exported = torch.export.export(stack, examples, dynamic_shapes=dynamic)
