@@ -139,12 +139,18 @@ def chi_square_pvalue(counts: torch.Tensor, law: torch.Tensor) -> float:
     return float(chi2.sf(statistic, int(keep.sum()) - 1))
 
 
+def sampled_pairs(results: list, positions: tuple[int, int]) -> torch.Tensor:
+    """How often each pair of tokens was generated at ``positions`` (0-based) over ``results``, END after EOS."""
+    counts = torch.zeros(SMALL_VOCAB + 1, SMALL_VOCAB + 1)
+    for result in results:
+        tokens = result.token_ids + [END] * (max(positions) + 1)
+        counts[tokens[positions[0]], tokens[positions[1]]] += 1
+    return counts
+
+
 def assert_pairs_follow_target_law(target, prompt: list[int], warp: dict, results: list) -> None:
     """The sampled tokens at positions (0, 1) and (1, 2) of ``results`` (END after EOS) follow ``target``'s exact
     joint law there (chi-square, p > 1e-3)."""
     for positions in ((0, 1), (1, 2)):
-        counts = torch.zeros(SMALL_VOCAB + 1, SMALL_VOCAB + 1)
-        for result in results:
-            tokens = result.token_ids + [END] * 3
-            counts[tokens[positions[0]], tokens[positions[1]]] += 1
+        counts = sampled_pairs(results, positions)
         assert chi_square_pvalue(counts, exact_joint_law(target, prompt, warp, positions)) > 1e-3, positions

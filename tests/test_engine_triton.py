@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from engine_cases import END, PROMPTS, SMALL_VOCAB, chi_square_pvalue, make_config, sequence_law
+from engine_cases import PROMPTS, SMALL_VOCAB, chi_square_pvalue, exact_joint_law, make_config, sampled_pairs
 from tiny import noisy_copy, tiny_model
 
 from decoding import Config, Engine, Request
@@ -91,11 +91,4 @@ def test_sampling_with_the_triton_kernels_follows_the_target_law(small_models, t
     drafted = sum(sum(r.per_step_drafted) for r in results)
     accepted = sum(sum(r.per_step_accepted) for r in results)
     assert drafted > samples / 2 and 0 < accepted < drafted  # speculation really happened, with rejections
-    counts = torch.zeros(SMALL_VOCAB + 1, SMALL_VOCAB + 1)
-    for result in results:
-        tokens = result.token_ids + [END] * 3
-        counts[tokens[0], tokens[1]] += 1
-    law = torch.zeros(SMALL_VOCAB + 1, SMALL_VOCAB + 1, dtype=torch.float64)
-    for tokens, weight in sequence_law(target, prompt, warp, 2):
-        law[tokens[0], tokens[1]] += weight
-    assert chi_square_pvalue(counts, law) > 1e-3
+    assert chi_square_pvalue(sampled_pairs(results, (0, 1)), exact_joint_law(target, prompt, warp, (0, 1))) > 1e-3

@@ -268,17 +268,13 @@ def test_greedy_through_transformers_forward_equals_peft(base, adapters, tokeniz
 def test_sampling_with_an_adapter_and_speculation_follows_the_adapted_law(tokenizer, tmp_path):
     """n-gram candidates (two per level) at temperature 1 under an adapter: the joint law of the first two tokens
     is the adapted target's (PEFT's model, exact law by enumeration), with drafts verified and some rejected."""
-    from engine_cases import END, SMALL_VOCAB, chi_square_pvalue, sequence_law
+    from engine_cases import SMALL_VOCAB, chi_square_pvalue, exact_joint_law, sampled_pairs
 
     target = tiny_model(seed=7, layers=1, vocab_size=SMALL_VOCAB, heads=2, kv_heads=1)
     reference = _make_adapter(target, {"r": 8, "lora_alpha": 16, "target_modules": "all-linear"}, tmp_path / "a", 3)
     prompt, warp, samples = [3, 4, 5, 3], {"temperature": 1.0, "top_k": 0, "top_p": 1.0}, 160
-    laws = {}
-    for name, model in (("adapted", reference), ("base", target)):
-        law = torch.zeros(SMALL_VOCAB + 1, SMALL_VOCAB + 1, dtype=torch.float64)
-        for tokens, weight in sequence_law(model, prompt, warp, 2):
-            law[tokens[0], tokens[1]] += weight
-        laws[name] = law
+    laws = {name: exact_joint_law(model, prompt, warp, (0, 1)) for name, model in (("adapted", reference),
+                                                                                    ("base", target))}
     # The adapter moves the law far enough (total variation) that a run without it fails the test.
     assert (laws["adapted"] - laws["base"]).abs().sum() / 2 > 0.3
     engine = _engine(target, tokenizer, {"a": (str(tmp_path / "a"), reference)},
@@ -289,11 +285,7 @@ def test_sampling_with_an_adapter_and_speculation_follows_the_adapted_law(tokeni
     drafted = sum(sum(r.per_step_drafted) for r in results)
     accepted = sum(sum(r.per_step_accepted) for r in results)
     assert drafted > samples / 2 and 0 < accepted < drafted  # speculation really happened, with rejections
-    counts = torch.zeros(SMALL_VOCAB + 1, SMALL_VOCAB + 1)
-    for result in results:
-        tokens = result.token_ids + [END] * 3
-        counts[tokens[0], tokens[1]] += 1
-    assert chi_square_pvalue(counts, laws["adapted"]) > 1e-3
+    assert chi_square_pvalue(sampled_pairs(results, (0, 1)), laws["adapted"]) > 1e-3
 
 
 def _generate(model, tokenizer, prompt: str, tokens: int) -> list[int]:

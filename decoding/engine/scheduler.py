@@ -102,9 +102,9 @@ class Scheduler:
         active = Counter(group_of(seq) for seq in self.batch.seqs)
         while self.waiting and len(self.batch) + len(joining) < self.batch.capacity:
             seq = self.waiting.next_for(active)
-            if seq.lora_key is not None:
+            if seq.lora_key is not None:  # set only where the engine has adapters (``Engine.prepare``)
                 try:
-                    slot = self.adapters.acquire(seq.lora_key) if self.adapters is not None else 0
+                    slot = self.adapters.acquire(seq.lora_key)
                 except AdapterError as exc:  # read at prepare, but dropped from the host cache and gone since
                     self.waiting.pop(seq)
                     self.rejected.append(self.failed(seq, str(exc)))
