@@ -38,10 +38,10 @@ def long_context_model(tmp_path_factory, tokenizer, target) -> str:
     return str(path)
 
 
-# Each test stops its server with signals, so each has a server and a Ray cluster of its own. The three start
+# Each test stops its server with signals, so each has a server and a Ray cluster of its own. The two start
 # together, when the first test asks for its own: most of a start is waiting on Ray's daemons and Serve's actors
 # coming up, which they then do at once.
-SERVERS = {"drain": 1.0, "drain_after_actor_died": 1.0, "patient": 600.0}  # name -> grace period (s)
+SERVERS = {"drain": 1.0, "patient": 600.0}  # name -> grace period (s)
 
 
 class Servers:
@@ -118,14 +118,6 @@ def _outcome(response_status: int, headers: dict[str, str], lines: list[str], st
     return "done"
 
 
-def test_sigterm_drains_requests_in_flight_and_leaves_no_process_behind(servers):
-    """20 requests in flight (10 streamed; half of each kind long): after SIGTERM, new requests get 503 with
-    Retry-After; each request in flight completes or gets a clean 503, each stream ends with [DONE] (after its
-    last chunk or an error event); the command exits 0 and every process it started (Ray's daemons and agents)
-    is gone."""
-    _drain_under_sigterm(servers.take("drain"))
-
-
 def _drain_signal_processes(process: subprocess.Popen) -> list[psutil.Process]:
     found = []
     for child in psutil.Process(process.pid).children(recursive=True):
@@ -137,11 +129,14 @@ def _drain_signal_processes(process: subprocess.Popen) -> list[psutil.Process]:
     return found
 
 
-def test_sigterm_drains_even_after_the_drain_actor_died(servers):
-    """The drain actor killed first (as Ray's memory monitor kills a worker): SIGTERM used to shut Serve down at
-    once, cutting every request in flight, and exit with a traceback. Ray restarts the actor and the replicas
-    register again: the same drain as with it alive."""
-    serve_process = servers.take("drain_after_actor_died")
+def test_sigterm_drains_requests_in_flight_even_after_the_drain_actor_died(servers):
+    """20 requests in flight (10 streamed; half of each kind long): after SIGTERM, new requests get 503 with
+    Retry-After; each request in flight completes or gets a clean 503, each stream ends with [DONE] (after its
+    last chunk or an error event); the command exits 0 and every process it started (Ray's daemons and agents)
+    is gone. The drain actor is killed first (as Ray's memory monitor kills a worker): SIGTERM used to shut Serve
+    down at once then, cutting every request in flight, and exit with a traceback; Ray restarts the actor and the
+    replicas register again, so the drain is the one an untouched server does, behind one restart more."""
+    serve_process = servers.take("drain")
     process, _, log = serve_process
     (signal_actor,) = _drain_signal_processes(process)
     signal_actor.kill()

@@ -65,13 +65,15 @@ def _features(model: torch.nn.Module, batch: int, tokens: int, device: torch.dev
     return torch.zeros(batch, tokens, model.feature_size, device=device)
 
 
-def forward_timer(
-    model: torch.nn.Module, device: torch.device, batch: int, tokens: int, cached: int = _CONTEXT,
+def forward_timers(
+    model: torch.nn.Module, device: torch.device, batch: int, sizes: list[int], cached: int = _CONTEXT,
     captured: bool = False, execution: Execution | None = None,
-) -> Callable[[], float]:
-    """A function timing one forward of ``batch`` rows of ``tokens`` new tokens after ``cached`` cached ones
-    (warmed up once), run as ``execution`` says (default: the pool's default, ``PagedKVCache``)."""
-    positions = cached + tokens
+) -> list[Callable[[], float]]:
+    """Functions timing one forward of ``batch`` rows of ``size`` new tokens each (one per ``sizes``) after the
+    same ``cached`` cached tokens (each warmed up once), run as ``execution`` says (default: the pool's default,
+    ``PagedKVCache``). The context is prefilled once for all sizes: at 16 rows it is more tokens than a round of
+    the forwards timed."""
+    positions = cached + max(sizes)
     block_size = 16
     cache = PagedKVCache(CacheShape.of(model.config), batch * -(-positions // block_size), batch, positions,
                          block_size=block_size, dtype=next(model.parameters()).dtype, device=device,
@@ -83,22 +85,34 @@ def forward_timer(
     runner.prefill(rows, context, chain_ancestors(cached), torch.ones(batch, cached, dtype=torch.bool),
                    logits_at=torch.tensor([cached - 1]), features=_features(model, batch, cached, device))
     cache.advance(rows, [cached] * batch)
-    ids = torch.randint(0, vocab, (batch, tokens), device=device)
-    ancestors, valid = chain_ancestors(tokens), torch.ones(batch, tokens, dtype=torch.bool)
-    features = _features(model, batch, tokens, device)
 
-    def timed() -> float:
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        start = time.perf_counter()
-        # Uncommitted: every call rewrites the same slots.
-        runner.verify(rows, ids, ancestors, valid, features=features)  # a draft level is the same forward
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        return time.perf_counter() - start
+    def timer(tokens: int) -> Callable[[], float]:
+        ids = torch.randint(0, vocab, (batch, tokens), device=device)
+        ancestors, valid = chain_ancestors(tokens), torch.ones(batch, tokens, dtype=torch.bool)
+        features = _features(model, batch, tokens, device)
 
-    timed()  # warm-up: kernels and allocations
-    return timed
+        def timed() -> float:
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            start = time.perf_counter()
+            # Uncommitted: every call rewrites the same slots, whatever its size.
+            runner.verify(rows, ids, ancestors, valid, features=features)  # a draft level is the same forward
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            return time.perf_counter() - start
+
+        timed()  # warm-up: kernels and allocations
+        return timed
+
+    return [timer(tokens) for tokens in sizes]
+
+
+def forward_timer(
+    model: torch.nn.Module, device: torch.device, batch: int, tokens: int, cached: int = _CONTEXT,
+    captured: bool = False, execution: Execution | None = None,
+) -> Callable[[], float]:
+    """``forward_timers`` for one size."""
+    return forward_timers(model, device, batch, [tokens], cached, captured, execution)[0]
 
 
 def _sizes(max_tokens: int) -> list[int]:
@@ -134,7 +148,7 @@ def calibrate(model: torch.nn.Module, max_tokens: int, batch: int = 1, disk_key:
             return CostTable(_memo[memo_key])
     log.info("calibrating forward costs of %s on %s, %d row(s) (once per machine)", disk_key or "model", device, batch)
     sizes = _sizes(max_tokens)
-    timers = [forward_timer(model, device, batch, size, captured=captured, execution=execution) for size in sizes]
+    timers = forward_timers(model, device, batch, sizes, captured=captured, execution=execution)
     # Interleaved rounds, median per size: a noisy moment spoils one sample of each size, not a whole size
     # (the table is cached for good, so one bad sample would steer the policy on every later run).
     rounds = [[timer() for timer in timers] for _ in range(_ROUNDS)]
