@@ -1,5 +1,6 @@
 """LoRA adapters: PEFT folders read and checked (``decoding.model.lora``), applied to every row of a batch by one
-masked matmul pair per projection, equal to PEFT's own forward (the reference) for each adapter alone and mixed."""
+masked matmul pair per projection (or, on a CPU, the per-token C++ kernel), equal to PEFT's own forward (the
+reference) for each adapter alone and mixed."""
 
 from __future__ import annotations
 
@@ -92,6 +93,54 @@ def test_the_base_slot_adds_nothing_and_a_cleared_slot_is_the_base(base, adapter
     torch.testing.assert_close(fused[:, : base.config.hidden_size], delta)
     slots.clear(1)
     assert slots.batch(torch.tensor([0, 1, 1, 0, 2])).projection_delta("q_proj", 0, x) is None
+
+
+@torch.no_grad()
+def test_the_per_token_kernel_and_the_compiled_adapted_stack_compute_the_masked_deltas(base, adapters, monkeypatch):
+    """The C++ ``lora_delta`` (each token against its own adapter's rows) equals the masked matmul pair for every
+    group, adapters of ranks 8 and 16 and base tokens interleaved; and the layer stack compiled with adapter inputs
+    (what a CPU engine runs) computes the eager stack's logits for a batch of all three adapters and the base."""
+    from decoding.config import ExecutionConfig
+    from decoding.model.attention import cpu_kernel
+    from decoding.model.execution import Execution
+    from decoding.model.forward import forward_tree
+    from decoding.model.kv_cache import CacheShape, PagedKVCache
+    from decoding.model.lean_forward import LeanCausalLM
+    from decoding.model.lora import GROUPS
+    from decoding.verification.tree import chain_ancestors
+
+    assert cpu_kernel()
+    slots = LoraSlots(base.config, max_loras=3, max_rank=MAX_RANK)
+    for slot, (name, (path, _)) in enumerate(adapters.items(), start=1):
+        slots.load(slot, read_adapter(name, path, base.config, MAX_RANK))
+    token_slots = torch.tensor([0, 1, 2, 3, 3, 2, 1, 0, 2, 2, 2, 2, 2, 1])
+    lora = slots.batch(token_slots)
+    generator = torch.Generator().manual_seed(3)
+    for group in GROUPS:
+        features = base.config.intermediate_size if group == "down" else base.config.hidden_size
+        x = torch.randn(len(token_slots), features, generator=generator)
+        for layer in range(base.config.num_hidden_layers):
+            masked, per_token = lora.delta(group, layer, x), lora.delta(group, layer, x, per_token=True)
+            torch.testing.assert_close(per_token, masked, rtol=1e-5, atol=1e-5)
+            assert per_token[token_slots == 0].abs().max() == 0
+
+    monkeypatch.delenv("SPECBATCH_COMPILE")  # the tests' eager default: each execution says here
+    cpu = torch.device("cpu")
+    outputs = []
+    for compile_ in ("off", "auto"):
+        execution = Execution.resolve(ExecutionConfig(compile=compile_), cpu)
+        lean = LeanCausalLM(base)
+        lean.prepare(execution)
+        cache = PagedKVCache(CacheShape.of(base.config), 8, 2, 32, execution=execution)
+        rows = cache.add_rows([16, 16])
+        ids = torch.randint(3, base.config.vocab_size, (2, 7), generator=torch.Generator().manual_seed(0))
+        batch = slots.batch(torch.tensor([0] * 3 + [1] * 4 + [3] * 7))
+        logits, _ = forward_tree(lean, cache, rows, ids, chain_ancestors(7), torch.ones(2, 7, dtype=torch.bool),
+                                 lora=batch)
+        outputs.append(logits)
+        if execution.compile:
+            assert lean.compiled_adapted(batch) is not None
+    torch.testing.assert_close(outputs[1], outputs[0], rtol=1e-4, atol=1e-4)
 
 
 def test_shapes_follow_the_model_config(base):

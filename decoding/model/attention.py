@@ -101,6 +101,7 @@ def cpu_kernel() -> bool:
                 _kernel_state["loaded"] = _build_kernel()
                 torch.library.register_fake("specbatch::paged_attention")(_fake_paged_attention)
                 torch.library.register_fake("specbatch::packed_linear")(_fake_packed_linear)
+                torch.library.register_fake("specbatch::lora_delta")(_fake_lora_delta)
             except Exception as exc:  # no compiler, no headers: the reference computes the same
                 log.warning("could not build the paged attention kernel (%s: %s); using the reference attention",
                             type(exc).__name__, str(exc).splitlines()[0] if str(exc) else "")
@@ -114,6 +115,10 @@ def _fake_paged_attention(k_cache, v_cache, q, k, v, slots, block_tables, row_st
 
 def _fake_packed_linear(x, weight, bias):
     return x.new_empty((*x.shape[:-1], weight.shape[0]))
+
+
+def _fake_lora_delta(x, a, parts, index, rank):
+    return x.new_empty((x.shape[0], sum(part.shape[1] for part in parts)))
 
 
 def kernel_loaded() -> bool:

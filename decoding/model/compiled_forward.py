@@ -47,6 +47,7 @@ def _key(stack: torch.nn.Module, weights: list[torch.Tensor], config: Any) -> st
     described = json.dumps([
         [hashlib.sha256(s).hexdigest() for s in sources], torch.__version__, torch.backends.cpu.get_cpu_capability(),
         repr(stack.specs), stack.counts, stack.layers, stack.final_eps, getattr(stack, "groups", ()),
+        getattr(stack, "rank", 0),
         [(list(w.shape), str(w.dtype)) for w in weights], getattr(config, "model_type", ""), EXAMPLE_BLOCK_SIZE,
     ])
     return hashlib.sha256(described.encode()).hexdigest()[:16]
@@ -80,22 +81,23 @@ def _examples(stack: torch.nn.Module, weights: list[torch.Tensor], pool_layers: 
                [None] * len(weights))
     del rows, width
     if lora is not None:
-        ur = torch.export.Dim("adapter_rows", min=1, max=1 << 20)
-        present = 3  # example adapter rows (U * R)
+        adapters = torch.export.Dim("adapters", min=1, max=1 << 16)
+        present = 2  # example adapters (U), each of the stack's rank R
+        rows = present * lora.rank
         groups = [group for group in GROUPS if group in lora.a]  # AdaptedStack.inputs' order
-        examples += (torch.zeros(tokens, present, dtype=lora.mask.dtype),
-                     [lora.a[g].new_zeros(lora.a[g].shape[0], len(lora.b[g]) * present, lora.a[g].shape[2])
+        examples += (torch.tensor([-1, 0, 1, 0][:tokens], dtype=torch.long),
+                     [lora.a[g].new_zeros(lora.a[g].shape[0], len(lora.b[g]) * rows, lora.a[g].shape[2])
                       for g in groups],
-                     [b.new_zeros(b.shape[0], present, b.shape[2]) for g in groups for b in lora.b[g]])
-        dynamic += ({0: n, 1: ur}, [{1: len(lora.b[g]) * ur} for g in groups],
-                    [{1: ur} for g in groups for _ in lora.b[g]])
+                     [b.new_zeros(b.shape[0], rows, b.shape[2]) for g in groups for b in lora.b[g]])
+        dynamic += ({0: n}, [{1: len(lora.b[g]) * lora.rank * adapters} for g in groups],
+                    [{1: lora.rank * adapters} for g in groups for _ in lora.b[g]])
     return examples, dynamic
 
 
 def compiled_stack(stack: torch.nn.Module, weights: list[torch.Tensor], config: Any,
                    lora: LoraBatch | None = None) -> Callable[[list[torch.Tensor]], torch.Tensor] | None:
     """``stack`` compiled for this machine as a function of its flat inputs (weights, then an adapted stack's
-    mask and adapter tensors, last); None where it cannot be had (a warning says why). ``lora``: a forward's
+    adapter index and tensors, last); None where it cannot be had (a warning says why). ``lora``: a forward's
     adapters, whose shapes an adapted stack is compiled for."""
     key = _key(stack, weights, config)
     with _lock:

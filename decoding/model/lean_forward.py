@@ -208,9 +208,11 @@ class LayerWeights:
         return cls(norm1, norm2, q_norm, k_norm, qkv, o, rest[: spec.gate_up.count], rest[spec.gate_up.count :])
 
 
-def _adapted(out: torch.Tensor, lora: LoraBatch | None, group: str, layer: int, x: torch.Tensor) -> torch.Tensor:
-    """A projection's output ``out`` (in the hidden states' dtype) plus each token's adapter delta, if any."""
-    delta = lora.delta(group, layer, x) if lora is not None else None
+def _adapted(out: torch.Tensor, lora: LoraBatch | None, group: str, layer: int, x: torch.Tensor,
+             cpu_kernels: bool = False) -> torch.Tensor:
+    """A projection's output ``out`` (in the hidden states' dtype) plus each token's adapter delta, if any
+    (``cpu_kernels``: by the per-token C++ kernel, ``LoraBatch.delta``)."""
+    delta = lora.delta(group, layer, x, per_token=cpu_kernels and kernel_loaded()) if lora is not None else None
     return out if delta is None else out + delta.to(out.dtype)
 
 
@@ -227,7 +229,7 @@ def decoder_layer(
     w = LayerWeights.of(spec, weights)
     tokens, dtype = hidden.shape[0], spec.kernel_dtype or hidden.dtype
     x = _rms_norm(hidden, w.norm1, spec.eps).to(dtype)
-    qkv = _adapted(spec.qkv.apply(x, w.qkv, cpu_kernels).to(hidden.dtype), lora, "qkv", layer, x)
+    qkv = _adapted(spec.qkv.apply(x, w.qkv, cpu_kernels).to(hidden.dtype), lora, "qkv", layer, x, cpu_kernels)
     qkv = qkv.view(tokens, -1, spec.head_dim)
     q, k, v = qkv.split([spec.q_heads, spec.kv_heads, spec.kv_heads], 1)
     if w.q_norm is not None:
@@ -237,13 +239,16 @@ def decoder_layer(
     meta = AttentionMetadata(slots, block_tables, row_starts, prefix_len, tree_mask, max_keys)
     attended = paged_attention(keys, values, q, k, v.contiguous(), meta, spec.scale, layout, cpu=cpu_kernels)
     attended = attended.reshape(tokens, -1).to(dtype)
-    hidden = hidden + _adapted(spec.o.apply(attended, w.o, cpu_kernels).to(hidden.dtype), lora, "o", layer, attended)
+    hidden = hidden + _adapted(spec.o.apply(attended, w.o, cpu_kernels).to(hidden.dtype), lora, "o", layer, attended,
+                               cpu_kernels)
     x = _rms_norm(hidden, w.norm2, spec.eps).to(dtype)
     gate_up = spec.gate_up.apply(x, w.gate_up, cpu_kernels)
-    gate, up = (gate_up if lora is None else _adapted(gate_up.to(hidden.dtype), lora, "gate_up", layer, x)).chunk(2, -1)
+    if lora is not None:
+        gate_up = _adapted(gate_up.to(hidden.dtype), lora, "gate_up", layer, x, cpu_kernels)
+    gate, up = gate_up.chunk(2, -1)
     activated = (ACT2FN[spec.act](gate) * up).to(dtype)
     return hidden + _adapted(spec.down.apply(activated, w.down, cpu_kernels).to(hidden.dtype), lora, "down", layer,
-                             activated)
+                             activated, cpu_kernels)
 
 
 def fused_stack(
@@ -329,26 +334,27 @@ class LayerStack(nn.Module):
 
 
 class AdaptedStack(nn.Module):
-    """``stack`` with LoRA adapters: their mask and tensors are inputs too (``LoraBatch``'s, flat: each group's A
-    in ``groups`` order, then each group's parts' B), so the compiled stack serves every set of adapters that
-    targets ``groups``."""
+    """``stack`` with LoRA adapters of rank ``rank``: each token's adapter index and the adapter tensors are inputs
+    too (``LoraBatch``'s, flat: each group's A in ``groups`` order, then each group's parts' B), so the compiled
+    stack serves every set of adapters that targets ``groups``. It runs the per-token kernel (``LoraBatch.delta``):
+    it is compiled only where the CPU kernels are."""
 
-    def __init__(self, stack: LayerStack, groups: tuple[str, ...]) -> None:
+    def __init__(self, stack: LayerStack, groups: tuple[str, ...], rank: int) -> None:
         super().__init__()
-        self.stack, self.groups = stack, groups
+        self.stack, self.groups, self.rank = stack, groups, rank
         self.specs, self.counts, self.final_eps, self.layers = stack.specs, stack.counts, stack.final_eps, stack.layers
 
     def forward(
         self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, slots: torch.Tensor,
         block_tables: torch.Tensor, row_starts: torch.Tensor, prefix_len: torch.Tensor, tree_mask: torch.Tensor,
-        keys: torch.Tensor, values: torch.Tensor, weights: list[torch.Tensor], mask: torch.Tensor,
+        keys: torch.Tensor, values: torch.Tensor, weights: list[torch.Tensor], index: torch.Tensor,
         lora_a: list[torch.Tensor], lora_b: list[torch.Tensor],
     ) -> torch.Tensor:
         b, at = {}, 0
         for group in self.groups:
             b[group] = lora_b[at : at + len(GROUPS[group])]
             at += len(GROUPS[group])
-        lora = LoraBatch(dict(zip(self.groups, lora_a)), b, mask)
+        lora = LoraBatch(dict(zip(self.groups, lora_a)), b, None, index, self.rank)
         return self.stack(hidden, cos, sin, slots, block_tables, row_starts, prefix_len, tree_mask, keys, values,
                           weights, lora=lora)
 
@@ -356,7 +362,7 @@ class AdaptedStack(nn.Module):
     def inputs(lora: LoraBatch) -> list[torch.Tensor]:
         """``lora`` as the compiled adapted stack's trailing inputs."""
         groups = [group for group in GROUPS if group in lora.a]
-        return [lora.mask, *(lora.a[g] for g in groups), *(b for g in groups for b in lora.b[g])]
+        return [lora.index, *(lora.a[g] for g in groups), *(b for g in groups for b in lora.b[g])]
 
 
 class LeanCausalLM(nn.Module):
@@ -475,7 +481,8 @@ class LeanCausalLM(nn.Module):
         minute for SmolLM2-135M on 2 cores; cached on disk for later processes)."""
         groups = tuple(group for group in GROUPS if group in lora.a)
         if groups not in self._adapted:
-            self._adapted[groups] = (compiled_stack(AdaptedStack(self.stack, groups), self.weights, self.config, lora)
+            self._adapted[groups] = (compiled_stack(AdaptedStack(self.stack, groups, lora.rank), self.weights,
+                                                    self.config, lora)
                                      if self.compiled() is not None else None)
         return self._adapted[groups]
 

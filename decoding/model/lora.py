@@ -11,7 +11,9 @@ each projection's delta is
 
 two dense matmuls with no loop over adapters (punica's shrink and expand, the selection done by the mask). Its cost
 grows with the adapters present, not the slots: on SmolLM2-135M one rank-16 adapter on every projection adds ~5% of
-a base token's multiply-adds. The projections the lean forward fuses (q|k|v, gate|up) share one shrink.
+a base token's multiply-adds. The projections the lean forward fuses (q|k|v, gate|up) share one shrink. Where the
+CPU kernels run, the C++ ``lora_delta`` computes the same per token instead, each token against its own adapter's
+rows only, base tokens not at all (``LoraBatch.delta``).
 """
 
 from __future__ import annotations
@@ -251,8 +253,9 @@ class LoraSlots:
         part_rows = torch.tensor([slot * rank + r for slot in present for r in range(rank)], device=device)
         position = torch.zeros(self.slots, dtype=torch.long)  # slot -> 1 + its index among the present
         position[present] = torch.arange(1, len(present) + 1)
+        token_position = position[token_slots].to(device, non_blocking=True)
         columns = torch.arange(len(present) * rank, device=device) // rank + 1
-        mask = (columns == position[token_slots].to(device, non_blocking=True)[:, None]).to(self.dtype)
+        mask = (columns == token_position[:, None]).to(self.dtype)
         key = tuple(present)
         if key not in self._gathered:
             a, b = {}, {}
@@ -266,27 +269,35 @@ class LoraSlots:
                 self._gathered.popitem(last=False)
         self._gathered.move_to_end(key)
         a, b = self._gathered[key]
-        return LoraBatch(a, b, mask)
+        return LoraBatch(a, b, mask, token_position - 1, rank)
 
 
 @dataclass(frozen=True)
 class LoraBatch:
     """One forward's adapters (``LoraSlots.batch``): per targeted group, the present adapters' A rows
-    ``[layers, P*U*R, in]`` and each part's B ``[layers, U*R, out]``; ``mask [N, U*R]``."""
+    ``[layers, P*U*R, in]`` and each part's B ``[layers, U*R, out]``; ``mask [N, U*R]`` (None where only the
+    per-token kernel runs: a compiled stack's) and ``index [N]``, each token's adapter among the U present (-1: the
+    base), of rank ``rank`` (R)."""
 
     a: dict[str, torch.Tensor]
     b: dict[str, list[torch.Tensor]]
-    mask: torch.Tensor
+    mask: torch.Tensor | None
+    index: torch.Tensor
+    rank: int
 
-    def delta(self, group: str, layer: int, x: torch.Tensor) -> torch.Tensor | None:
+    def delta(self, group: str, layer: int, x: torch.Tensor, per_token: bool = False) -> torch.Tensor | None:
         """What each token's adapter adds to ``group``'s fused output at ``layer`` (``x [N, in]`` in any dtype; the
-        delta in the adapters' dtype), or None where no present adapter targets the group: one shrink for every
+        delta in the adapters' dtype), or None where no present adapter targets the group. ``per_token``: by the
+        C++ kernel, each token against its own adapter (x on the CPU, the kernel loaded); else one shrink for every
         part, the mask, one expand per part."""
         if group not in self.a:
             return None
         a = self.a[group][layer]
-        shrunk = x.to(a.dtype) @ a.T
         parts = self.b[group]
+        if per_token or self.mask is None:
+            return torch.ops.specbatch.lora_delta(x.to(a.dtype), a, [part[layer] for part in parts], self.index,
+                                                  self.rank)
+        shrunk = x.to(a.dtype) @ a.T
         if len(parts) == 1:
             return (shrunk * self.mask) @ parts[0][layer]
         shrunk = shrunk.view(x.shape[0], len(parts), -1) * self.mask[:, None]
