@@ -639,3 +639,13 @@ def test_graphs_over_a_freed_pool_go_at_the_next_call_never_in_its_finalizer() -
     tokens, positions, meta, nodes = _graph_case(cache, rows, 1, seed=4)
     assert graphed(tokens, positions, meta, cache.keys, cache.values, nodes, nodes) is not None
     assert {shape.cache for shape in graphed.graphs} == {pool_key(cache.keys)} != {scratch_key}
+
+
+def test_a_cpu_engine_keeps_freed_heap_memory_where_the_c_library_is_glibc() -> None:
+    """Freed temporaries stay in the heap for the next forward (``execution.keep_freed_heap_memory``)."""
+    import platform
+
+    from decoding.model.execution import keep_freed_heap_memory
+
+    Execution.resolve(ExecutionConfig(), torch.device("cpu"), quiet=True)
+    assert keep_freed_heap_memory() == (platform.libc_ver()[0] == "glibc")
