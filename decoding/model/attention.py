@@ -31,7 +31,7 @@ from decoding.paths import cache_dir
 
 log = logging.getLogger(__name__)
 
-_SOURCE = Path(__file__).parent / "csrc" / "paged_attention.cpp"
+_SOURCES = [Path(__file__).parent / "csrc" / name for name in ("paged_attention.cpp", "quantized_linear.cpp")]
 _lock = threading.Lock()
 _BUILD_WAIT_S = 900  # a build takes 20-60 s on 2 cores; a holder this long is stuck
 _kernel_state: dict[str, bool] = {}  # "loaded": the CPU kernel is registered as torch.ops.specbatch.paged_attention
@@ -67,7 +67,8 @@ def _build_kernel() -> bool:
     flags = ["-O3", "-fopenmp"]
     if capability in ("AVX2", "AVX512"):
         flags += ["-march=native", f"-DCPU_CAPABILITY={capability}", f"-DCPU_CAPABILITY_{capability}"]
-    key = hashlib.sha256(_SOURCE.read_bytes() + f"{torch.__version__}|{capability}".encode()).hexdigest()[:12]
+    sources = b"".join(source.read_bytes() for source in _SOURCES)
+    key = hashlib.sha256(sources + f"{torch.__version__}|{capability}".encode()).hexdigest()[:12]
     folder = cache_dir() / "kernels" / key
     folder.mkdir(parents=True, exist_ok=True)
     library = folder / "specbatch_paged_attention.so"
@@ -83,7 +84,7 @@ def _build_kernel() -> bool:
             log.info("compiling the paged attention kernel for this machine (once; cached in %s)", folder)
             started = time.perf_counter()
             cpp_extension.load(
-                name="specbatch_paged_attention", sources=[str(_SOURCE)], extra_cflags=flags,
+                name="specbatch_paged_attention", sources=[str(source) for source in _SOURCES], extra_cflags=flags,
                 extra_ldflags=["-fopenmp"], build_directory=str(folder), is_python_module=False, verbose=False,
             )
             log.info("compiled the paged attention kernel in %.1f s", time.perf_counter() - started)
@@ -102,6 +103,7 @@ def cpu_kernel() -> bool:
                 torch.library.register_fake("specbatch::paged_attention")(_fake_paged_attention)
                 torch.library.register_fake("specbatch::packed_linear")(_fake_packed_linear)
                 torch.library.register_fake("specbatch::lora_delta")(_fake_lora_delta)
+                torch.library.register_fake("specbatch::block_linear")(_fake_block_linear)
             except Exception as exc:  # no compiler, no headers: the reference computes the same
                 log.warning("could not build the paged attention kernel (%s: %s); using the reference attention",
                             type(exc).__name__, str(exc).splitlines()[0] if str(exc) else "")
@@ -115,6 +117,10 @@ def _fake_paged_attention(k_cache, v_cache, q, k, v, slots, block_tables, row_st
 
 def _fake_packed_linear(x, weight, bias):
     return x.new_empty((*x.shape[:-1], weight.shape[0]))
+
+
+def _fake_block_linear(x, q, d, m, bits):
+    return x.new_empty((*x.shape[:-1], q.shape[0]))
 
 
 def _fake_lora_delta(x, a, parts, index, rank):

@@ -36,7 +36,7 @@ log = logging.getLogger(__name__)
 
 _HERE = Path(__file__).parent
 _SOURCES = ("lean_forward.py", "attention.py", "compiled_forward.py", "quantize.py", "lora.py",
-            "csrc/paged_attention.cpp")
+            "csrc/paged_attention.cpp", "csrc/quantized_linear.cpp")
 _lock = threading.Lock()  # engines built on threads of one process compile each stack once
 _loaded: dict[str, Callable[[list[torch.Tensor]], torch.Tensor] | None] = {}
 EXAMPLE_BLOCK_SIZE = 16
