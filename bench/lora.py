@@ -5,7 +5,7 @@ in a temporary folder): for each count in the sweep, the batch's rows spread rou
 adapters; a mixed batch, half its rows on the base model and half on one adapter; and an engine built on weights with
 the first adapter merged in (what one job per adapter would run). Contenders take turns, rounds apart, and the
 median of each is reported: tokens/s of the whole batch, and of the base rows alone in the mixed batch (per row,
-against a base-only batch's per-row rate).
+against a base-only batch's per-row rate). Prefix caching is off: the rounds repeat the same prompts.
 """
 
 from __future__ import annotations
@@ -67,6 +67,9 @@ def run_lora_bench(config: Config, prompts: list[Request], counts: list[int], ra
                    progress=print) -> list[LoraRow]:
     """The sweep over ``counts`` distinct adapters, the mixed batch and the merged-weights engine, at the config's
     batch size (rows: the first ``batch_size`` prompts, repeated as needed)."""
+    # Every round sends the same prompts: with prefix caching on, each contender's prefill would depend on what the
+    # rounds before left cached (adapter rows' blocks, salted by adapter, evict base rows' blocks), not on LoRA.
+    config = config.model_copy(update={"enable_prefix_caching": False})
     rows = config.batch_size
     batch = [prompts[i % len(prompts)] for i in range(rows)]
     tokenizer = load_tokenizer(config.model, config.trust_remote_code)
