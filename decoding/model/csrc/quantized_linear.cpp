@@ -88,6 +88,7 @@ void rows_times_tokens(const float* x, const float* sums, const uint8_t* q, cons
     const uint8_t* row = q + n * row_bytes;
     const float* row_d = d + n * blocks;
     const float* row_m = m ? m + n * blocks : nullptr;
+    float totals[kTile];  // each token's sum of d (q . x) over the row's blocks
 #if defined(__AVX512F__)
     __m512 acc[kTile];
     for (int64_t t = 0; t < count; ++t) acc[t] = _mm512_setzero_ps();
@@ -102,14 +103,7 @@ void rows_times_tokens(const float* x, const float* sums, const uint8_t* q, cons
         acc[t] = _mm512_fmadd_ps(high, _mm512_loadu_ps(xb + 16), _mm512_fmadd_ps(low, _mm512_loadu_ps(xb), acc[t]));
       }
     }
-    for (int64_t t = 0; t < count; ++t) {
-      float total = _mm512_reduce_add_ps(acc[t]);
-      if (row_m) {
-        const float* token_sums = sums + (t0 + t) * blocks;
-        for (int64_t b = 0; b < blocks; ++b) total += row_m[b] * token_sums[b];
-      }
-      out[(t0 + t) * n_total + n] = total;
-    }
+    for (int64_t t = 0; t < count; ++t) totals[t] = _mm512_reduce_add_ps(acc[t]);
 #elif defined(__AVX2__)
     __m256 acc[kTile];
     for (int64_t t = 0; t < count; ++t) acc[t] = _mm256_setzero_ps();
@@ -125,59 +119,48 @@ void rows_times_tokens(const float* x, const float* sums, const uint8_t* q, cons
         acc[t] = sum;
       }
     }
-    for (int64_t t = 0; t < count; ++t) {
-      float total = sum_avx2(acc[t]);
-      if (row_m) {
-        const float* token_sums = sums + (t0 + t) * blocks;
-        for (int64_t b = 0; b < blocks; ++b) total += row_m[b] * token_sums[b];
-      }
-      out[(t0 + t) * n_total + n] = total;
-    }
+    for (int64_t t = 0; t < count; ++t) totals[t] = sum_avx2(acc[t]);
 #else
     float decoded[kBlock];
-    float acc[kTile] = {0};
+    for (int64_t t = 0; t < count; ++t) totals[t] = 0;
     for (int64_t b = 0; b < blocks; ++b) {
       decode_block(row + b * block_bytes, bits, decoded);
       for (int64_t t = 0; t < count; ++t) {
         const float* xb = x + (t0 + t) * k + b * kBlock;
         float dot = 0;
         for (int64_t j = 0; j < kBlock; ++j) dot += decoded[j] * xb[j];
-        acc[t] += row_d[b] * dot;
+        totals[t] += row_d[b] * dot;
       }
-    }
-    for (int64_t t = 0; t < count; ++t) {
-      float total = acc[t];
-      if (row_m) {
-        const float* token_sums = sums + (t0 + t) * blocks;
-        for (int64_t b = 0; b < blocks; ++b) total += row_m[b] * token_sums[b];
-      }
-      out[(t0 + t) * n_total + n] = total;
     }
 #endif
+    for (int64_t t = 0; t < count; ++t) {  // the m term, then the output
+      if (row_m) {
+        const float* token_sums = sums + (t0 + t) * blocks;
+        for (int64_t b = 0; b < blocks; ++b) totals[t] += row_m[b] * token_sums[b];
+      }
+      out[(t0 + t) * n_total + n] = totals[t];
+    }
   }
 }
 
-void check(const at::Tensor& x, const at::Tensor& q, const at::Tensor& d, const std::optional<at::Tensor>& m,
-           int64_t bits) {
+// The weight's tensors; returns K, its weights a row.
+int64_t check_weight(const at::Tensor& q, const at::Tensor& d, const std::optional<at::Tensor>& m, int64_t bits) {
   TORCH_CHECK(bits == 4 || bits == 8, "block_linear: bits must be 4 or 8, got ", bits);
-  TORCH_CHECK(x.scalar_type() == at::kFloat && x.size(-1) % kBlock == 0,
-              "block_linear: x float32 with whole blocks of 32 along its last dimension");
   TORCH_CHECK(q.dim() == 2 && (q.scalar_type() == at::kByte || q.scalar_type() == at::kChar),
               "block_linear: q [N, K * bits / 8] uint8 or int8");
-  TORCH_CHECK(q.size(1) * 8 == x.size(-1) * bits, "block_linear: q holds ", q.size(1) * 8 / bits,
-              " weights a row, x has ", x.size(-1));
-  TORCH_CHECK(d.scalar_type() == at::kFloat && d.dim() == 2 && d.size(0) == q.size(0) &&
-                  d.size(1) == x.size(-1) / kBlock,
+  const int64_t k = q.size(1) * 8 / bits;
+  TORCH_CHECK(k % kBlock == 0, "block_linear: rows of ", k, " weights are not whole blocks of 32");
+  TORCH_CHECK(d.scalar_type() == at::kFloat && d.dim() == 2 && d.size(0) == q.size(0) && d.size(1) == k / kBlock,
               "block_linear: d [N, K / 32] float32");
   if (m) TORCH_CHECK(m->scalar_type() == at::kFloat && m->sizes() == d.sizes(), "block_linear: m like d");
+  return k;
 }
 
 }  // namespace
 
 // Rows of W dequantized to float32, [N, K] (the reference, and the dense path's tiles).
 at::Tensor block_dequantize(at::Tensor q, at::Tensor d, std::optional<at::Tensor> m, int64_t bits) {
-  const int64_t k = q.size(1) * 8 / bits;
-  check(at::empty({1, k}, d.options()), q, d, m, bits);
+  const int64_t k = check_weight(q, d, m, bits);
   auto qs = q.contiguous();
   auto ds = d.contiguous();
   at::Tensor ms = m ? m->contiguous() : at::Tensor();
@@ -201,8 +184,9 @@ at::Tensor block_dequantize(at::Tensor q, at::Tensor d, std::optional<at::Tensor
 }
 
 at::Tensor block_linear(at::Tensor x, at::Tensor q, at::Tensor d, std::optional<at::Tensor> m, int64_t bits) {
-  check(x, q, d, m, bits);
-  const int64_t k = x.size(-1), n = q.size(0);
+  const int64_t k = check_weight(q, d, m, bits), n = q.size(0);
+  TORCH_CHECK(x.scalar_type() == at::kFloat && x.size(-1) == k, "block_linear: x float32 [..., ", k,
+              "]: q holds ", k, " weights a row, x has ", x.size(-1));
   auto flat = x.reshape({-1, k}).contiguous();
   const int64_t tokens = flat.size(0);
   auto shape = x.sizes().vec();
