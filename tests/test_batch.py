@@ -233,3 +233,21 @@ def test_admission_is_fair_between_requests(target, tokenizer):
     assert order.index("small") <= 3, order  # FIFO: after six of the eight
     # Within a group, arrival order holds.
     assert [i for i in order if i.startswith("big")] == [f"big-{c}" for c in range(8)]
+
+
+def test_the_fair_queue_picks_the_group_with_fewest_running_the_earliest_on_a_tie():
+    from collections import Counter
+
+    from decoding.engine.scheduler import FairQueue
+
+    queue = FairQueue()
+    for name, group in (("a0", "a"), ("b0", "b"), ("a1", "a"), ("c0", "c"), ("b1", "b")):
+        seq = sequence(name)
+        seq.group = group
+        queue.append(seq)
+    assert queue.next_for(Counter()).request_id == "a0"  # none running anywhere: the earliest group
+    assert queue.next_for(Counter({"a": 2, "b": 1})).request_id == "c0"  # the only group with none running
+    assert queue.next_for(Counter({"a": 2, "b": 1, "c": 1})).request_id == "b0"  # fewest, earliest of equals
+    assert queue.next_for(Counter({"a": 1, "b": 3, "c": 1})).request_id == "a0"
+    queue.pop(queue.next_for(Counter({"a": 3, "b": 2, "c": 2})))  # b0
+    assert [seq.request_id for seq in queue] == ["a0", "a1", "b1", "c0"] and len(queue) == 4

@@ -50,9 +50,19 @@ class FairQueue:
         return (seq for group in self._groups.values() for seq in group)
 
     def next_for(self, active: Counter[str]) -> Sequence:
-        """The head of the group with the fewest ``active`` (running) sequences, the earliest on a tie."""
-        group = min(self._groups, key=lambda name: active[name])  # min keeps the first of equals
-        return self._groups[group][0]
+        """The head of the group with the fewest ``active`` (running) sequences, the earliest on a tie.
+
+        The scan stops at the first group with none running: only groups with running sequences (at most one per
+        row) come before it, so admitting from a queue of thousands of requests stays linear, not quadratic (3,000
+        waiting requests: 4.5 million comparisons)."""
+        best, fewest = "", -1
+        for name in self._groups:
+            running = active.get(name, 0)
+            if running == 0:
+                return self._groups[name][0]
+            if fewest < 0 or running < fewest:
+                best, fewest = name, running
+        return self._groups[best][0]
 
     def pop(self, seq: Sequence) -> None:
         """Remove ``seq``, the head of its group (``next_for``'s answer)."""
