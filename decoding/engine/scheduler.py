@@ -55,14 +55,11 @@ class FairQueue:
         The scan stops at the first group with none running: only groups with running sequences (at most one per
         row) come before it, so admitting from a queue of thousands of requests stays linear, not quadratic (3,000
         waiting requests: 4.5 million comparisons)."""
-        best, fewest = "", -1
         for name in self._groups:
-            running = active.get(name, 0)
-            if running == 0:
+            if not active[name]:
                 return self._groups[name][0]
-            if fewest < 0 or running < fewest:
-                best, fewest = name, running
-        return self._groups[best][0]
+        group = min(self._groups, key=lambda name: active[name])  # every group has some running; min keeps the first
+        return self._groups[group][0]
 
     def pop(self, seq: Sequence) -> None:
         """Remove ``seq``, the head of its group (``next_for``'s answer)."""
