@@ -38,6 +38,7 @@ from deploy.llm_config import LLMConfig, ServingArgs
 from deploy.protocol import ErrorDetail, ErrorResponse, ModelList, VersionResponse
 from deploy.server import (
     MAX_BODY_BYTES,
+    SHUTDOWN_WAIT_LOOP_S,
     VERSION,
     ModelServer,
     OpenAIServer,
@@ -248,10 +249,11 @@ def _api_key(configs: list[LLMConfig]) -> str | None:
 
 def routed_app(models: dict[str, Application], api_key: str | None, **ingress_options: Any) -> Application:
     """The models' deployments behind one ``OpenAIRouter`` (options: ``ingress_options``)."""
-    # The router only relays bytes: it reserves no CPU, so the models' replicas get the cluster's. Stopping, it
-    # checks for relays in flight every half second, as the replicas do (Serve's 2 s made each stop 2 s longer).
+    # The router only relays bytes: it reserves no CPU, so the models' replicas get the cluster's; stopping, it waits
+    # for relays in flight as the replicas do.
     ingress = {"name": "OpenAiIngress", "num_replicas": 1, "max_ongoing_requests": 4096,
-               "ray_actor_options": {"num_cpus": 0}, "graceful_shutdown_wait_loop_s": 0.5, **ingress_options}
+               "ray_actor_options": {"num_cpus": 0}, "graceful_shutdown_wait_loop_s": SHUTDOWN_WAIT_LOOP_S,
+               **ingress_options}
     return OpenAIRouter.options(**ingress).bind(models, api_key)
 
 

@@ -860,6 +860,10 @@ ModelServer = serve.deployment(OpenAIReplica, name="ModelServer")
 
 
 # -------------------------------------------------------------------------------------------------- builders
+# How often a stopping replica (or router) checks for requests still in flight; Serve's 2 s made each stop 2 s longer.
+SHUTDOWN_WAIT_LOOP_S = 0.5
+
+
 def deployment_options(config: Config) -> dict[str, Any]:
     """Replicas (fixed, or autoscaled within ``concurrency: [min, max]``) and GPUs per replica from the config."""
     options: dict[str, Any] = {
@@ -869,7 +873,7 @@ def deployment_options(config: Config) -> dict[str, Any]:
         "max_ongoing_requests": max(1024, 4 * config.batch_size),
         # Serve's own drain (serve run, Serve config files); specbatch serve drains first (deploy.drain).
         "graceful_shutdown_timeout_s": config.graceful_shutdown_timeout_s,
-        "graceful_shutdown_wait_loop_s": 0.5,
+        "graceful_shutdown_wait_loop_s": SHUTDOWN_WAIT_LOOP_S,
     }
     if isinstance(config.concurrency, int):
         options["num_replicas"] = config.concurrency
