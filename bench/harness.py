@@ -73,6 +73,7 @@ class Sweep(_Strict):
     drafts: list[DraftChoice] | None = None  # for method draft_model
     tree_nodes: list[int | None] | None = None  # for method recycle: nodes of its static tree (null: sized by default)
     prefix_caching: list[bool] | None = None  # enable_prefix_caching (engine none runs each value too)
+    quantization: list[Literal["gguf"] | None] | None = None  # the target's (Config.quantization; engine none too)
 
 
 def _default_sweeps() -> list[Sweep]:
@@ -132,6 +133,9 @@ class Contender:
             return "transformers assisted " + ("(prompt lookup)" if self.method == "ngram" else "(draft)")
         if self.kind == "baseline":
             return "baseline " + Contender("engine", self.config).name
+        if self.is_engine and self.config.quantization:
+            return Contender(self.kind, self.config.model_copy(update={"quantization": None})).name + \
+                f" {self.config.quantization}"
         if self.is_engine and not self.config.enable_prefix_caching:
             return Contender(self.kind, self.config.model_copy(update={"enable_prefix_caching": True})).name + \
                 " no-prefix-cache"
@@ -152,12 +156,17 @@ class Contender:
                 f"init={spec.candidate_init} {spec.length_policy}")
 
 
-def _variant(config: Config, batch_size: int, caching: bool | None = None, **speculative: Any) -> Config:
+def _variant(config: Config, batch_size: int, caching: bool | None = None, target_quantization: str | None = "",
+             **speculative: Any) -> Config:
+    """``config`` at ``batch_size`` with these speculative fields, ``enable_prefix_caching`` (None: kept) and
+    the target's ``quantization`` (empty: kept)."""
     data = config.model_dump()
     data["batch_size"] = batch_size
     data["speculative"].update(speculative)
     if caching is not None:
         data["enable_prefix_caching"] = caching
+    if target_quantization != "":
+        data["quantization"] = target_quantization
     return Config.model_validate(data)
 
 
@@ -176,8 +185,9 @@ def contenders(config: Config, grid: BenchGrid, baseline: bool = False) -> list[
             sweep.candidate_init or [spec.candidate_init],
             sweep.length_policy or [spec.length_policy],
             sweep.prefix_caching or [config.enable_prefix_caching],
+            sweep.quantization or [config.quantization],
         )
-        for batch, method, width, depth, init, policy, caching in axes:
+        for batch, method, width, depth, init, policy, caching, quantization in axes:
             init = "draft" if width == 1 else init  # one candidate: both inits build the same chain
             drafts = (sweep.drafts or [None]) if method == "draft_model" else [None]
             trees = (sweep.tree_nodes or [spec.tree_nodes]) if method == "recycle" else [None]
@@ -188,9 +198,11 @@ def contenders(config: Config, grid: BenchGrid, baseline: bool = False) -> list[
                 }
                 if nodes is not None:
                     draft["tree_nodes"] = nodes
-                key = (batch, method, width, depth, init, policy, caching, repr(tuple(draft.values())))
+                key = (batch, method, width, depth, init, policy, caching, quantization,
+                       repr(tuple(draft.values())))
                 engine.setdefault(key, _variant(
-                    config, batch, caching, method=method, num_candidates=width, num_speculative_tokens=depth,
+                    config, batch, caching, quantization, method=method, num_candidates=width,
+                    num_speculative_tokens=depth,
                     candidate_init=init, length_policy=policy, **draft,
                 ))
     batch_sizes = sorted({b for s in grid.sweeps for b in s.batch_sizes or [config.batch_size]} or {config.batch_size})
@@ -207,8 +219,11 @@ def contenders(config: Config, grid: BenchGrid, baseline: bool = False) -> list[
         cachings = sorted({config.enable_prefix_caching} | {
             caching for sweep in grid.sweeps if batch in (sweep.batch_sizes or [config.batch_size])
             for caching in sweep.prefix_caching or []}, reverse=True)
-        engines = [_variant(config, batch, caching, method="none") for caching in cachings] + [
-            c for key, c in engine.items() if key[0] == batch]
+        quantizations = sorted({config.quantization} | {
+            quantization for sweep in grid.sweeps if batch in (sweep.batch_sizes or [config.batch_size])
+            for quantization in sweep.quantization or []}, key=lambda quantization: quantization or "")
+        engines = [_variant(config, batch, caching, quantization, method="none") for quantization in quantizations
+                   for caching in cachings] + [c for key, c in engine.items() if key[0] == batch]
         for engine_config in engines:
             runs.append(Contender("engine", engine_config))
             if baseline:
@@ -374,6 +389,8 @@ class Models:
     baseline: ModuleType | None = None  # another checkout's decoding package (bench.baseline.load_baseline)
     bandwidth_gbs: float | None = None  # the device's memory bandwidth, if known better than the default
     clock: Clock = field(init=False)
+    config: Config | None = None  # where a quantized target is loaded from (``target_for``)
+    quantized: dict[str, PreTrainedModel] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         self.eos_ids = sorted(eos_token_ids(self.tokenizer, self.target))
@@ -384,7 +401,19 @@ class Models:
         target = load_model(config.model, config.dtype)
         draft_name = config.speculative.model if needs_draft and config.speculative.model != SELF_DRAFT else None
         draft = load_draft(draft_name, config.dtype, target.device) if draft_name else None
-        return cls(target, load_tokenizer(config.model), draft, draft_name)
+        return cls(target, load_tokenizer(config.model), draft, draft_name, config=config)
+
+    def target_for(self, quantization: str | None) -> PreTrainedModel:
+        """The target an engine of ``quantization`` (``Config.quantization``) runs: the float one for None, else
+        loaded so, once."""
+        if quantization is None:
+            return self.target
+        if quantization not in self.quantized:
+            if self.config is None:
+                raise ValueError(f"a {quantization} contender needs the config the models were loaded from")
+            self.quantized[quantization] = load_model(self.config.model, self.config.dtype, self.target.device,
+                                                      quantization=quantization)
+        return self.quantized[quantization]
 
     @property
     def pad_id(self) -> int:
@@ -514,14 +543,15 @@ def _engine_runner(models: Models, contender: Contender) -> _Runner:
         stats = importlib.import_module(models.baseline.__name__ + ".stats")
         config = convert_model(config, models.baseline.config.Config)
     draft = models.draft if contender.method == "draft_model" else None
-    engine = package.Engine(config, target=models.target, tokenizer=models.tokenizer, draft=draft)
+    target = models.target_for(contender.config.quantization)
+    engine = package.Engine(config, target=target, tokenizer=models.tokenizer, draft=draft)
     clock = models.clock
     # The drafter's methods are wrapped once; their spans count for the measurement of the turn they ran in (spans
     # settle at the end of each turn).
     current = [_Measurement()]
     _time_methods(engine.drafter, ("rows_joined", "add_rows", "propose", "observe"), clock,
                   lambda seconds: current[0].profile.add("draft_s", seconds))
-    target_bytes = ForwardBytes.of(models.target)
+    target_bytes = ForwardBytes.of(target)
     draft_model = getattr(engine.drafter, "model", None)
     draft_bytes = ForwardBytes.of(draft_model) if draft_model is not None else None
 
@@ -577,7 +607,7 @@ def _engine_runner(models: Models, contender: Contender) -> _Runner:
         if max_tokens and hasattr(engine, "reset_prefix_cache"):
             engine.reset_prefix_cache()  # a warm-up: what it cached must not speed up the timed prompts
 
-    layers = _layers(models.target), _layers(draft_model)
+    layers = _layers(target), _layers(draft_model)
 
     def launches(prompt: list[int]) -> Launches | None:
         """The launches of one decode step over ``batch_size`` rows of ``prompt``: untimed (the counter slows the

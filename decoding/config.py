@@ -530,6 +530,10 @@ class Config(_Strict):
     # CPU cores per actor / replica (and torch threads on CPU); None = the machine's cores split over actors.
     num_cpus: float | None = Field(None, gt=0)
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    # vLLM's quantization: "gguf" multiplies a GGUF model's quantized blocks as they are stored (the default model
+    # ships as one: Q4_1 layers, a Q8_0 embedding and head) on a CPU, in float32; "auto": where the model is a GGUF
+    # and runs on a CPU in float32; null: the weights transformers dequantizes.
+    quantization: Literal["auto", "gguf"] | None = None
     # vLLM's --trust-remote-code: the model's and tokenizer's own Python code (a hub repository's modeling files)
     # may run when they load; off, such a model fails to load naming the option.
     trust_remote_code: bool = False

@@ -29,7 +29,7 @@ VLLM_LORA = {"enable_lora": "enable", "max_lora_rank": "max_lora_rank", "max_lor
              "max_cpu_loras": "max_cpu_loras"}
 # engine_kwargs values that only name what the engine does anyway.
 VLLM_NEUTRAL = {"kv_cache_dtype": {"auto"}, "generation_config": {"auto", "vllm"},
-                "load_format": {"auto", "safetensors", "pt", "runai_streamer"}, "quantization": {None},
+                "load_format": {"auto", "safetensors", "pt", "runai_streamer"},
                 "tensor_parallel_size": {1}, "pipeline_parallel_size": {1},
                 "data_parallel_size": {1}}
 # What the engine supports instead, for each engine_kwargs value it refuses.
@@ -37,8 +37,8 @@ INSTEAD = {
     "kv_cache_dtype": "the KV cache is kept in the model's dtype ('auto')",
     "generation_config": "'auto' or 'vllm' (a request's sampling parameters set its decoding)",
     "load_format": "checkpoints load with transformers from safetensors or pytorch files ('auto')",
-    "quantization": "pre-quantized checkpoints are not loaded: give the full-precision model (the engine's own "
-                    "int4 self-draft needs no quantized checkpoint)",
+    "quantization": "'gguf' (a GGUF model's quantized blocks, on a CPU) or null; other pre-quantized checkpoints "
+                    "are not loaded: give the full-precision model",
     "tensor_parallel_size": "one engine runs on one device: use concurrency for more engines",
     "pipeline_parallel_size": "one engine runs on one device: use concurrency for more engines",
     "data_parallel_size": "use concurrency for more engines",
@@ -51,6 +51,8 @@ def config_fields(engine_kwargs: dict[str, Any]) -> dict[str, Any]:
     """``Config`` fields for ``engine_kwargs`` (without ``model``); ``ValueError`` naming what is refused. ``seed``
     becomes ``sampling.seed`` (the run seed)."""
     kwargs = dict(engine_kwargs)
+    if kwargs.get("quantization") not in (None, "gguf", "auto"):
+        raise ValueError(f"engine_kwargs.quantization={kwargs['quantization']!r}: {INSTEAD['quantization']}")
     for name, accepted in VLLM_NEUTRAL.items():
         if name in kwargs and kwargs[name] not in accepted:
             raise ValueError(f"engine_kwargs.{name}={kwargs[name]!r}: {INSTEAD[name]}")

@@ -107,6 +107,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--depths", type=int, nargs="+", help="speculative.num_speculative_tokens values")
     parser.add_argument("--candidate-inits", nargs="+", choices=["target", "draft"])
     parser.add_argument("--length-policies", nargs="+", choices=list(get_args(LengthPolicyName)))
+    parser.add_argument("--quantizations", nargs="+", choices=["none", "gguf"],
+                        help="the target's quantization values (none: float weights; gguf: the GGUF's blocks)")
     parser.add_argument("--threads", type=int, help="torch CPU threads (default: torch's choice)")
     parser.add_argument("--no-transformers", action="store_true", help="skip transformers generate")
     parser.add_argument("--no-assisted", action="store_true", help="skip transformers assisted generation")
@@ -138,9 +140,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 def load_grid(args: argparse.Namespace) -> BenchGrid:
     grid = BenchGrid.model_validate(yaml.safe_load(Path(args.grid).read_text()) or {}) if args.grid else BenchGrid()
+    quantization = [None if name == "none" else name for name in args.quantizations] if args.quantizations else None
     grid = grid.override(
         batch_sizes=args.batch_sizes, methods=args.methods, num_candidates=args.widths,
         num_speculative_tokens=args.depths, candidate_init=args.candidate_inits, length_policy=args.length_policies,
+        quantization=quantization,
     )
     return grid.model_copy(update={
         "transformers": grid.transformers and not args.no_transformers,

@@ -1,17 +1,25 @@
 """Weights in GGUF's 32-weight blocks (``decoding.model.gguf_blocks``): read from a GGUF tensor's bytes, dequantized
 bit for bit as the ``gguf`` package dequantizes them, and multiplied as stored by ``specbatch::block_linear`` (the
 C++ kernel: the one-token path, token tiles, and the dense path of a prefill) on SmolLM2-135M's and Llama-3-8B's
-projection shapes."""
+projection shapes; and a tiny Llama written as a GGUF (``tiny.gguf_pair``) decoding over its blocks, greedy and
+sampled, as the float model of its dequantized weights does."""
 
 from __future__ import annotations
+
+import copy
 
 import numpy as np
 import pytest
 import torch
-from gguf import GGMLQuantizationType, quants
+from engine_cases import MAX_TOKENS, PROMPTS, assert_pairs_follow_target_law, make_config, run
+from gguf import GGMLQuantizationType, GGUFWriter, quants
+from tiny import gguf_pair
 
+from decoding import Engine, Request
 from decoding.model.attention import cpu_kernel
-from decoding.model.gguf_blocks import LAYOUTS, from_gguf
+from decoding.model.gguf_blocks import LAYOUTS, from_gguf, use_gguf_blocks, uses_blocks
+from decoding.model.loading import load_model
+from frontend.engine_args import config_fields
 
 TYPES = list(LAYOUTS)
 # [N, K]: SmolLM2-135M's k/v and down projections, Llama-3-8B's k/v projection.
@@ -69,3 +77,93 @@ def test_bad_block_tensors_are_refused_naming_the_tensor_and_the_type() -> None:
     weight = from_gguf(raw, "Q4_1", (8, 64))
     with pytest.raises(RuntimeError, match="x has 32"):
         weight.linear(torch.randn(1, 32))
+
+
+# ------------------------------------------------------------------------------------------- a model of GGUF blocks
+
+
+@pytest.fixture(scope="module")
+def gguf_models(tmp_path_factory, target):
+    """(reference, blocks) of the tiny target written as a Q4_1 GGUF with a Q8_0 embedding and head."""
+    return gguf_pair(target, tmp_path_factory.mktemp("gguf") / "tiny.gguf")
+
+
+def test_a_gguf_model_multiplies_its_blocks_and_computes_its_dequantized_weights(gguf_models) -> None:
+    reference, blocks = gguf_models
+    assert uses_blocks(blocks) and not uses_blocks(reference)
+    # every projection, the embedding and the head compute from blocks: the float weights left are the norms'
+    assert sorted({name.split(".")[-2] for name, p in blocks.named_parameters() if p.numel()}) == [
+        "input_layernorm", "norm", "post_attention_layernorm"]
+    ids = torch.tensor([[1, 5, 9, 12, 3, 3, 7, 20, 4]])
+    with torch.no_grad():
+        ours, expected = blocks(ids).logits, reference(ids).logits
+    torch.testing.assert_close(ours, expected, rtol=1e-4, atol=1e-4 * expected.abs().max().item())
+
+
+GGUF_SPECULATIVE = {
+    "none": {"method": "none"},
+    "self-draft": {"method": "draft_model", "model": "target", "quantization": "int4", "length_policy": "static"},
+    "draft-model": {"method": "draft_model", "num_candidates": 2, "length_policy": "static"},
+    "ngram": {"method": "ngram", "num_candidates": 2, "length_policy": "static"},
+    "default": {"method": "draft_model", "model": "target", "quantization": "int4", "ngram_candidates": 1,
+                "length_policy": "online"},
+}
+
+
+@pytest.mark.parametrize("speculative", GGUF_SPECULATIVE.values(), ids=GGUF_SPECULATIVE.keys())
+def test_greedy_decoding_over_gguf_blocks_is_the_dequantized_models(speculative, gguf_models, tokenizer,
+                                                                    draft) -> None:
+    """transformers' greedy decoding of the float model holding the blocks' dequantized weights, token for token,
+    for plain decoding and speculation over the blocks (the self-draft of a blocks target runs the blocks as they
+    are: the int4 it names is not applied)."""
+    reference, blocks = gguf_models
+    expected = []
+    for prompt in PROMPTS:
+        ids = tokenizer(prompt, return_tensors="pt").input_ids
+        out = reference.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
+                                 max_new_tokens=MAX_TOKENS)
+        expected.append(out[0, ids.shape[1]:].tolist())
+    results = run(make_config(**dict(speculative)), tokenizer, blocks, draft)
+    assert [r.token_ids for r in results] == expected
+    if speculative["method"] != "none" and speculative.get("length_policy") == "static":
+        assert sum(sum(r.per_step_drafted) for r in results) > len(PROMPTS)  # speculation really happened
+
+
+def test_sampling_over_gguf_blocks_follows_the_dequantized_models_law(small_models, tokenizer, tmp_path) -> None:
+    """Temperature 1 with a float draft over a blocks target: the sampled pairs follow the exact joint law of the
+    dequantized model (chi-square), with drafts proposed, some kept and some rejected."""
+    small_target, small_draft = small_models
+    reference, blocks = gguf_pair(small_target, tmp_path / "small.gguf")
+    prompt, samples, warp = [3, 4, 5, 3, 4, 5, 3], 3000, {"temperature": 1.0, "top_k": 0, "top_p": 1.0}
+    config = make_config(method="draft_model", num_candidates=2, num_speculative_tokens=3, length_policy="static",
+                         batch_size=64, sampling={"max_tokens": 4, **warp})
+    engine = Engine(config, target=blocks, tokenizer=tokenizer, draft=small_draft)
+    results = engine.generate(
+        [Request(id=str(i), prompt_token_ids=prompt, sampling={"seed": i}) for i in range(samples)])
+    drafted = sum(sum(r.per_step_drafted) for r in results)
+    accepted = sum(sum(r.per_step_accepted) for r in results)
+    assert drafted > samples and 0 < accepted < drafted
+    assert_pairs_follow_target_law(reference, prompt, warp, results)
+
+
+def test_a_gguf_that_does_not_fit_the_model_is_refused_naming_the_tensor(tmp_path, target) -> None:
+    path = tmp_path / "wrong.gguf"
+    writer = GGUFWriter(str(path), "llama")
+    kind = GGMLQuantizationType.Q4_1
+    writer.add_tensor("blk.1.ffn_up.weight", quants.quantize(np.zeros((64, 64), np.float32), kind), raw_dtype=kind)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    with pytest.raises(ValueError, match=r"blk\.1\.ffn_up\.weight: \[64, 64\] in the file, the model's mlp\.up_proj is "
+                                         r"\[128, 64\]"):
+        use_gguf_blocks(copy.deepcopy(target), path)
+
+
+def test_quantization_gguf_is_taken_from_engine_kwargs_and_refused_where_the_model_is_no_gguf(tiny_dirs) -> None:
+    assert config_fields({"quantization": "gguf"})["quantization"] == "gguf"
+    with pytest.raises(ValueError, match=r"engine_kwargs\.quantization='awq': 'gguf'"):
+        config_fields({"quantization": "awq"})
+    with pytest.raises(ValueError, match=r"quantization: gguf .* model '.*target' is not a GGUF"):
+        load_model(tiny_dirs["target"], "float32", torch.device("cpu"), quantization="gguf")
+    assert load_model(tiny_dirs["target"], "float32", torch.device("cpu"), quantization="auto") is not None  # float

@@ -54,14 +54,14 @@ def test_a_head_with_exact_top_logits_recomputes_its_largest_outputs_in_float() 
 
 
 def test_fused_siblings_compute_what_separate_layers_compute(target) -> None:
-    from decoding.model.quantize import FusedSiblings, quantize_linear, quantized
+    from decoding.model.quantize import FusedSiblings, _kernel, quantize_linear, quantized, siblings_weight
 
     torch.manual_seed(0)
     layers = [torch.nn.Linear(64, n, bias=bias) for n, bias in ((48, True), (16, False), (32, True))]
     separate = copy.deepcopy(layers)
     for layer in separate:
         quantize_linear(layer, "int4", groupsize=32)
-    FusedSiblings(layers, "int4", 32)
+    FusedSiblings(layers, _kernel(*siblings_weight(layers), "int4", 32))
     x, y = torch.randn(3, 64), torch.randn(3, 64)
     expected = [layer(x) for layer in separate]
     # In order, out of order, and a sibling called with another input (computes again, never mixes inputs).

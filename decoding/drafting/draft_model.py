@@ -10,6 +10,7 @@ still drafts; on an accelerator every planned level runs.
 from __future__ import annotations
 
 import copy
+import logging
 import math
 import weakref
 from typing import TYPE_CHECKING
@@ -30,6 +31,7 @@ from decoding.drafting.feature_draft import load_draft
 from decoding.drafting.layer_skip import LayerSkipSearch, kept_layers
 from decoding.drafting.lookup import NgramDrafter
 from decoding.model.execution import host_reads_free
+from decoding.model.gguf_blocks import uses_blocks
 from decoding.model.kv_cache import CacheShape, PagedKVCache, Rows, joining_entries
 from decoding.model.lean_forward import LeanCausalLM, lean_view, supports_lean_forward
 from decoding.model.loading import (
@@ -46,6 +48,8 @@ from decoding.model.rows import move_last_row
 from decoding.verification.sampling import row_uniforms, warp_probs
 from decoding.verification.tree import TreeTopology, chain_ancestors, with_prefix_chain
 from decoding.verification.verify_batched import sample_from, sample_tokens
+
+log = logging.getLogger(__name__)
 
 if TYPE_CHECKING:
     from decoding.engine.batch import JoinedRows
@@ -119,7 +123,10 @@ class DraftModelDrafter(Drafter):
         max_context = min(context.max_context, int(getattr(draft.config, "max_position_embeddings", 1 << 30)))
         subset = draft_vocab_subset(spec.model) if spec.model and spec.model != SELF_DRAFT else None
         draft = draft.to(context.device).eval()
-        if spec.quantization:
+        if spec.quantization and spec.model == SELF_DRAFT and uses_blocks(draft):
+            log.info("the target multiplies a GGUF's quantized blocks: its self-draft runs them as they are "
+                     "(speculative.quantization %s ignored)", spec.quantization)
+        elif spec.quantization:
             draft = quantized(draft, spec.quantization)
         search = None
         if spec.layer_skip is not None:

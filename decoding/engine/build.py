@@ -16,6 +16,7 @@ from decoding.drafting.length_policies import Sources, make_policy
 from decoding.engine.parts import EngineParts
 from decoding.engine.sequence import eos_token_ids
 from decoding.model.execution import Execution
+from decoding.model.gguf_blocks import uses_blocks
 from decoding.model.kv_cache import CacheShape, PagedKVCache
 from decoding.model.lean_forward import LeanCausalLM
 from decoding.model.loading import (
@@ -63,7 +64,8 @@ class _Builder:
         tokenizer = self.tokenizer or load_tokenizer(config.model, config.trust_remote_code)
         target_by_path = self.target is None  # its forward costs may be cached on disk under the path
         loaded = (self.target if self.target is not None
-                  else load_model(config.model, config.dtype, self.device, config.trust_remote_code))
+                  else load_model(config.model, config.dtype, self.device, config.trust_remote_code,
+                                 config.quantization))
         target = model_view(loaded)
         max_context = int(getattr(loaded.config, "max_position_embeddings", 1 << 30))
         plan = draft_plan(DraftContext(config, self.device, loaded, tokenizer, self.draft, max_context))
@@ -167,7 +169,7 @@ class _Builder:
         config, spec = self.config, self.config.speculative
         verify = calibrate_batch(
             target, topology.size(topology.max_depth), config.batch_size,
-            resolve_model_path(config.model) if target_from_path else None, captured=True, execution=execution,
+            self._target_key(target) if target_from_path else None, captured=True, execution=execution,
         )
         if not drafter.models:
             return verify, None  # n-gram lookup and recycling cost next to nothing beside a forward
@@ -178,6 +180,11 @@ class _Builder:
         return verify, calibrate_batch(model, topology.root_width + 1, config.batch_size, draft_key,
                                        captured=drafter.captured, execution=execution)
 
+    def _target_key(self, model: torch.nn.Module) -> str:
+        """The target's costs' key on disk: its path, and whether it multiplies a GGUF's blocks."""
+        path = resolve_model_path(self.config.model)
+        return f"{path}|gguf-blocks" if uses_blocks(getattr(model, "inner", model)) else path
+
     def _calibrate_draft(self, model: torch.nn.Module, drafter: Drafter, topology: TreeTopology,
                          execution: Execution, target_from_path: bool) -> BatchCosts:
         """A self-draft's forward costs (``model``: the draft or one of its layer sets), cached on disk under the
@@ -186,7 +193,7 @@ class _Builder:
         draft_key = None  # the quantization and the layers are part of what was timed
         if spec.model == SELF_DRAFT and target_from_path:
             layers = getattr(getattr(model, "stack", None), "layers", None)
-            draft_key = f"{resolve_model_path(config.model)}|self-draft|{spec.quantization}|{layers}"
+            draft_key = f"{self._target_key(model)}|self-draft|{spec.quantization}|{layers}"
         return calibrate_batch(model, topology.root_width + 1, config.batch_size, draft_key, captured=drafter.captured,
                                execution=execution)
 

@@ -12,14 +12,25 @@ Byte j of a 4-bit block holds weight j in its low nibble and weight j + 16 in it
 the nibbles (or int8) as stored and d, m widened to float32 (exactly), so its dequantized weights are bit for bit
 what the ``gguf`` package's ``dequantize`` gives, and ``specbatch::block_linear`` (``csrc/quantized_linear.cpp``)
 reads 4.5 or 8.5 bits a weight where a float32 copy reads 32.
+
+``use_gguf_blocks`` makes a Llama-family model loaded from a GGUF (transformers dequantizes it to float32) multiply
+its linear layers, embedding and LM head from the file's own blocks instead, and drops the float copies: the
+projections become weight-only kernels the lean forward reads (``kernel_parts``), q|k|v and gate|up fused.
 """
 
 from __future__ import annotations
 
+import functools
+import logging
+from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 import torch
+from torch import nn
+
+log = logging.getLogger(__name__)
 
 BLOCK = 32
 # type name -> (bytes a block, bits a weight, whether the block stores m)
@@ -52,6 +63,44 @@ class BlockWeight:
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in (self.q, self.d, self.m) if t is not None)
 
+    def rows(self, index: torch.Tensor) -> BlockWeight:
+        """The output rows ``index`` (a gather: whole rows of blocks)."""
+        return BlockWeight(self.q[index], self.d[index], self.m[index] if self.m is not None else None, self.bits)
+
+    @staticmethod
+    def stacked(weights: list[BlockWeight]) -> BlockWeight:
+        """Weights of one input size and one type, their output rows one after the other."""
+        return BlockWeight(torch.cat([w.q for w in weights]), torch.cat([w.d for w in weights]),
+                           torch.cat([w.m for w in weights]) if weights[0].m is not None else None, weights[0].bits)
+
+    def kernel(self, bias: torch.Tensor | None = None) -> Callable[[torch.Tensor], torch.Tensor]:
+        """``x -> x @ W.T + bias``, a module's forward (``quantize.kernel_parts`` reads its tensors back)."""
+        return functools.partial(block_linear, self.q, self.d, self.m, self.bits, bias)
+
+
+def block_linear(q: torch.Tensor, d: torch.Tensor, m: torch.Tensor | None, bits: int, bias: torch.Tensor | None,
+                 x: torch.Tensor) -> torch.Tensor:
+    """``x @ W.T + bias`` for the blocks (q, d, m) of ``bits`` a weight; x float32 [..., K]."""
+    out = torch.ops.specbatch.block_linear(x, q, d, m, bits)
+    return out + bias if bias is not None else out
+
+
+class BlockEmbedding(nn.Module):
+    """An embedding table kept in blocks (buffers, shared by the model's copies): each looked-up row dequantized
+    (as ``gguf`` dequantizes it)."""
+
+    def __init__(self, weight: BlockWeight) -> None:
+        super().__init__()
+        self.register_buffer("q", weight.q, persistent=False)
+        self.register_buffer("d", weight.d, persistent=False)
+        self.register_buffer("m", weight.m, persistent=False)
+        self.bits = weight.bits
+        self.num_embeddings, self.embedding_dim = weight.shape
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        rows = BlockWeight(self.q, self.d, self.m, self.bits).rows(ids.reshape(-1))
+        return rows.dequantize().view(*ids.shape, self.embedding_dim)
+
 
 def from_gguf(raw: np.ndarray, type_name: str, shape: tuple[int, int], name: str = "tensor") -> BlockWeight:
     """The blocks of a GGUF tensor of ``type_name`` and logical ``shape`` [N, K] (``raw``: its bytes, as the
@@ -82,3 +131,109 @@ def from_gguf(raw: np.ndarray, type_name: str, shape: tuple[int, int], name: str
     if not (np.isfinite(d).all() and (m is None or np.isfinite(m).all())):
         raise ValueError(f"{name}: {type_name} block scales are not finite (corrupt)")
     return BlockWeight(q_tensor, torch.from_numpy(d), torch.from_numpy(m) if m is not None else None, bits)
+
+
+def uses_blocks(model: nn.Module) -> bool:
+    """Whether ``model`` computes from a GGUF's blocks (``use_gguf_blocks``)."""
+    return any(isinstance(module, BlockEmbedding) or getattr(vars(module).get("forward"), "func", None) is block_linear
+               for module in model.modules())
+
+
+# A Llama-family GGUF's names for each decoder layer's linear layers: (module, child) in transformers' layer.
+LAYER_LINEARS = {
+    "attn_q": ("self_attn", "q_proj"), "attn_k": ("self_attn", "k_proj"), "attn_v": ("self_attn", "v_proj"),
+    "attn_output": ("self_attn", "o_proj"), "ffn_gate": ("mlp", "gate_proj"), "ffn_up": ("mlp", "up_proj"),
+    "ffn_down": ("mlp", "down_proj"),
+}
+SIBLINGS = (("attn_q", "attn_k", "attn_v"), ("ffn_gate", "ffn_up"))
+
+
+def read_blocks(path: str | Path) -> dict[str, BlockWeight]:
+    """Every matrix of a block type in the GGUF at ``path``, by its GGUF name (other types are left to the float
+    weights transformers dequantized)."""
+    from gguf import GGUFReader
+
+    found = {}
+    for tensor in GGUFReader(str(path)).tensors:
+        if tensor.tensor_type.name in LAYOUTS and len(tensor.shape) == 2:
+            cols, rows = (int(n) for n in tensor.shape)  # GGUF lists the innermost dimension first
+            found[tensor.name] = from_gguf(tensor.data, tensor.tensor_type.name, (rows, cols), tensor.name)
+    return found
+
+
+def _rotary_rows(rows: int, heads: int) -> torch.Tensor:
+    """The row order that undoes llama.cpp's permutation of q and k (each head's rotary halves interleaved), as
+    transformers' GGUF loader undoes it on the float weights: row (h, i, j) of the result is row (h, j, i) of the
+    file, j over each head's half-dimension."""
+    return torch.arange(rows).view(heads, rows // heads // 2, 2).transpose(1, 2).reshape(-1)
+
+
+def _dropped(module: nn.Linear) -> None:
+    """The float weight's memory freed (the module computes from its blocks now)."""
+    module.weight = nn.Parameter(module.weight.new_empty(0), requires_grad=False)
+
+
+def use_gguf_blocks(model: nn.Module, path: str | Path) -> nn.Module:
+    """``model`` (a Llama-family causal LM that transformers loaded from the GGUF at ``path``) computing its linear
+    layers, its embedding and its LM head from the file's blocks, in place; float copies of what moved are freed.
+    Raises ``ValueError`` naming the tensor where the file's tensors do not match the model's modules."""
+    from decoding.model.attention import cpu_kernel
+    from decoding.model.quantize import FusedSiblings, siblings_bias
+
+    if not cpu_kernel():
+        raise ValueError("quantization: gguf needs the C++ kernels, which could not be built here (a C++ compiler)")
+    if next(model.parameters()).device.type != "cpu":
+        raise ValueError("quantization: gguf runs on a CPU; on a GPU load the model with quantization: null")
+    blocks = read_blocks(path)
+    config = model.config
+    base = model.model
+    moved = 0
+    for index, layer in enumerate(base.layers):
+        weights = {}
+        for short, (parent, child) in LAYER_LINEARS.items():
+            name = f"blk.{index}.{short}.weight"
+            module = getattr(getattr(layer, parent), child)
+            if name not in blocks:
+                continue
+            weight = blocks.pop(name)
+            if weight.shape != tuple(module.weight.shape):
+                raise ValueError(f"{name}: [{weight.shape[0]}, {weight.shape[1]}] in the file, the model's "
+                                 f"{parent}.{child} is {list(module.weight.shape)}")
+            if short in ("attn_q", "attn_k"):
+                heads = config.num_attention_heads if short == "attn_q" else config.num_key_value_heads
+                weight = weight.rows(_rotary_rows(weight.shape[0], heads))
+            weights[short] = (module, weight)
+        for group in SIBLINGS:
+            members = [weights.get(short) for short in group]
+            if all(members) and len({w.bits for _, w in members}) == 1:
+                modules = [module for module, _ in members]
+                FusedSiblings(modules, BlockWeight.stacked([w for _, w in members]).kernel(siblings_bias(modules)))
+                for short in group:
+                    weights.pop(short)
+        for module, weight in weights.values():
+            module.forward = weight.kernel(module.bias)
+        for parent, child in LAYER_LINEARS.values():
+            module = getattr(getattr(layer, parent), child)
+            if "forward" in vars(module):
+                _dropped(module)
+                moved += 1
+    embedding = blocks.pop("token_embd.weight", None)
+    head = blocks.pop("output.weight", embedding if getattr(config, "tie_word_embeddings", False) else None)
+    lm_head = model.get_output_embeddings()
+    if head is not None:
+        if head.shape != tuple(lm_head.weight.shape):
+            raise ValueError(f"output.weight: [{head.shape[0]}, {head.shape[1]}] in the file, the model's lm_head "
+                             f"is {list(lm_head.weight.shape)}")
+        lm_head.forward = head.kernel(lm_head.bias)
+    if embedding is not None:
+        if embedding.shape != tuple(base.embed_tokens.weight.shape):
+            raise ValueError(f"token_embd.weight: [{embedding.shape[0]}, {embedding.shape[1]}] in the file, the "
+                             f"model's embed_tokens is {list(base.embed_tokens.weight.shape)}")
+        base.embed_tokens = BlockEmbedding(embedding)
+    if head is not None:
+        _dropped(lm_head)
+    if blocks:
+        raise ValueError(f"{next(iter(blocks))}: a block tensor the model has no module for")
+    log.info("GGUF blocks: %d linear layers, embedding %s, head %s multiplied as stored", moved,
+             "yes" if embedding is not None else "float", "yes" if head is not None else "float")
+    return model

@@ -105,12 +105,14 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 @dataclass(frozen=True)
 class Projection:
-    """How a linear projection computes: float weights (``F.linear``) or a weight-only kernel (``quantize.py``).
-    Its tensors are passed to the layer function as inputs, so one compiled graph serves every layer."""
+    """How a linear projection computes: float weights (``F.linear``), a weight-only kernel (``quantize.py``) or
+    a GGUF file's blocks (``gguf_blocks.py``; ``bits`` a weight). Its tensors are passed to the layer function as
+    inputs, so one compiled graph serves every layer."""
 
-    kind: Literal["float", "int4", "int8"]
+    kind: Literal["float", "int4", "int8", "blocks"]
     groupsize: int = 0
     bias: bool = False
+    bits: int = 0
 
     def apply(self, x: torch.Tensor, tensors: list[torch.Tensor], packed: bool = False) -> torch.Tensor:
         """``packed``: float weights may run their oneDNN-packed copies (the CPU kernels' execution)."""
@@ -119,13 +121,19 @@ class Projection:
             if packed and packs(tensors[0]):  # the weight's oneDNN-packed copy
                 return torch.ops.specbatch.packed_linear(x, tensors[0], bias)
             return nn.functional.linear(x, tensors[0], bias)
-        out = (int4_matmul(x, tensors[0], tensors[1], self.groupsize) if self.kind == "int4"
-               else int8_matmul(x, tensors[0], tensors[1]))
+        if self.kind == "blocks":  # q, d and (4-bit types) m
+            out = torch.ops.specbatch.block_linear(x, tensors[0], tensors[1], tensors[2] if self.bits == 4 else None,
+                                                   self.bits)
+        elif self.kind == "int4":
+            out = int4_matmul(x, tensors[0], tensors[1], self.groupsize)
+        else:
+            out = int8_matmul(x, tensors[0], tensors[1])
         return out + bias if bias is not None else out
 
     @property
     def count(self) -> int:
-        return (1 if self.kind == "float" else 2) + self.bias
+        weights = {"float": 1, "int4": 2, "int8": 2, "blocks": 3 if self.bits == 4 else 2}[self.kind]
+        return weights + self.bias
 
     @classmethod
     def of(cls, modules: list[nn.Module], fused: Callable | None) -> tuple[Projection, list[torch.Tensor]]:
@@ -135,7 +143,9 @@ class Projection:
         parts = kernel_parts(kernel) if kernel is not None else None
         if parts is not None:
             kind, tensors, groupsize, bias = parts
-            return cls(kind, groupsize, bias is not None), [*tensors, *([bias] if bias is not None else [])]
+            projection = (cls(kind, bias=bias is not None, bits=groupsize) if kind == "blocks"
+                          else cls(kind, groupsize, bias is not None))
+            return projection, [*tensors, *([bias] if bias is not None else [])]
         if not all(type(m) is nn.Linear for m in modules):
             raise TypeError("not a plain or weight-only linear")
         weight = modules[0].weight if len(modules) == 1 else torch.cat([m.weight for m in modules]).detach()

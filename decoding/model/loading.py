@@ -17,6 +17,7 @@ import itertools
 import json
 import logging
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -40,6 +41,7 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from decoding.config import SpeculativeConfig
 from decoding.model.attention import PACK_ROWS_HINT, packs
+from decoding.model.gguf_blocks import use_gguf_blocks
 from decoding.paths import cache_dir
 
 log = logging.getLogger(__name__)
@@ -240,20 +242,48 @@ def _partial_tensors(function: Any) -> list[torch.Tensor]:
     return found
 
 
+
 def load_tokenizer(name: str, trust_remote_code: bool = False) -> PreTrainedTokenizerBase:
     """``trust_remote_code`` (transformers'): the tokenizer's own Python code, where its repository has some, may
     run."""
     return AutoTokenizer.from_pretrained(resolve_model_path(name), trust_remote_code=trust_remote_code)
 
 
+def model_gguf(name: str) -> Path | None:
+    """The GGUF file the model ``name`` was converted from (the default model's, kept beside its conversion from
+    first use); None for a model that is not one."""
+    if name != DEFAULT_MODEL:
+        return None
+    folder = Path(resolve_model_path(name))
+    path = folder / _SMOLLM2_GGUF
+    if not path.is_file():
+        with FileLock(str(folder) + ".lock"), tempfile.TemporaryDirectory(dir=folder) as tmp:
+            if not path.is_file():
+                staged = Path(tmp) / "staged.gguf"
+                shutil.copyfile(_smollm2_gguf(Path(tmp)), staged)
+                os.replace(staged, path)
+    return path
+
+
 def load_model(name: str, dtype: str = "auto", device: torch.device | None = None,
-               trust_remote_code: bool = False) -> PreTrainedModel:
+               trust_remote_code: bool = False, quantization: str | None = None) -> PreTrainedModel:
+    """``quantization`` (``Config.quantization``): "gguf" multiplies a GGUF model's blocks as stored
+    (``gguf_blocks.py``), "auto" where the model is a GGUF and runs on a CPU in float32."""
     device = device or default_device()
+    torch_dtype = resolve_dtype(dtype, device)
     model = AutoModelForCausalLM.from_pretrained(
-        resolve_model_path(name), dtype=resolve_dtype(dtype, device), attn_implementation="sdpa",
+        resolve_model_path(name), dtype=torch_dtype, attn_implementation="sdpa",
         trust_remote_code=trust_remote_code,
-    )
-    return model.to(device).eval()
+    ).to(device).eval()
+    gguf = model_gguf(name) if quantization is not None else None
+    runs_blocks = device.type == "cpu" and torch_dtype == torch.float32
+    if quantization == "gguf" and (gguf is None or not runs_blocks):
+        raise ValueError(f"quantization: gguf multiplies a GGUF model's blocks on a CPU in float32: model {name!r} "
+                         + ("is not a GGUF (the default model is)" if gguf is None
+                            else f"runs on {device.type} in {str(torch_dtype).removeprefix('torch.')}"))
+    if gguf is not None and runs_blocks:
+        use_gguf_blocks(model, gguf)
+    return model
 
 
 DRAFT_METADATA = "specbatch_draft.json"

@@ -157,13 +157,9 @@ class FusedSiblings:
     Why: a decode step of the int4 twin is mostly per-call overhead (7 calls of tens of microseconds per layer).
     """
 
-    def __init__(self, modules: list[torch.nn.Linear], scheme: Scheme, groupsize: int) -> None:
-        weight = torch.cat([m.weight.detach() for m in modules])
-        bias = None
-        if any(m.bias is not None for m in modules):
-            bias = torch.cat([m.bias.detach() if m.bias is not None else m.weight.new_zeros(m.out_features)
-                              for m in modules])
-        self.kernel = _kernel(weight, bias, scheme, groupsize)
+    def __init__(self, modules: list[torch.nn.Linear], kernel: Callable[[torch.Tensor], torch.Tensor]) -> None:
+        """``kernel``: computes the modules' outputs side by side (their weights' rows one after the other)."""
+        self.kernel = kernel
         self.sizes = [m.out_features for m in modules]
         self.input: torch.Tensor | None = None
         self.outputs: dict[int, torch.Tensor] = {}
@@ -180,6 +176,19 @@ class FusedSiblings:
         return out
 
 
+def siblings_bias(modules: list[torch.nn.Linear]) -> torch.Tensor | None:
+    """The biases of ``modules`` side by side (a missing one: zeros); None where none has one."""
+    if all(m.bias is None for m in modules):
+        return None
+    like = next(m.bias for m in modules if m.bias is not None)
+    return torch.cat([m.bias.detach() if m.bias is not None else like.new_zeros(m.out_features) for m in modules])
+
+
+def siblings_weight(modules: list[torch.nn.Linear]) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(weight, bias) of ``modules`` side by side."""
+    return torch.cat([m.weight.detach() for m in modules]), siblings_bias(modules)
+
+
 def fused_kernel(modules: list[torch.nn.Module]) -> Callable[[torch.Tensor], torch.Tensor] | None:
     """The one kernel computing ``modules``' outputs side by side (``x -> cat([m(x) for m in modules], -1)``),
     when they are exactly one FusedSiblings group in its order; else None."""
@@ -194,10 +203,16 @@ def fused_kernel(modules: list[torch.nn.Module]) -> Callable[[torch.Tensor], tor
 
 def kernel_parts(
     kernel: Callable[[torch.Tensor], torch.Tensor] | None,
-) -> tuple[Literal["int4", "int8"], tuple[torch.Tensor, torch.Tensor], int, torch.Tensor | None] | None:
-    """(scheme, its two weight tensors, groupsize, bias) of a weight-only kernel; None for anything else."""
+) -> tuple[Literal["int4", "int8", "blocks"], tuple[torch.Tensor, ...], int, torch.Tensor | None] | None:
+    """(scheme, its weight tensors, groupsize, bias) of a weight-only kernel, GGUF blocks' included (their
+    "groupsize": bits a weight; tensors q, d and m, where the type stores m); None for anything else."""
+    from decoding.model.gguf_blocks import block_linear
+
     if not isinstance(kernel, functools.partial):
         return None
+    if kernel.func is block_linear:
+        q, d, m, bits, bias = kernel.args
+        return "blocks", (q, d) if m is None else (q, d, m), bits, bias
     if kernel.func is _int4_linear:
         packed, scales_and_zeros, groupsize, bias = kernel.args
         return "int4", (packed, scales_and_zeros), groupsize, bias
@@ -208,11 +223,12 @@ def kernel_parts(
 
 
 def is_weight_only(module: torch.nn.Module) -> bool:
-    """Whether ``module`` computes through a weight-only kernel (alone or in a FusedSiblings group)."""
+    """Whether ``module`` computes through torch's weight-only kernels (bf16 activations), alone or in a
+    FusedSiblings group."""
     forward = vars(module).get("forward")
-    return isinstance(forward, functools.partial) and (
-        forward.func in (_int4_linear, _int8_linear) or isinstance(getattr(forward.func, "__self__", None),
-                                                                   FusedSiblings))
+    owner = getattr(getattr(forward, "func", None), "__self__", None)
+    kernel = owner.kernel if isinstance(owner, FusedSiblings) else forward
+    return isinstance(kernel, functools.partial) and kernel.func in (_int4_linear, _int8_linear)
 
 
 def _sibling_groups(parent: torch.nn.Module) -> list[list[torch.nn.Linear]]:
@@ -249,7 +265,7 @@ def quantized(
     output = twin.get_output_embeddings() if hasattr(twin, "get_output_embeddings") else None
     for parent in twin.modules():
         for group in _sibling_groups(parent):
-            FusedSiblings(group, scheme, groupsize)
+            FusedSiblings(group, _kernel(*siblings_weight(group), scheme, groupsize))
     for module in twin.modules():
         if isinstance(module, torch.nn.Linear) and module is not output and "forward" not in vars(module):
             quantize_linear(module, scheme, groupsize)
