@@ -69,13 +69,13 @@ def _generate(config: Config, real, draft, prompts: dict[str, list[Request]]) ->
     return outputs
 
 
-def _config(**speculative) -> Config:
+def _config(max_tokens: int = MAX_TOKENS, **speculative) -> Config:
     batch_size = speculative.pop("batch_size", 16)
     if speculative.get("method") == "draft_model":
         speculative.setdefault("model", "truncated-target")
     return Config.model_validate({
         "model": DEFAULT_MODEL, "batch_size": batch_size, "speculative": speculative,
-        "sampling": {"max_tokens": MAX_TOKENS},
+        "sampling": {"max_tokens": max_tokens},
     })
 
 
@@ -99,7 +99,8 @@ def test_plain_engine_takes_transformers_greedy_token_at_every_position(real, pr
     _assert_transformers_greedy(real, prompts, plain)
 
 
-def _assert_transformers_greedy(real, prompts: dict[str, list[Request]], outputs: dict[str, list[list[int]]]) -> None:
+def _assert_transformers_greedy(real, prompts: dict[str, list[Request]], outputs: dict[str, list[list[int]]],
+                                max_tokens: int = MAX_TOKENS) -> None:
     """Each of ``outputs``' tokens is transformers' greedy token: one forward of transformers' model over the
     prompt and the engine's tokens gives the logits at every position, and each token of the engine's is their
     argmax or, at a near-tie, the second of the top two within NEAR_TIE of the first. Every position is checked
@@ -111,7 +112,7 @@ def _assert_transformers_greedy(real, prompts: dict[str, list[Request]], outputs
             text = request.prompt if request.prompt is not None else tokenizer.apply_chat_template(
                 request.messages, tokenize=False, add_generation_prompt=True)
             ids = tokenizer(text, return_tensors="pt", add_special_tokens=request.prompt is not None).input_ids[0]
-            assert len(ours) == MAX_TOKENS or ours[-1:] == [2], (request.id, len(ours))
+            assert len(ours) == max_tokens or ours[-1:] == [2], (request.id, len(ours))
             chosen = torch.tensor(ours)
             with torch.no_grad():
                 logits = target(torch.cat([ids, chosen])[None]).logits[0, len(ids) - 1 : -1]
@@ -210,13 +211,14 @@ def test_the_default_models_gguf_blocks_dequantize_to_its_converted_weights(real
 
 def test_decoding_over_the_default_models_gguf_blocks_is_transformers_greedy(real, real_blocks, prompts) -> None:
     """Plain decoding over the blocks takes transformers' greedy token of the dequantized model at every position
-    (near-ties aside), and n-gram speculation over them gives the same tokens, drafting (two prompts of each set:
-    a verification over blocks is a prefill-sized forward; the tiny models' tests run every drafter over blocks)."""
-    tokenizer = real[1]
+    (near-ties aside), and n-gram speculation over them gives the same tokens, drafting (two prompts of each set,
+    32 tokens: the eager forward over blocks is slow at several tokens a row; the tiny models' tests run every
+    drafter over blocks)."""
+    tokenizer, tokens = real[1], 32
     prompts = {name: requests[:2] for name, requests in prompts.items()}
-    plain_blocks = _generate(_config(method="none"), (real_blocks, tokenizer), None, prompts)
-    _assert_transformers_greedy(real, prompts, plain_blocks)
-    engine = Engine(_config(method="ngram", num_candidates=1, length_policy="static"), target=real_blocks,
+    plain_blocks = _generate(_config(tokens, method="none"), (real_blocks, tokenizer), None, prompts)
+    _assert_transformers_greedy(real, prompts, plain_blocks, tokens)
+    engine = Engine(_config(tokens, method="ngram", num_candidates=1, length_policy="static"), target=real_blocks,
                     tokenizer=tokenizer)
     results = engine.generate([request for requests in prompts.values() for request in requests])
     assert [r.token_ids for r in results] == [ids for name in prompts for ids in plain_blocks[name]]
