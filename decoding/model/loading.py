@@ -242,7 +242,6 @@ def _partial_tensors(function: Any) -> list[torch.Tensor]:
     return found
 
 
-
 def load_tokenizer(name: str, trust_remote_code: bool = False) -> PreTrainedTokenizerBase:
     """``trust_remote_code`` (transformers'): the tokenizer's own Python code, where its repository has some, may
     run."""
