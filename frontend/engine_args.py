@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import logging
 from collections import Counter
-from typing import Any
+from typing import Any, get_args
 
-from decoding.config import Config
+from decoding.config import Config, Quantization
 
 log = logging.getLogger(__name__)
 
@@ -51,7 +51,7 @@ def config_fields(engine_kwargs: dict[str, Any]) -> dict[str, Any]:
     """``Config`` fields for ``engine_kwargs`` (without ``model``); ``ValueError`` naming what is refused. ``seed``
     becomes ``sampling.seed`` (the run seed)."""
     kwargs = dict(engine_kwargs)
-    if kwargs.get("quantization") not in (None, "gguf", "auto"):
+    if kwargs.get("quantization") not in (None, *get_args(Quantization)):
         raise ValueError(f"engine_kwargs.quantization={kwargs['quantization']!r}: {INSTEAD['quantization']}")
     for name, accepted in VLLM_NEUTRAL.items():
         if name in kwargs and kwargs[name] not in accepted:

@@ -203,6 +203,7 @@ def use_gguf_blocks(model: nn.Module, path: str | Path) -> nn.Module:
                 heads = config.num_attention_heads if short == "attn_q" else config.num_key_value_heads
                 weight = weight.rows(_rotary_rows(weight.shape[0], heads))
             weights[short] = (module, weight)
+        taken = [module for module, _ in weights.values()]
         for group in SIBLINGS:
             members = [weights.get(short) for short in group]
             if all(members) and len({w.bits for _, w in members}) == 1:
@@ -212,11 +213,9 @@ def use_gguf_blocks(model: nn.Module, path: str | Path) -> nn.Module:
                     weights.pop(short)
         for module, weight in weights.values():
             module.forward = weight.kernel(module.bias)
-        for parent, child in LAYER_LINEARS.values():
-            module = getattr(getattr(layer, parent), child)
-            if "forward" in vars(module):
-                _dropped(module)
-                moved += 1
+        for module in taken:
+            _dropped(module)
+        moved += len(taken)
     embedding = blocks.pop("token_embd.weight", None)
     head = blocks.pop("output.weight", embedding if getattr(config, "tie_word_embeddings", False) else None)
     lm_head = model.get_output_embeddings()
@@ -225,13 +224,12 @@ def use_gguf_blocks(model: nn.Module, path: str | Path) -> nn.Module:
             raise ValueError(f"output.weight: [{head.shape[0]}, {head.shape[1]}] in the file, the model's lm_head "
                              f"is {list(lm_head.weight.shape)}")
         lm_head.forward = head.kernel(lm_head.bias)
+        _dropped(lm_head)  # a tied embedding keeps the float table until it is replaced below
     if embedding is not None:
         if embedding.shape != tuple(base.embed_tokens.weight.shape):
             raise ValueError(f"token_embd.weight: [{embedding.shape[0]}, {embedding.shape[1]}] in the file, the "
                              f"model's embed_tokens is {list(base.embed_tokens.weight.shape)}")
         base.embed_tokens = BlockEmbedding(embedding)
-    if head is not None:
-        _dropped(lm_head)
     if blocks:
         raise ValueError(f"{next(iter(blocks))}: a block tensor the model has no module for")
     log.info("GGUF blocks: %d linear layers, embedding %s, head %s multiplied as stored", moved,

@@ -274,8 +274,8 @@ def load_model(name: str, dtype: str = "auto", device: torch.device | None = Non
         resolve_model_path(name), dtype=torch_dtype, attn_implementation="sdpa",
         trust_remote_code=trust_remote_code,
     ).to(device).eval()
-    gguf = model_gguf(name) if quantization is not None else None
     runs_blocks = device.type == "cpu" and torch_dtype == torch.float32
+    gguf = model_gguf(name) if quantization == "gguf" or (quantization == "auto" and runs_blocks) else None
     if quantization == "gguf" and (gguf is None or not runs_blocks):
         raise ValueError(f"quantization: gguf multiplies a GGUF model's blocks on a CPU in float32: model {name!r} "
                          + ("is not a GGUF (the default model is)" if gguf is None
