@@ -74,7 +74,14 @@ def run_lora_bench(config: Config, prompts: list[Request], counts: list[int], ra
     batch = [prompts[i % len(prompts)] for i in range(rows)]
     tokenizer = load_tokenizer(config.model, config.trust_remote_code)
     target = load_model(config.model, config.dtype)
-    folder = Path(tempfile.mkdtemp(prefix="specbatch-lora-bench-"))
+    with tempfile.TemporaryDirectory(prefix="specbatch-lora-bench-") as scratch:
+        return _measure(config, tokenizer, target, Path(scratch), batch, counts, rank, rounds, progress)
+
+
+def _measure(config: Config, tokenizer, target, folder: Path, batch: list[Request], counts: list[int], rank: int,
+             rounds: int, progress) -> list[LoraRow]:
+    """The sweep with the adapters written under ``folder`` (removed by the caller when it returns)."""
+    rows = len(batch)
     names = [f"adapter{i}" for i in range(max(counts))]
     for seed, name in enumerate(names):
         save_random_adapter(folder / name, target.config, rank, seed)

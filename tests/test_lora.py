@@ -506,8 +506,12 @@ def test_the_ray_data_llm_lora_example_runs(ray_cluster, monkeypatch, capsys):
                                                             "3 [random-adapter]"], lines
 
 
-def test_the_lora_benchmark_measures_each_contender(tiny_dirs):
+def test_the_lora_benchmark_measures_each_contender(tiny_dirs, tmp_path, monkeypatch):
+    import tempfile
+
     from bench.lora import format_lora, run_lora_bench
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
 
     config = Config.model_validate({"model": tiny_dirs["target"], "batch_size": 4, "speculative": {"method": "none"},
                                     "sampling": {"max_tokens": 4, "ignore_eos": True}})
@@ -517,3 +521,4 @@ def test_the_lora_benchmark_measures_each_contender(tiny_dirs):
         ("merged weights", 0, 4)]
     assert all(r.tokens_per_s > 0 for r in rows) and rows[0].vs_base == 1.0
     assert "one adapter batched / its merged weights" in format_lora(rows)
+    assert not list(tmp_path.iterdir())  # the adapters it wrote are removed
