@@ -145,9 +145,6 @@ LAYER_LINEARS = {
     "attn_output": ("self_attn", "o_proj"), "ffn_gate": ("mlp", "gate_proj"), "ffn_up": ("mlp", "up_proj"),
     "ffn_down": ("mlp", "down_proj"),
 }
-SIBLINGS = (("attn_q", "attn_k", "attn_v"), ("ffn_gate", "ffn_up"))
-
-
 def read_blocks(path: str | Path) -> dict[str, BlockWeight]:
     """Every matrix of a block type in the GGUF at ``path``, by its GGUF name (other types are left to the float
     weights transformers dequantized)."""
@@ -173,12 +170,45 @@ def _dropped(module: nn.Linear) -> None:
     module.weight = nn.Parameter(module.weight.new_empty(0), requires_grad=False)
 
 
+def use_blocks(model: nn.Module, linears: dict[str, BlockWeight]) -> int:
+    """Each linear layer of ``model`` named in ``linears`` (by module path, e.g. ``model.layers.0.mlp.up_proj``)
+    computing from its blocks, in place: q|k|v and gate|up fused where all of a group have blocks of one kind, float
+    weights freed. Returns how many moved. Raises ``ValueError`` naming the module where it is no linear layer or
+    its shape differs."""
+    from decoding.model.quantize import SIBLINGS, FusedSiblings, siblings_bias
+
+    modules = dict(model.named_modules())
+    taken: dict[str, tuple[nn.Linear, BlockWeight]] = {}
+    for name, weight in linears.items():
+        module = modules.get(name)
+        if not isinstance(module, nn.Linear):
+            raise ValueError(f"{name}: quantized weights the model has no linear layer for")
+        if weight.shape != tuple(module.weight.shape):
+            raise ValueError(f"{name}: [{weight.shape[0]}, {weight.shape[1]}] in the checkpoint, the model's layer is "
+                             f"{list(module.weight.shape)}")
+        taken[name] = (module, weight)
+    alone = dict(taken)
+    for name in taken:
+        parent, _, child = name.rpartition(".")
+        for group in SIBLINGS:
+            members = [alone.get(f"{parent}.{c}") for c in group] if child == group[0] else [None]
+            if all(members) and len({(w.bits, w.m is None) for _, w in members}) == 1:
+                siblings = [module for module, _ in members]
+                FusedSiblings(siblings, BlockWeight.stacked([w for _, w in members]).kernel(siblings_bias(siblings)))
+                for c in group:
+                    alone.pop(f"{parent}.{c}")
+    for module, weight in alone.values():
+        module.forward = weight.kernel(module.bias)
+    for module, _ in taken.values():
+        _dropped(module)
+    return len(taken)
+
+
 def use_gguf_blocks(model: nn.Module, path: str | Path) -> nn.Module:
     """``model`` (a Llama-family causal LM that transformers loaded from the GGUF at ``path``) computing its linear
     layers, its embedding and its LM head from the file's blocks, in place; float copies of what moved are freed.
     Raises ``ValueError`` naming the tensor where the file's tensors do not match the model's modules."""
     from decoding.model.attention import cpu_kernel
-    from decoding.model.quantize import FusedSiblings, siblings_bias
 
     if not cpu_kernel():
         raise ValueError("quantization: gguf needs the C++ kernels, which could not be built here (a C++ compiler)")
@@ -187,9 +217,9 @@ def use_gguf_blocks(model: nn.Module, path: str | Path) -> nn.Module:
     blocks = read_blocks(path)
     config = model.config
     base = model.model
-    moved = 0
+    prefix = next(name for name, module in model.named_modules() if module is base.layers)
+    linears = {}
     for index, layer in enumerate(base.layers):
-        weights = {}
         for short, (parent, child) in LAYER_LINEARS.items():
             name = f"blk.{index}.{short}.weight"
             module = getattr(getattr(layer, parent), child)
@@ -202,20 +232,8 @@ def use_gguf_blocks(model: nn.Module, path: str | Path) -> nn.Module:
             if short in ("attn_q", "attn_k"):
                 heads = config.num_attention_heads if short == "attn_q" else config.num_key_value_heads
                 weight = weight.rows(_rotary_rows(weight.shape[0], heads))
-            weights[short] = (module, weight)
-        taken = [module for module, _ in weights.values()]
-        for group in SIBLINGS:
-            members = [weights.get(short) for short in group]
-            if all(members) and len({w.bits for _, w in members}) == 1:
-                modules = [module for module, _ in members]
-                FusedSiblings(modules, BlockWeight.stacked([w for _, w in members]).kernel(siblings_bias(modules)))
-                for short in group:
-                    weights.pop(short)
-        for module, weight in weights.values():
-            module.forward = weight.kernel(module.bias)
-        for module in taken:
-            _dropped(module)
-        moved += len(taken)
+            linears[f"{prefix}.{index}.{parent}.{child}"] = weight
+    moved = use_blocks(model, linears)
     embedding = blocks.pop("token_embd.weight", None)
     head = blocks.pop("output.weight", embedding if getattr(config, "tie_word_embeddings", False) else None)
     lm_head = model.get_output_embeddings()
