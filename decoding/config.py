@@ -167,7 +167,7 @@ def _printable(name: str) -> str:
 # Any other character is fine: labels are escaped, and Ray's metrics export gets it as ASCII (frontend.metrics).
 ModelName = Annotated[str, Field(min_length=1), AfterValidator(_printable)]
 # The target weights a model may run as stored (Config.quantization); vLLM's engine_kwargs.quantization takes them.
-Quantization = Literal["auto", "gguf"]
+Quantization = Literal["auto", "gguf", "awq", "gptq", "compressed-tensors"]
 
 
 CONSTRAINT_KINDS = ("json", "regex", "choice", "grammar", "json_object")
@@ -534,7 +534,8 @@ class Config(_Strict):
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     # vLLM's quantization: "gguf" multiplies a GGUF model's quantized blocks as they are stored (the default model
     # ships as one: Q4_1 layers, a Q8_0 embedding and head) on a CPU, in float32; "auto": where the model is a GGUF
-    # and runs on a CPU in float32; null: the weights transformers dequantizes.
+    # and runs on a CPU in float32; null: the weights transformers dequantizes. An AWQ, GPTQ or compressed-tensors
+    # checkpoint runs its packed integers on a CPU in float32 whatever this says, unless it names another method.
     quantization: Quantization | None = None
     # vLLM's --trust-remote-code: the model's and tokenizer's own Python code (a hub repository's modeling files)
     # may run when they load; off, such a model fails to load naming the option.

@@ -37,8 +37,9 @@ INSTEAD = {
     "kv_cache_dtype": "the KV cache is kept in the model's dtype ('auto')",
     "generation_config": "'auto' or 'vllm' (a request's sampling parameters set its decoding)",
     "load_format": "checkpoints load with transformers from safetensors or pytorch files ('auto')",
-    "quantization": "'gguf' (a GGUF model's quantized blocks, on a CPU) or null; other pre-quantized checkpoints "
-                    "are not loaded: give the full-precision model",
+    "quantization": "'gguf' (a GGUF model's quantized blocks), 'awq', 'gptq', 'compressed-tensors' (a checkpoint's "
+                    "packed integers; detected from its config), 'auto' or null, on a CPU; for another method give "
+                    "the full-precision model",
     "tensor_parallel_size": "one engine runs on one device: use concurrency for more engines",
     "pipeline_parallel_size": "one engine runs on one device: use concurrency for more engines",
     "data_parallel_size": "use concurrency for more engines",

@@ -321,7 +321,7 @@ def test_stage_configs_and_the_older_flags_mean_what_they_mean_in_ray_data_llm()
     ({"engine_kwargs": {"pipeline_parallel_size": 2}}, "pipeline_parallel_size=2", "use concurrency"),
     ({"placement_group_config": {"bundle_per_worker": {"GPU": 2}}}, "2 GPUs", "use concurrency"),
     ({"placement_group_config": {"bundles": [{"GPU": 1}] * 2}}, "2 bundles", "use concurrency"),
-    ({"engine_kwargs": {"quantization": "awq"}}, "quantization='awq'", "full-precision model"),
+    ({"engine_kwargs": {"quantization": "fp8"}}, "quantization='fp8'", "full-precision model"),
     ({"engine_kwargs": {"load_format": "gguf"}}, "load_format='gguf'", "safetensors"),
     ({"engine_kwargs": {"kv_cache_dtype": "fp8"}}, "kv_cache_dtype='fp8'", "model's dtype"),
 ])

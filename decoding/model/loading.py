@@ -42,6 +42,8 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from decoding.config import SpeculativeConfig
 from decoding.model.attention import PACK_ROWS_HINT, packs
 from decoding.model.gguf_blocks import use_gguf_blocks
+from decoding.model.packed_checkpoints import METHODS as PACKED_METHODS
+from decoding.model.packed_checkpoints import checkpoint_method, load_packed_model
 from decoding.paths import cache_dir
 
 log = logging.getLogger(__name__)
@@ -267,14 +269,25 @@ def model_gguf(name: str) -> Path | None:
 def load_model(name: str, dtype: str = "auto", device: torch.device | None = None,
                trust_remote_code: bool = False, quantization: str | None = None) -> PreTrainedModel:
     """``quantization`` (``Config.quantization``): "gguf" multiplies a GGUF model's blocks as stored
-    (``gguf_blocks.py``), "auto" where the model is a GGUF and runs on a CPU in float32."""
+    (``gguf_blocks.py``), "auto" where the model is a GGUF and runs on a CPU in float32. An AWQ, GPTQ or
+    compressed-tensors checkpoint always runs its packed integers (``packed_checkpoints.py``); ``quantization``
+    may name its method."""
     device = device or default_device()
     torch_dtype = resolve_dtype(dtype, device)
-    model = AutoModelForCausalLM.from_pretrained(
-        resolve_model_path(name), dtype=torch_dtype, attn_implementation="sdpa",
-        trust_remote_code=trust_remote_code,
-    ).to(device).eval()
     runs_blocks = device.type == "cpu" and torch_dtype == torch.float32
+    path = resolve_model_path(name)
+    packed = checkpoint_method(path)
+    if packed or quantization in PACKED_METHODS:
+        if quantization not in (None, "auto", packed):
+            raise ValueError(f"quantization: {quantization} names another method than model {name!r} was "
+                             + (f"quantized with ({packed})" if packed else "saved with (full precision)"))
+        if not runs_blocks:
+            raise ValueError(f"quantization: {packed} checkpoints run on a CPU in float32: model {name!r} would run "
+                             f"on {device.type} in {str(torch_dtype).removeprefix('torch.')}")
+        return load_packed_model(path, trust_remote_code)
+    model = AutoModelForCausalLM.from_pretrained(
+        path, dtype=torch_dtype, attn_implementation="sdpa", trust_remote_code=trust_remote_code,
+    ).to(device).eval()
     gguf = model_gguf(name) if quantization == "gguf" or (quantization == "auto" and runs_blocks) else None
     if quantization == "gguf" and (gguf is None or not runs_blocks):
         raise ValueError(f"quantization: gguf multiplies a GGUF model's blocks on a CPU in float32: model {name!r} "
