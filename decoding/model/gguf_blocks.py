@@ -1,4 +1,4 @@
-"""Weights kept in GGUF's 32-weight blocks (Q4_0, Q4_1, Q8_0), multiplied as they are stored.
+"""Weights kept in GGUF's 32-weight blocks (Q4_0, Q4_1, Q8_0, Q4_K), multiplied as they are stored.
 
 A block of one output row holds 32 consecutive input weights with ``w = d * q + m``:
 
@@ -7,6 +7,11 @@ A block of one output row holds 32 consecutive input weights with ``w = d * q + 
 | Q4_0 | 18 | d (f16), 16 bytes of nibbles | 0..15 | -8 d |
 | Q4_1 | 20 | d (f16), m (f16), 16 bytes of nibbles | 0..15 | m |
 | Q8_0 | 34 | d (f16), 32 int8 | -128..127 | 0 |
+| Q4_K | 144 for 8 blocks | D, Dmin (f16), 8 scales and 8 mins of 6 bits, 128 bytes of nibbles | 0..15 | -Dmin min |
+
+Q4_K's block b has d = D * scale_b and m = -Dmin * min_b (exact in float32: an f16 times a 6-bit integer); its
+nibbles are stored a 64-weight pair of blocks at a time (32 bytes: block 2i low, block 2i + 1 high) and are put in
+the order below when read.
 
 Byte j of a 4-bit block holds weight j in its low nibble and weight j + 16 in its high one. ``BlockWeight`` keeps
 the nibbles (or int8) as stored and d, m widened to float32 (exactly), so its dequantized weights are bit for bit
@@ -33,8 +38,9 @@ from torch import nn
 log = logging.getLogger(__name__)
 
 BLOCK = 32
-# type name -> (bytes a block, bits a weight, whether the block stores m)
-LAYOUTS = {"Q4_0": (18, 4, False), "Q4_1": (20, 4, True), "Q8_0": (34, 8, False)}
+# type name -> (weights a stored block, bytes a stored block, bits a weight, whether the block stores m)
+LAYOUTS = {"Q4_0": (32, 18, 4, False), "Q4_1": (32, 20, 4, True), "Q8_0": (32, 34, 8, False),
+           "Q4_K": (256, 144, 4, True)}
 
 
 @dataclass(frozen=True)
@@ -108,16 +114,18 @@ def from_gguf(raw: np.ndarray, type_name: str, shape: tuple[int, int], name: str
     do not hold whole blocks of that shape."""
     if type_name not in LAYOUTS:
         raise ValueError(f"{name}: type {type_name} is not read as blocks (supported: {', '.join(LAYOUTS)})")
-    block_bytes, bits, has_m = LAYOUTS[type_name]
+    stored, block_bytes, bits, has_m = LAYOUTS[type_name]
     rows, cols = shape
-    if cols % BLOCK:
-        raise ValueError(f"{name}: {type_name} rows of {cols} weights are not whole blocks of {BLOCK}")
-    blocks = cols // BLOCK
+    if cols % stored:
+        raise ValueError(f"{name}: {type_name} rows of {cols} weights are not whole blocks of {stored}")
+    blocks = cols // stored
     data = np.ascontiguousarray(raw).view(np.uint8).reshape(-1)
     if data.size != rows * blocks * block_bytes:
         raise ValueError(f"{name}: {type_name} [{rows}, {cols}] needs {rows * blocks * block_bytes} bytes, "
                          f"the file holds {data.size} (truncated or corrupt)")
     data = data.reshape(rows, blocks, block_bytes)
+    if type_name == "Q4_K":
+        return _q4_k(data, name)
     d = data[:, :, 0:2].copy().view(np.float16)[..., 0].astype(np.float32)
     start = 2
     m = None
@@ -131,6 +139,25 @@ def from_gguf(raw: np.ndarray, type_name: str, shape: tuple[int, int], name: str
     if not (np.isfinite(d).all() and (m is None or np.isfinite(m).all())):
         raise ValueError(f"{name}: {type_name} block scales are not finite (corrupt)")
     return BlockWeight(q_tensor, torch.from_numpy(d), torch.from_numpy(m) if m is not None else None, bits)
+
+
+def _q4_k(data: np.ndarray, name: str) -> BlockWeight:
+    """The 32-weight blocks of Q4_K super-blocks ``data`` [N, S, 144] (ggml's ``block_q4_K``)."""
+    rows, supers, _ = data.shape
+    big_d, big_min = (data[:, :, i:i + 2].copy().view(np.float16)[..., 0].astype(np.float32) for i in (0, 2))
+    low, high, rest = (data[:, :, 4 + 4 * i:8 + 4 * i] for i in range(3))  # the 12 bytes of 6-bit scales and mins
+    scales = np.concatenate([low & 0x3F, (rest & 0x0F) | ((low >> 2) & 0x30)], -1).astype(np.float32)
+    mins = np.concatenate([high & 0x3F, (rest >> 4) | ((high >> 2) & 0x30)], -1).astype(np.float32)
+    d = (big_d[..., None] * scales).reshape(rows, supers * 8)
+    m = -(big_min[..., None] * mins).reshape(rows, supers * 8)
+    pairs = data[:, :, 16:].reshape(rows, supers, 4, 1, 32)
+    q = (pairs >> np.array([0, 4], dtype=np.uint8).reshape(1, 1, 1, 2, 1)) & 0x0F  # [N, S, 4, 2, 32]
+    q = q.reshape(rows, supers * 8, BLOCK)
+    packed = (q[..., : BLOCK // 2] | (q[..., BLOCK // 2:] << 4)).astype(np.uint8).reshape(rows, -1)
+    if not (np.isfinite(d).all() and np.isfinite(m).all()):
+        raise ValueError(f"{name}: Q4_K block scales are not finite (corrupt)")
+    return BlockWeight(torch.from_numpy(np.ascontiguousarray(packed)), torch.from_numpy(np.ascontiguousarray(d)),
+                       torch.from_numpy(np.ascontiguousarray(m)), 4)
 
 
 def uses_blocks(model: nn.Module) -> bool:
@@ -150,11 +177,16 @@ def read_blocks(path: str | Path) -> dict[str, BlockWeight]:
     weights transformers dequantized)."""
     from gguf import GGUFReader
 
-    found = {}
+    found, left = {}, set()
     for tensor in GGUFReader(str(path)).tensors:
         if tensor.tensor_type.name in LAYOUTS and len(tensor.shape) == 2:
             cols, rows = (int(n) for n in tensor.shape)  # GGUF lists the innermost dimension first
             found[tensor.name] = from_gguf(tensor.data, tensor.tensor_type.name, (rows, cols), tensor.name)
+        elif len(tensor.shape) == 2 and tensor.tensor_type.name not in ("F32", "F16", "BF16"):
+            left.add(tensor.tensor_type.name)
+    if left:
+        log.info("%s: matrices of type %s stay as the float weights transformers dequantized", path,
+                 ", ".join(sorted(left)))
     return found
 
 

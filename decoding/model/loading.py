@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import copy
 import functools
+import hashlib
 import importlib.metadata
 import itertools
 import json
@@ -81,17 +82,45 @@ def _smollm2_gguf(workdir: Path) -> Path:
 
 def _convert_smollm2(target: Path) -> None:
     with tempfile.TemporaryDirectory() as tmp:
-        gguf = _smollm2_gguf(Path(tmp))
-        kwargs = {"gguf_file": gguf.name}
+        _convert_gguf(_smollm2_gguf(Path(tmp)), target)
+
+
+def _convert_gguf(gguf: Path, target: Path) -> None:
+    """The model and tokenizer of the GGUF file ``gguf`` saved to ``target`` as float32 safetensors (transformers
+    dequantizes the file's tensors)."""
+    kwargs = {"gguf_file": gguf.name}
+    try:
         tokenizer = AutoTokenizer.from_pretrained(gguf.parent, **kwargs)
         model = AutoModelForCausalLM.from_pretrained(gguf.parent, dtype=torch.float32, **kwargs)
-        # The de-quantized weights are plain float32; drop the GGUF marker so they save as safetensors.
-        model.hf_quantizer = None
-        del model.config.quantization_config
-        staging = target.with_name(target.name + ".partial")
-        model.save_pretrained(staging)
-        tokenizer.save_pretrained(staging)
-        staging.rename(target)
+    except (ValueError, KeyError, NotImplementedError) as error:
+        raise ValueError(f"{gguf}: transformers cannot load this GGUF ({error})") from error
+    # The de-quantized weights are plain float32; drop the GGUF marker so they save as safetensors.
+    model.hf_quantizer = None
+    del model.config.quantization_config
+    staging = target.with_name(target.name + ".partial")
+    shutil.rmtree(staging, ignore_errors=True)
+    model.save_pretrained(staging)
+    tokenizer.save_pretrained(staging)
+    staging.rename(target)
+
+
+def _is_gguf_file(name: str) -> bool:
+    return name.endswith(".gguf") and Path(name).is_file()
+
+
+def _gguf_conversion(gguf: Path) -> Path:
+    """Where the GGUF file ``gguf`` is converted in the cache (first use only): keyed by its absolute path, size and
+    modification time, so a changed file is converted again."""
+    stat = gguf.stat()
+    key = hashlib.sha256(f"{gguf.resolve()}|{stat.st_size}|{stat.st_mtime_ns}".encode()).hexdigest()[:16]
+    target = cache_dir() / "models" / "gguf" / f"{gguf.stem}-{key}"
+    if not (target / "config.json").exists():
+        target.parent.mkdir(parents=True, exist_ok=True)
+        with FileLock(str(target) + ".lock"):
+            if not (target / "config.json").exists():
+                log.info("converting %s to %s (first use only)", gguf, target)
+                _convert_gguf(gguf, target)
+    return target
 
 
 def resolve_model_path(name: str, must_exist: bool = True) -> str:
@@ -106,6 +135,8 @@ def resolve_model_path(name: str, must_exist: bool = True) -> str:
                 f"no trained draft '{DEFAULT_DRAFT}' at {draft}: run `specbatch train-draft` (docs/training.md)"
             )
         return str(draft)
+    if _is_gguf_file(name):
+        return str(_gguf_conversion(Path(name)))
     if name != DEFAULT_MODEL:
         return name
     target = cache_dir() / "models" / DEFAULT_MODEL
@@ -251,8 +282,10 @@ def load_tokenizer(name: str, trust_remote_code: bool = False) -> PreTrainedToke
 
 
 def model_gguf(name: str) -> Path | None:
-    """The GGUF file the model ``name`` was converted from (the default model's, kept beside its conversion from
-    first use); None for a model that is not one."""
+    """The GGUF file the model ``name`` was converted from (a ``.gguf`` path itself; the default model's, kept beside
+    its conversion from first use); None for a model that is not one."""
+    if _is_gguf_file(name):
+        return Path(name)
     if name != DEFAULT_MODEL:
         return None
     folder = Path(resolve_model_path(name))
