@@ -92,3 +92,34 @@ def test_sampling_with_the_triton_kernels_follows_the_target_law(small_models, t
     accepted = sum(sum(r.per_step_accepted) for r in results)
     assert drafted > samples / 2 and 0 < accepted < drafted  # speculation really happened, with rejections
     assert chi_square_pvalue(sampled_pairs(results, (0, 1)), exact_joint_law(target, prompt, warp, (0, 1))) > 1e-3
+
+
+def test_greedy_over_gguf_blocks_with_the_triton_kernels_is_the_dequantized_models(tokenizer, target, tmp_path,
+                                                                                   monkeypatch) -> None:
+    """A target of GGUF blocks (Q4_1 layers, Q8_0 embedding and head): its projections go through the Triton block
+    GEMM in the fused layer, and n-gram speculation over them gives transformers' greedy tokens of the float model
+    holding the dequantized weights."""
+    from tiny import gguf_pair
+
+    from decoding.model import triton_kernels as tk
+    from decoding.model.attention import cpu_kernel
+
+    calls = []
+    block_linear = tk.block_linear
+    monkeypatch.setattr(tk, "block_linear", lambda *args: calls.append(args[-1]) or block_linear(*args))
+
+    assert cpu_kernel()  # the embedding and the head compute from their blocks outside the layer stack
+    reference, blocks = gguf_pair(target, tmp_path / "tiny.gguf")
+    expected = []
+    for prompt in PROMPTS[:2]:
+        ids = tokenizer(prompt, return_tensors="pt").input_ids
+        generated = reference.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=10)
+        expected.append(generated[0, ids.shape[1]:].tolist())
+    config = with_triton(make_config(method="ngram", num_candidates=2, length_policy="static",
+                                     num_speculative_tokens=3, batch_size=2, sampling=SHORT))
+    engine = Engine(config, target=blocks, tokenizer=tokenizer)
+    assert engine.cache.execution.kernels == "triton"
+    results = engine.generate([Request(id=str(i), prompt=p) for i, p in enumerate(PROMPTS[:2])])
+    assert [r.token_ids for r in results] == expected
+    assert sum(sum(r.per_step_drafted) for r in results) > 0
+    assert calls and set(calls) == {4}  # the layers' 4-bit blocks went through the Triton GEMM

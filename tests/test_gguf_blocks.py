@@ -17,7 +17,7 @@ from tiny import gguf_pair
 
 from decoding import Engine, Request
 from decoding.model.attention import cpu_kernel
-from decoding.model.gguf_blocks import LAYOUTS, from_gguf, use_gguf_blocks, uses_blocks
+from decoding.model.gguf_blocks import LAYOUTS, dequantized, from_gguf, use_gguf_blocks, uses_blocks
 from decoding.model.loading import load_model
 from frontend.engine_args import config_fields
 
@@ -57,6 +57,7 @@ def test_block_weights_dequantize_as_gguf_does_and_multiply_as_their_dequantized
     weight = from_gguf(raw, type_name, shape, name="blk.0.attn_k.weight")
     assert weight.shape == shape
     assert torch.equal(weight.dequantize(), torch.from_numpy(expected))  # bit for bit
+    assert torch.equal(dequantized(weight.q, weight.d, weight.m, weight.bits), weight.dequantize())  # off a CPU
     # per block: the stored nibbles or int8, d and m (Q4_0's -8 d) widened to float32
     assert weight.nbytes == shape[0] * shape[1] // 32 * {"Q4_0": 24, "Q4_1": 24, "Q8_0": 36, "Q4_K": 24}[type_name]
     dense = torch.from_numpy(expected)

@@ -101,6 +101,7 @@ FORMATS = {
                                          "checkpoint_format": "gptq_v2"},
                            lambda q, z, s, b: _gptq(q, z, s, b, v1=False)),
     "gptq-w8-channel": (8, None, True, {"quant_method": "gptq", "bits": 8, "group_size": -1, "sym": True}, _gptq),
+    "gptq-w8-g32-asym": (8, 32, False, {"quant_method": "gptq", "bits": 8, "group_size": 32, "sym": False}, _gptq),
     "ct-w4a16-g32-sym": (4, 32, True, _ct_config(4, 32, True, "pack-quantized"),
                          lambda q, z, s, b: _compressed(q, z, s, b, True)),
     "ct-w4a16-g64-asym": (4, 64, False, _ct_config(4, 64, False, "pack-quantized"),
@@ -318,7 +319,8 @@ def test_checkpoints_that_cannot_run_as_stored_are_refused_naming_the_field_or_t
     with pytest.raises(ValueError, match=r"quantization: gptq names another method than model .* was quantized with "
                                          r"\(awq\)"):
         load_model(folder, "auto", CPU, quantization="gptq")
-    with pytest.raises(ValueError, match=r"quantization: awq checkpoints run on a CPU in float32: .* in bfloat16"):
+    with pytest.raises(ValueError, match=r"quantization: awq checkpoints run on a CPU in float32 \(or on a GPU\): .* "
+                                         r"the CPU in bfloat16"):
         load_model(folder, "bfloat16", CPU)
     with pytest.raises(ValueError, match=r"quantization: awq names another method .* \(full precision\)"):
         load_model(tiny_dirs["target"], "auto", CPU, quantization="awq")

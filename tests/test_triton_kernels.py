@@ -270,6 +270,63 @@ def test_a_query_that_sees_no_key_gets_zeros_split_or_not() -> None:
         assert torch.equal(out, torch.zeros_like(out))
 
 
+# ---------------------------------------------------------------------------------------- quantized blocks
+# [N, K]: SmolLM2's k/v and down projections (three and nine programs of output rows); Llama-3-8B's input widths
+# (q|k|v's 4096, down's 14336) over one tile of output rows (more rows only add programs).
+BLOCK_SHAPES = {"smollm2-kv": (192, 576), "smollm2-down": (576, 1536), "llama3-8b-qkv-rows": (64, 4096),
+                "llama3-8b-down-rows": (64, 14336)}
+
+
+def _blocks(kind: str, shape: tuple[int, int]):
+    """Random blocks of ``kind``: GGUF Q4_1 (4-bit, m), Q8_0 (8-bit, no m), or 8-bit with zero points (m)."""
+    from gguf import GGMLQuantizationType, quants
+
+    from decoding.model.gguf_blocks import from_gguf
+    from decoding.model.packed_checkpoints import to_blocks
+
+    generator = torch.Generator().manual_seed(7)
+    weights = torch.randn(shape, generator=generator) * 0.05
+    if kind == "int8-zero-points":
+        q = torch.randint(0, 256, shape, generator=generator)
+        groups = shape[1] // 32
+        zero = torch.randint(100, 156, (shape[0], groups), generator=generator)
+        scale = (torch.rand(shape[0], groups, generator=generator) * 1e-3).half()
+        return to_blocks(q, zero, scale, 8, "w")
+    kind_type = GGMLQuantizationType[kind]
+    return from_gguf(quants.quantize(weights.numpy(), kind_type), kind, shape)
+
+
+@pytest.mark.parametrize("kind", ["Q4_1", "Q8_0", "int8-zero-points"])
+def test_block_linear_multiplies_quantized_blocks_as_their_dequantized_weights(kind) -> None:
+    from decoding.model.gguf_blocks import dequantized
+
+    """The Triton GEMM over 32-weight blocks (4-bit nibbles or int8, d and m per block) against the product of the
+    dequantized weights: float32 to float32 rounding (sums in another order), bf16 activations to the bf16
+    rounding of the output; a single token, a partial token tile and several tiles."""
+    generator = torch.Generator().manual_seed(3)
+    for name, shape in BLOCK_SHAPES.items():
+        weight = _blocks(kind, shape)
+        dense = dequantized(weight.q, weight.d, weight.m, weight.bits).double()
+        q, d, m = (t.to(DEVICE) if t is not None else None for t in (weight.q, weight.d, weight.m))
+        # the interpreter's time grows with the width: the long rows run one token of each dtype
+        cases = ((1, torch.float32), (40, torch.float32), (5, torch.bfloat16)) if shape[1] < 4096 else (
+            (1, torch.float32), (1, torch.bfloat16))
+        for tokens, dtype in cases:
+            x = torch.randn(tokens, shape[1], generator=generator).to(dtype)
+            out = tk.block_linear(x.to(DEVICE), q, d, m, weight.bits).cpu()
+            assert out.shape == (tokens, shape[0]) and out.dtype == dtype
+            if dtype == torch.float32:
+                expected = x.double() @ dense.T
+                torch.testing.assert_close(out.double(), expected, rtol=0, atol=2e-6 * expected.abs().max().item())
+            else:  # weights rounded to bf16 for the tensor cores, sums in float32, the output rounded to bf16
+                expected = x.double() @ dense.to(torch.bfloat16).double().T
+                torch.testing.assert_close(out.double(), expected, rtol=1e-2, atol=1e-2 * expected.abs().max().item())
+        if name == "smollm2-kv":
+            x = torch.randn(2, 3, shape[1], generator=generator)  # leading dimensions kept
+            torch.testing.assert_close(tk.block_linear(x.to(DEVICE), q, d, m, weight.bits).cpu().double(),
+                                       (x.double() @ dense.T), rtol=1e-5, atol=1e-5)
+
+
 # ------------------------------------------------------------------------------------------ sm_90 builds
 _COMPILE = """
 import re, sys
@@ -301,5 +358,7 @@ def test_every_kernel_compiles_for_sm90_without_a_gpu() -> None:
     kernels = {line.split()[0] for line in lines if line}
     assert {kernel.__name__ for kernel in tk.KERNELS} <= kernels
     assert len([line for line in lines if line]) == 3 * len(tk.sm90_compile_specs(tk.SMOLLM2_135M))
+    blocks = [line.split() for line in lines if line.startswith("_block_linear_kernel")]
+    assert len(blocks) == 6 and all(words[-1] == "mma" for words in blocks if words[1] == "bf16")
     attention = [line.split() for line in lines if line.startswith("_paged_attention_kernel")]
     assert all(words[-1] == "mma" for words in attention if words[1] == "bf16")

@@ -58,12 +58,17 @@ class BlockWeight:
         return self.q.shape[0], self.q.shape[1] * 8 // self.bits
 
     def linear(self, x: torch.Tensor) -> torch.Tensor:
-        """``x @ W.T`` (x [..., K] float32)."""
-        return torch.ops.specbatch.block_linear(x, self.q, self.d, self.m, self.bits)
+        """``x @ W.T`` (x [..., K]: float32 on a CPU; on a GPU also bf16 or fp16)."""
+        return block_linear(self.q, self.d, self.m, self.bits, None, x)
+
+    def to(self, device: torch.device) -> BlockWeight:
+        return BlockWeight(*(t.to(device) if t is not None else None for t in (self.q, self.d, self.m)), self.bits)
 
     def dequantize(self) -> torch.Tensor:
-        """W as float32 [N, K]."""
-        return torch.ops.specbatch.block_dequantize(self.q, self.d, self.m, self.bits)
+        """W as float32 [N, K] (the C++ kernel on a CPU; torch operations elsewhere, the same values)."""
+        if self.q.device.type == "cpu":
+            return torch.ops.specbatch.block_dequantize(self.q, self.d, self.m, self.bits)
+        return dequantized(self.q, self.d, self.m, self.bits)
 
     @property
     def nbytes(self) -> int:
@@ -84,10 +89,31 @@ class BlockWeight:
         return functools.partial(block_linear, self.q, self.d, self.m, self.bits, bias)
 
 
+def dequantized(q: torch.Tensor, d: torch.Tensor, m: torch.Tensor | None, bits: int) -> torch.Tensor:
+    """The float32 [N, K] weights of blocks (q, d, m) by torch operations: d * q + m, each product exact (d holds at
+    most 17 significant bits, q 8), so one rounding as in the C++ kernel's fused multiply-add."""
+    rows = q.shape[0]
+    if bits == 4:
+        pairs = q.view(rows, -1, BLOCK // 2)  # byte j of a block: weight j low, weight j + 16 high
+        ints = torch.cat([pairs & 15, pairs >> 4], -1).float()
+    else:
+        ints = q.view(rows, -1, BLOCK).float()
+    weights = ints * d[..., None]
+    if m is not None:
+        weights = weights + m[..., None]
+    return weights.reshape(rows, -1)
+
+
 def block_linear(q: torch.Tensor, d: torch.Tensor, m: torch.Tensor | None, bits: int, bias: torch.Tensor | None,
                  x: torch.Tensor) -> torch.Tensor:
-    """``x @ W.T + bias`` for the blocks (q, d, m) of ``bits`` a weight; x float32 [..., K]."""
-    out = torch.ops.specbatch.block_linear(x, q, d, m, bits)
+    """``x @ W.T + bias`` for the blocks (q, d, m) of ``bits`` a weight: the C++ kernel on a CPU (x float32), the
+    Triton GEMM on a GPU (x in the model's dtype)."""
+    if x.device.type == "cpu":
+        out = torch.ops.specbatch.block_linear(x, q, d, m, bits)
+    else:
+        from decoding.model import triton_kernels as tk
+
+        out = tk.block_linear(x, q, d, m, bits)
     return out + bias if bias is not None else out
 
 
@@ -202,11 +228,29 @@ def _dropped(module: nn.Linear) -> None:
     module.weight = nn.Parameter(module.weight.new_empty(0), requires_grad=False)
 
 
-def use_blocks(model: nn.Module, linears: dict[str, BlockWeight]) -> int:
+def check_block_kernels(device: torch.device, method: str) -> None:
+    """Raises ``ValueError`` naming ``quantization: method`` where blocks cannot be multiplied on ``device``: a CPU
+    needs the C++ kernels, a CUDA GPU Triton."""
+    if device.type == "cpu":
+        from decoding.model.attention import cpu_kernel
+
+        if not cpu_kernel():
+            raise ValueError(f"quantization: {method} needs the C++ kernels, which could not be built here (a C++ "
+                             "compiler)")
+    elif device.type == "cuda":
+        import importlib.util
+
+        if importlib.util.find_spec("triton") is None:
+            raise ValueError(f"quantization: {method} on a GPU needs Triton (pip install triton)")
+    else:
+        raise ValueError(f"quantization: {method} runs on a CPU or a CUDA GPU, not {device.type}")
+
+
+def use_blocks(model: nn.Module, linears: dict[str, BlockWeight], device: torch.device | None = None) -> int:
     """Each linear layer of ``model`` named in ``linears`` (by module path, e.g. ``model.layers.0.mlp.up_proj``)
     computing from its blocks, in place: q|k|v and gate|up fused where all of a group have blocks of one kind, float
-    weights freed. Returns how many moved. Raises ``ValueError`` naming the module where it is no linear layer or
-    its shape differs."""
+    weights freed, the blocks on ``device`` (default: the layer's). Returns how many moved. Raises ``ValueError``
+    naming the module where it is no linear layer or its shape differs."""
     from decoding.model.quantize import SIBLINGS, FusedSiblings, siblings_bias
 
     modules = dict(model.named_modules())
@@ -218,7 +262,7 @@ def use_blocks(model: nn.Module, linears: dict[str, BlockWeight]) -> int:
         if weight.shape != tuple(module.weight.shape):
             raise ValueError(f"{name}: [{weight.shape[0]}, {weight.shape[1]}] in the checkpoint, the model's layer is "
                              f"{list(module.weight.shape)}")
-        taken[name] = (module, weight)
+        taken[name] = (module, weight.to(device or module.weight.device))
     alone = dict(taken)
     for name in taken:
         parent, _, child = name.rpartition(".")
@@ -240,12 +284,8 @@ def use_gguf_blocks(model: nn.Module, path: str | Path) -> nn.Module:
     """``model`` (a Llama-family causal LM that transformers loaded from the GGUF at ``path``) computing its linear
     layers, its embedding and its LM head from the file's blocks, in place; float copies of what moved are freed.
     Raises ``ValueError`` naming the tensor where the file's tensors do not match the model's modules."""
-    from decoding.model.attention import cpu_kernel
-
-    if not cpu_kernel():
-        raise ValueError("quantization: gguf needs the C++ kernels, which could not be built here (a C++ compiler)")
-    if next(model.parameters()).device.type != "cpu":
-        raise ValueError("quantization: gguf runs on a CPU; on a GPU load the model with quantization: null")
+    device = next(model.parameters()).device
+    check_block_kernels(device, "gguf")
     blocks = read_blocks(path)
     config = model.config
     base = model.model
@@ -273,13 +313,13 @@ def use_gguf_blocks(model: nn.Module, path: str | Path) -> nn.Module:
         if head.shape != tuple(lm_head.weight.shape):
             raise ValueError(f"output.weight: [{head.shape[0]}, {head.shape[1]}] in the file, the model's lm_head "
                              f"is {list(lm_head.weight.shape)}")
-        lm_head.forward = head.kernel(lm_head.bias)
+        lm_head.forward = head.to(device).kernel(lm_head.bias)
         _dropped(lm_head)  # a tied embedding keeps the float table until it is replaced below
     if embedding is not None:
         if embedding.shape != tuple(base.embed_tokens.weight.shape):
             raise ValueError(f"token_embd.weight: [{embedding.shape[0]}, {embedding.shape[1]}] in the file, the "
                              f"model's embed_tokens is {list(base.embed_tokens.weight.shape)}")
-        base.embed_tokens = BlockEmbedding(embedding)
+        base.embed_tokens = BlockEmbedding(embedding.to(device))
     if blocks:
         raise ValueError(f"{next(iter(blocks))}: a block tensor the model has no module for")
     log.info("GGUF blocks: %d linear layers, embedding %s, head %s multiplied as stored", moved,

@@ -113,17 +113,25 @@ class Projection:
     groupsize: int = 0
     bias: bool = False
     bits: int = 0
+    offset: bool = False  # blocks: whether they store m (w = d q + m), a third tensor
 
-    def apply(self, x: torch.Tensor, tensors: list[torch.Tensor], packed: bool = False) -> torch.Tensor:
-        """``packed``: float weights may run their oneDNN-packed copies (the CPU kernels' execution)."""
+    def apply(self, x: torch.Tensor, tensors: list[torch.Tensor], packed: bool = False, triton: bool = False
+              ) -> torch.Tensor:
+        """``packed``: float weights may run their oneDNN-packed copies (the CPU kernels' execution); ``triton``:
+        blocks go through the Triton GEMM (the fused layer's execution) instead of the C++ kernel."""
         bias = tensors[-1] if self.bias else None
         if self.kind == "float":
             if packed and packs(tensors[0]):  # the weight's oneDNN-packed copy
                 return torch.ops.specbatch.packed_linear(x, tensors[0], bias)
             return nn.functional.linear(x, tensors[0], bias)
-        if self.kind == "blocks":  # q, d and (4-bit types) m
-            out = torch.ops.specbatch.block_linear(x, tensors[0], tensors[1], tensors[2] if self.bits == 4 else None,
-                                                   self.bits)
+        if self.kind == "blocks":  # q, d and m (None where the blocks have none)
+            m = tensors[2] if self.offset else None
+            if triton:
+                from decoding.model import triton_kernels as tk
+
+                out = tk.block_linear(x, tensors[0], tensors[1], m, self.bits)
+            else:
+                out = torch.ops.specbatch.block_linear(x, tensors[0], tensors[1], m, self.bits)
         elif self.kind == "int4":
             out = int4_matmul(x, tensors[0], tensors[1], self.groupsize)
         else:
@@ -132,7 +140,7 @@ class Projection:
 
     @property
     def count(self) -> int:
-        weights = {"float": 1, "int4": 2, "int8": 2, "blocks": 3 if self.bits == 4 else 2}[self.kind]
+        weights = {"float": 1, "int4": 2, "int8": 2, "blocks": 2 + self.offset}[self.kind]
         return weights + self.bias
 
     @classmethod
@@ -143,7 +151,8 @@ class Projection:
         parts = kernel_parts(kernel) if kernel is not None else None
         if parts is not None:
             kind, tensors, groupsize, bias = parts
-            projection = (cls(kind, bias=bias is not None, bits=groupsize) if kind == "blocks"
+            projection = (cls(kind, bias=bias is not None, bits=groupsize, offset=len(tensors) == 3)
+                          if kind == "blocks"
                           else cls(kind, groupsize, bias is not None))
             return projection, [*tensors, *([bias] if bias is not None else [])]
         if not all(type(m) is nn.Linear for m in modules):
@@ -285,16 +294,16 @@ def fused_stack(
         dtype = spec.kernel_dtype or hidden.dtype
         residual, x = tk.add_rms_norm(residual, delta, w.norm1, spec.eps)
         x = x.to(dtype)
-        qkv = _adapted(spec.qkv.apply(x, w.qkv).to(hidden.dtype), lora, "qkv", index, x)
+        qkv = _adapted(spec.qkv.apply(x, w.qkv, triton=True).to(hidden.dtype), lora, "qkv", index, x)
         q = tk.rotary_write_kv(qkv, cos, sin, slots, keys[index], values[index], spec.q_heads, spec.kv_heads,
                                spec.head_dim, w.q_norm, w.k_norm, spec.eps)
         attended = tk.paged_attention(q, keys[index], values[index], block_tables, prefix_len, tree_mask, spec.scale,
                                       per_row)
         attended = attended.view(tokens, -1).to(dtype)
-        o = _adapted(spec.o.apply(attended, w.o).to(hidden.dtype), lora, "o", index, attended)
+        o = _adapted(spec.o.apply(attended, w.o, triton=True).to(hidden.dtype), lora, "o", index, attended)
         residual, x = tk.add_rms_norm(residual, o, w.norm2, spec.eps)
         x = x.to(dtype)
-        gate_up = spec.gate_up.apply(x, w.gate_up)
+        gate_up = spec.gate_up.apply(x, w.gate_up, triton=True)
         if lora is not None:
             gate_up = _adapted(gate_up.to(hidden.dtype), lora, "gate_up", index, x)
         if spec.act == "silu":
@@ -303,7 +312,8 @@ def fused_stack(
             gate, up = gate_up.chunk(2, -1)
             activated = ACT2FN[spec.act](gate) * up
         activated = activated.to(dtype)
-        delta = _adapted(spec.down.apply(activated, w.down).to(hidden.dtype), lora, "down", index, activated)
+        down = spec.down.apply(activated, w.down, triton=True)
+        delta = _adapted(down.to(hidden.dtype), lora, "down", index, activated)
     return tk.add_rms_norm(residual, delta, weights[at], final_eps)[1]
 
 

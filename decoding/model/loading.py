@@ -307,7 +307,8 @@ def load_model(name: str, dtype: str = "auto", device: torch.device | None = Non
     may name its method."""
     device = device or default_device()
     torch_dtype = resolve_dtype(dtype, device)
-    runs_blocks = device.type == "cpu" and torch_dtype == torch.float32
+    # Blocks run on a CPU in float32 (the C++ kernel) or on a GPU in any dtype (the Triton GEMM).
+    runs_blocks = device.type != "cpu" or torch_dtype == torch.float32
     path = resolve_model_path(name)
     packed = checkpoint_method(path)
     if packed or quantization in PACKED_METHODS:
@@ -315,18 +316,20 @@ def load_model(name: str, dtype: str = "auto", device: torch.device | None = Non
             raise ValueError(f"quantization: {quantization} names another method than model {name!r} was "
                              + (f"quantized with ({packed})" if packed else "saved with (full precision)"))
         if not runs_blocks:
-            raise ValueError(f"quantization: {packed} checkpoints run on a CPU in float32: model {name!r} would run "
-                             f"on {device.type} in {str(torch_dtype).removeprefix('torch.')}")
-        return load_packed_model(path, trust_remote_code)
+            raise ValueError(f"quantization: {packed} checkpoints run on a CPU in float32 (or on a GPU): model "
+                             f"{name!r} would run on the CPU in {str(torch_dtype).removeprefix('torch.')}")
+        return load_packed_model(path, device, torch_dtype, trust_remote_code)
     model = AutoModelForCausalLM.from_pretrained(
         path, dtype=torch_dtype, attn_implementation="sdpa", trust_remote_code=trust_remote_code,
     ).to(device).eval()
-    gguf = model_gguf(name) if quantization == "gguf" or (quantization == "auto" and runs_blocks) else None
+    # auto: where blocks measured faster than the float weights, a CPU in float32
+    auto = quantization == "auto" and device.type == "cpu" and torch_dtype == torch.float32
+    gguf = model_gguf(name) if quantization == "gguf" or auto else None
     if quantization == "gguf" and (gguf is None or not runs_blocks):
-        raise ValueError(f"quantization: gguf multiplies a GGUF model's blocks on a CPU in float32: model {name!r} "
-                         + ("is not a GGUF (the default model is)" if gguf is None
-                            else f"runs on {device.type} in {str(torch_dtype).removeprefix('torch.')}"))
-    if gguf is not None and runs_blocks:
+        raise ValueError(f"quantization: gguf multiplies a GGUF model's blocks on a CPU in float32 (or on a GPU): "
+                         f"model {name!r} " + ("is not a GGUF (the default model is)" if gguf is None
+                                               else f"runs on the CPU in {str(torch_dtype).removeprefix('torch.')}"))
+    if gguf is not None:
         use_gguf_blocks(model, gguf)
     return model
 

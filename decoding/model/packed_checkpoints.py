@@ -32,7 +32,7 @@ from typing import Any
 import torch
 from safetensors import safe_open
 
-from decoding.model.gguf_blocks import BLOCK, BlockWeight, use_blocks
+from decoding.model.gguf_blocks import BLOCK, BlockWeight, check_block_kernels, use_blocks
 
 log = logging.getLogger(__name__)
 
@@ -241,22 +241,19 @@ def _quantized_modules(tensors: _Tensors, method: str) -> list[str]:
     return sorted(found)
 
 
-def load_packed_model(folder: str | Path, trust_remote_code: bool = False) -> torch.nn.Module:
-    """The causal LM in ``folder`` (an AWQ, GPTQ or compressed-tensors checkpoint) on the CPU in float32, its
-    quantized linear layers computing from their packed integers (``use_blocks``). Raises ``ValueError`` naming the
-    tensor or the config field it cannot read."""
+def load_packed_model(folder: str | Path, device: torch.device, dtype: torch.dtype,
+                      trust_remote_code: bool = False) -> torch.nn.Module:
+    """The causal LM in ``folder`` (an AWQ, GPTQ or compressed-tensors checkpoint) on ``device``, its float tensors
+    in ``dtype`` and its quantized linear layers computing from their packed integers (``use_blocks``). Raises
+    ``ValueError`` naming the tensor or the config field it cannot read."""
     from transformers import AutoConfig, AutoModelForCausalLM
     from transformers.initialization import no_init_weights
-
-    from decoding.model.attention import cpu_kernel
 
     folder = Path(folder)
     method = checkpoint_method(folder)
     if method is None:
         raise ValueError(f"{folder}: no quantization_config in config.json")
-    if not cpu_kernel():
-        raise ValueError(f"quantization: {method} needs the C++ kernels, which could not be built here (a C++ "
-                         "compiler)")
+    check_block_kernels(device, method)
     raw = dict(_quantization_config(folder))
     if method == "awq" and str(raw.get("version", "gemm")).lower() != "gemm":
         raise ValueError(f"quantization_config.version {raw['version']!r}: AWQ's gemm layout is read")
@@ -284,6 +281,7 @@ def load_packed_model(folder: str | Path, trust_remote_code: bool = False) -> to
     tied = {"lm_head.weight"} if getattr(config, "tie_word_embeddings", False) else set()
     if left := sorted(set(missing) - quantized_weights - tied):
         raise ValueError(f"{left[0]}: missing from the checkpoint")
-    moved = use_blocks(model, linears)
+    moved = use_blocks(model, linears, device)  # first: the float weights it frees never reach the device
+    model.to(device=device, dtype=dtype)
     log.info("%s checkpoint: %d linear layers multiplied from their packed integers", method, moved)
     return model.eval()

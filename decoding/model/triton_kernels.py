@@ -1,8 +1,9 @@
 """Triton kernels for the Llama-family decoder layer on CUDA: a layer is about ten launches.
 
-add+RMSNorm, q|k|v GEMM (cuBLAS), rotary + KV write, attention (+ a split reduction), o GEMM, add+RMSNorm,
-gate|up GEMM, SiLU*mul, down GEMM. Every wrapper allocates its outputs with ``torch.empty``, reads nothing back
-from the device and sizes its grid from shapes and Python ints only, so a CUDA graph can capture it.
+add+RMSNorm, q|k|v GEMM (cuBLAS, or ``block_linear`` over a quantized checkpoint's 32-weight blocks), rotary + KV
+write, attention (+ a split reduction), o GEMM, add+RMSNorm, gate|up GEMM, SiLU*mul, down GEMM. Every wrapper
+allocates its outputs with ``torch.empty``, reads nothing back from the device and sizes its grid from shapes and
+Python ints only, so a CUDA graph can capture it.
 
 Numerics: elementwise kernels compute in float32 and round to the model dtype where the reference (the lean
 forward's torch operations, op by op) rounds, so they match it to the last bit but for the order of sums
@@ -414,6 +415,89 @@ def paged_attention(
     return out
 
 
+# ------------------------------------------------------------------------------ GEMM over quantized blocks
+# Tiles of the block GEMM: tokens (>= 16 for tl.dot), output rows, input weights (two 32-weight blocks).
+BLOCKS_M = 16
+BLOCKS_N = 64
+BLOCKS_K = 64
+
+
+@triton.jit
+def _block_linear_kernel(
+    x_ptr, q_ptr, d_ptr, m_ptr, out_ptr, tokens, rows, cols, stride_xm, stride_om,
+    BITS: tl.constexpr, HAS_M: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    FP32: tl.constexpr, UPCAST: tl.constexpr, EMULATE: tl.constexpr,
+):
+    """out[t, n] = sum_k x[t, k] W[n, k], W[n, 32 b + j] = d[n, b] q[n, b, j] + m[n, b]: each weight tile decoded
+    once in registers (4-bit: byte j of a block holds weights j and j + 16) and multiplied on the tensor cores."""
+    rm = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    rn = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    m_ok, n_ok = rm < tokens, rn < rows
+    rn64 = rn.to(tl.int64)
+    blocks = cols // 32
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    dtype: tl.constexpr = x_ptr.dtype.element_ty
+    for k0 in range(0, cols, BLOCK_K):
+        if BITS == 4:
+            i = tl.arange(0, BLOCK_K // 2)  # the tile's bytes: block k0 / 32 + i // 16, weights i % 16 and + 16
+            block = k0 // 32 + i // 16
+            low_k = k0 + (i // 16) * 32 + i % 16
+            byte = tl.load(q_ptr + rn64[:, None] * (cols // 2) + (k0 // 2 + i)[None, :], mask=n_ok[:, None],
+                           other=0).to(tl.int32)
+            d = tl.load(d_ptr + rn64[:, None] * blocks + block[None, :], mask=n_ok[:, None], other=0.0)
+            m = tl.load(m_ptr + rn64[:, None] * blocks + block[None, :], mask=n_ok[:, None], other=0.0)
+            w_low = (byte & 15).to(tl.float32) * d + m
+            w_high = (byte >> 4).to(tl.float32) * d + m
+            x_low = tl.load(x_ptr + rm[:, None] * stride_xm + low_k[None, :], mask=m_ok[:, None], other=0.0)
+            x_high = tl.load(x_ptr + rm[:, None] * stride_xm + (low_k + 16)[None, :], mask=m_ok[:, None], other=0.0)
+            acc = _block_dot(x_low, w_low, acc, dtype, FP32, UPCAST, EMULATE)
+            acc = _block_dot(x_high, w_high, acc, dtype, FP32, UPCAST, EMULATE)
+        else:
+            k = k0 + tl.arange(0, BLOCK_K)
+            q = tl.load(q_ptr + rn64[:, None] * cols + k[None, :], mask=n_ok[:, None], other=0).to(tl.float32)
+            d = tl.load(d_ptr + rn64[:, None] * blocks + (k // 32)[None, :], mask=n_ok[:, None], other=0.0)
+            w = q * d
+            if HAS_M:
+                w += tl.load(m_ptr + rn64[:, None] * blocks + (k // 32)[None, :], mask=n_ok[:, None], other=0.0)
+            x = tl.load(x_ptr + rm[:, None] * stride_xm + k[None, :], mask=m_ok[:, None], other=0.0)
+            acc = _block_dot(x, w, acc, dtype, FP32, UPCAST, EMULATE)
+    out = _cast(acc, out_ptr.dtype.element_ty, EMULATE)
+    tl.store(out_ptr + rm[:, None] * stride_om + rn[None, :], out, mask=m_ok[:, None] & n_ok[None, :])
+
+
+@_helper
+def _block_dot(x, w, acc, dtype: tl.constexpr, FP32: tl.constexpr, UPCAST: tl.constexpr, EMULATE: tl.constexpr):
+    """acc + x @ w.T: float32 in full precision (not TF32); bf16/fp16 weights rounded to x's dtype for the tensor
+    cores (as a dequantized checkpoint in that dtype would hold them)."""
+    if FP32:
+        acc = tl.dot(x, tl.trans(w), acc, input_precision="ieee")
+    elif UPCAST:
+        acc = tl.dot(x.to(tl.float32), tl.trans(_cast(w, dtype, EMULATE).to(tl.float32)), acc)
+    else:
+        acc = tl.dot(x, tl.trans(w.to(dtype)), acc)
+    return acc
+
+
+def block_linear(x: torch.Tensor, q: torch.Tensor, d: torch.Tensor, m: torch.Tensor | None, bits: int
+                 ) -> torch.Tensor:
+    """``x @ W.T`` for the 32-weight blocks (q, d, m) of ``bits`` a weight (``gguf_blocks.BlockWeight``): x [..., K]
+    in float32, bf16 or fp16, out in x's dtype."""
+    lead, cols = x.shape[:-1], x.shape[-1]
+    flat = x.reshape(-1, cols)
+    if flat.stride(-1) != 1:
+        flat = flat.contiguous()
+    tokens, rows = flat.shape[0], q.shape[0]
+    out = torch.empty(tokens, rows, dtype=x.dtype, device=x.device)
+    block_k = BLOCKS_K if cols % BLOCKS_K == 0 else 32
+    grid = (triton.cdiv(tokens, BLOCKS_M), triton.cdiv(rows, BLOCKS_N))
+    _block_linear_kernel[grid](
+        flat, q, d, d if m is None else m, out, tokens, rows, cols, flat.stride(0), out.stride(0),
+        BITS=bits, HAS_M=m is not None, BLOCK_M=BLOCKS_M, BLOCK_N=BLOCKS_N, BLOCK_K=block_k,
+        FP32=x.dtype == torch.float32, UPCAST=INTERPRET, EMULATE=INTERPRET, num_warps=4,
+    )
+    return out.view(*lead, rows)
+
+
 # ------------------------------------------------------------------------------------ sm_90 compile specs
 @dataclass(frozen=True)
 class KernelShape:
@@ -472,8 +556,14 @@ def sm90_compile_specs(shape: KernelShape) -> list[tuple[object, dict[str, str],
     specs.append((_combine_splits_kernel, {"part_acc_ptr": "*fp32", "part_stat_ptr": "*fp32", "out_ptr": ptr,
                                            "splits": "i32"},
                   {"HEAD_DIM": shape.head_dim, "BLOCK_S": 16, "EMULATE": False}))
+    blocks = {"x_ptr": ptr, "d_ptr": "*fp32", "m_ptr": "*fp32", "out_ptr": ptr,
+              **{name: "i32" for name in ("tokens", "rows", "cols", "stride_xm", "stride_om")}}
+    for bits, q_type in ((4, "*u8"), (8, "*i8")):
+        specs.append((_block_linear_kernel, {**blocks, "q_ptr": q_type}, {
+            "BITS": bits, "HAS_M": bits == 4, "BLOCK_M": BLOCKS_M, "BLOCK_N": BLOCKS_N, "BLOCK_K": BLOCKS_K,
+            "FP32": t == "fp32", "UPCAST": False, "EMULATE": False}))
     return specs
 
 
 KERNELS = [_add_rms_norm_kernel, _rotary_write_kv_kernel, _silu_mul_kernel, _paged_attention_kernel,
-           _combine_splits_kernel]
+           _combine_splits_kernel, _block_linear_kernel]
