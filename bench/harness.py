@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
+import importlib.util
 import itertools
 import logging
 import platform
@@ -39,7 +40,7 @@ from decoding.config import Config, SamplingParams
 from decoding.drafting.feature_draft import load_draft
 from decoding.engine import Request, encode_request, eos_token_ids
 from decoding.engine import engine as engine_module
-from decoding.model.loading import SELF_DRAFT, load_model, load_tokenizer
+from decoding.model.loading import SELF_DRAFT, load_model, load_tokenizer, model_gguf
 from decoding.stats import SpecDecodeStats
 
 log = logging.getLogger(__name__)
@@ -94,6 +95,8 @@ class BenchGrid(_Strict):
     sweeps: list[Sweep] = Field(default_factory=_default_sweeps)
     transformers: bool = Field(True, description="transformers generate at every batch size")
     assisted: bool = Field(True, description="transformers assisted generation at batch 1, for each method")
+    llama_cpp: bool = Field(True, description="llama.cpp (the llama-cpp-python package, where installed) decoding "
+                            "the model's GGUF at batch 1, prefill included")
     turns: Literal["step", "chunk"] = Field(
         "step", description="how contenders of one batch size take turns on a chunk of prompts: one engine step "
         "each ('step'; their KV caches are in memory together) or the whole chunk each ('chunk'; one at a time)")
@@ -106,7 +109,8 @@ class BenchGrid(_Strict):
 
 @dataclass(frozen=True)
 class Contender:
-    kind: Literal["transformers", "assisted", "engine", "baseline"]  # baseline: the other checkout's engine
+    # baseline: the other checkout's engine; llama_cpp: llama-cpp-python over the model's GGUF
+    kind: Literal["transformers", "assisted", "engine", "baseline", "llama_cpp"]
     config: Config  # batch size, method and speculative settings of this contender
 
     @property
@@ -129,6 +133,8 @@ class Contender:
     def name(self) -> str:
         if self.kind == "transformers":
             return "transformers generate"
+        if self.kind == "llama_cpp":
+            return "llama.cpp generate"
         if self.kind == "assisted":
             return "transformers assisted " + ("(prompt lookup)" if self.method == "ngram" else "(draft)")
         if self.kind == "baseline":
@@ -216,6 +222,8 @@ def contenders(config: Config, grid: BenchGrid, baseline: bool = False) -> list[
             assistable = [m for m in methods if m == "ngram" or (m == "draft_model"
                                                                  and config.speculative.model != SELF_DRAFT)]
             runs += [Contender("assisted", _variant(config, 1, method=m)) for m in assistable]
+        if grid.llama_cpp and batch == 1 and llama_cpp_runs(config.model):
+            runs.append(Contender("llama_cpp", _variant(config, 1, method="none")))
         cachings = sorted({config.enable_prefix_caching} | {
             caching for sweep in grid.sweeps if batch in (sweep.batch_sizes or [config.batch_size])
             for caching in sweep.prefix_caching or []}, reverse=True)
@@ -664,7 +672,50 @@ def _layers(model: torch.nn.Module | None) -> int:
 
 
 def _runner(models: Models, contender: Contender) -> _Runner:
+    if contender.kind == "llama_cpp":
+        return _llama_cpp_runner(models, contender)
     return (_engine_runner if contender.is_engine else _transformers_runner)(models, contender)
+
+
+def llama_cpp_runs(model: str) -> bool:
+    """Whether llama.cpp can decode ``model`` here: llama-cpp-python installed and the model a GGUF."""
+    return importlib.util.find_spec("llama_cpp") is not None and model_gguf(model) is not None
+
+
+def _llama_cpp_runner(models: Models, contender: Contender) -> _Runner:
+    """llama.cpp's own decoding of the model's GGUF, one prompt at a time (its batch 1), on as many threads as
+    torch: the same prompt token ids, greedy or the config's sampling, prefill and decode timed as the engine's."""
+    from llama_cpp import Llama
+
+    params = contender.config.sampling
+    llm = Llama(model_path=str(model_gguf(contender.config.model)), n_ctx=contender.config.max_model_len or 4096,
+                n_threads=torch.get_num_threads(), n_threads_batch=torch.get_num_threads(), verbose=False,
+                seed=params.seed if params.seed is not None else 0)
+    sampling = {"temp": 0.0, "top_k": 1} if params.greedy else {
+        "temp": params.temperature, "top_k": params.top_k or 0, "top_p": params.top_p, "min_p": 0.0}
+    clock = models.clock
+
+    def turns(prompts: dict[str, list[int]], into: _Measurement, max_tokens: int | None = None) -> Iterator[bool]:
+        """One prompt after another is one turn."""
+        limit = max_tokens or params.max_tokens
+        start = clock.mark()
+        for i, prompt in prompts.items():
+            tokens: list[int] = []
+            first = None
+            for token in llm.generate(prompt, reset=True, repeat_penalty=1.0, **sampling):
+                tokens.append(int(token))
+                if first is None:
+                    first = clock.mark()
+                if token in models.eos_ids or len(tokens) >= limit:
+                    break
+            into.outputs[i] = tokens
+            if len(tokens) > 1:
+                into.decode_steps += len(tokens) - 1
+                clock.add(first, clock.mark(), lambda seconds: into.add("decode_seconds", seconds))
+        clock.add(start, clock.mark(), lambda seconds: into.add("seconds", seconds))
+        yield True
+
+    return _Runner(turns)
 
 
 def _ratio(numerator: float, denominator: float) -> float | None:

@@ -112,6 +112,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--threads", type=int, help="torch CPU threads (default: torch's choice)")
     parser.add_argument("--no-transformers", action="store_true", help="skip transformers generate")
     parser.add_argument("--no-assisted", action="store_true", help="skip transformers assisted generation")
+    parser.add_argument("--no-llama-cpp", action="store_true", help="skip llama.cpp (where llama-cpp-python is "
+                        "installed and the model is a GGUF)")
     parser.add_argument("--turns", choices=["step", "chunk"],
                         help="contenders alternate every engine step (default) or every chunk of prompts")
     parser.add_argument("--baseline-tree", metavar="PATH",
@@ -149,6 +151,7 @@ def load_grid(args: argparse.Namespace) -> BenchGrid:
     return grid.model_copy(update={
         "transformers": grid.transformers and not args.no_transformers,
         "assisted": grid.assisted and not args.no_assisted,
+        "llama_cpp": grid.llama_cpp and not args.no_llama_cpp,
         "turns": args.turns or grid.turns,
     })
 

@@ -291,3 +291,50 @@ def test_prefix_caching_on_and_off_run_side_by_side_from_a_cold_cache(models, ti
         assert rows[name].prefix_cache_hit_rate == pytest.approx(2 * 64 / prompt_tokens)
         assert rows[name + " no-prefix-cache"].prefix_cache_hit_rate == 0.0
     assert "prefix hit %" in format_table(list(rows.values()))
+
+
+def test_llama_cpp_decodes_the_gguf_at_batch_1_beside_the_engine(target, tokenizer, tiny_dirs, monkeypatch,
+                                                                   tmp_path) -> None:
+    """Where llama-cpp-python is installed and the model is a GGUF, batch 1 adds llama.cpp decoding that file: the
+    engine's prompt token ids, greedy, as many threads as torch, stopped at max_tokens or after an end token; its
+    row is compared with the engine's outputs like any other. (llama.cpp itself stands in here: the package is
+    not a dependency.)"""
+    import sys
+    import types
+
+    import torch
+
+    gguf = tmp_path / "tiny.gguf"
+    gguf.write_bytes(b"GGUF")
+    eos = target.generation_config.eos_token_id
+    seen: dict = {"prompts": []}
+
+    class FakeLlama:
+        def __init__(self, model_path: str, **kwargs) -> None:
+            seen.update(model_path=model_path, **kwargs)
+
+        def generate(self, tokens: list[int], reset: bool, **sampling):
+            seen["prompts"].append(list(tokens))
+            seen["sampling"] = sampling
+            yield from [5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16] if len(seen["prompts"]) % 2 else [5, eos, 6, 7]
+
+    monkeypatch.setitem(sys.modules, "llama_cpp", types.SimpleNamespace(Llama=FakeLlama))
+    monkeypatch.setattr(benchmark.importlib.util, "find_spec", lambda name: object() if name == "llama_cpp" else None)
+    monkeypatch.setattr(benchmark, "model_gguf", lambda model: gguf if model == "tiny" else None)
+    config = Config(model="tiny", batch_size=1, speculative={"method": "none"}, sampling={"max_tokens": 8})
+    grid = BenchGrid(sweeps=[Sweep(batch_sizes=[1, 2])], transformers=False, assisted=False)
+    names = [(c.batch_size, c.name) for c in contenders(config, grid)]
+    assert names == [(1, "llama.cpp generate"), (1, "engine none"), (2, "engine none")]
+    assert (1, "llama.cpp generate") not in [(c.batch_size, c.name) for c in contenders(
+        config, grid.model_copy(update={"llama_cpp": False}))]
+    sets = {"p": [Request(f"p{i}", prompt=p) for i, p in enumerate(PROMPTS[:2])]}
+    result = run_bench(config, sets, grid.model_copy(update={"sweeps": [Sweep(batch_sizes=[1])]}),
+                       Models(target, tokenizer))
+    rows = {r.name: r for r in result.rows}
+    assert seen["model_path"] == str(gguf) and seen["n_threads"] == torch.get_num_threads()
+    assert seen["sampling"] == {"repeat_penalty": 1.0, "temp": 0.0, "top_k": 1}
+    prompt_ids = [tokenizer(p).input_ids for p in PROMPTS[:2]]
+    assert all(ids in prompt_ids for ids in seen["prompts"][-2:])  # the timed prompts, after the warm-up
+    # 8 tokens (max_tokens) from one prompt, 2 (up to and including the end token) from the other
+    assert rows["llama.cpp generate"].generated_tokens == 10 and rows["llama.cpp generate"].mismatches == 2
+    assert rows["llama.cpp generate"].speedup_vs_none is not None
