@@ -1,15 +1,16 @@
 // y = x W^T for a weight W kept in GGUF's 32-weight blocks, read as it is stored: each block's weights dequantize
-// to w = d * q + m (d, m float32 per block of one output row; q 4-bit unsigned, or 8-bit signed with m = 0).
+// to w = d * q + m (d, m float32 per block of one output row; q 4-bit unsigned, or 8-bit signed).
 //
 //   bits 4 (Q4_0, Q4_1): q [N, K / 2] uint8, byte j of a block holding weight j (low nibble) and j + 16 (high),
 //                        GGUF's order; Q4_0's w = d (q - 8) is d q + m with m = -8 d (exactly: both are products of
 //                        d and small integers).
-//   bits 8 (Q8_0):       q [N, K] int8, m absent.
+//   bits 8 (Q8_0, packed checkpoints): q [N, K] int8; m absent (Q8_0) or given (zero points).
 //
-// A decode step is a matrix-vector product that streams every weight once, so bytes read bound it: 4.5 bits a
-// weight where a float32 copy reads 32. Each block is decoded to floats once per tile of up to kTile tokens and
-// multiplied in float32 (a sum in another order than a dense product of the dequantized weights: differences in
-// the last bits). Many tokens (a prefill): blocks of rows are dequantized and multiplied by the dense GEMM.
+// Each call dequantizes kRows output rows at a time into a float scratch (each weight decoded once for every token
+// of the call) and multiplies them with register-blocked tiles of kRows x kTokens vector accumulators along K: a
+// GEMM whose packing of W is its dequantization. A decode step streams every weight once, so bytes read bound it:
+// 4.5 bits a weight where a float32 copy reads 32; many tokens are bound by the multiply-adds, as a float GEMM's.
+// Sums run in another order than a dense product of the dequantized weights: differences in the last bits.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
@@ -23,8 +24,6 @@
 namespace {
 
 constexpr int64_t kBlock = 32;
-constexpr int64_t kTile = 8;       // tokens sharing each decoded block
-constexpr int64_t kDenseFrom = 24;  // tokens from which dequantized rows go through the dense GEMM
 
 // The 32 weights of one block as floats, without d and m: q (4-bit: 0..15; 8-bit: -128..127).
 inline void decode_block(const uint8_t* q, int64_t bits, float* out) {
@@ -69,76 +68,100 @@ inline void decode_block_avx2(const uint8_t* q, int64_t bits, __m256* parts) {
   }
 }
 
-inline float sum_avx2(__m256 v) {
-  const __m128 folded = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  const __m128 pairs = _mm_add_ps(folded, _mm_movehl_ps(folded, folded));
-  return _mm_cvtss_f32(_mm_add_ss(pairs, _mm_shuffle_ps(pairs, pairs, 1)));
-}
 #endif
 
-// out[t, n] for tokens [t0, t0 + count) and rows [n0, n1): sum over blocks b of d[n, b] (q[n, b] . x[t, b]) plus
-// m[n, b] * (sum of x[t, b]) (``sums`` [M, K / 32]).
-void rows_times_tokens(const float* x, const float* sums, const uint8_t* q, const float* d, const float* m,
-                       int64_t bits, int64_t k, int64_t n0, int64_t n1, int64_t t0, int64_t count, float* out,
-                       int64_t n_total) {
-  const int64_t blocks = k / kBlock;
-  const int64_t row_bytes = k * bits / 8;
-  const int64_t block_bytes = kBlock * bits / 8;
-  for (int64_t n = n0; n < n1; ++n) {
-    const uint8_t* row = q + n * row_bytes;
-    const float* row_d = d + n * blocks;
-    const float* row_m = m ? m + n * blocks : nullptr;
-    float totals[kTile];  // each token's sum of d (q . x) over the row's blocks
+// The product: kRows rows of W dequantized into a float scratch, then tiles of kTokens tokens over them (kRows x
+// kTokens vector accumulators along K, summed across lanes at the end). SmolLM2-135M's 30 layers of projections,
+// 2 threads (Sapphire Rapids): against the float32 weights prepacked for oneDNN, 0.52x the time at 1 token, 0.47x at
+// 8, 0.67x at 24, 0.88x at 64, 1.26x at 128 (where the dense GEMM's blocking for the caches pays).
 #if defined(__AVX512F__)
-    __m512 acc[kTile];
-    for (int64_t t = 0; t < count; ++t) acc[t] = _mm512_setzero_ps();
-    for (int64_t b = 0; b < blocks; ++b) {
-      __m512 low, high;
-      decode_block_avx512(row + b * block_bytes, bits, low, high);
-      const __m512 scale = _mm512_set1_ps(row_d[b]);  // d q once for the tile's tokens
-      low = _mm512_mul_ps(low, scale);
-      high = _mm512_mul_ps(high, scale);
-      for (int64_t t = 0; t < count; ++t) {
-        const float* xb = x + (t0 + t) * k + b * kBlock;
-        acc[t] = _mm512_fmadd_ps(high, _mm512_loadu_ps(xb + 16), _mm512_fmadd_ps(low, _mm512_loadu_ps(xb), acc[t]));
-      }
-    }
-    for (int64_t t = 0; t < count; ++t) totals[t] = _mm512_reduce_add_ps(acc[t]);
-#elif defined(__AVX2__)
-    __m256 acc[kTile];
-    for (int64_t t = 0; t < count; ++t) acc[t] = _mm256_setzero_ps();
-    for (int64_t b = 0; b < blocks; ++b) {
-      __m256 parts[4];
-      decode_block_avx2(row + b * block_bytes, bits, parts);
-      const __m256 scale = _mm256_set1_ps(row_d[b]);  // d q once for the tile's tokens
-      for (auto& part : parts) part = _mm256_mul_ps(part, scale);
-      for (int64_t t = 0; t < count; ++t) {
-        const float* xb = x + (t0 + t) * k + b * kBlock;
-        __m256 sum = acc[t];
-        for (int64_t i = 0; i < 4; ++i) sum = _mm256_fmadd_ps(parts[i], _mm256_loadu_ps(xb + 8 * i), sum);
-        acc[t] = sum;
-      }
-    }
-    for (int64_t t = 0; t < count; ++t) totals[t] = sum_avx2(acc[t]);
+typedef float Lanes __attribute__((vector_size(64)));  // one AVX-512 register
 #else
-    float decoded[kBlock];
-    for (int64_t t = 0; t < count; ++t) totals[t] = 0;
-    for (int64_t b = 0; b < blocks; ++b) {
-      decode_block(row + b * block_bytes, bits, decoded);
-      for (int64_t t = 0; t < count; ++t) {
-        const float* xb = x + (t0 + t) * k + b * kBlock;
-        float dot = 0;
-        for (int64_t j = 0; j < kBlock; ++j) dot += decoded[j] * xb[j];
-        totals[t] += row_d[b] * dot;
-      }
-    }
+typedef float Lanes __attribute__((vector_size(32)));  // one AVX2 register
 #endif
-    for (int64_t t = 0; t < count; ++t) {  // the m term, then the output
-      if (row_m) {
-        const float* token_sums = sums + (t0 + t) * blocks;
-        for (int64_t b = 0; b < blocks; ++b) totals[t] += row_m[b] * token_sums[b];
+constexpr int64_t kLanes = sizeof(Lanes) / sizeof(float);
+constexpr int64_t kRows = 4;
+#if defined(__AVX512F__)
+constexpr int64_t kTokens = 6;  // 24 accumulators, 4 weight vectors and a token's: 29 of 32 registers
+#else
+constexpr int64_t kTokens = 3;  // 12 accumulators, 4 weight vectors: 16 registers
+#endif
+
+inline Lanes load_lanes(const float* p) {
+  Lanes v;
+  std::memcpy(&v, p, sizeof(v));
+  return v;
+}
+
+inline float lane_sum(Lanes v) {
+  float total = 0.0f;
+  for (int64_t i = 0; i < kLanes; ++i) total += v[i];
+  return total;
+}
+
+// Rows [r0, r0 + rows) of W as floats into w [rows, K] (as block_dequantize computes them).
+inline void dequantize_rows(const uint8_t* q, const float* d, const float* m, int64_t bits, int64_t k, int64_t r0,
+                            int64_t rows, float* w) {
+  const int64_t blocks = k / kBlock, block_bytes = kBlock * bits / 8;
+  for (int64_t r = 0; r < rows; ++r) {
+    const int64_t row = r0 + r;
+    for (int64_t b = 0; b < blocks; ++b) {
+      const float scale = d[row * blocks + b], low = m ? m[row * blocks + b] : 0.0f;
+      float* out = w + r * k + b * kBlock;
+#if defined(__AVX512F__)
+      __m512 first, second;  // d q is exact, so d q + m rounds once either way
+      decode_block_avx512(q + (row * blocks + b) * block_bytes, bits, first, second);
+      const __m512 scales = _mm512_set1_ps(scale), lows = _mm512_set1_ps(low);
+      _mm512_storeu_ps(out, _mm512_fmadd_ps(first, scales, lows));
+      _mm512_storeu_ps(out + 16, _mm512_fmadd_ps(second, scales, lows));
+#elif defined(__AVX2__)
+      __m256 parts[4];
+      decode_block_avx2(q + (row * blocks + b) * block_bytes, bits, parts);
+      const __m256 scales = _mm256_set1_ps(scale), lows = _mm256_set1_ps(low);
+      for (int64_t i = 0; i < 4; ++i) _mm256_storeu_ps(out + 8 * i, _mm256_fmadd_ps(parts[i], scales, lows));
+#else
+      float decoded[kBlock];
+      decode_block(q + (row * blocks + b) * block_bytes, bits, decoded);
+      for (int64_t j = 0; j < kBlock; ++j) out[j] = m ? decoded[j] * scale + low : decoded[j] * scale;
+#endif
+    }
+  }
+}
+
+template <int64_t kR, int64_t kT>
+inline void rows_tokens_tile(const float* w, const float* x, int64_t k, float* out, int64_t n) {
+  Lanes acc[kR][kT] = {};
+  for (int64_t kk = 0; kk < k; kk += kLanes) {
+    Lanes wv[kR];
+    for (int64_t r = 0; r < kR; ++r) wv[r] = load_lanes(w + r * k + kk);
+#pragma GCC unroll 6
+    for (int64_t t = 0; t < kT; ++t) {
+      const Lanes xv = load_lanes(x + t * k + kk);
+#pragma GCC unroll 4
+      for (int64_t r = 0; r < kR; ++r) acc[r][t] += wv[r] * xv;
+    }
+  }
+  for (int64_t t = 0; t < kT; ++t)
+    for (int64_t r = 0; r < kR; ++r) out[t * n + r] = lane_sum(acc[r][t]);
+}
+
+void panel_product(const float* x, const uint8_t* q, const float* d, const float* m, int64_t bits, int64_t k,
+                   int64_t n, int64_t tokens, int64_t p0, int64_t p1, float* out) {
+  std::vector<float> w(kRows * k);
+  for (int64_t group = p0; group < p1; ++group) {
+    const int64_t r0 = group * kRows, rows = std::min(kRows, n - r0);
+    dequantize_rows(q, d, m, bits, k, r0, rows, w.data());
+    int64_t t0 = 0;
+    if (rows == kRows)
+      for (; t0 + kTokens <= tokens; t0 += kTokens) rows_tokens_tile<kRows, kTokens>(w.data(), x + t0 * k, k,
+                                                                                       out + t0 * n + r0, n);
+    for (; t0 < tokens; ++t0) {  // the tokens left over, one at a time
+      if (rows == kRows) {
+        rows_tokens_tile<kRows, 1>(w.data(), x + t0 * k, k, out + t0 * n + r0, n);
+      } else {
+        for (int64_t r = 0; r < rows; ++r)
+          rows_tokens_tile<1, 1>(w.data() + r * k, x + t0 * k, k, out + t0 * n + r0 + r, n);
       }
-      out[(t0 + t) * n_total + n] = totals[t];
     }
   }
 }
@@ -191,35 +214,17 @@ at::Tensor block_linear(at::Tensor x, at::Tensor q, at::Tensor d, std::optional<
   const int64_t tokens = flat.size(0);
   auto shape = x.sizes().vec();
   shape.back() = n;
-  if (tokens >= kDenseFrom) {  // a prefill: dense GEMM over rows dequantized a tile at a time
-    constexpr int64_t kRows = 256;
-    auto out = at::empty({tokens, n}, flat.options());
-    for (int64_t n0 = 0; n0 < n; n0 += kRows) {
-      const int64_t n1 = std::min(n, n0 + kRows);
-      auto weights = block_dequantize(q.slice(0, n0, n1), d.slice(0, n0, n1),
-                                      m ? std::optional<at::Tensor>(m->slice(0, n0, n1)) : std::nullopt, bits);
-      out.slice(1, n0, n1).copy_(at::mm(flat, weights.t()));
-    }
-    return out.view(shape);
-  }
   auto qs = q.contiguous();
   auto ds = d.contiguous();
   at::Tensor ms = m ? m->contiguous() : at::Tensor();
-  const int64_t blocks = k / kBlock;
-  at::Tensor sums;  // each token's sum over each block: the m term
-  if (m) sums = flat.view({tokens, blocks, kBlock}).sum(-1).contiguous();
   auto out = at::empty({tokens, n}, flat.options());
   const float* x_data = flat.data_ptr<float>();
-  const float* sums_data = m ? sums.data_ptr<float>() : nullptr;
   const uint8_t* q_data = reinterpret_cast<const uint8_t*>(qs.data_ptr());
   const float* d_data = ds.data_ptr<float>();
   const float* m_data = m ? ms.data_ptr<float>() : nullptr;
   float* out_data = out.data_ptr<float>();
-  at::parallel_for(0, n, 64, [&](int64_t begin, int64_t end) {
-    for (int64_t t0 = 0; t0 < tokens; t0 += kTile) {
-      rows_times_tokens(x_data, sums_data, q_data, d_data, m_data, bits, k, begin, end, t0,
-                        std::min(kTile, tokens - t0), out_data, n);
-    }
+  at::parallel_for(0, (n + kRows - 1) / kRows, 8, [&](int64_t begin, int64_t end) {
+    panel_product(x_data, q_data, d_data, m_data, bits, k, n, tokens, begin, end, out_data);
   });
   return out.view(shape);
 }
