@@ -62,7 +62,7 @@ def test_block_weights_dequantize_as_gguf_does_and_multiply_as_their_dequantized
     assert weight.nbytes == shape[0] * shape[1] // 32 * {"Q4_0": 24, "Q4_1": 24, "Q8_0": 36, "Q4_K": 24}[type_name]
     dense = torch.from_numpy(expected)
     generator = torch.Generator().manual_seed(1)
-    for tokens in (1, 3, 5, 16, 40):  # one token, token tiles with a partial one, the dense path of a prefill
+    for tokens in (1, 3, 5, 16, 40, 100):  # one token, partial and whole tiles of tokens, the dense path of a prefill
         x = torch.randn(tokens, shape[1], generator=generator)
         reference = x.double() @ dense.double().T
         ours = weight.linear(x)
@@ -72,6 +72,15 @@ def test_block_weights_dequantize_as_gguf_does_and_multiply_as_their_dequantized
     x = torch.randn(2, 3, shape[1], generator=generator)  # leading dimensions kept
     torch.testing.assert_close(weight.linear(x), (x.reshape(6, -1) @ dense.T).reshape(2, 3, -1), rtol=1e-4,
                                atol=1e-4)
+
+
+def test_a_prefill_over_more_rows_than_one_dense_tile_multiplies_every_row() -> None:
+    """A prefill (80 tokens or more) over a head-sized weight: rows dequantized 2048 at a time, the last tile short."""
+    raw, expected = _quantized("Q8_0", (4160, 64))
+    weight = from_gguf(raw, "Q8_0", (4160, 64))
+    x = torch.randn(90, 64, generator=torch.Generator().manual_seed(2))
+    reference = x.double() @ torch.from_numpy(expected).double().T
+    torch.testing.assert_close(weight.linear(x).double(), reference, rtol=0, atol=2e-5 * reference.abs().max().item())
 
 
 def test_bad_block_tensors_are_refused_naming_the_tensor_and_the_type() -> None:

@@ -8,7 +8,8 @@
 //
 // Each call dequantizes kRows output rows at a time into a float scratch (each weight decoded once for every token
 // of the call) and multiplies them with register-blocked tiles of kRows x kTokens vector accumulators along K: a
-// GEMM whose packing of W is its dequantization. A decode step streams every weight once, so bytes read bound it:
+// GEMM whose packing of W is its dequantization; a prefill of kDenseFrom tokens or more dequantizes row tiles for
+// the dense GEMM instead. A decode step streams every weight once, so bytes read bound it:
 // 4.5 bits a weight where a float32 copy reads 32; many tokens are bound by the multiply-adds, as a float GEMM's.
 // Sums run in another order than a dense product of the dequantized weights: differences in the last bits.
 #include <torch/extension.h>
@@ -72,14 +73,20 @@ inline void decode_block_avx2(const uint8_t* q, int64_t bits, __m256* parts) {
 
 // The product: kRows rows of W dequantized into a float scratch, then tiles of kTokens tokens over them (kRows x
 // kTokens vector accumulators along K, summed across lanes at the end). SmolLM2-135M's 30 layers of projections,
-// 2 threads (Sapphire Rapids): against the float32 weights prepacked for oneDNN, 0.52x the time at 1 token, 0.47x at
-// 8, 0.67x at 24, 0.88x at 64, 1.26x at 128 (where the dense GEMM's blocking for the caches pays).
+// 2 threads (Sapphire Rapids): against the float32 weights prepacked for oneDNN, 0.46x the time at 1 token, 0.68x
+// at 16, 0.93x at 64.
 #if defined(__AVX512F__)
 typedef float Lanes __attribute__((vector_size(64)));  // one AVX-512 register
 #else
 typedef float Lanes __attribute__((vector_size(32)));  // one AVX2 register
 #endif
 constexpr int64_t kLanes = sizeof(Lanes) / sizeof(float);
+// From this many tokens (a prefill) dequantizing every weight to float32 and running the dense GEMM, with its cache
+// blocking, costs less than the register-blocked product (time against the prepacked float32 weights, as below:
+// 1.06x against 1.03x at 79 and 80 tokens, 0.96x at 128, 1.13x at 512; the product 1.34x at 127 tokens); rows go
+// through it kDenseRows at a time, so the float copy stays small.
+constexpr int64_t kDenseFrom = 80;
+constexpr int64_t kDenseRows = 2048;
 constexpr int64_t kRows = 4;
 #if defined(__AVX512F__)
 constexpr int64_t kTokens = 6;  // 24 accumulators, 4 weight vectors and a token's: 29 of 32 registers
@@ -187,21 +194,14 @@ at::Tensor block_dequantize(at::Tensor q, at::Tensor d, std::optional<at::Tensor
   auto qs = q.contiguous();
   auto ds = d.contiguous();
   at::Tensor ms = m ? m->contiguous() : at::Tensor();
-  const int64_t n = qs.size(0), blocks = k / kBlock, block_bytes = kBlock * bits / 8;
+  const int64_t n = qs.size(0);
   auto out = at::empty({n, k}, ds.options());
   const uint8_t* q_data = reinterpret_cast<const uint8_t*>(qs.data_ptr());
   const float* d_data = ds.data_ptr<float>();
   const float* m_data = m ? ms.data_ptr<float>() : nullptr;
   float* out_data = out.data_ptr<float>();
   at::parallel_for(0, n, 16, [&](int64_t begin, int64_t end) {
-    for (int64_t row = begin; row < end; ++row) {
-      for (int64_t b = 0; b < blocks; ++b) {
-        float* w = out_data + row * k + b * kBlock;
-        decode_block(q_data + (row * blocks + b) * block_bytes, bits, w);
-        const float scale = d_data[row * blocks + b], low = m_data ? m_data[row * blocks + b] : 0.0f;
-        for (int64_t j = 0; j < kBlock; ++j) w[j] = m_data ? w[j] * scale + low : w[j] * scale;
-      }
-    }
+    dequantize_rows(q_data, d_data, m_data, bits, k, begin, end - begin, out_data + begin * k);
   });
   return out;
 }
@@ -214,6 +214,17 @@ at::Tensor block_linear(at::Tensor x, at::Tensor q, at::Tensor d, std::optional<
   const int64_t tokens = flat.size(0);
   auto shape = x.sizes().vec();
   shape.back() = n;
+  if (tokens >= kDenseFrom) {  // a prefill: rows dequantized a tile at a time, multiplied by the dense GEMM
+    if (n <= kDenseRows) return at::mm(flat, block_dequantize(q, d, m, bits).t()).view(shape);
+    auto out = at::empty({tokens, n}, flat.options());
+    for (int64_t n0 = 0; n0 < n; n0 += kDenseRows) {
+      const int64_t n1 = std::min(n, n0 + kDenseRows);
+      auto rows = block_dequantize(q.slice(0, n0, n1), d.slice(0, n0, n1),
+                                   m ? std::optional<at::Tensor>(m->slice(0, n0, n1)) : std::nullopt, bits);
+      out.slice(1, n0, n1).copy_(at::mm(flat, rows.t()));
+    }
+    return out.view(shape);
+  }
   auto qs = q.contiguous();
   auto ds = d.contiguous();
   at::Tensor ms = m ? m->contiguous() : at::Tensor();
