@@ -154,3 +154,19 @@ def assert_pairs_follow_target_law(target, prompt: list[int], warp: dict, result
     for positions in ((0, 1), (1, 2)):
         counts = sampled_pairs(results, positions)
         assert chi_square_pvalue(counts, exact_joint_law(target, prompt, warp, positions)) > 1e-3, positions
+
+
+def assert_speculative_sampling_follows_law(reference, target, draft, tokenizer) -> None:
+    """Temperature 1 with ``draft`` proposing for ``target`` (two candidates, three tokens deep, 3000 seeded rows of
+    one prompt): drafts were proposed, some kept and some rejected, and the sampled pairs follow ``reference``'s exact
+    joint law (the float model ``target`` must compute)."""
+    prompt, samples, warp = [3, 4, 5, 3, 4, 5, 3], 3000, {"temperature": 1.0, "top_k": 0, "top_p": 1.0}
+    config = make_config(method="draft_model", num_candidates=2, num_speculative_tokens=3, length_policy="static",
+                         batch_size=64, sampling={"max_tokens": 4, **warp})
+    engine = Engine(config, target=target, tokenizer=tokenizer, draft=draft)
+    results = engine.generate(
+        [Request(id=str(i), prompt_token_ids=prompt, sampling={"seed": i}) for i in range(samples)])
+    drafted = sum(sum(r.per_step_drafted) for r in results)
+    accepted = sum(sum(r.per_step_accepted) for r in results)
+    assert drafted > samples and 0 < accepted < drafted
+    assert_pairs_follow_target_law(reference, prompt, warp, results)

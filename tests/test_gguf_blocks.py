@@ -11,11 +11,10 @@ import copy
 import numpy as np
 import pytest
 import torch
-from engine_cases import MAX_TOKENS, PROMPTS, assert_pairs_follow_target_law, make_config, run
+from engine_cases import MAX_TOKENS, PROMPTS, assert_speculative_sampling_follows_law, make_config, run
 from gguf import GGMLQuantizationType, GGUFWriter, quants
 from tiny import gguf_pair
 
-from decoding import Engine, Request
 from decoding.model.attention import cpu_kernel
 from decoding.model.gguf_blocks import LAYOUTS, dequantized, from_gguf, use_gguf_blocks, uses_blocks
 from decoding.model.loading import load_model
@@ -158,16 +157,7 @@ def test_sampling_over_gguf_blocks_follows_the_dequantized_models_law(small_mode
     dequantized model (chi-square), with drafts proposed, some kept and some rejected."""
     small_target, small_draft = small_models
     reference, blocks = gguf_pair(small_target, tmp_path / "small.gguf")
-    prompt, samples, warp = [3, 4, 5, 3, 4, 5, 3], 3000, {"temperature": 1.0, "top_k": 0, "top_p": 1.0}
-    config = make_config(method="draft_model", num_candidates=2, num_speculative_tokens=3, length_policy="static",
-                         batch_size=64, sampling={"max_tokens": 4, **warp})
-    engine = Engine(config, target=blocks, tokenizer=tokenizer, draft=small_draft)
-    results = engine.generate(
-        [Request(id=str(i), prompt_token_ids=prompt, sampling={"seed": i}) for i in range(samples)])
-    drafted = sum(sum(r.per_step_drafted) for r in results)
-    accepted = sum(sum(r.per_step_accepted) for r in results)
-    assert drafted > samples and 0 < accepted < drafted
-    assert_pairs_follow_target_law(reference, prompt, warp, results)
+    assert_speculative_sampling_follows_law(reference, blocks, small_draft, tokenizer)
 
 
 def test_a_gguf_that_does_not_fit_the_model_is_refused_naming_the_tensor(tmp_path, target) -> None:

@@ -14,7 +14,7 @@ import torch
 from compressed_tensors.compressors.pack_quantized.helpers import pack_to_int32
 from compressed_tensors.quantization import QuantizationArgs, QuantizationConfig, QuantizationScheme
 from compressed_tensors.quantization.lifecycle.forward import dequantize
-from engine_cases import MAX_TOKENS, PROMPTS, assert_pairs_follow_target_law, make_config, run
+from engine_cases import MAX_TOKENS, PROMPTS, assert_speculative_sampling_follows_law, make_config, run
 from safetensors.torch import save_file
 
 from decoding import Engine, Request
@@ -253,16 +253,7 @@ def test_sampling_over_a_packed_checkpoint_follows_its_dequantized_models_law(sm
     small_target, small_draft = small_models
     reference = write_checkpoint(small_target, tmp_path / "gptq", "gptq-w4-g64-asym")
     packed = load_model(str(tmp_path / "gptq"), "auto", CPU)
-    prompt, samples, warp = [3, 4, 5, 3, 4, 5, 3], 3000, {"temperature": 1.0, "top_k": 0, "top_p": 1.0}
-    config = make_config(method="draft_model", num_candidates=2, num_speculative_tokens=3, length_policy="static",
-                         batch_size=64, sampling={"max_tokens": 4, **warp})
-    engine = Engine(config, target=packed, tokenizer=tokenizer, draft=small_draft)
-    results = engine.generate(
-        [Request(id=str(i), prompt_token_ids=prompt, sampling={"seed": i}) for i in range(samples)])
-    drafted = sum(sum(r.per_step_drafted) for r in results)
-    accepted = sum(sum(r.per_step_accepted) for r in results)
-    assert drafted > samples and 0 < accepted < drafted
-    assert_pairs_follow_target_law(reference, prompt, warp, results)
+    assert_speculative_sampling_follows_law(reference, packed, small_draft, tokenizer)
 
 
 def test_a_packed_checkpoint_runs_through_the_engine_by_its_path(checkpoints, tokenizer, tmp_path, target) -> None:
