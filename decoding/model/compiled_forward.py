@@ -35,7 +35,7 @@ from decoding.model.lora import GROUPS, LoraBatch
 log = logging.getLogger(__name__)
 
 _HERE = Path(__file__).parent
-_SOURCES = ("lean_forward.py", "attention.py", "compiled_forward.py", "quantize.py", "lora.py",
+_SOURCES = ("lean_forward.py", "attention.py", "compiled_forward.py", "quantize.py", "lora.py", "gguf_blocks.py",
             "csrc/paged_attention.cpp", "csrc/quantized_linear.cpp")
 _lock = threading.Lock()  # engines built on threads of one process compile each stack once
 _loaded: dict[str, Callable[[list[torch.Tensor]], torch.Tensor] | None] = {}

@@ -104,16 +104,21 @@ def dequantized(q: torch.Tensor, d: torch.Tensor, m: torch.Tensor | None, bits: 
     return weights.reshape(rows, -1)
 
 
+def multiply_blocks(x: torch.Tensor, q: torch.Tensor, d: torch.Tensor, m: torch.Tensor | None, bits: int,
+                    triton: bool = False) -> torch.Tensor:
+    """``x @ W.T`` for the blocks (q, d, m) of ``bits`` a weight: the C++ kernel on a CPU (x float32), the Triton GEMM
+    on a GPU (x in the model's dtype) or where ``triton`` asks for it (the fused Triton layer's execution)."""
+    if x.device.type == "cpu" and not triton:
+        return torch.ops.specbatch.block_linear(x, q, d, m, bits)
+    from decoding.model import triton_kernels as tk
+
+    return tk.block_linear(x, q, d, m, bits)
+
+
 def block_linear(q: torch.Tensor, d: torch.Tensor, m: torch.Tensor | None, bits: int, bias: torch.Tensor | None,
                  x: torch.Tensor) -> torch.Tensor:
-    """``x @ W.T + bias`` for the blocks (q, d, m) of ``bits`` a weight: the C++ kernel on a CPU (x float32), the
-    Triton GEMM on a GPU (x in the model's dtype)."""
-    if x.device.type == "cpu":
-        out = torch.ops.specbatch.block_linear(x, q, d, m, bits)
-    else:
-        from decoding.model import triton_kernels as tk
-
-        out = tk.block_linear(x, q, d, m, bits)
+    """``x @ W.T + bias`` for the blocks (q, d, m) of ``bits`` a weight (a module's forward; ``multiply_blocks``)."""
+    out = multiply_blocks(x, q, d, m, bits)
     return out + bias if bias is not None else out
 
 

@@ -43,6 +43,7 @@ from decoding.model.attention import (
 )
 from decoding.model.compiled_forward import compiled_stack
 from decoding.model.execution import Execution, Kernels
+from decoding.model.gguf_blocks import multiply_blocks
 from decoding.model.lora import GROUPS, LoraBatch
 from decoding.model.quantize import (
     ACTIVATION_DTYPE,
@@ -125,13 +126,7 @@ class Projection:
                 return torch.ops.specbatch.packed_linear(x, tensors[0], bias)
             return nn.functional.linear(x, tensors[0], bias)
         if self.kind == "blocks":  # q, d and m (None where the blocks have none)
-            m = tensors[2] if self.offset else None
-            if triton:
-                from decoding.model import triton_kernels as tk
-
-                out = tk.block_linear(x, tensors[0], tensors[1], m, self.bits)
-            else:
-                out = torch.ops.specbatch.block_linear(x, tensors[0], tensors[1], m, self.bits)
+            out = multiply_blocks(x, tensors[0], tensors[1], tensors[2] if self.offset else None, self.bits, triton)
         elif self.kind == "int4":
             out = int4_matmul(x, tensors[0], tensors[1], self.groupsize)
         else:
