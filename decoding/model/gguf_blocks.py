@@ -183,12 +183,18 @@ def _q4_k(data: np.ndarray, name: str) -> BlockWeight:
     m = -(big_min[..., None] * mins).reshape(rows, supers * 8)
     pairs = data[:, :, 16:].reshape(rows, supers, 4, 1, 32)
     q = (pairs >> np.array([0, 4], dtype=np.uint8).reshape(1, 1, 1, 2, 1)) & 0x0F  # [N, S, 4, 2, 32]
-    q = q.reshape(rows, supers * 8, BLOCK)
-    packed = (q[..., : BLOCK // 2] | (q[..., BLOCK // 2:] << 4)).astype(np.uint8).reshape(rows, -1)
     if not (np.isfinite(d).all() and np.isfinite(m).all()):
         raise ValueError(f"{name}: Q4_K block scales are not finite (corrupt)")
-    return BlockWeight(torch.from_numpy(np.ascontiguousarray(packed)), torch.from_numpy(np.ascontiguousarray(d)),
+    return BlockWeight(pack_nibbles(torch.from_numpy(q.reshape(rows, -1))), torch.from_numpy(np.ascontiguousarray(d)),
                        torch.from_numpy(np.ascontiguousarray(m)), 4)
+
+
+def pack_nibbles(q: torch.Tensor) -> torch.Tensor:
+    """[N, K] integers 0..15 as the [N, K / 2] bytes of 4-bit blocks (byte j of a block: weight j in its low nibble,
+    weight j + 16 in its high one)."""
+    rows, cols = q.shape
+    halves = q.to(torch.uint8).view(rows, cols // BLOCK, 2, BLOCK // 2)
+    return (halves[:, :, 0] | halves[:, :, 1] << 4).reshape(rows, cols // 2)
 
 
 def uses_blocks(model: nn.Module) -> bool:

@@ -32,7 +32,7 @@ from typing import Any
 import torch
 from safetensors import safe_open
 
-from decoding.model.gguf_blocks import BLOCK, BlockWeight, check_block_kernels, use_blocks
+from decoding.model.gguf_blocks import BLOCK, BlockWeight, check_block_kernels, pack_nibbles, use_blocks
 
 log = logging.getLogger(__name__)
 
@@ -121,8 +121,7 @@ def to_blocks(q: torch.Tensor, zero: torch.Tensor, scale: torch.Tensor, bits: in
         raise ValueError(f"{name}: scales are not finite (corrupt)")
     if bits == 4:
         m = (-zero.float() * scale.float()).repeat_interleave(per_block, 1).contiguous()
-        nibbles = q.to(torch.uint8).view(rows, cols // BLOCK, 2, BLOCK // 2)  # GGUF's order: j low, j + 16 high
-        return BlockWeight((nibbles[:, :, 0] | nibbles[:, :, 1] << 4).reshape(rows, cols // 2), d, m, 4)
+        return BlockWeight(pack_nibbles(q), d, m, 4)
     # 8-bit blocks hold signed q: w = s (q - 128) + s (128 - z)
     offset = 128 - zero.float()
     m = (offset * scale.float()).repeat_interleave(per_block, 1).contiguous() if offset.any() else None
