@@ -277,13 +277,13 @@ def use_blocks(model: nn.Module, linears: dict[str, BlockWeight], device: torch.
     alone = dict(taken)
     for name in taken:
         parent, _, child = name.rpartition(".")
-        for group in SIBLINGS:
-            members = [alone.get(f"{parent}.{c}") for c in group] if child == group[0] else [None]
-            if all(members) and len({(w.bits, w.m is None) for _, w in members}) == 1:
-                siblings = [module for module, _ in members]
-                FusedSiblings(siblings, BlockWeight.stacked([w for _, w in members]).kernel(siblings_bias(siblings)))
-                for c in group:
-                    alone.pop(f"{parent}.{c}")
+        group = next((group for group in SIBLINGS if group[0] == child), ())  # named by its first member
+        members = [alone.get(f"{parent}.{c}") for c in group]
+        if members and all(members) and len({(w.bits, w.m is None) for _, w in members}) == 1:
+            siblings = [module for module, _ in members]
+            FusedSiblings(siblings, BlockWeight.stacked([w for _, w in members]).kernel(siblings_bias(siblings)))
+            for c in group:
+                alone.pop(f"{parent}.{c}")
     for module, weight in alone.values():
         module.forward = weight.kernel(module.bias)
     for module, _ in taken.values():
