@@ -59,16 +59,16 @@ def _quantization_config(folder: Path) -> dict[str, Any] | None:
 
 
 class _Tensors:
-    """The checkpoint's tensors by name, across its safetensors files, read once each."""
+    """The checkpoint's tensors by name, across its safetensors files (each opened once), noting which were read."""
 
     def __init__(self, folder: Path) -> None:
         files = sorted(folder.glob("*.safetensors"))
         if not files:
             raise ValueError(f"{folder}: a quantized checkpoint is read from .safetensors files; none found")
-        self.file_of = {}
+        self.file_of = {}  # tensor name -> its file's open handle
         for path in files:
-            with safe_open(str(path), "pt") as handle:
-                self.file_of.update(dict.fromkeys(handle.keys(), path))
+            handle = safe_open(str(path), "pt")
+            self.file_of.update(dict.fromkeys(handle.keys(), handle))
         self.read: set[str] = set()
 
     def __contains__(self, name: str) -> bool:
@@ -77,10 +77,8 @@ class _Tensors:
     def __getitem__(self, name: str) -> torch.Tensor:
         if name not in self.file_of:
             raise ValueError(f"{name}: missing from the checkpoint")
-        with safe_open(str(self.file_of[name]), "pt") as handle:
-            tensor = handle.get_tensor(name)
         self.read.add(name)
-        return tensor
+        return self.file_of[name].get_tensor(name)
 
     def sized(self, name: str, layer: tuple[int, int], dims: tuple[int | None, ...],
               dtype: torch.dtype | None = None) -> torch.Tensor:
