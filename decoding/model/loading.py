@@ -24,6 +24,7 @@ import sys
 import tempfile
 import weakref
 import zipfile
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -113,13 +114,18 @@ def _gguf_conversion(gguf: Path) -> Path:
     modification time, so a changed file is converted again."""
     stat = gguf.stat()
     key = hashlib.sha256(f"{gguf.resolve()}|{stat.st_size}|{stat.st_mtime_ns}".encode()).hexdigest()[:16]
-    target = cache_dir() / "models" / "gguf" / f"{gguf.stem}-{key}"
+    return _converted(cache_dir() / "models" / "gguf" / f"{gguf.stem}-{key}", str(gguf),
+                      functools.partial(_convert_gguf, gguf))
+
+
+def _converted(target: Path, what: str, convert: Callable[[Path], None]) -> Path:
+    """``target``, a model directory ``convert`` writes on first use, once across processes (a file lock)."""
     if not (target / "config.json").exists():
         target.parent.mkdir(parents=True, exist_ok=True)
         with FileLock(str(target) + ".lock"):
             if not (target / "config.json").exists():
-                log.info("converting %s to %s (first use only)", gguf, target)
-                _convert_gguf(gguf, target)
+                log.info("converting %s to %s (first use only)", what, target)
+                convert(target)
     return target
 
 
@@ -139,14 +145,7 @@ def resolve_model_path(name: str, must_exist: bool = True) -> str:
         return str(_gguf_conversion(Path(name)))
     if name != DEFAULT_MODEL:
         return name
-    target = cache_dir() / "models" / DEFAULT_MODEL
-    if not (target / "config.json").exists():
-        target.parent.mkdir(parents=True, exist_ok=True)
-        with FileLock(str(target) + ".lock"):
-            if not (target / "config.json").exists():
-                log.info("converting SmolLM2-135M-Instruct GGUF to %s (first use only)", target)
-                _convert_smollm2(target)
-    return str(target)
+    return str(_converted(cache_dir() / "models" / DEFAULT_MODEL, "the SmolLM2-135M-Instruct GGUF", _convert_smollm2))
 
 
 def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
