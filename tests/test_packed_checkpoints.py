@@ -256,7 +256,7 @@ def test_sampling_over_a_packed_checkpoint_follows_its_dequantized_models_law(sm
     assert_speculative_sampling_follows_law(reference, packed, small_draft, tokenizer)
 
 
-def test_a_packed_checkpoint_runs_through_the_engine_by_its_path(checkpoints, tokenizer, tmp_path, target) -> None:
+def test_a_packed_checkpoint_runs_through_the_engine_by_its_path(tokenizer, tmp_path, target) -> None:
     folder = tmp_path / "awq"
     reference = write_checkpoint(target, folder, "awq-w4-g32", tokenizer)
     config = make_config(method="none").model_copy(update={"model": str(folder), "quantization": "awq"})
