@@ -205,13 +205,18 @@ def test_the_cpu_kernel_computes_what_the_reference_computes(dtype) -> None:
 
 def test_the_compiled_stack_computes_what_the_eager_stack_computes(monkeypatch, tmp_path, caplog) -> None:
     """The layer stack compiled ahead of time (a float model and an int4 twin), for several batch shapes from one
-    package; a stack that cannot compile runs eagerly, with a warning."""
+    package, loaded without leaving its extracted files behind; a stack that cannot compile runs eagerly, with a
+    warning."""
     if not cpu_kernel():
         pytest.skip("no C++ compiler")
     from decoding.model import compiled_forward
 
     # The product's cache, as the product uses it: compiled once per machine and code version, then loaded.
     monkeypatch.delenv("SPECBATCH_COMPILE")  # the tests' eager default: each execution says here
+    monkeypatch.setattr(compiled_forward, "_loaded", {})  # each package loaded here, from the cache or compiled
+    temp = tmp_path / "tmp"  # where torch would extract each loaded package, and leave it
+    temp.mkdir()
+    monkeypatch.setenv("TMPDIR", str(temp))
     cpu = torch.device("cpu")
     eager_mode = Execution.resolve(ExecutionConfig(compile="off"), cpu)
     compiled_mode = Execution.resolve(ExecutionConfig(), cpu)
@@ -227,6 +232,7 @@ def test_the_compiled_stack_computes_what_the_eager_stack_computes(monkeypatch, 
                                                           _tree_forwards(compiled, model.config, compiled_mode)):
             torch.testing.assert_close(c_logits, logits, atol=tolerance, rtol=tolerance)
             torch.testing.assert_close(c_hidden, hidden, atol=tolerance, rtol=tolerance)
+    assert len(compiled_forward._loaded) == 2 and not list(temp.glob("aotinductor*"))
 
     def no_compiler(*args, **kwargs):
         raise RuntimeError("no C++ compiler found")

@@ -23,7 +23,8 @@ import tempfile
 import threading
 import time
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -131,6 +132,23 @@ def _load_or_compile(stack: torch.nn.Module, weights: list[torch.Tensor], folder
     return _load_package(path)
 
 
+@contextmanager
+def _extracted_beside(path: Path) -> Iterator[None]:
+    """torch extracts a package into a new folder under TMPDIR and never removes it (6 MB a load, one per engine
+    process): extract beside the package instead, into a folder removed once the library is loaded (a loaded
+    library and its constants need no file). Callers hold ``_lock``: no other load reads TMPDIR meanwhile."""
+    previous = os.environ.get("TMPDIR")
+    with tempfile.TemporaryDirectory(dir=path.parent) as scratch:
+        os.environ["TMPDIR"] = scratch
+        try:
+            yield
+        finally:
+            if previous is None:
+                os.environ.pop("TMPDIR", None)
+            else:
+                os.environ["TMPDIR"] = previous
+
+
 def _load_package(path: Path) -> Callable[[list[torch.Tensor]], torch.Tensor]:
     """A compiled package, called with its flat input list. Loading compares the package's vector ISA with this
     CPU's, and torch finds this CPU's by building and running probe programs with the C++ compiler (a second of
@@ -139,7 +157,7 @@ def _load_package(path: Path) -> Callable[[list[torch.Tensor]], torch.Tensor]:
     from torch._inductor import cpu_vec_isa
 
     try:
-        with torch._inductor.config.patch({"cpp.vec_isa_ok": True}):
+        with torch._inductor.config.patch({"cpp.vec_isa_ok": True}), _extracted_beside(path):
             package = torch._inductor.aoti_load_package(str(path))
     finally:
         cpu_vec_isa.valid_vec_isa_list.cache_clear()
