@@ -13,7 +13,7 @@ import pytest
 import torch
 from engine_cases import MAX_TOKENS, PROMPTS, assert_speculative_sampling_follows_law, make_config, run
 from gguf import GGMLQuantizationType, GGUFWriter, quants
-from tiny import gguf_pair
+from tiny import gguf_pair, tiny_model
 
 from decoding.model.attention import cpu_kernel
 from decoding.model.gguf_blocks import LAYOUTS, dequantized, from_gguf, use_gguf_blocks, uses_blocks
@@ -34,6 +34,11 @@ def _quantized(type_name: str, shape: tuple[int, int], seed: int = 0) -> tuple[n
         raw = rng.integers(0, 256, (rows, cols // 256, 144), dtype=np.uint8)
         raw[:, :, 0:4] = (rng.random((rows, cols // 256, 2)) * 2e-3).astype(np.float16).view(np.uint8)
         raw = raw.reshape(rows, -1)
+    elif type_name == "Q6_K":  # nor to this: random super-blocks (any int8 scales), D small and finite
+        rows, cols = shape
+        raw = rng.integers(0, 256, (rows, cols // 256, 210), dtype=np.uint8)
+        raw[:, :, 208:210] = (rng.random((rows, cols // 256, 1)) * 1e-3).astype(np.float16).view(np.uint8)
+        raw = raw.reshape(rows, -1)
     else:
         raw = quants.quantize(rng.standard_normal(shape, dtype=np.float32) * 0.05, kind)
     return raw, quants.dequantize(raw, kind)
@@ -44,8 +49,8 @@ def kernels() -> None:
     assert cpu_kernel(), "the C++ kernels must build on this machine"
 
 
-# Q4_K's super-blocks are 256 weights: SmolLM2's 576-wide rows are no whole number of them
-CASES = [(t, s) for t in TYPES for s in SHAPES if t != "Q4_K" or SHAPES[s][1] % 256 == 0]
+# K-quants' super-blocks are 256 weights: SmolLM2's 576-wide rows are no whole number of them
+CASES = [(t, s) for t in TYPES for s in SHAPES if not t.endswith("_K") or SHAPES[s][1] % 256 == 0]
 
 
 @pytest.mark.parametrize(("type_name", "shape_name"), CASES, ids=[f"{t}-{s}" for t, s in CASES])
@@ -58,7 +63,8 @@ def test_block_weights_dequantize_as_gguf_does_and_multiply_as_their_dequantized
     assert torch.equal(weight.dequantize(), torch.from_numpy(expected))  # bit for bit
     assert torch.equal(dequantized(weight.q, weight.d, weight.m, weight.bits), weight.dequantize())  # off a CPU
     # per block: the stored nibbles or int8, d and m (Q4_0's -8 d) widened to float32
-    assert weight.nbytes == shape[0] * shape[1] // 32 * {"Q4_0": 24, "Q4_1": 24, "Q8_0": 36, "Q4_K": 24}[type_name]
+    assert weight.nbytes == shape[0] * shape[1] // 32 * {"Q4_0": 24, "Q4_1": 24, "Q8_0": 36, "Q4_K": 24,
+                                                         "Q6_K": 40}[type_name]
     dense = torch.from_numpy(expected)
     generator = torch.Generator().manual_seed(1)
     for tokens in (1, 3, 5, 16, 40, 100):  # one token, partial and whole tiles of tokens, the dense path of a prefill
@@ -97,6 +103,12 @@ def test_bad_block_tensors_are_refused_naming_the_tensor_and_the_type() -> None:
     corrupt[0, 0:2] = np.frombuffer(np.float16(np.inf).tobytes(), dtype=np.uint8)
     with pytest.raises(ValueError, match=r"blk\.0\.attn_q\.weight: Q4_1 block scales are not finite"):
         from_gguf(corrupt, "Q4_1", (8, 64), name="blk.0.attn_q.weight")
+    six, _ = _quantized("Q6_K", (2, 256))
+    with pytest.raises(ValueError, match=r"output\.weight: Q6_K \[2, 256\] needs 420 bytes, the file holds 400"):
+        from_gguf(six.reshape(-1)[:400], "Q6_K", (2, 256), name="output.weight")
+    six[1, 208:210] = np.frombuffer(np.float16(np.nan).tobytes(), dtype=np.uint8)
+    with pytest.raises(ValueError, match=r"blk\.1\.attn_v\.weight: Q6_K block scales are not finite"):
+        from_gguf(six, "Q6_K", (2, 256), name="blk.1.attn_v.weight")
     weight = from_gguf(raw, "Q4_1", (8, 64))
     with pytest.raises(RuntimeError, match="x has 32"):
         weight.linear(torch.randn(1, 32))
@@ -150,6 +162,32 @@ def test_greedy_decoding_over_gguf_blocks_is_the_dequantized_models(speculative,
     assert [r.token_ids for r in results] == expected
     if speculative["method"] != "none" and speculative.get("length_policy") == "static":
         assert sum(sum(r.per_step_drafted) for r in results) > len(PROMPTS)  # speculation really happened
+
+
+# K-quant files mix types as llama.cpp's Q4_K_M and Q6_K mixes do; 256-weight super-blocks need 256-wide inputs.
+K_QUANT_MIXES = {"Q4_K-layers": ("Q4_K", "Q6_K", "Q6_K"), "Q6_K-layers": ("Q6_K", "Q8_0", "Q4_K")}
+
+
+@pytest.mark.parametrize("mix", K_QUANT_MIXES.values(), ids=K_QUANT_MIXES.keys())
+def test_greedy_decoding_over_k_quant_blocks_is_the_dequantized_models(mix, tokenizer, tmp_path) -> None:
+    """A tiny Llama 256 wide written with Q4_K and Q6_K matrices (layers, embedding, head): every matrix multiplied
+    as its blocks, and transformers' greedy tokens of the float model of gguf's dequantized weights, token for token,
+    with plain decoding and with the self-draft (drafting asserted)."""
+    layers, embedding, head = mix
+    reference, blocks = gguf_pair(tiny_model(seed=3, hidden=256, intermediate=512), tmp_path / "k.gguf", layers,
+                                  embedding, head)
+    assert sorted({name.split(".")[-2] for name, p in blocks.named_parameters() if p.numel()}) == [
+        "input_layernorm", "norm", "post_attention_layernorm"]
+    expected = []
+    for prompt in PROMPTS:
+        ids = tokenizer(prompt, return_tensors="pt").input_ids
+        out = reference.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
+                                 max_new_tokens=MAX_TOKENS)
+        expected.append(out[0, ids.shape[1]:].tolist())
+    for speculative in (GGUF_SPECULATIVE["none"], GGUF_SPECULATIVE["self-draft"]):
+        results = run(make_config(**dict(speculative)), tokenizer, blocks, None)
+        assert [r.token_ids for r in results] == expected
+    assert sum(sum(r.per_step_drafted) for r in results) > len(PROMPTS)  # the self-draft drafted
 
 
 def test_sampling_over_gguf_blocks_follows_the_dequantized_models_law(small_models, tokenizer, tmp_path) -> None:

@@ -278,7 +278,8 @@ BLOCK_SHAPES = {"smollm2-kv": (192, 576), "smollm2-down": (576, 1536), "llama3-8
 
 
 def _blocks(kind: str, shape: tuple[int, int]):
-    """Random blocks of ``kind``: GGUF Q4_1 (4-bit, m), Q8_0 (8-bit, no m), or 8-bit with zero points (m)."""
+    """Random blocks of ``kind``: GGUF Q4_1 (4-bit, m), Q8_0 (8-bit, no m), Q6_K (8-bit, a d each half-block), or
+    8-bit with zero points (m)."""
     from gguf import GGMLQuantizationType, quants
 
     from decoding.model.gguf_blocks import from_gguf
@@ -292,19 +293,26 @@ def _blocks(kind: str, shape: tuple[int, int]):
         zero = torch.randint(100, 156, (shape[0], groups), generator=generator)
         scale = (torch.rand(shape[0], groups, generator=generator) * 1e-3).half()
         return to_blocks(q, zero, scale, 8, "w")
+    if kind == "Q6_K":  # gguf cannot quantize to it: random super-blocks, D small and finite
+        raw = torch.randint(0, 256, (shape[0], shape[1] // 256, 210), generator=generator, dtype=torch.uint8)
+        raw[:, :, 208:210] = (torch.rand(shape[0], shape[1] // 256, 1, generator=generator) * 1e-3).half().view(
+            torch.uint8)
+        return from_gguf(raw.reshape(shape[0], -1).numpy(), kind, shape)
     kind_type = GGMLQuantizationType[kind]
     return from_gguf(quants.quantize(weights.numpy(), kind_type), kind, shape)
 
 
-@pytest.mark.parametrize("kind", ["Q4_1", "Q8_0", "int8-zero-points"])
+@pytest.mark.parametrize("kind", ["Q4_1", "Q8_0", "Q6_K", "int8-zero-points"])
 def test_block_linear_multiplies_quantized_blocks_as_their_dequantized_weights(kind) -> None:
+    """The Triton GEMM over 32-weight blocks (4-bit nibbles or int8, d and m per block or half-block) against the
+    product of the dequantized weights: float32 to float32 rounding (sums in another order), bf16 activations to the
+    bf16 rounding of the output; a single token, a partial token tile and several tiles."""
     from decoding.model.gguf_blocks import dequantized
 
-    """The Triton GEMM over 32-weight blocks (4-bit nibbles or int8, d and m per block) against the product of the
-    dequantized weights: float32 to float32 rounding (sums in another order), bf16 activations to the bf16
-    rounding of the output; a single token, a partial token tile and several tiles."""
     generator = torch.Generator().manual_seed(3)
     for name, shape in BLOCK_SHAPES.items():
+        if kind == "Q6_K" and shape[1] % 256:
+            continue  # rows of 256-weight super-blocks: SmolLM2's 576 inputs are none
         weight = _blocks(kind, shape)
         dense = dequantized(weight.q, weight.d, weight.m, weight.bits).double()
         q, d, m = (t.to(DEVICE) if t is not None else None for t in (weight.q, weight.d, weight.m))
@@ -359,6 +367,6 @@ def test_every_kernel_compiles_for_sm90_without_a_gpu() -> None:
     assert {kernel.__name__ for kernel in tk.KERNELS} <= kernels
     assert len([line for line in lines if line]) == 3 * len(tk.sm90_compile_specs(tk.SMOLLM2_135M))
     blocks = [line.split() for line in lines if line.startswith("_block_linear_kernel")]
-    assert len(blocks) == 6 and all(words[-1] == "mma" for words in blocks if words[1] == "bf16")
+    assert len(blocks) == 9 and all(words[-1] == "mma" for words in blocks if words[1] == "bf16")
     attention = [line.split() for line in lines if line.startswith("_paged_attention_kernel")]
     assert all(words[-1] == "mma" for words in attention if words[1] == "bf16")

@@ -1,4 +1,4 @@
-"""Weights kept in GGUF's 32-weight blocks (Q4_0, Q4_1, Q8_0, Q4_K), multiplied as they are stored.
+"""Weights kept in GGUF's 32-weight blocks (Q4_0, Q4_1, Q8_0, Q4_K, Q6_K), multiplied as they are stored.
 
 A block of one output row holds 32 consecutive input weights with ``w = d * q + m``:
 
@@ -8,10 +8,12 @@ A block of one output row holds 32 consecutive input weights with ``w = d * q + 
 | Q4_1 | 20 | d (f16), m (f16), 16 bytes of nibbles | 0..15 | m |
 | Q8_0 | 34 | d (f16), 32 int8 | -128..127 | 0 |
 | Q4_K | 144 for 8 blocks | D, Dmin (f16), 8 scales and 8 mins of 6 bits, 128 bytes of nibbles | 0..15 | -Dmin min |
+| Q6_K | 210 for 8 blocks | 128 bytes of low nibbles, 64 of high bit pairs, 16 int8 scales, D (f16) | -32..31 | 0 |
 
 Q4_K's block b has d = D * scale_b and m = -Dmin * min_b (exact in float32: an f16 times a 6-bit integer); its
 nibbles are stored a 64-weight pair of blocks at a time (32 bytes: block 2i low, block 2i + 1 high) and are put in
-the order below when read.
+the order below when read. Q6_K scales each half-block of 16 weights (d = D * scale, exact): its blocks keep two d
+a block, and its 6-bit q - 32 as int8 (8.5 + 1 bits a weight against the file's 6.56: no kernel reads 6 bits).
 
 Byte j of a 4-bit block holds weight j in its low nibble and weight j + 16 in its high one. ``BlockWeight`` keeps
 the nibbles (or int8) as stored and d, m widened to float32 (exactly), so its dequantized weights are bit for bit
@@ -40,13 +42,13 @@ log = logging.getLogger(__name__)
 BLOCK = 32
 # type name -> (weights a stored block, bytes a stored block, bits a weight, whether the block stores m)
 LAYOUTS = {"Q4_0": (32, 18, 4, False), "Q4_1": (32, 20, 4, True), "Q8_0": (32, 34, 8, False),
-           "Q4_K": (256, 144, 4, True)}
+           "Q4_K": (256, 144, 4, True), "Q6_K": (256, 210, 8, False)}
 
 
 @dataclass(frozen=True)
 class BlockWeight:
     """A [N, K] weight in 32-weight blocks: ``q`` [N, K * bits / 8] (uint8 nibbles, or int8), ``d`` and ``m``
-    [N, K / 32] float32 (``m`` None: zero)."""
+    [N, K / 32] float32, or [N, K / 16] (a d and m each half-block; Q6_K), ``m`` None: zero."""
 
     q: torch.Tensor
     d: torch.Tensor
@@ -98,6 +100,7 @@ def dequantized(q: torch.Tensor, d: torch.Tensor, m: torch.Tensor | None, bits: 
         ints = torch.cat([pairs & 15, pairs >> 4], -1).float()
     else:
         ints = q.view(rows, -1, BLOCK).float()
+    ints = ints.reshape(rows, d.shape[1], -1)  # one d and m a block or half-block
     weights = ints * d[..., None]
     if m is not None:
         weights = weights + m[..., None]
@@ -155,8 +158,8 @@ def from_gguf(raw: np.ndarray, type_name: str, shape: tuple[int, int], name: str
         raise ValueError(f"{name}: {type_name} [{rows}, {cols}] needs {rows * blocks * block_bytes} bytes, "
                          f"the file holds {data.size} (truncated or corrupt)")
     data = data.reshape(rows, blocks, block_bytes)
-    if type_name == "Q4_K":
-        return _q4_k(data, name)
+    if type_name in ("Q4_K", "Q6_K"):
+        return (_q4_k if type_name == "Q4_K" else _q6_k)(data, name)
     d = data[:, :, 0:2].copy().view(np.float16)[..., 0].astype(np.float32)
     start = 2
     m = None
@@ -187,6 +190,22 @@ def _q4_k(data: np.ndarray, name: str) -> BlockWeight:
         raise ValueError(f"{name}: Q4_K block scales are not finite (corrupt)")
     return BlockWeight(pack_nibbles(torch.from_numpy(q.reshape(rows, -1))), torch.from_numpy(np.ascontiguousarray(d)),
                        torch.from_numpy(np.ascontiguousarray(m)), 4)
+
+
+def _q6_k(data: np.ndarray, name: str) -> BlockWeight:
+    """The 32-weight blocks of Q6_K super-blocks ``data`` [N, S, 210] (ggml's ``block_q6_K``): weight i of a
+    128-weight half holds nibble (i // 64) of low byte i % 64 and bit pair (i // 32) of high byte i % 32."""
+    rows, supers, _ = data.shape
+    low = data[:, :, :128].reshape(rows, supers, 2, 1, 64) >> np.array([0, 4], dtype=np.uint8).reshape(1, 1, 1, 2, 1)
+    high = data[:, :, 128:192].reshape(rows, supers, 2, 1, 32) >> np.array(
+        [0, 2, 4, 6], dtype=np.uint8).reshape(1, 1, 1, 4, 1)
+    q = ((low & 0x0F).reshape(rows, supers, 2, 128) | (high & 3).reshape(rows, supers, 2, 128) << 4).astype(np.int8)
+    scales = data[:, :, 192:208].copy().view(np.int8).astype(np.float32)
+    big_d = data[:, :, 208:210].copy().view(np.float16)[..., 0].astype(np.float32)
+    d = (big_d[..., None] * scales).reshape(rows, supers * 16)
+    if not np.isfinite(d).all():
+        raise ValueError(f"{name}: Q6_K block scales are not finite (corrupt)")
+    return BlockWeight(torch.from_numpy((q - 32).reshape(rows, -1)), torch.from_numpy(np.ascontiguousarray(d)), None, 8)
 
 
 def pack_nibbles(q: torch.Tensor) -> torch.Tensor:
@@ -279,7 +298,7 @@ def use_blocks(model: nn.Module, linears: dict[str, BlockWeight], device: torch.
         parent, _, child = name.rpartition(".")
         group = next((group for group in SIBLINGS if group[0] == child), ())  # named by its first member
         members = [alone.get(f"{parent}.{c}") for c in group]
-        if members and all(members) and len({(w.bits, w.m is None) for _, w in members}) == 1:
+        if members and all(members) and len({(w.bits, w.m is None, w.d.shape[1]) for _, w in members}) == 1:
             siblings = [module for module, _ in members]
             FusedSiblings(siblings, BlockWeight.stacked([w for _, w in members]).kernel(siblings_bias(siblings)))
             for c in group:

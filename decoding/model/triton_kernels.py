@@ -425,29 +425,34 @@ BLOCKS_K = 64
 @triton.jit
 def _block_linear_kernel(
     x_ptr, q_ptr, d_ptr, m_ptr, out_ptr, tokens, rows, cols, stride_xm, stride_om,
-    BITS: tl.constexpr, HAS_M: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    FP32: tl.constexpr, UPCAST: tl.constexpr, EMULATE: tl.constexpr,
+    BITS: tl.constexpr, HAS_M: tl.constexpr, GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr, FP32: tl.constexpr, UPCAST: tl.constexpr, EMULATE: tl.constexpr,
 ):
-    """out[t, n] = sum_k x[t, k] W[n, k], W[n, 32 b + j] = d[n, b] q[n, b, j] + m[n, b]: each weight tile decoded
-    once in registers (4-bit: byte j of a block holds weights j and j + 16) and multiplied on the tensor cores."""
+    """out[t, n] = sum_k x[t, k] W[n, k], W[n, k] = d[n, g] q[n, k] + m[n, g] with g = k // GROUP (32: a d and m a
+    block; 16: a half-block's, Q6_K): each weight tile decoded once in registers (4-bit: byte j of a block holds
+    weights j and j + 16) and multiplied on the tensor cores."""
     rm = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     rn = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     m_ok, n_ok = rm < tokens, rn < rows
     rn64 = rn.to(tl.int64)
-    blocks = cols // 32
+    scales = cols // GROUP
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     dtype: tl.constexpr = x_ptr.dtype.element_ty
     for k0 in range(0, cols, BLOCK_K):
         if BITS == 4:
             i = tl.arange(0, BLOCK_K // 2)  # the tile's bytes: block k0 / 32 + i // 16, weights i % 16 and + 16
-            block = k0 // 32 + i // 16
             low_k = k0 + (i // 16) * 32 + i % 16
             byte = tl.load(q_ptr + rn64[:, None] * (cols // 2) + (k0 // 2 + i)[None, :], mask=n_ok[:, None],
                            other=0).to(tl.int32)
-            d = tl.load(d_ptr + rn64[:, None] * blocks + block[None, :], mask=n_ok[:, None], other=0.0)
-            m = tl.load(m_ptr + rn64[:, None] * blocks + block[None, :], mask=n_ok[:, None], other=0.0)
-            w_low = (byte & 15).to(tl.float32) * d + m
-            w_high = (byte >> 4).to(tl.float32) * d + m
+            low_at = rn64[:, None] * scales + (low_k // GROUP)[None, :]
+            high_at = rn64[:, None] * scales + ((low_k + 16) // GROUP)[None, :]
+            d_low = tl.load(d_ptr + low_at, mask=n_ok[:, None], other=0.0)
+            d_high = tl.load(d_ptr + high_at, mask=n_ok[:, None], other=0.0)
+            w_low = (byte & 15).to(tl.float32) * d_low
+            w_high = (byte >> 4).to(tl.float32) * d_high
+            if HAS_M:
+                w_low += tl.load(m_ptr + low_at, mask=n_ok[:, None], other=0.0)
+                w_high += tl.load(m_ptr + high_at, mask=n_ok[:, None], other=0.0)
             x_low = tl.load(x_ptr + rm[:, None] * stride_xm + low_k[None, :], mask=m_ok[:, None], other=0.0)
             x_high = tl.load(x_ptr + rm[:, None] * stride_xm + (low_k + 16)[None, :], mask=m_ok[:, None], other=0.0)
             acc = _block_dot(x_low, w_low, acc, dtype, FP32, UPCAST, EMULATE)
@@ -455,10 +460,10 @@ def _block_linear_kernel(
         else:
             k = k0 + tl.arange(0, BLOCK_K)
             q = tl.load(q_ptr + rn64[:, None] * cols + k[None, :], mask=n_ok[:, None], other=0).to(tl.float32)
-            d = tl.load(d_ptr + rn64[:, None] * blocks + (k // 32)[None, :], mask=n_ok[:, None], other=0.0)
-            w = q * d
+            at = rn64[:, None] * scales + (k // GROUP)[None, :]
+            w = q * tl.load(d_ptr + at, mask=n_ok[:, None], other=0.0)
             if HAS_M:
-                w += tl.load(m_ptr + rn64[:, None] * blocks + (k // 32)[None, :], mask=n_ok[:, None], other=0.0)
+                w += tl.load(m_ptr + at, mask=n_ok[:, None], other=0.0)
             x = tl.load(x_ptr + rm[:, None] * stride_xm + k[None, :], mask=m_ok[:, None], other=0.0)
             acc = _block_dot(x, w, acc, dtype, FP32, UPCAST, EMULATE)
     out = _cast(acc, out_ptr.dtype.element_ty, EMULATE)
@@ -480,8 +485,8 @@ def _block_dot(x, w, acc, dtype: tl.constexpr, FP32: tl.constexpr, UPCAST: tl.co
 
 def block_linear(x: torch.Tensor, q: torch.Tensor, d: torch.Tensor, m: torch.Tensor | None, bits: int
                  ) -> torch.Tensor:
-    """``x @ W.T`` for the 32-weight blocks (q, d, m) of ``bits`` a weight (``gguf_blocks.BlockWeight``): x [..., K]
-    in float32, bf16 or fp16, out in x's dtype."""
+    """``x @ W.T`` for the 32-weight blocks (q, d, m) of ``bits`` a weight (``gguf_blocks.BlockWeight``; d and m a
+    block or a half-block): x [..., K] in float32, bf16 or fp16, out in x's dtype."""
     lead, cols = x.shape[:-1], x.shape[-1]
     flat = x.reshape(-1, cols)
     if flat.stride(-1) != 1:
@@ -492,8 +497,8 @@ def block_linear(x: torch.Tensor, q: torch.Tensor, d: torch.Tensor, m: torch.Ten
     grid = (triton.cdiv(tokens, BLOCKS_M), triton.cdiv(rows, BLOCKS_N))
     _block_linear_kernel[grid](
         flat, q, d, d if m is None else m, out, tokens, rows, cols, flat.stride(0), out.stride(0),
-        BITS=bits, HAS_M=m is not None, BLOCK_M=BLOCKS_M, BLOCK_N=BLOCKS_N, BLOCK_K=block_k,
-        FP32=x.dtype == torch.float32, UPCAST=INTERPRET, EMULATE=INTERPRET, num_warps=4,
+        BITS=bits, HAS_M=m is not None, GROUP=cols // d.shape[1], BLOCK_M=BLOCKS_M, BLOCK_N=BLOCKS_N,
+        BLOCK_K=block_k, FP32=x.dtype == torch.float32, UPCAST=INTERPRET, EMULATE=INTERPRET, num_warps=4,
     )
     return out.view(*lead, rows)
 
@@ -558,10 +563,10 @@ def sm90_compile_specs(shape: KernelShape) -> list[tuple[object, dict[str, str],
                   {"HEAD_DIM": shape.head_dim, "BLOCK_S": 16, "EMULATE": False}))
     blocks = {"x_ptr": ptr, "d_ptr": "*fp32", "m_ptr": "*fp32", "out_ptr": ptr,
               **{name: "i32" for name in ("tokens", "rows", "cols", "stride_xm", "stride_om")}}
-    for bits, q_type in ((4, "*u8"), (8, "*i8")):
+    for bits, q_type, group in ((4, "*u8", 32), (8, "*i8", 32), (8, "*i8", 16)):  # Q4_x, Q8_0, Q6_K
         specs.append((_block_linear_kernel, {**blocks, "q_ptr": q_type}, {
-            "BITS": bits, "HAS_M": bits == 4, "BLOCK_M": BLOCKS_M, "BLOCK_N": BLOCKS_N, "BLOCK_K": BLOCKS_K,
-            "FP32": t == "fp32", "UPCAST": False, "EMULATE": False}))
+            "BITS": bits, "HAS_M": bits == 4, "GROUP": group, "BLOCK_M": BLOCKS_M, "BLOCK_N": BLOCKS_N,
+            "BLOCK_K": BLOCKS_K, "FP32": t == "fp32", "UPCAST": False, "EMULATE": False}))
     return specs
 
 

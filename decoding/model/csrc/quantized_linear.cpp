@@ -1,10 +1,12 @@
 // y = x W^T for a weight W kept in GGUF's 32-weight blocks, read as it is stored: each block's weights dequantize
-// to w = d * q + m (d, m float32 per block of one output row; q 4-bit unsigned, or 8-bit signed).
+// to w = d * q + m (d, m float32 per block of one output row, or per half-block of 16 weights; q 4-bit unsigned,
+// or 8-bit signed).
 //
 //   bits 4 (Q4_0, Q4_1): q [N, K / 2] uint8, byte j of a block holding weight j (low nibble) and j + 16 (high),
 //                        GGUF's order; Q4_0's w = d (q - 8) is d q + m with m = -8 d (exactly: both are products of
 //                        d and small integers).
-//   bits 8 (Q8_0, packed checkpoints): q [N, K] int8; m absent (Q8_0) or given (zero points).
+//   bits 8 (Q8_0, Q6_K, packed checkpoints): q [N, K] int8; m absent (Q8_0, Q6_K) or given (zero points); Q6_K's
+//                        6-bit q - 32 as int8, d per half-block (its scale times the super-block's).
 //
 // Each call dequantizes kRows output rows at a time into a float scratch (each weight decoded once for every token
 // of the call) and multiplies them with register-blocked tiles of kRows x kTokens vector accumulators along K: a
@@ -106,30 +108,36 @@ inline float lane_sum(Lanes v) {
   return total;
 }
 
-// Rows [r0, r0 + rows) of W as floats into w [rows, K] (as block_dequantize computes them).
-inline void dequantize_rows(const uint8_t* q, const float* d, const float* m, int64_t bits, int64_t k, int64_t r0,
-                            int64_t rows, float* w) {
-  const int64_t blocks = k / kBlock, block_bytes = kBlock * bits / 8;
+// Rows [r0, r0 + rows) of W as floats into w [rows, K] (as block_dequantize computes them). ``halves``: 1 (one d, m
+// a block) or 2 (one a half-block of 16 weights, as Q6_K scales them).
+inline void dequantize_rows(const uint8_t* q, const float* d, const float* m, int64_t bits, int64_t halves, int64_t k,
+                            int64_t r0, int64_t rows, float* w) {
+  const int64_t blocks = k / kBlock, block_bytes = kBlock * bits / 8, last = halves - 1;
   for (int64_t r = 0; r < rows; ++r) {
     const int64_t row = r0 + r;
     for (int64_t b = 0; b < blocks; ++b) {
-      const float scale = d[row * blocks + b], low = m ? m[row * blocks + b] : 0.0f;
+      const int64_t s = (row * blocks + b) * halves;
+      const float scale0 = d[s], scale1 = d[s + last];
+      const float low0 = m ? m[s] : 0.0f, low1 = m ? m[s + last] : 0.0f;
       float* out = w + r * k + b * kBlock;
 #if defined(__AVX512F__)
       __m512 first, second;  // d q is exact, so d q + m rounds once either way
       decode_block_avx512(q + (row * blocks + b) * block_bytes, bits, first, second);
-      const __m512 scales = _mm512_set1_ps(scale), lows = _mm512_set1_ps(low);
-      _mm512_storeu_ps(out, _mm512_fmadd_ps(first, scales, lows));
-      _mm512_storeu_ps(out + 16, _mm512_fmadd_ps(second, scales, lows));
+      _mm512_storeu_ps(out, _mm512_fmadd_ps(first, _mm512_set1_ps(scale0), _mm512_set1_ps(low0)));
+      _mm512_storeu_ps(out + 16, _mm512_fmadd_ps(second, _mm512_set1_ps(scale1), _mm512_set1_ps(low1)));
 #elif defined(__AVX2__)
       __m256 parts[4];
       decode_block_avx2(q + (row * blocks + b) * block_bytes, bits, parts);
-      const __m256 scales = _mm256_set1_ps(scale), lows = _mm256_set1_ps(low);
-      for (int64_t i = 0; i < 4; ++i) _mm256_storeu_ps(out + 8 * i, _mm256_fmadd_ps(parts[i], scales, lows));
+      for (int64_t i = 0; i < 4; ++i)
+        _mm256_storeu_ps(out + 8 * i, _mm256_fmadd_ps(parts[i], _mm256_set1_ps(i < 2 ? scale0 : scale1),
+                                                      _mm256_set1_ps(i < 2 ? low0 : low1)));
 #else
       float decoded[kBlock];
       decode_block(q + (row * blocks + b) * block_bytes, bits, decoded);
-      for (int64_t j = 0; j < kBlock; ++j) out[j] = m ? decoded[j] * scale + low : decoded[j] * scale;
+      for (int64_t j = 0; j < kBlock; ++j) {
+        const float scale = j < 16 ? scale0 : scale1, low = j < 16 ? low0 : low1;
+        out[j] = m ? decoded[j] * scale + low : decoded[j] * scale;
+      }
 #endif
     }
   }
@@ -152,12 +160,12 @@ inline void rows_tokens_tile(const float* w, const float* x, int64_t k, float* o
     for (int64_t r = 0; r < kR; ++r) out[t * n + r] = lane_sum(acc[r][t]);
 }
 
-void panel_product(const float* x, const uint8_t* q, const float* d, const float* m, int64_t bits, int64_t k,
-                   int64_t n, int64_t tokens, int64_t p0, int64_t p1, float* out) {
+void panel_product(const float* x, const uint8_t* q, const float* d, const float* m, int64_t bits, int64_t halves,
+                   int64_t k, int64_t n, int64_t tokens, int64_t p0, int64_t p1, float* out) {
   std::vector<float> w(kRows * k);
   for (int64_t group = p0; group < p1; ++group) {
     const int64_t r0 = group * kRows, rows = std::min(kRows, n - r0);
-    dequantize_rows(q, d, m, bits, k, r0, rows, w.data());
+    dequantize_rows(q, d, m, bits, halves, k, r0, rows, w.data());
     int64_t t0 = 0;
     if (rows == kRows)
       for (; t0 + kTokens <= tokens; t0 += kTokens) rows_tokens_tile<kRows, kTokens>(w.data(), x + t0 * k, k,
@@ -180,17 +188,21 @@ int64_t check_weight(const at::Tensor& q, const at::Tensor& d, const std::option
               "block_linear: q [N, K * bits / 8] uint8 or int8");
   const int64_t k = q.size(1) * 8 / bits;
   TORCH_CHECK(k % kBlock == 0, "block_linear: rows of ", k, " weights are not whole blocks of 32");
-  TORCH_CHECK(d.scalar_type() == at::kFloat && d.dim() == 2 && d.size(0) == q.size(0) && d.size(1) == k / kBlock,
-              "block_linear: d [N, K / 32] float32");
+  TORCH_CHECK(d.scalar_type() == at::kFloat && d.dim() == 2 && d.size(0) == q.size(0) &&
+                  (d.size(1) == k / kBlock || d.size(1) == 2 * k / kBlock),
+              "block_linear: d [N, K / 32] or [N, K / 16] float32");
   if (m) TORCH_CHECK(m->scalar_type() == at::kFloat && m->sizes() == d.sizes(), "block_linear: m like d");
   return k;
 }
+
+// Scales a block: 1, or 2 (one a half-block).
+inline int64_t halves_of(const at::Tensor& d, int64_t k) { return d.size(1) * kBlock / k; }
 
 }  // namespace
 
 // Rows of W dequantized to float32, [N, K] (the reference, and the dense path's tiles).
 at::Tensor block_dequantize(at::Tensor q, at::Tensor d, std::optional<at::Tensor> m, int64_t bits) {
-  const int64_t k = check_weight(q, d, m, bits);
+  const int64_t k = check_weight(q, d, m, bits), halves = halves_of(d, k);
   auto qs = q.contiguous();
   auto ds = d.contiguous();
   at::Tensor ms = m ? m->contiguous() : at::Tensor();
@@ -201,13 +213,13 @@ at::Tensor block_dequantize(at::Tensor q, at::Tensor d, std::optional<at::Tensor
   const float* m_data = m ? ms.data_ptr<float>() : nullptr;
   float* out_data = out.data_ptr<float>();
   at::parallel_for(0, n, 16, [&](int64_t begin, int64_t end) {
-    dequantize_rows(q_data, d_data, m_data, bits, k, begin, end - begin, out_data + begin * k);
+    dequantize_rows(q_data, d_data, m_data, bits, halves, k, begin, end - begin, out_data + begin * k);
   });
   return out;
 }
 
 at::Tensor block_linear(at::Tensor x, at::Tensor q, at::Tensor d, std::optional<at::Tensor> m, int64_t bits) {
-  const int64_t k = check_weight(q, d, m, bits), n = q.size(0);
+  const int64_t k = check_weight(q, d, m, bits), n = q.size(0), halves = halves_of(d, k);
   TORCH_CHECK(x.scalar_type() == at::kFloat && x.size(-1) == k, "block_linear: x float32 [..., ", k,
               "]: q holds ", k, " weights a row, x has ", x.size(-1));
   auto flat = x.reshape({-1, k}).contiguous();
@@ -235,7 +247,7 @@ at::Tensor block_linear(at::Tensor x, at::Tensor q, at::Tensor d, std::optional<
   const float* m_data = m ? ms.data_ptr<float>() : nullptr;
   float* out_data = out.data_ptr<float>();
   at::parallel_for(0, (n + kRows - 1) / kRows, 8, [&](int64_t begin, int64_t end) {
-    panel_product(x_data, q_data, d_data, m_data, bits, k, n, tokens, begin, end, out_data);
+    panel_product(x_data, q_data, d_data, m_data, bits, halves, k, n, tokens, begin, end, out_data);
   });
   return out.view(shape);
 }
