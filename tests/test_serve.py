@@ -945,8 +945,13 @@ def test_streaming_with_logprobs_through_the_official_openai_client(server):
     streamed = [entry for chunk in chunks for choice in chunk.choices if choice.logprobs
                 for entry in choice.logprobs.content]
     assert len(whole) == 10 and sum(1 for c in chunks if c.choices and c.choices[0].logprobs) > 1
-    assert [(e.token, e.logprob, [(t.token, t.logprob) for t in e.top_logprobs]) for e in streamed] == [
-        (e.token, e.logprob, [(t.token, t.logprob) for t in e.top_logprobs]) for e in whole]
+    assert [(e.token, [t.token for t in e.top_logprobs]) for e in streamed] == [
+        (e.token, [t.token for t in e.top_logprobs]) for e in whole]
+    # the second request finds the prompt's blocks cached and prefills fewer tokens: a GEMM of another shape may
+    # round the last bits differently (seen on AMD EPYC: -0.6830951 against -0.6830959)
+    assert [e.logprob for e in streamed] == pytest.approx([e.logprob for e in whole], rel=1e-5, abs=1e-6)
+    assert [t.logprob for e in streamed for t in e.top_logprobs] == pytest.approx(
+        [t.logprob for e in whole for t in e.top_logprobs], rel=1e-5, abs=1e-6)
     assert all(len(e.top_logprobs) == 2 for e in streamed)
 
     fields = {"model": MODEL, "prompt": "a dog ran", "max_tokens": 10, "temperature": 0, "logprobs": 2,
