@@ -40,7 +40,7 @@ from decoding.config import Config, SamplingParams
 from decoding.drafting.feature_draft import load_draft
 from decoding.engine import Request, encode_request, eos_token_ids
 from decoding.engine import engine as engine_module
-from decoding.model.loading import SELF_DRAFT, load_model, load_tokenizer, model_gguf
+from decoding.model.loading import SELF_DRAFT, load_model, load_tokenizer, model_gguf, runs_gguf_blocks
 from decoding.stats import SpecDecodeStats
 
 log = logging.getLogger(__name__)
@@ -74,7 +74,7 @@ class Sweep(_Strict):
     drafts: list[DraftChoice] | None = None  # for method draft_model
     tree_nodes: list[int | None] | None = None  # for method recycle: nodes of its static tree (null: sized by default)
     prefix_caching: list[bool] | None = None  # enable_prefix_caching (engine none runs each value too)
-    quantization: list[Literal["gguf"] | None] | None = None  # the target's (Config.quantization; engine none too)
+    quantization: list[Literal["auto", "gguf"] | None] | None = None  # Config.quantization, engine none too
 
 
 def _default_sweeps() -> list[Sweep]:
@@ -139,9 +139,9 @@ class Contender:
             return "transformers assisted " + ("(prompt lookup)" if self.method == "ngram" else "(draft)")
         if self.kind == "baseline":
             return "baseline " + Contender("engine", self.config).name
-        if self.is_engine and self.config.quantization:
-            return Contender(self.kind, self.config.model_copy(update={"quantization": None})).name + \
-                f" {self.config.quantization}"
+        if self.is_engine and self.config.quantization != "auto":
+            return Contender(self.kind, self.config.model_copy(update={"quantization": "auto"})).name + \
+                f" {self.config.quantization or 'dequantized'}"
         if self.is_engine and not self.config.enable_prefix_caching:
             return Contender(self.kind, self.config.model_copy(update={"enable_prefix_caching": True})).name + \
                 " no-prefix-cache"
@@ -412,16 +412,18 @@ class Models:
         return cls(target, load_tokenizer(config.model), draft, draft_name, config=config)
 
     def target_for(self, quantization: str | None) -> PreTrainedModel:
-        """The target an engine of ``quantization`` (``Config.quantization``) runs: the float one for None, else
-        loaded so, once."""
-        if quantization is None:
+        """The target an engine of ``quantization`` (``Config.quantization``) runs: the loaded one where that runs
+        no GGUF blocks (a target given without its config runs as given), else the blocks one, loaded once."""
+        if self.config is None and quantization in (None, "auto"):
             return self.target
-        if quantization not in self.quantized:
-            if self.config is None:
-                raise ValueError(f"a {quantization} contender needs the config the models were loaded from")
-            self.quantized[quantization] = load_model(self.config.model, self.config.dtype, self.target.device,
-                                                      quantization=quantization)
-        return self.quantized[quantization]
+        if self.config is None:
+            raise ValueError(f"a {quantization} contender needs the config the models were loaded from")
+        config = self.config
+        if not runs_gguf_blocks(config.model, config.dtype, self.target.device, quantization):
+            return self.target
+        if "gguf" not in self.quantized:
+            self.quantized["gguf"] = load_model(config.model, config.dtype, self.target.device, quantization="gguf")
+        return self.quantized["gguf"]
 
     @property
     def pad_id(self) -> int:

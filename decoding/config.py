@@ -532,11 +532,11 @@ class Config(_Strict):
     # CPU cores per actor / replica (and torch threads on CPU); None = the machine's cores split over actors.
     num_cpus: float | None = Field(None, gt=0)
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
-    # vLLM's quantization: "gguf" multiplies a GGUF model's quantized blocks as they are stored (the default model
-    # ships as one: Q4_1 layers, a Q8_0 embedding and head) on a CPU, in float32; "auto": where the model is a GGUF
-    # and runs on a CPU in float32; null: the weights transformers dequantizes. An AWQ, GPTQ or compressed-tensors
-    # checkpoint runs its packed integers on a CPU in float32 whatever this says, unless it names another method.
-    quantization: Quantization | None = None
+    # vLLM's quantization: "auto" (default) runs a GGUF model's quantized blocks as stored where dtype is auto on a
+    # CPU (the default model ships as one: Q4_1 layers, a Q8_0 embedding and head); "gguf" asks for them (a CPU in
+    # float32, or a GPU); null, or dtype float32, runs the float weights transformers dequantizes. An AWQ, GPTQ or
+    # compressed-tensors checkpoint runs its packed integers whatever this says, unless it names another method.
+    quantization: Quantization | None = "auto"
     # vLLM's --trust-remote-code: the model's and tokenizer's own Python code (a hub repository's modeling files)
     # may run when they load; off, such a model fails to load naming the option.
     trust_remote_code: bool = False

@@ -54,6 +54,8 @@ def config_fields(engine_kwargs: dict[str, Any]) -> dict[str, Any]:
     kwargs = dict(engine_kwargs)
     if kwargs.get("quantization") not in (None, *get_args(Quantization)):
         raise ValueError(f"engine_kwargs.quantization={kwargs['quantization']!r}: {INSTEAD['quantization']}")
+    if "quantization" in kwargs and kwargs["quantization"] is None:
+        kwargs["quantization"] = "auto"  # vLLM's None: what the checkpoint is (dtype float32 keeps float weights)
     for name, accepted in VLLM_NEUTRAL.items():
         if name in kwargs and kwargs[name] not in accepted:
             raise ValueError(f"engine_kwargs.{name}={kwargs[name]!r}: {INSTEAD[name]}")

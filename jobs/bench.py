@@ -107,8 +107,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--depths", type=int, nargs="+", help="speculative.num_speculative_tokens values")
     parser.add_argument("--candidate-inits", nargs="+", choices=["target", "draft"])
     parser.add_argument("--length-policies", nargs="+", choices=list(get_args(LengthPolicyName)))
-    parser.add_argument("--quantizations", nargs="+", choices=["none", "gguf"],
-                        help="the target's quantization values (none: float weights; gguf: the GGUF's blocks)")
+    parser.add_argument("--quantizations", nargs="+", choices=["none", "auto", "gguf"],
+                        help="the target's quantization values (auto, the default: a GGUF's blocks on a CPU; gguf: "
+                             "the blocks; none: the float weights)")
     parser.add_argument("--threads", type=int, help="torch CPU threads (default: torch's choice)")
     parser.add_argument("--no-transformers", action="store_true", help="skip transformers generate")
     parser.add_argument("--no-assisted", action="store_true", help="skip transformers assisted generation")

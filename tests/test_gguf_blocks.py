@@ -15,6 +15,7 @@ from engine_cases import MAX_TOKENS, PROMPTS, assert_speculative_sampling_follow
 from gguf import GGMLQuantizationType, GGUFWriter, quants
 from tiny import gguf_pair, tiny_model
 
+from decoding.config import Config
 from decoding.model.attention import cpu_kernel
 from decoding.model.gguf_blocks import LAYOUTS, dequantized, from_gguf, use_gguf_blocks, uses_blocks
 from decoding.model.loading import load_model
@@ -219,6 +220,9 @@ def test_quantization_gguf_is_taken_from_engine_kwargs_and_refused_where_the_mod
     with pytest.raises(ValueError, match=r"quantization: gguf .* model '.*target' is not a GGUF"):
         load_model(tiny_dirs["target"], "float32", torch.device("cpu"), quantization="gguf")
     assert load_model(tiny_dirs["target"], "float32", torch.device("cpu"), quantization="auto") is not None  # float
+    # vLLM's None: what the checkpoint is, the default (a GGUF's blocks on a CPU; float weights where it is none)
+    assert config_fields({"quantization": None})["quantization"] == "auto" == Config().quantization
+    assert not uses_blocks(load_model(tiny_dirs["target"], "auto", torch.device("cpu"), quantization="auto"))
 
 
 def test_a_gguf_file_named_as_the_model_is_converted_once_and_its_blocks_found(tmp_path, monkeypatch) -> None:

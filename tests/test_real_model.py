@@ -10,8 +10,8 @@ import torch
 
 from bench.measure import weight_bytes
 from decoding import Config, Engine, Request
-from decoding.model.gguf_blocks import BlockWeight
-from decoding.model.loading import DEFAULT_MODEL, load_model, load_tokenizer, model_gguf
+from decoding.model.gguf_blocks import BlockWeight, uses_blocks
+from decoding.model.loading import DEFAULT_MODEL, load_model, load_tokenizer, model_gguf, runs_gguf_blocks
 from decoding.model.quantize import fused_kernel, kernel_parts
 
 pytestmark = pytest.mark.real_model
@@ -175,8 +175,21 @@ def test_embedded_model_is_read_from_the_installed_wheel_without_importing_or_do
 
 @pytest.fixture(scope="module")
 def real_blocks():
-    """The default model multiplying its GGUF's blocks (Q4_1 layers, the Q8_0 embedding as its tied head)."""
-    return load_model(DEFAULT_MODEL, "float32", quantization="gguf")
+    """The default model multiplying its GGUF's blocks (Q4_1 layers, the Q8_0 embedding as its tied head), as the
+    default configuration loads it on a CPU."""
+    config = Config()
+    return load_model(config.model, config.dtype, torch.device("cpu"), quantization=config.quantization)
+
+
+def test_the_default_configuration_runs_the_gguf_blocks_and_dtype_float32_the_float_weights(real_blocks) -> None:
+    cpu = torch.device("cpu")
+    assert Config().quantization == "auto" and uses_blocks(real_blocks)
+    assert runs_gguf_blocks(DEFAULT_MODEL, "auto", cpu, "auto")
+    assert not runs_gguf_blocks(DEFAULT_MODEL, "float32", cpu, "auto")  # the opt-out: the dequantized weights
+    assert not runs_gguf_blocks(DEFAULT_MODEL, "auto", cpu, None)
+    assert not runs_gguf_blocks(DEFAULT_MODEL, "auto", torch.device("cuda"), "auto")  # bf16 on a GPU: float
+    assert runs_gguf_blocks(DEFAULT_MODEL, "float32", cpu, "gguf")
+    assert not uses_blocks(load_model(DEFAULT_MODEL, "float32", cpu, quantization="auto"))
 
 
 def _blocks_of(kernel) -> BlockWeight:

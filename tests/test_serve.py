@@ -1104,11 +1104,12 @@ TOOLS_MODEL = "smollm2-tools"
 @pytest.fixture(scope="module")
 def tools_server(server, ray_cluster, tmp_path_factory) -> str:
     """The real default model with the built-in hermes template and parser and the default speculative
-    configuration, as a third application under its own route prefix."""
+    configuration, as a third application under its own route prefix; on its float32 weights, whose int4
+    self-draft speculates (over the GGUF's own blocks, the default on a CPU, the self-draft is the target itself)."""
     from ray import serve
 
     path = tmp_path_factory.mktemp("tools") / "serve.yaml"
-    path.write_text(yaml.safe_dump({"served_model_name": TOOLS_MODEL, "chat_template": "hermes",
+    path.write_text(yaml.safe_dump({"served_model_name": TOOLS_MODEL, "chat_template": "hermes", "dtype": "float32",
                                     "tool_call_parser": "hermes", "sampling": {"max_tokens": 128}}))
     with pytest.MonkeyPatch.context() as patch:
         for name in ("SPECBATCH_API_KEY", "VLLM_API_KEY"):

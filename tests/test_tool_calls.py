@@ -412,8 +412,10 @@ def test_a_batch_job_over_agent_traces_writes_a_tool_calls_column(ray_cluster, t
     from pipeline.job import run
     from pipeline.schema import TOOL_CALL
 
+    # float32: the float weights and their int4 self-draft, so this job speculates (over the GGUF's own blocks, the
+    # default's target on a CPU, its drafts cost as much as the target and it decodes plainly)
     config = Config.model_validate({"chat_template": "hermes", "tool_call_parser": "hermes", "batch_size": 16,
-                                    "sampling": {"max_tokens": 40, "temperature": 0.0}})
+                                    "dtype": "float32", "sampling": {"max_tokens": 40, "temperature": 0.0}})
     rows = agent_traces(64)
     # Bad rows among them are error rows naming the field; the others run.
     bad = [{"id": "bad-tools", "messages": rows[0]["messages"], "tools": [WEATHER, WEATHER]},
