@@ -160,23 +160,34 @@ inline void rows_tokens_tile(const float* w, const float* x, int64_t k, float* o
     for (int64_t r = 0; r < kR; ++r) out[t * n + r] = lane_sum(acc[r][t]);
 }
 
+// The tokens a call has beyond its whole tiles (1 to kTokens - 1), in one tile of that many: one pass over the
+// scratch rather than one a token.
+template <int64_t kR>
+inline void rows_tokens_rest(int64_t left, const float* w, const float* x, int64_t k, float* out, int64_t n) {
+  switch (left) {
+    case 1: rows_tokens_tile<kR, 1>(w, x, k, out, n); break;
+    case 2: rows_tokens_tile<kR, 2>(w, x, k, out, n); break;
+    case 3: rows_tokens_tile<kR, 3>(w, x, k, out, n); break;
+    case 4: rows_tokens_tile<kR, 4>(w, x, k, out, n); break;
+    default: rows_tokens_tile<kR, 5>(w, x, k, out, n); break;
+  }
+}
+
 void panel_product(const float* x, const uint8_t* q, const float* d, const float* m, int64_t bits, int64_t halves,
                    int64_t k, int64_t n, int64_t tokens, int64_t p0, int64_t p1, float* out) {
   std::vector<float> w(kRows * k);
   for (int64_t group = p0; group < p1; ++group) {
     const int64_t r0 = group * kRows, rows = std::min(kRows, n - r0);
     dequantize_rows(q, d, m, bits, halves, k, r0, rows, w.data());
-    int64_t t0 = 0;
-    if (rows == kRows)
-      for (; t0 + kTokens <= tokens; t0 += kTokens) rows_tokens_tile<kRows, kTokens>(w.data(), x + t0 * k, k,
-                                                                                       out + t0 * n + r0, n);
-    for (; t0 < tokens; ++t0) {  // the tokens left over, one at a time
-      if (rows == kRows) {
-        rows_tokens_tile<kRows, 1>(w.data(), x + t0 * k, k, out + t0 * n + r0, n);
-      } else {
+    if (rows == kRows) {
+      int64_t t0 = 0;
+      for (; t0 + kTokens <= tokens; t0 += kTokens)
+        rows_tokens_tile<kRows, kTokens>(w.data(), x + t0 * k, k, out + t0 * n + r0, n);
+      if (t0 < tokens) rows_tokens_rest<kRows>(tokens - t0, w.data(), x + t0 * k, k, out + t0 * n + r0, n);
+    } else {  // the last rows of W, fewer than kRows: a token at a time
+      for (int64_t t0 = 0; t0 < tokens; ++t0)
         for (int64_t r = 0; r < rows; ++r)
           rows_tokens_tile<1, 1>(w.data() + r * k, x + t0 * k, k, out + t0 * n + r0 + r, n);
-      }
     }
   }
 }
