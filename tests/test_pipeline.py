@@ -8,6 +8,7 @@ import json
 import os
 import random
 import re
+import shutil
 import signal
 import socket
 import subprocess
@@ -661,6 +662,7 @@ def test_ray_job_submit_on_a_started_head(config, tmp_path):
         assert_each_id_once(tmp_path / "out", [row["id"] for row in good_rows(5)])
     finally:
         stop_head(head)
+        shutil.rmtree(temp_dir, ignore_errors=True)  # the head's sessions and logs, 5 MB a run
 
 
 def test_cli_output_is_a_few_lines_and_separates_build_from_generation(tiny_dirs, config, tmp_path):
