@@ -25,7 +25,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 # the compiled forward has tests of its own that turn this on.
 os.environ.setdefault("SPECBATCH_COMPILE", "0")
 
-from engine_cases import MAX_TOKENS, PROMPTS, SMALL_VOCAB  # noqa: E402
+from engine_cases import SMALL_VOCAB, transformers_greedy  # noqa: E402
 from tiny import noisy_copy, tiny_model, tiny_tokenizer  # noqa: E402
 
 SHARED = Path(__file__).resolve().parents[1].parent / "shared"
@@ -58,14 +58,7 @@ def draft(target):
 @pytest.fixture(scope="session")
 def reference(tokenizer, target) -> list[list[int]]:
     """transformers' greedy decoding of ``engine_cases.PROMPTS``, one prompt at a time, in float32 on CPU."""
-    outputs = []
-    for prompt in PROMPTS:
-        ids = tokenizer(prompt, return_tensors="pt").input_ids
-        generated = target.generate(
-            ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=MAX_TOKENS
-        )
-        outputs.append(generated[0, ids.shape[1] :].tolist())
-    return outputs
+    return transformers_greedy(target, tokenizer)
 
 
 @pytest.fixture(scope="module")

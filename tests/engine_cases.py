@@ -57,6 +57,17 @@ def lookup_flags(topology: TreeTopology, results: list, lookups: int) -> list[bo
     return [stat[-1] for r in results for stat in r.token_stats if stat[2] >= topology.tree_width(stat[1]) + first]
 
 
+def transformers_greedy(model, tokenizer, prompts=PROMPTS) -> list[list[int]]:
+    """transformers' greedy decoding of ``prompts``, one prompt at a time (the reference the engine's tokens equal)."""
+    outputs = []
+    for prompt in prompts:
+        ids = tokenizer(prompt, return_tensors="pt").input_ids
+        generated = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
+                                   max_new_tokens=MAX_TOKENS)
+        outputs.append(generated[0, ids.shape[1]:].tolist())
+    return outputs
+
+
 def run(config: Config, tokenizer, target, draft=None, prompts=PROMPTS, device=None) -> list:
     engine = Engine(config, target=on_device(target, device), tokenizer=tokenizer, draft=on_device(draft, device))
     return engine.generate([Request(id=str(i), prompt=p) for i, p in enumerate(prompts)])

@@ -11,7 +11,13 @@ import copy
 import numpy as np
 import pytest
 import torch
-from engine_cases import MAX_TOKENS, PROMPTS, assert_speculative_sampling_follows_law, make_config, run
+from engine_cases import (
+    PROMPTS,
+    assert_speculative_sampling_follows_law,
+    make_config,
+    run,
+    transformers_greedy,
+)
 from gguf import GGMLQuantizationType, GGUFWriter, quants
 from tiny import gguf_pair, tiny_model
 
@@ -153,12 +159,7 @@ def test_greedy_decoding_over_gguf_blocks_is_the_dequantized_models(speculative,
     for plain decoding and speculation over the blocks (the self-draft of a blocks target runs the blocks as they
     are: the int4 it names is not applied)."""
     reference, blocks = gguf_models
-    expected = []
-    for prompt in PROMPTS:
-        ids = tokenizer(prompt, return_tensors="pt").input_ids
-        out = reference.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
-                                 max_new_tokens=MAX_TOKENS)
-        expected.append(out[0, ids.shape[1]:].tolist())
+    expected = transformers_greedy(reference, tokenizer)
     results = run(make_config(**dict(speculative)), tokenizer, blocks, draft)
     assert [r.token_ids for r in results] == expected
     if speculative["method"] != "none" and speculative.get("length_policy") == "static":
@@ -179,12 +180,7 @@ def test_greedy_decoding_over_k_quant_blocks_is_the_dequantized_models(mix, toke
                                   embedding, head)
     assert sorted({name.split(".")[-2] for name, p in blocks.named_parameters() if p.numel()}) == [
         "input_layernorm", "norm", "post_attention_layernorm"]
-    expected = []
-    for prompt in PROMPTS:
-        ids = tokenizer(prompt, return_tensors="pt").input_ids
-        out = reference.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
-                                 max_new_tokens=MAX_TOKENS)
-        expected.append(out[0, ids.shape[1]:].tolist())
+    expected = transformers_greedy(reference, tokenizer)
     for speculative in (GGUF_SPECULATIVE["none"], GGUF_SPECULATIVE["self-draft"]):
         results = run(make_config(**dict(speculative)), tokenizer, blocks, None)
         assert [r.token_ids for r in results] == expected

@@ -14,7 +14,14 @@ import torch
 from compressed_tensors.compressors.pack_quantized.helpers import pack_to_int32
 from compressed_tensors.quantization import QuantizationArgs, QuantizationConfig, QuantizationScheme
 from compressed_tensors.quantization.lifecycle.forward import dequantize
-from engine_cases import MAX_TOKENS, PROMPTS, assert_speculative_sampling_follows_law, make_config, run
+from engine_cases import (
+    MAX_TOKENS,
+    PROMPTS,
+    assert_speculative_sampling_follows_law,
+    make_config,
+    run,
+    transformers_greedy,
+)
 from safetensors.torch import save_file
 
 from decoding import Engine, Request
@@ -221,15 +228,7 @@ CASES = [(name, "none") for name in FORMATS] + [(name, "default") for name in FO
 @pytest.fixture(scope="module")
 def greedy_references(checkpoints, tokenizer) -> dict[str, list[list[int]]]:
     """transformers' greedy decoding of each format's float reference."""
-    out = {}
-    for name, (_, reference) in checkpoints.items():
-        out[name] = []
-        for prompt in PROMPTS:
-            ids = tokenizer(prompt, return_tensors="pt").input_ids
-            generated = reference.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
-                                           max_new_tokens=MAX_TOKENS)
-            out[name].append(generated[0, ids.shape[1]:].tolist())
-    return out
+    return {name: transformers_greedy(reference, tokenizer) for name, (_, reference) in checkpoints.items()}
 
 
 @pytest.mark.parametrize(("name", "speculative"), CASES, ids=[f"{n}-{s}" for n, s in CASES])
