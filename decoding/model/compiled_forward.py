@@ -134,9 +134,10 @@ def _load_or_compile(stack: torch.nn.Module, weights: list[torch.Tensor], folder
 
 @contextmanager
 def _extracted_beside(path: Path) -> Iterator[None]:
-    """torch extracts a package into a new folder under TMPDIR and never removes it (6 MB a load, one per engine
-    process): extract beside the package instead, into a folder removed once the library is loaded (a loaded
-    library and its constants need no file). Callers hold ``_lock``: no other load reads TMPDIR meanwhile."""
+    """torch extracts a package into a new folder under TMPDIR and removes it only when its loader is destroyed
+    (6 MB a load, held for an engine's life; a killed process leaves it): extract beside the package instead, into
+    a folder removed once the library is loaded (a loaded library and its constants need no file). Callers hold
+    ``_lock``: no other load reads TMPDIR meanwhile."""
     previous = os.environ.get("TMPDIR")
     with tempfile.TemporaryDirectory(dir=path.parent) as scratch:
         os.environ["TMPDIR"] = scratch

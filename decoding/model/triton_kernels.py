@@ -445,14 +445,16 @@ def _block_linear_kernel(
             byte = tl.load(q_ptr + rn64[:, None] * (cols // 2) + (k0 // 2 + i)[None, :], mask=n_ok[:, None],
                            other=0).to(tl.int32)
             low_at = rn64[:, None] * scales + (low_k // GROUP)[None, :]
-            high_at = rn64[:, None] * scales + ((low_k + 16) // GROUP)[None, :]
             d_low = tl.load(d_ptr + low_at, mask=n_ok[:, None], other=0.0)
-            d_high = tl.load(d_ptr + high_at, mask=n_ok[:, None], other=0.0)
-            w_low = (byte & 15).to(tl.float32) * d_low
-            w_high = (byte >> 4).to(tl.float32) * d_high
-            if HAS_M:
-                w_low += tl.load(m_ptr + low_at, mask=n_ok[:, None], other=0.0)
-                w_high += tl.load(m_ptr + high_at, mask=n_ok[:, None], other=0.0)
+            m_low = tl.load(m_ptr + low_at, mask=n_ok[:, None], other=0.0) if HAS_M else 0.0
+            if GROUP == 32:  # a byte's two weights share their block's d and m: loaded once
+                d_high, m_high = d_low, m_low
+            else:
+                high_at = rn64[:, None] * scales + ((low_k + 16) // GROUP)[None, :]
+                d_high = tl.load(d_ptr + high_at, mask=n_ok[:, None], other=0.0)
+                m_high = tl.load(m_ptr + high_at, mask=n_ok[:, None], other=0.0) if HAS_M else 0.0
+            w_low = (byte & 15).to(tl.float32) * d_low + m_low
+            w_high = (byte >> 4).to(tl.float32) * d_high + m_high
             x_low = tl.load(x_ptr + rm[:, None] * stride_xm + low_k[None, :], mask=m_ok[:, None], other=0.0)
             x_high = tl.load(x_ptr + rm[:, None] * stride_xm + (low_k + 16)[None, :], mask=m_ok[:, None], other=0.0)
             acc = _block_dot(x_low, w_low, acc, dtype, FP32, UPCAST, EMULATE)
