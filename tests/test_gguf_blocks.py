@@ -74,13 +74,17 @@ def test_block_weights_dequantize_as_gguf_does_and_multiply_as_their_dequantized
                                                          "Q6_K": 40}[type_name]
     dense = torch.from_numpy(expected)
     generator = torch.Generator().manual_seed(1)
-    for tokens in (1, 3, 5, 16, 40, 100):  # one token, partial and whole tiles of tokens, the dense path of a prefill
+    # one token, partial and whole tiles and vectors of tokens, the dense path of a prefill
+    for tokens in (1, 3, 5, 16, 17, 40, 64, 100, 130):
         x = torch.randn(tokens, shape[1], generator=generator)
         reference = x.double() @ dense.double().T
         ours = weight.linear(x)
         assert ours.shape == (tokens, shape[0]) and ours.dtype == torch.float32
         # float32 sums in another order: within a few ulps of the outputs' scale
         torch.testing.assert_close(ours.double(), reference, rtol=0, atol=2e-5 * reference.abs().max().item())
+        for form in (0, 1, 2):  # lanes, broadcast, dense: each form at every count, whichever the kernel picks
+            ours = torch.ops.specbatch.block_linear_form(x, weight.q, weight.d, weight.m, weight.bits, form)
+            torch.testing.assert_close(ours.double(), reference, rtol=0, atol=2e-5 * reference.abs().max().item())
     x = torch.randn(2, 3, shape[1], generator=generator)  # leading dimensions kept
     torch.testing.assert_close(weight.linear(x), (x.reshape(6, -1) @ dense.T).reshape(2, 3, -1), rtol=1e-4,
                                atol=1e-4)
@@ -93,6 +97,35 @@ def test_a_prefill_over_more_rows_than_one_dense_tile_multiplies_every_row() -> 
     x = torch.randn(90, 64, generator=torch.Generator().manual_seed(2))
     reference = x.double() @ torch.from_numpy(expected).double().T
     torch.testing.assert_close(weight.linear(x).double(), reference, rtol=0, atol=2e-5 * reference.abs().max().item())
+
+
+def test_the_kernel_form_is_timed_once_a_machine_and_followed_by_every_call(monkeypatch) -> None:
+    """The count from which the broadcast form runs is one of the timed counts (or never), kept in a file beside the
+    compiled kernel and read back without timing again; ``block_linear`` follows it: bit for bit the lanes form
+    below it and the broadcast form from it."""
+    from decoding.model import gguf_blocks
+    from decoding.model.attention import kernel_folder
+
+    chosen = gguf_blocks.choose_block_forms()
+    assert chosen in (*gguf_blocks.FORM_TOKENS, gguf_blocks.DENSE_FROM)
+    assert (kernel_folder() / f"block_forms_{torch.get_num_threads()}_threads.txt").read_text() == str(chosen)
+    gguf_blocks.choose_block_forms.cache_clear()
+    monkeypatch.setattr(gguf_blocks, "_time_block_forms", lambda: pytest.fail("timed again"))
+    assert gguf_blocks.choose_block_forms() == chosen
+    raw, _ = _quantized("Q4_1", (48, 64))
+    weight = from_gguf(raw, "Q4_1", (48, 64))
+    x = torch.randn(21, 64, generator=torch.Generator().manual_seed(3))
+    try:
+        for start in (10, 20, 21):
+            torch.ops.specbatch.set_block_broadcast_from(start)
+            for tokens in (start - 1, start):
+                form = 1 if tokens >= start else 0
+                expected = torch.ops.specbatch.block_linear_form(x[:tokens], weight.q, weight.d, weight.m, 4, form)
+                assert torch.equal(weight.linear(x[:tokens]), expected)
+        with pytest.raises(RuntimeError, match="tokens >= 1"):
+            torch.ops.specbatch.set_block_broadcast_from(0)
+    finally:
+        torch.ops.specbatch.set_block_broadcast_from(chosen)
 
 
 def test_bad_block_tensors_are_refused_naming_the_tensor_and_the_type() -> None:

@@ -34,6 +34,7 @@ log = logging.getLogger(__name__)
 _SOURCES = [Path(__file__).parent / "csrc" / name for name in ("paged_attention.cpp", "quantized_linear.cpp")]
 _lock = threading.Lock()
 _BUILD_WAIT_S = 900  # a build takes 20-60 s on 2 cores; a holder this long is stuck
+_kernel_folder: dict[str, Path] = {}  # "folder": where the loaded kernel library lies
 _kernel_state: dict[str, bool] = {}  # "loaded": the CPU kernel is registered as torch.ops.specbatch.paged_attention
 
 
@@ -72,6 +73,7 @@ def _build_kernel() -> bool:
     folder = cache_dir() / "kernels" / key
     folder.mkdir(parents=True, exist_ok=True)
     library = folder / "specbatch_paged_attention.so"
+    _kernel_folder["folder"] = folder
     try:
         with FileLock(str(folder.parent / f"{key}.lock"), timeout=_BUILD_WAIT_S):
             if library.exists():
@@ -125,6 +127,11 @@ def _fake_block_linear(x, q, d, m, bits):
 
 def _fake_lora_delta(x, a, parts, index, rank):
     return x.new_empty((x.shape[0], sum(part.shape[1] for part in parts)))
+
+
+def kernel_folder() -> Path:
+    """The folder of the CPU kernels built for this machine and source (``cpu_kernel()`` first)."""
+    return _kernel_folder["folder"]
 
 
 def kernel_loaded() -> bool:

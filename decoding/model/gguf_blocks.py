@@ -29,6 +29,8 @@ from __future__ import annotations
 
 import functools
 import logging
+import os
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -253,6 +255,61 @@ def _rotary_rows(rows: int, heads: int) -> torch.Tensor:
     return torch.arange(rows).view(heads, rows // heads // 2, 2).transpose(1, 2).reshape(-1)
 
 
+# Token counts at which the C++ kernel's lanes and broadcast forms are timed against each other.
+FORM_TOKENS = (8, 12, 16, 24, 32, 64)
+DENSE_FROM = 128  # the kernel's kDenseFrom: from this many tokens neither form runs
+
+
+@functools.cache
+def choose_block_forms() -> int:
+    """The number of tokens from which ``specbatch::block_linear`` multiplies in its broadcast form rather than its
+    lanes form, set in the kernel. Timed once per machine, source and thread count, then read from a file beside the
+    compiled kernel: every process on a machine picks the same form for a call, so sums run in one order."""
+    from filelock import FileLock
+
+    from decoding.model.attention import kernel_folder
+
+    path = kernel_folder() / f"block_forms_{torch.get_num_threads()}_threads.txt"
+    with FileLock(str(path.with_suffix(".lock"))):  # one process times, the others wait and read
+        try:
+            tokens = int(path.read_text())
+        except (OSError, ValueError):
+            tokens = _time_block_forms()
+            partial = path.with_suffix(f".{os.getpid()}.tmp")
+            partial.write_text(str(tokens))
+            partial.replace(path)
+            log.info("block kernel: the broadcast form from %d tokens on this machine (%s)", tokens, path)
+    torch.ops.specbatch.set_block_broadcast_from(tokens)
+    return tokens
+
+
+def _time_block_forms(repeats: int = 3) -> int:
+    """The count from which the broadcast form costs least: of ``FORM_TOKENS`` (or ``DENSE_FROM``, never), the
+    threshold whose choice of form at every count sums to the least time, each form timed (best of ``repeats``
+    alternating calls) on Q4_1 weights of SmolLM2's three projection shapes."""
+    generator = torch.Generator().manual_seed(0)
+    weights = []
+    for rows, cols in ((576, 576), (1536, 576), (576, 1536)):
+        d = torch.rand(rows, cols // BLOCK, generator=generator) * 1e-2
+        weights.append((torch.randint(0, 256, (rows, cols // 2), dtype=torch.uint8, generator=generator), d, -8 * d))
+    costs = []  # per count: (lanes, broadcast) seconds
+    for tokens in FORM_TOKENS:
+        xs = [torch.randn(tokens, q.shape[1] * 2, generator=generator) for q, _, _ in weights]
+        best = [float("inf"), float("inf")]
+        for repeat in range(repeats + 1):
+            for form in (0, 1):
+                started = time.perf_counter()
+                for x, (q, d, m) in zip(xs, weights):
+                    torch.ops.specbatch.block_linear_form(x, q, d, m, 4, form)
+                if repeat:  # the first pass warms the caches
+                    best[form] = min(best[form], time.perf_counter() - started)
+        costs.append(best)
+    totals = [sum(lanes for lanes, _ in costs[:at]) + sum(broadcast for _, broadcast in costs[at:])
+              for at in range(len(costs) + 1)]
+    at = totals.index(min(totals))
+    return FORM_TOKENS[at] if at < len(FORM_TOKENS) else DENSE_FROM
+
+
 def _dropped(module: nn.Linear) -> None:
     """The float weight's memory freed (the module computes from its blocks now)."""
     module.weight = nn.Parameter(module.weight.new_empty(0), requires_grad=False)
@@ -267,6 +324,7 @@ def check_block_kernels(device: torch.device, method: str) -> None:
         if not cpu_kernel():
             raise ValueError(f"quantization: {method} needs the C++ kernels, which could not be built here (a C++ "
                              "compiler)")
+        choose_block_forms()
     elif device.type == "cuda":
         import importlib.util
 

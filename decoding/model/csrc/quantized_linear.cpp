@@ -8,11 +8,16 @@
 //   bits 8 (Q8_0, Q6_K, packed checkpoints): q [N, K] int8; m absent (Q8_0, Q6_K) or given (zero points); Q6_K's
 //                        6-bit q - 32 as int8, d per half-block (its scale times the super-block's).
 //
-// Each call dequantizes kRows output rows at a time into a float scratch (each weight decoded once for every token
-// of the call) and multiplies them with register-blocked tiles of kRows x kTokens vector accumulators along K: a
-// GEMM whose packing of W is its dequantization; a prefill of kDenseFrom tokens or more dequantizes row tiles for
-// the dense GEMM instead. A decode step streams every weight once, so bytes read bound it:
-// 4.5 bits a weight where a float32 copy reads 32; many tokens are bound by the multiply-adds, as a float GEMM's.
+// Each call dequantizes a few output rows at a time into a float scratch (each weight decoded once for every token
+// of the call) and multiplies them in one of two register-blocked forms, a GEMM whose packing of W is its
+// dequantization:
+//   - fewer than kBroadcastFrom tokens: kRows x kTokens vector accumulators along K, summed across lanes at the
+//     end (a decode step streams every weight once, so bytes read bound it: 4.5 bits a weight where a float32
+//     copy reads 32);
+//   - from kBroadcastFrom tokens: tokens along the lanes (x transposed, padded to whole vectors), each weight
+//     broadcast into rows x token-vector accumulators: no sums across lanes, bound by the multiply-adds as a float
+//     GEMM is;
+// a prefill of kDenseFrom tokens or more dequantizes row tiles for the dense GEMM instead.
 // Sums run in another order than a dense product of the dequantized weights: differences in the last bits.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
@@ -20,6 +25,7 @@
 #include <immintrin.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cstdint>
 #include <cstring>
 #include <vector>
@@ -73,10 +79,10 @@ inline void decode_block_avx2(const uint8_t* q, int64_t bits, __m256* parts) {
 
 #endif
 
-// The product: kRows rows of W dequantized into a float scratch, then tiles of kTokens tokens over them (kRows x
+// The lanes form: kRows rows of W dequantized into a float scratch, then tiles of kTokens tokens over them (kRows x
 // kTokens vector accumulators along K, summed across lanes at the end). SmolLM2-135M's 30 layers of projections,
-// 2 threads (Sapphire Rapids): against the float32 weights prepacked for oneDNN, 0.46x the time at 1 token, 0.68x
-// at 16, 0.93x at 64.
+// 2 threads, against the float32 weights prepacked for oneDNN: 0.46x the time at 1 token, 0.68x at 16, 0.93x at 64
+// on Sapphire Rapids; 0.92x, 1.44x and 1.29x on an AVX-512 EPYC.
 #if defined(__AVX512F__)
 typedef float Lanes __attribute__((vector_size(64)));  // one AVX-512 register
 #else
@@ -84,16 +90,28 @@ typedef float Lanes __attribute__((vector_size(32)));  // one AVX2 register
 #endif
 constexpr int64_t kLanes = sizeof(Lanes) / sizeof(float);
 // From this many tokens (a prefill) dequantizing every weight to float32 and running the dense GEMM, with its cache
-// blocking, costs less than the register-blocked product (time against the prepacked float32 weights, as below:
-// 1.06x against 1.03x at 79 and 80 tokens, 0.96x at 128, 1.13x at 512; the product 1.34x at 127 tokens); rows go
-// through it kDenseRows at a time, so the float copy stays small.
-constexpr int64_t kDenseFrom = 80;
+// blocking, costs about what the broadcast form does (time of SmolLM2-135M's projections, 2 threads, against the
+// float32 weights prepacked for oneDNN: AVX-512 EPYC 1.30x against 1.19x at 128 tokens, 1.26x both at 256; Sapphire
+// Rapids, dense 0.96x at 128); rows go through it kDenseRows at a time, so the float copy stays small.
+constexpr int64_t kDenseFrom = 128;
 constexpr int64_t kDenseRows = 2048;
+// From this many tokens the broadcast form costs less, until gguf_blocks.choose_block_forms times both on the machine
+// (SmolLM2-135M's projections, 2 threads, AVX-512 EPYC, against the float32 weights prepacked for oneDNN: lanes
+// 1.26x and 1.44x the float32 time at 12 and 16 tokens, broadcast 1.69x and 1.30x; 1.29x against 1.08x at 64).
+constexpr int64_t kBroadcastFrom = 16;
 constexpr int64_t kRows = 4;
 #if defined(__AVX512F__)
 constexpr int64_t kTokens = 6;  // 24 accumulators, 4 weight vectors and a token's: 29 of 32 registers
 #else
 constexpr int64_t kTokens = 3;  // 12 accumulators, 4 weight vectors: 16 registers
+#endif
+// The broadcast form: kPanelRows rows dequantized at a time, then tiles of rows x token vectors (at most
+// kChunkVectors vectors of tokens) sharing the panel.
+constexpr int64_t kPanelRows = 24;
+#if defined(__AVX512F__)
+constexpr int64_t kChunkVectors = 4;
+#else
+constexpr int64_t kChunkVectors = 2;
 #endif
 
 inline Lanes load_lanes(const float* p) {
@@ -192,6 +210,64 @@ void panel_product(const float* x, const uint8_t* q, const float* d, const float
   }
 }
 
+// The broadcast form's tile: acc[r][v] holds output row r for the kLanes tokens of vector v; x transposed, xt [K, tp]
+// (tp tokens a row, whole vectors); w [kR, K] of the panel's scratch; outt [kR, tp].
+template <int64_t kR, int64_t kV>
+inline void broadcast_tile(const float* w, const float* xt, int64_t k, int64_t tp, float* outt) {
+  Lanes acc[kR][kV] = {};
+  for (int64_t kk = 0; kk < k; ++kk) {
+    Lanes xv[kV];
+#pragma GCC unroll 4
+    for (int64_t v = 0; v < kV; ++v) xv[v] = load_lanes(xt + kk * tp + v * kLanes);
+#pragma GCC unroll 12
+    for (int64_t r = 0; r < kR; ++r) {
+      const float weight = w[r * k + kk];
+#pragma GCC unroll 4
+      for (int64_t v = 0; v < kV; ++v) acc[r][v] += xv[v] * weight;
+    }
+  }
+  for (int64_t r = 0; r < kR; ++r)
+    for (int64_t v = 0; v < kV; ++v) std::memcpy(outt + r * tp + v * kLanes, &acc[r][v], sizeof(Lanes));
+}
+
+// A panel's rows times kV vectors of tokens, in tiles of kR rows with about 24 (AVX-512) or 12 (AVX2) accumulators;
+// rows beyond whole tiles one at a time.
+template <int64_t kV>
+inline void broadcast_rows(const float* w, const float* xt, int64_t k, int64_t tp, int64_t rows, float* outt) {
+#if defined(__AVX512F__)
+  constexpr int64_t kR = kV == 1 ? 12 : (kV == 2 ? 12 : (kV == 3 ? 8 : 6));
+#else
+  constexpr int64_t kR = kV == 1 ? 12 : 6;
+#endif
+  int64_t r = 0;
+  for (; r + kR <= rows; r += kR) broadcast_tile<kR, kV>(w + r * k, xt, k, tp, outt + r * tp);
+  for (; r < rows; ++r) broadcast_tile<1, kV>(w + r * k, xt, k, tp, outt + r * tp);
+}
+
+void broadcast_product(const float* xt, int64_t tp, const uint8_t* q, const float* d, const float* m, int64_t bits,
+                       int64_t halves, int64_t k, int64_t n, int64_t tokens, int64_t p0, int64_t p1, float* out) {
+  std::vector<float> w(kPanelRows * k), outt(kPanelRows * tp);
+  const int64_t vectors = tp / kLanes;
+  for (int64_t panel = p0; panel < p1; ++panel) {
+    const int64_t r0 = panel * kPanelRows, rows = std::min(kPanelRows, n - r0);
+    dequantize_rows(q, d, m, bits, halves, k, r0, rows, w.data());
+    for (int64_t v0 = 0; v0 < vectors; v0 += kChunkVectors) {
+      const float* x0 = xt + v0 * kLanes;
+      float* o0 = outt.data() + v0 * kLanes;
+      switch (std::min(kChunkVectors, vectors - v0)) {
+        case 1: broadcast_rows<1>(w.data(), x0, k, tp, rows, o0); break;
+        case 2: broadcast_rows<2>(w.data(), x0, k, tp, rows, o0); break;
+#if defined(__AVX512F__)
+        case 3: broadcast_rows<3>(w.data(), x0, k, tp, rows, o0); break;
+        default: broadcast_rows<4>(w.data(), x0, k, tp, rows, o0); break;
+#endif
+      }
+    }
+    for (int64_t r = 0; r < rows; ++r)
+      for (int64_t t = 0; t < tokens; ++t) out[t * n + r0 + r] = outt[r * tp + t];
+  }
+}
+
 // The weight's tensors; returns K, its weights a row.
 int64_t check_weight(const at::Tensor& q, const at::Tensor& d, const std::optional<at::Tensor>& m, int64_t bits) {
   TORCH_CHECK(bits == 4 || bits == 8, "block_linear: bits must be 4 or 8, got ", bits);
@@ -229,15 +305,19 @@ at::Tensor block_dequantize(at::Tensor q, at::Tensor d, std::optional<at::Tensor
   return out;
 }
 
-at::Tensor block_linear(at::Tensor x, at::Tensor q, at::Tensor d, std::optional<at::Tensor> m, int64_t bits) {
+// The product in a given form: 0 lanes, 1 broadcast, 2 dense (block_linear picks one by the call's tokens; the
+// calibration and the tests ask for each).
+at::Tensor block_linear_form(at::Tensor x, at::Tensor q, at::Tensor d, std::optional<at::Tensor> m, int64_t bits,
+                             int64_t form) {
   const int64_t k = check_weight(q, d, m, bits), n = q.size(0), halves = halves_of(d, k);
   TORCH_CHECK(x.scalar_type() == at::kFloat && x.size(-1) == k, "block_linear: x float32 [..., ", k,
               "]: q holds ", k, " weights a row, x has ", x.size(-1));
+  TORCH_CHECK(form >= 0 && form <= 2, "block_linear: form 0 (lanes), 1 (broadcast) or 2 (dense), got ", form);
   auto flat = x.reshape({-1, k}).contiguous();
   const int64_t tokens = flat.size(0);
   auto shape = x.sizes().vec();
   shape.back() = n;
-  if (tokens >= kDenseFrom) {  // a prefill: rows dequantized a tile at a time, multiplied by the dense GEMM
+  if (form == 2) {  // rows dequantized a tile at a time, multiplied by the dense GEMM
     if (n <= kDenseRows) return at::mm(flat, block_dequantize(q, d, m, bits).t()).view(shape);
     auto out = at::empty({tokens, n}, flat.options());
     for (int64_t n0 = 0; n0 < n; n0 += kDenseRows) {
@@ -252,23 +332,59 @@ at::Tensor block_linear(at::Tensor x, at::Tensor q, at::Tensor d, std::optional<
   auto ds = d.contiguous();
   at::Tensor ms = m ? m->contiguous() : at::Tensor();
   auto out = at::empty({tokens, n}, flat.options());
-  const float* x_data = flat.data_ptr<float>();
   const uint8_t* q_data = reinterpret_cast<const uint8_t*>(qs.data_ptr());
   const float* d_data = ds.data_ptr<float>();
   const float* m_data = m ? ms.data_ptr<float>() : nullptr;
   float* out_data = out.data_ptr<float>();
+  if (form == 1) {
+    const int64_t tp = (tokens + kLanes - 1) / kLanes * kLanes;
+    auto xt = at::empty({k, tp}, flat.options());  // x transposed, the tokens past the last one zero
+    const float* x_data = flat.data_ptr<float>();
+    float* xt_data = xt.data_ptr<float>();
+    at::parallel_for(0, k, 64, [&](int64_t begin, int64_t end) {
+      for (int64_t kk = begin; kk < end; ++kk) {
+        for (int64_t t = 0; t < tokens; ++t) xt_data[kk * tp + t] = x_data[t * k + kk];
+        std::fill(xt_data + kk * tp + tokens, xt_data + (kk + 1) * tp, 0.0f);
+      }
+    });
+    at::parallel_for(0, (n + kPanelRows - 1) / kPanelRows, 2, [&](int64_t begin, int64_t end) {
+      broadcast_product(xt_data, tp, q_data, d_data, m_data, bits, halves, k, n, tokens, begin, end, out_data);
+    });
+    return out.view(shape);
+  }
+  const float* x_data = flat.data_ptr<float>();
   at::parallel_for(0, (n + kRows - 1) / kRows, 8, [&](int64_t begin, int64_t end) {
     panel_product(x_data, q_data, d_data, m_data, bits, halves, k, n, tokens, begin, end, out_data);
   });
   return out.view(shape);
 }
 
+// Where the broadcast form takes over: kBroadcastFrom until set_block_broadcast_from (timed once a machine,
+// gguf_blocks.choose_block_forms).
+std::atomic<int64_t> broadcast_from{kBroadcastFrom};
+
+void set_block_broadcast_from(int64_t tokens) {
+  TORCH_CHECK(tokens >= 1, "set_block_broadcast_from: tokens >= 1, got ", tokens);
+  broadcast_from.store(tokens);
+}
+
+at::Tensor block_linear(at::Tensor x, at::Tensor q, at::Tensor d, std::optional<at::Tensor> m, int64_t bits) {
+  const int64_t tokens = x.numel() / std::max<int64_t>(x.size(-1), 1);
+  const int64_t form = tokens >= kDenseFrom ? 2 : (tokens >= broadcast_from.load() ? 1 : 0);
+  return block_linear_form(x, q, d, m, bits, form);
+}
+
 TORCH_LIBRARY_FRAGMENT(specbatch, m) {
   m.def("block_linear(Tensor x, Tensor q, Tensor d, Tensor? m, int bits) -> Tensor");
   m.def("block_dequantize(Tensor q, Tensor d, Tensor? m, int bits) -> Tensor");
+  m.def("block_linear_form(Tensor x, Tensor q, Tensor d, Tensor? m, int bits, int form) -> Tensor");
+  m.def("set_block_broadcast_from(int tokens) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(specbatch, CPU, m) {
   m.impl("block_linear", &block_linear);
   m.impl("block_dequantize", &block_dequantize);
+  m.impl("block_linear_form", &block_linear_form);
 }
+
+TORCH_LIBRARY_IMPL(specbatch, CatchAll, m) { m.impl("set_block_broadcast_from", &set_block_broadcast_from); }
