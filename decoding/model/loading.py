@@ -300,8 +300,8 @@ def model_gguf(name: str) -> Path | None:
 
 def runs_gguf_blocks(name: str, dtype: str, device: torch.device, quantization: str | None) -> bool:
     """Whether ``load_model`` multiplies a GGUF model's blocks as stored: asked (``quantization: gguf``), or by
-    default (``auto``) where ``dtype`` is auto on a CPU: plain decoding of the default model over them runs 2.1-2.3x
-    its float32 weights at batch 1 (at batch 16 and 64: 1.33x and 0.99x on Sapphire Rapids, 0.82x and 0.77x on
+    default (``auto``) where ``dtype`` is auto on a CPU: plain decoding of the default model over them runs 2.0-2.4x
+    its float32 weights at batch 1 (at batch 16 and 64: 1.33x and 0.99x on Sapphire Rapids, 0.95x and 0.84x on
     AMD EPYC Zen 4). ``dtype: float32`` keeps the dequantized float weights."""
     if quantization == "gguf":
         return True
