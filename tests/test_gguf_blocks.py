@@ -119,9 +119,10 @@ def test_the_kernel_form_is_timed_once_a_machine_and_followed_by_every_call(monk
         for start in (10, 20, 21):
             torch.ops.specbatch.set_block_broadcast_from(start)
             for tokens in (start - 1, start):
-                form = 1 if tokens >= start else 0
-                expected = torch.ops.specbatch.block_linear_form(x[:tokens], weight.q, weight.d, weight.m, 4, form)
-                assert torch.equal(weight.linear(x[:tokens]), expected)
+                lanes, broadcast = (torch.ops.specbatch.block_linear_form(x[:tokens], weight.q, weight.d, weight.m,
+                                                                          4, form) for form in (0, 1))
+                assert not torch.equal(lanes, broadcast)  # the forms sum in different orders: which one ran shows
+                assert torch.equal(weight.linear(x[:tokens]), broadcast if tokens >= start else lanes)
         with pytest.raises(RuntimeError, match="tokens >= 1"):
             torch.ops.specbatch.set_block_broadcast_from(0)
     finally:

@@ -317,7 +317,7 @@ def _dropped(module: nn.Linear) -> None:
 
 def check_block_kernels(device: torch.device, method: str) -> None:
     """Raises ``ValueError`` naming ``quantization: method`` where blocks cannot be multiplied on ``device``: a CPU
-    needs the C++ kernels, a CUDA GPU Triton."""
+    needs the C++ kernels (whose form switch is then set, ``choose_block_forms``), a CUDA GPU Triton."""
     if device.type == "cpu":
         from decoding.model.attention import cpu_kernel
 

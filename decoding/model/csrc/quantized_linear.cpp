@@ -336,10 +336,10 @@ at::Tensor block_linear_form(at::Tensor x, at::Tensor q, at::Tensor d, std::opti
   const float* d_data = ds.data_ptr<float>();
   const float* m_data = m ? ms.data_ptr<float>() : nullptr;
   float* out_data = out.data_ptr<float>();
+  const float* x_data = flat.data_ptr<float>();
   if (form == 1) {
     const int64_t tp = (tokens + kLanes - 1) / kLanes * kLanes;
     auto xt = at::empty({k, tp}, flat.options());  // x transposed, the tokens past the last one zero
-    const float* x_data = flat.data_ptr<float>();
     float* xt_data = xt.data_ptr<float>();
     at::parallel_for(0, k, 64, [&](int64_t begin, int64_t end) {
       for (int64_t kk = begin; kk < end; ++kk) {
@@ -352,7 +352,6 @@ at::Tensor block_linear_form(at::Tensor x, at::Tensor q, at::Tensor d, std::opti
     });
     return out.view(shape);
   }
-  const float* x_data = flat.data_ptr<float>();
   at::parallel_for(0, (n + kRows - 1) / kRows, 8, [&](int64_t begin, int64_t end) {
     panel_product(x_data, q_data, d_data, m_data, bits, halves, k, n, tokens, begin, end, out_data);
   });
