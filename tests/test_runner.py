@@ -5,8 +5,11 @@ from __future__ import annotations
 import logging
 from concurrent.futures import Future
 
+import pytest
+
 from decoding import Config, Engine, GenerationResult, Request
 from decoding.engine.runner import EngineRunner
+from decoding.model.loading import CPU_THREADS_ENV, worker_threads
 
 PROMPTS = ["abc abc abc abc", "hello world", "banana bandana banana", "zebra", "one two one two one"]
 
@@ -107,3 +110,16 @@ def test_a_step_stuck_in_one_requests_constraint_fails_that_request_alone(tokeni
     assert outcomes["regex"].finish_reason in ("stop", "length") and runner.failure is None
     assert runner.step_running_for() == 0.0  # idle and healthy: a server's /health is ok again
     runner.close()
+
+
+def test_an_engines_cpu_threads_come_from_num_cpus_then_the_environment_then_the_cores_split(monkeypatch) -> None:
+    monkeypatch.setattr("os.cpu_count", lambda: 8)
+    monkeypatch.delenv(CPU_THREADS_ENV, raising=False)
+    assert [worker_threads(None, 1), worker_threads(None, 4), worker_threads(None, 16), worker_threads(3, 4)] == [
+        8, 2, 1, 3]
+    monkeypatch.setenv(CPU_THREADS_ENV, "2")
+    assert [worker_threads(None, 1), worker_threads(None, 16), worker_threads(3, 4)] == [2, 2, 3]
+    for bad in ("0", "two", "-1"):
+        monkeypatch.setenv(CPU_THREADS_ENV, bad)
+        with pytest.raises(ValueError, match=f"{CPU_THREADS_ENV}='{bad}'"):
+            worker_threads(None, 1)

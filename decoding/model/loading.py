@@ -158,8 +158,14 @@ def default_device() -> torch.device:
     return torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
+CPU_THREADS_ENV = "SPECBATCH_CPU_THREADS"
+
+
 def worker_threads(num_cpus: float | None, workers: int) -> int | None:
     """Torch threads for one of ``workers`` engine processes sharing this machine's cores; None on GPU.
+
+    ``num_cpus`` when given, else ``SPECBATCH_CPU_THREADS`` (a machine whose cores other work shares: each engine's
+    threads beyond its share spin against that work), else the machine's cores split over ``workers``.
 
     Worker processes (Ray's among them) often start with OMP_NUM_THREADS=1, and OpenMP's setting is per OS
     thread: set it with ``torch.set_num_threads`` on the thread that runs the engine, and build the engine on
@@ -169,7 +175,13 @@ def worker_threads(num_cpus: float | None, workers: int) -> int | None:
     """
     if default_device().type != "cpu":
         return None
-    return max(1, int(num_cpus or (os.cpu_count() or 1) / workers))
+    if num_cpus:
+        return max(1, int(num_cpus))
+    if given := os.environ.get(CPU_THREADS_ENV):
+        if not given.isdigit() or int(given) < 1:
+            raise ValueError(f"{CPU_THREADS_ENV}={given!r}: expected a whole number of threads, 1 or more")
+        return int(given)
+    return max(1, int((os.cpu_count() or 1) / workers))
 
 
 def use_torch_threads(count: int | None) -> None:
