@@ -15,6 +15,9 @@ from typing import Any
 # (through a DeploymentHandle every item is an object of its own, and a 64-choice stream sends ~13,000 chunks).
 ResponseStart = dict[str, Any]
 
+# A body larger than this is refused before it is read whole (a prompt longer than the context is refused anyway).
+MAX_BODY_BYTES = 64 << 20
+
 
 async def call(app: Any, method: str, path: str, headers: list[tuple[str, str]], body: bytes
                ) -> AsyncIterator[ResponseStart | bytes]:

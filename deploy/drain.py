@@ -20,6 +20,9 @@ from collections.abc import Callable
 
 import ray
 
+# How often a stopping replica (or router) checks for requests still in flight; Serve's 2 s made each stop 2 s longer.
+SHUTDOWN_WAIT_LOOP_S = 0.5
+
 log = logging.getLogger(__name__)
 
 NAMESPACE = "specbatch"

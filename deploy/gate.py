@@ -9,6 +9,7 @@ One replica runs per process, so the gate is a module-level object, set by the r
 from __future__ import annotations
 
 import hmac
+import os
 from typing import Any
 
 from fastapi.responses import JSONResponse
@@ -17,6 +18,14 @@ from deploy.protocol import ErrorDetail, ErrorResponse
 
 # What a refused client is told to wait before trying again (another replica, or the server restarted).
 RETRY_AFTER_S = 5
+
+# Environment variables that set the API key when the configuration does not (vLLM's name too).
+API_KEY_ENV = ("SPECBATCH_API_KEY", "VLLM_API_KEY")
+
+
+def env_api_key() -> str | None:
+    """The API key from the environment where an application is built (``API_KEY_ENV``, in that order)."""
+    return next((os.environ[name] for name in API_KEY_ENV if os.environ.get(name)), None)
 
 
 def error(status: int, detail: ErrorDetail) -> JSONResponse:

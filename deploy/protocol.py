@@ -8,6 +8,7 @@ limits as the pipeline's rows and the engine's requests (``GenerationRequest.sam
 
 from __future__ import annotations
 
+import importlib.metadata
 import json
 import time
 from typing import Annotated, Any, Literal
@@ -449,6 +450,17 @@ class DetokenizeResponse(BaseModel):
 
 class VersionResponse(BaseModel):
     version: str
+
+
+def _version() -> str:
+    try:
+        return importlib.metadata.version("specbatch")
+    except importlib.metadata.PackageNotFoundError:  # run from a checkout that was never installed
+        return "unknown"
+
+
+# GET /version's answer (vLLM's shape: {"version": ...}), specbatch's version.
+VERSION = _version()
 
 
 class PromptTokensDetails(BaseModel):

@@ -33,18 +33,11 @@ from ray.serve.handle import DeploymentHandle
 
 from decoding.config import Config
 from deploy import asgi, gate
-from deploy.engine_loop import REPLICA_RUNTIME_ENV
+from deploy.asgi import MAX_BODY_BYTES
+from deploy.drain import SHUTDOWN_WAIT_LOOP_S
+from deploy.gate import env_api_key
 from deploy.llm_config import LLMConfig, ServingArgs
-from deploy.protocol import ErrorDetail, ErrorResponse, ModelList, VersionResponse
-from deploy.server import (
-    MAX_BODY_BYTES,
-    SHUTDOWN_WAIT_LOOP_S,
-    VERSION,
-    ModelServer,
-    OpenAIServer,
-    deployment_options,
-    env_api_key,
-)
+from deploy.protocol import VERSION, ErrorDetail, ErrorResponse, ModelList, VersionResponse
 from frontend.resources import check_cluster
 
 router_api = FastAPI(title="specbatch", description="OpenAI-compatible generation with speculative decoding")
@@ -230,6 +223,11 @@ def _deployment_name(model_id: str) -> str:
 def _model_deployment(llm: LLMConfig, config: Config, key: str | None, ingress: bool = False) -> Application:
     """The model's replicas with the LLMConfig's deployment options, accelerator, resources and runtime_env;
     ``ingress``: the replicas serve HTTP themselves (``OpenAIServer``), else behind the router (``ModelServer``)."""
+    # Here, where the application is built: the router's replicas import this module, and the model servers' module
+    # would bring them torch and transformers (5 CPU-s and 430 MB a process to import).
+    from deploy.engine_loop import REPLICA_RUNTIME_ENV
+    from deploy.server import ModelServer, OpenAIServer, deployment_options
+
     if key and config.api_key is None:
         config = config.model_copy(update={"api_key": SecretStr(key)})
     options = llm.replica_options(deployment_options(config), REPLICA_RUNTIME_ENV)

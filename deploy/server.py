@@ -15,10 +15,8 @@ deployment's methods use is defined above it: the decorator snapshots the class 
 
 
 import asyncio
-import importlib.metadata
 import json
 import logging
-import os
 import time
 import uuid
 from abc import ABC, abstractmethod
@@ -52,6 +50,7 @@ from deploy.engine_loop import REPLICA_RUNTIME_ENV, Draining, EngineFailure, Eng
 from deploy.protocol import (
     MAX_CONTEXT,
     MAX_SEQUENCES,
+    VERSION,
     AssistantMessage,
     ChatChoice,
     ChatChunkChoice,
@@ -96,30 +95,10 @@ log = logging.getLogger(__name__)
 
 api = FastAPI(title="specbatch", description="OpenAI-compatible generation with speculative decoding")
 
-# Environment variables that set the API key when the configuration does not (vLLM's name too).
-API_KEY_ENV = ("SPECBATCH_API_KEY", "VLLM_API_KEY")
-
-
-def env_api_key() -> str | None:
-    """The API key from the environment where an application is built (``API_KEY_ENV``, in that order)."""
-    return next((os.environ[name] for name in API_KEY_ENV if os.environ.get(name)), None)
-# A body larger than this is refused before it is read whole (a prompt longer than the context is refused anyway).
-MAX_BODY_BYTES = 64 << 20
 # A body larger than this is parsed on the parse lane, one body at a time, off the event loop: the JSON parser holds
 # the GIL throughout (~0.1 s per 10 MB of token ids), so /health waits at most one such parse.
 LARGE_BODY_BYTES = 1 << 20
 _PARSE_LANE = ThreadPoolExecutor(1, thread_name_prefix="parse")
-
-
-def _version() -> str:
-    try:
-        return importlib.metadata.version("specbatch")
-    except importlib.metadata.PackageNotFoundError:  # run from a checkout that was never installed
-        return "unknown"
-
-
-# GET /version's answer (vLLM's shape: {"version": ...}), specbatch's version.
-VERSION = _version()
 
 
 # ---------------------------------------------------------------------------------------------------- errors
@@ -180,21 +159,21 @@ def max_body_values(max_context: int) -> int:
 
 
 async def _json_body(request: Request, max_values: int) -> bytes:
-    """The body, refused (before it is read whole) when larger than ``MAX_BODY_BYTES``, holding more than
+    """The body, refused (before it is read whole) when larger than ``asgi.MAX_BODY_BYTES``, holding more than
     ``max_values`` JSON values (``max_body_values``) or not sent as JSON. A missing Content-Type is read as JSON, as
     FastAPI does."""
     media_type = request.headers.get("content-type", "application/json").split(";")[0].strip().lower()
     if media_type != "application/json" and not media_type.endswith("+json"):
         raise ApiError(400, f"the body must be JSON sent as Content-Type: application/json, not {media_type}")
     declared = request.headers.get("content-length", "")
-    too_large = ApiError(413, f"the body is larger than {MAX_BODY_BYTES} bytes")
-    if declared.isdigit() and int(declared) > MAX_BODY_BYTES:
+    too_large = ApiError(413, f"the body is larger than {asgi.MAX_BODY_BYTES} bytes")
+    if declared.isdigit() and int(declared) > asgi.MAX_BODY_BYTES:
         raise too_large
     chunks, size, values = [], 0, 0
     async for chunk in request.stream():
         size += len(chunk)
         values += chunk.count(b",")  # an upper bound on the values: commas in strings count too
-        if size > MAX_BODY_BYTES:
+        if size > asgi.MAX_BODY_BYTES:
             raise too_large
         if values > max_values:
             raise ApiError(413, f"the body holds more than {max_values} JSON values: a request carries at most "
@@ -860,10 +839,6 @@ ModelServer = serve.deployment(OpenAIReplica, name="ModelServer")
 
 
 # -------------------------------------------------------------------------------------------------- builders
-# How often a stopping replica (or router) checks for requests still in flight; Serve's 2 s made each stop 2 s longer.
-SHUTDOWN_WAIT_LOOP_S = 0.5
-
-
 def deployment_options(config: Config) -> dict[str, Any]:
     """Replicas (fixed, or autoscaled within ``concurrency: [min, max]``) and GPUs per replica from the config."""
     options: dict[str, Any] = {
@@ -873,7 +848,7 @@ def deployment_options(config: Config) -> dict[str, Any]:
         "max_ongoing_requests": max(1024, 4 * config.batch_size),
         # Serve's own drain (serve run, Serve config files); specbatch serve drains first (deploy.drain).
         "graceful_shutdown_timeout_s": config.graceful_shutdown_timeout_s,
-        "graceful_shutdown_wait_loop_s": SHUTDOWN_WAIT_LOOP_S,
+        "graceful_shutdown_wait_loop_s": drain.SHUTDOWN_WAIT_LOOP_S,
     }
     if isinstance(config.concurrency, int):
         options["num_replicas"] = config.concurrency
@@ -893,7 +868,7 @@ def make_app(config: Config, routed: bool = True) -> Application:
     ``config`` comes from ``SPECBATCH_API_KEY`` or ``VLLM_API_KEY`` here, where the command runs (replicas may run
     on other nodes)."""
     if config.api_key is None:
-        key = env_api_key()
+        key = gate.env_api_key()
         if key is not None:
             config = config.model_copy(update={"api_key": SecretStr(key)})
     check_cluster(config, "replicas")

@@ -114,11 +114,8 @@ def shared_dir() -> Path:
     return SHARED
 
 
-# Tiny models gain nothing from threads, and on a shared 2-core machine spinning OpenMP threads cost a lot. The
-# engines of the actors, replicas and commands the tests start take one thread too: two test workers share the
-# cores (a pipeline run of 200 rows beside a busy core: 6.4 CPU-s in its actor at one thread, 9.9 at two).
+# Tiny models gain nothing from threads, and on a shared 2-core machine spinning OpenMP threads cost a lot.
 torch.set_num_threads(1)
-os.environ.setdefault("SPECBATCH_CPU_THREADS", "1")
 
 
 def scrape_ray_metrics(ray, prefix: str = "ray_vllm_", **labels: str) -> dict[tuple[str, str], float]:

@@ -446,7 +446,7 @@ def test_a_body_sent_as_text_or_form_is_refused_and_an_untyped_one_read_as_json(
 
 
 def test_an_oversized_body_is_refused_before_it_is_read(client):
-    from deploy.server import MAX_BODY_BYTES
+    from deploy.asgi import MAX_BODY_BYTES
 
     response = client.post("/v1/completions", content=b'{"prompt": "' + b"a" * MAX_BODY_BYTES + b'"}',
                            headers={"Content-Type": "application/json"})
