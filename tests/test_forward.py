@@ -431,7 +431,8 @@ def _capture_at_build(monkeypatch) -> None:
     from decoding.model import cuda_graphs
     from decoding.model.cuda_graphs import record_eagerly
 
-    monkeypatch.setattr(cuda_graphs.GraphedForward.__init__, "__defaults__", (record_eagerly, True))
+    defaults = cuda_graphs.GraphedForward.__init__.__defaults__  # (record, key_buckets, adapters)
+    monkeypatch.setattr(cuda_graphs.GraphedForward.__init__, "__defaults__", (record_eagerly, *defaults[1:]))
     monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device=None: 0)
     monkeypatch.setattr(build._Builder, "execution", _capturing)
 

@@ -5,6 +5,7 @@ reference) for each adapter alone and mixed."""
 from __future__ import annotations
 
 import copy
+import dataclasses
 import json
 import shutil
 from pathlib import Path
@@ -298,6 +299,38 @@ def test_greedy_with_the_triton_kernels_equals_peft_in_a_mixed_batch(base, adapt
     for row, (name, result) in enumerate(zip(layout, results)):
         assert result.token_ids == peft_greedy[name][row][:8], (method, name, row)
     assert (sum(sum(r.per_step_drafted) for r in results) > 0) == (method != "none")
+
+
+@pytest.mark.parametrize("method", ["none", "self-draft int4"])
+def test_captured_graphs_replay_adapter_rows_as_peft_computes_them(base, adapters, tokenizer, peft_greedy, method,
+                                                                   monkeypatch):
+    """Graphs captured at build, as a CUDA engine captures them (the eager stand-in recorder on this CPU): the
+    shapes with adapter rows beside the base's, before any adapter is loaded; then a mixed batch's verifications (and
+    the self-draft's levels) replay the adapter graphs, which read the slots loaded since, and a batch of base rows
+    replays the base's; the tokens are PEFT's."""
+    from test_forward import _capture_at_build
+
+    from decoding.model import cuda_graphs
+
+    _capture_at_build(monkeypatch)
+    replayed: list[bool] = []  # whether each replay carried adapter rows
+    replay = cuda_graphs._Graph.replay
+    monkeypatch.setattr(cuda_graphs._Graph, "replay", lambda graph, inputs: (
+        replayed.append(inputs.adapter_slots is not None) or replay(graph, inputs)))
+    engine = _engine(base, tokenizer, adapters, METHODS[method])
+    runners = [engine.stepper.runner] + ([engine.drafter.runner] if method != "none" else [])
+    for runner in runners:
+        shapes = runner.graphs.graphs
+        assert runner.replays and {s.adapters for s in shapes} == {False, True}
+        assert {dataclasses.replace(s, adapters=False) for s in shapes if s.adapters} == {
+            s for s in shapes if not s.adapters}
+    for layout in (LAYOUTS[-1], [None] * 4):
+        results = engine.generate(_requests(layout))
+        for row, (name, result) in enumerate(zip(layout, results)):
+            assert result.token_ids == peft_greedy[name][row % len(ENGINE_PROMPTS)], (method, name, row)
+        if method != "none":
+            assert sum(sum(r.per_step_drafted) for r in results) > 0
+    assert True in replayed and False in replayed
 
 
 def test_greedy_through_transformers_forward_equals_peft(base, adapters, tokenizer, peft_greedy, monkeypatch):

@@ -16,6 +16,11 @@ device memory (set aside before the KV pool is sized), progress logged; a shape 
 nothing is captured mid-run over the engine's pool. A pool of its own (a cost calibration's) is captured when a
 forward first meets a shape.
 
+A forward with adapter rows replays a graph of its own shape with adapters: the tokens' adapter slots are one more
+input buffer, and the graph adds every token's delta over all the resident slots as they lie (``LoraSlots.resident``:
+a slot loaded later is written in place, so the graph computes with it); a forward of base rows only replays the
+base's graph and pays nothing for adapters.
+
 Recording is a function (``record_cuda_graph``); ``record_eagerly`` stands in for it where there is no GPU, so the
 buffers, padding, bucketing, capture plan and budget are tested on a CPU.
 """
@@ -33,6 +38,7 @@ from dataclasses import dataclass
 import torch
 
 from decoding.model.attention import AttentionMetadata
+from decoding.model.lora import LoraBatch
 
 log = logging.getLogger(__name__)
 
@@ -84,18 +90,21 @@ class GraphShape:
     keys: int  # padded keys per row
     logits_per_row: int
     hidden_per_row: int  # 0: no hidden states
+    adapters: bool = False  # each token adds its row's LoRA adapter (``LoraSlots.resident``)
 
 
 def build_shapes(cache: tuple[int, tuple[int, ...]], max_rows: int, max_positions: int, tokens_per_row: list[int],
-                 hidden: bool, keys_bucketed: bool = True) -> list[GraphShape]:
+                 hidden: bool, keys_bucketed: bool = True, adapters: bool = False) -> list[GraphShape]:
     """The shapes to capture at build for forwards over the pool ``cache`` (``pool_key``): for each of
     ``tokens_per_row`` (1: a decode step; a tree's size: its verification, logits at every node), every row bucket
     up to ``max_rows`` and every key bucket (one, ``max_positions``, where ``keys_bucketed`` is false); smallest keys
     first (short contexts are met first and most), then fewest tokens, then fewest rows. ``hidden``: hidden states
-    come back at every node (a drafter reads them)."""
+    come back at every node (a drafter reads them). ``adapters``: each shape again with adapter rows, after all the
+    base's (within a memory budget the base's come first)."""
     rows = [bucket for bucket in ROW_BUCKETS if bucket <= row_bucket(max_rows)]
     buckets = key_buckets(max_positions) if keys_bucketed else [max_positions]
-    return [GraphShape(cache, count, per_row, tree_words(per_row), keys, per_row, per_row if hidden else 0)
+    return [GraphShape(cache, count, per_row, tree_words(per_row), keys, per_row, per_row if hidden else 0, adapted)
+            for adapted in ((False, True) if adapters else (False,))
             for keys in buckets for per_row in sorted(set(tokens_per_row)) for count in rows]
 
 
@@ -117,19 +126,24 @@ class PaddedInputs:
     tree_mask: torch.Tensor  # [R * T, W]
     logits_at: torch.Tensor  # [R * k] flat
     hidden_at: torch.Tensor | None
+    adapter_slots: torch.Tensor | None = None  # [R * T]: each token's adapter slot (0: the base)
+
+    def fields(self) -> tuple[torch.Tensor | None, ...]:
+        return (self.input_ids, self.positions, self.slots, self.block_tables, self.row_starts, self.prefix_len,
+                self.tree_mask, self.logits_at, self.hidden_at, self.adapter_slots)
 
     def tensors(self) -> list[torch.Tensor]:
-        return [t for t in (self.input_ids, self.positions, self.slots, self.block_tables, self.row_starts,
-                            self.prefix_len, self.tree_mask, self.logits_at, self.hidden_at) if t is not None]
+        return [t for t in self.fields() if t is not None]
 
 
 def pad_rows_to(rows: int, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
                 logits_nodes: torch.Tensor, hidden_nodes: torch.Tensor | None, table_blocks: int | None = None,
-                ) -> PaddedInputs:
+                adapter_slots: torch.Tensor | None = None) -> PaddedInputs:
     """``input_ids``/``positions`` [B, T] and their metadata padded to ``rows`` rows: a padding row's tokens write
     slot 0 (the scratch block) and see position 0 only. ``logits_nodes``/``hidden_nodes``: node indices per row.
     ``table_blocks``: the block tables' width a graph holds (the key bucket's blocks; a forward's tables are as
-    wide as its longest row): narrower tables are padded with the scratch block, which no query sees."""
+    wide as its longest row): narrower tables are padded with the scratch block, which no query sees.
+    ``adapter_slots`` [B * T]: each token's adapter slot; a padding row's are the base's."""
     batch, per_row = input_ids.shape
     extra = rows - batch
     device = input_ids.device
@@ -151,6 +165,7 @@ def pad_rows_to(rows: int, input_ids: torch.Tensor, positions: torch.Tensor, met
         logits_at=(flat + logits_nodes.to(device, non_blocking=True)[None]).flatten(),
         hidden_at=(flat + hidden_nodes.to(device, non_blocking=True)[None]).flatten()
         if hidden_nodes is not None else None,
+        adapter_slots=pad(adapter_slots, 0) if adapter_slots is not None else None,
     )
 
 
@@ -171,10 +186,12 @@ def example_inputs(shape: GraphShape, block_size: int, device: torch.device) -> 
         logits_at=(flat + torch.arange(shape.per_row - shape.logits_per_row, shape.per_row, device=device)).flatten(),
         hidden_at=(flat + torch.arange(shape.per_row - shape.hidden_per_row, shape.per_row, device=device)).flatten()
         if shape.hidden_per_row else None,
+        adapter_slots=zeros(tokens) if shape.adapters else None,
     )
 
 
 Forward = Callable[..., tuple[torch.Tensor | None, torch.Tensor | None]]
+Adapters = Callable[[torch.Tensor], LoraBatch]  # tokens' adapter slots -> their adapters (LoraSlots.resident)
 Outputs = tuple[torch.Tensor | None, torch.Tensor | None]
 Recorder = Callable[[Callable[[], Outputs], object], tuple[Outputs, Callable[[], None]]]
 
@@ -228,10 +245,8 @@ def record_eagerly(run: Callable[[], Outputs], pool: object) -> tuple[Outputs, C
 
 class _Graph:
     def __init__(self, forward: Forward, example: PaddedInputs, keys: torch.Tensor, values: torch.Tensor,
-                 max_keys: int, pool: object, record: Recorder) -> None:
-        self.buffers = PaddedInputs(*(t.clone() if t is not None else None for t in (
-            example.input_ids, example.positions, example.slots, example.block_tables, example.row_starts,
-            example.prefix_len, example.tree_mask, example.logits_at, example.hidden_at)))
+                 max_keys: int, pool: object, record: Recorder, adapters: Adapters | None = None) -> None:
+        self.buffers = PaddedInputs(*(t.clone() if t is not None else None for t in example.fields()))
         # Until the first real call, every token writes the scratch block.
         self.buffers.slots.zero_()
         self.buffers.block_tables.zero_()
@@ -239,7 +254,11 @@ class _Graph:
         def run() -> Outputs:
             b = self.buffers
             meta = AttentionMetadata(b.slots, b.block_tables, b.row_starts, b.prefix_len, b.tree_mask, max_keys)
-            return forward(b.input_ids, b.positions, meta, keys, values, b.logits_at, b.hidden_at)
+            if b.adapter_slots is None:
+                return forward(b.input_ids, b.positions, meta, keys, values, b.logits_at, b.hidden_at)
+            # The tokens' one-hot masks over every slot are computed in the graph, from the slots buffer.
+            return forward(b.input_ids, b.positions, meta, keys, values, b.logits_at, b.hidden_at,
+                           lora=adapters(b.adapter_slots))
 
         self.outputs, self._replay = record(run, pool)
 
@@ -255,11 +274,13 @@ class GraphedForward:
     (``capture``), after which a shape not captured runs eagerly."""
 
     def __init__(self, forward: Forward, max_positions: int, record: Recorder = record_cuda_graph,
-                 key_buckets: bool = True) -> None:
+                 key_buckets: bool = True, adapters: Adapters | None = None) -> None:
         """``forward``: the lean forward over flat tokens (``LeanCausalLM.flat_forward``); ``max_positions``: the
         cache's positions per row (the largest key bucket); ``record``: how a graph is recorded; ``key_buckets``:
-        graphs per key bucket (the reference attention pads keys on the host), else one for every context."""
+        graphs per key bucket (the reference attention pads keys on the host), else one for every context;
+        ``adapters``: the model's resident LoRA adapters (``LoraSlots.resident``), for forwards with adapter rows."""
         self.forward = forward
+        self.adapters = adapters
         self.max_positions = max_positions
         self.record = record
         self.key_buckets = key_buckets
@@ -276,7 +297,8 @@ class GraphedForward:
         started = time.perf_counter()
         if not any(known.cache == shape.cache for known in self.graphs):  # the first over this pool
             weakref.finalize(keys, self._dead.append, shape.cache)
-        graph = self.graphs[shape] = _Graph(self.forward, inputs, keys, values, shape.keys, self.pool, self.record)
+        graph = self.graphs[shape] = _Graph(self.forward, inputs, keys, values, shape.keys, self.pool, self.record,
+                                            self.adapters)
         self.pool = getattr(graph._replay, "pool", self.pool)
         seconds = time.perf_counter() - started
         self.capture_seconds += seconds
@@ -323,19 +345,21 @@ class GraphedForward:
 
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
                  keys: torch.Tensor, values: torch.Tensor, logits_nodes: torch.Tensor,
-                 hidden_nodes: torch.Tensor | None) -> Outputs | None:
+                 hidden_nodes: torch.Tensor | None, adapter_slots: torch.Tensor | None = None) -> Outputs | None:
         """As ``LeanCausalLM.forward``: logits [B * k, V] and hidden [B * k', H] of the real rows; None where the
-        shape was not captured at build (the caller runs the forward eagerly)."""
+        shape was not captured at build (the caller runs the forward eagerly). ``adapter_slots`` [B * T] on the
+        device: each token's adapter slot, for a forward with adapter rows."""
         self._drop_dead_pools()
         batch, per_row = input_ids.shape
         keys_padded = key_bucket(meta.max_keys, self.max_positions) if self.key_buckets else self.max_positions
         shape = GraphShape(pool_key(keys), row_bucket(batch), per_row, meta.tree_mask.shape[1], keys_padded,
-                           len(logits_nodes), len(hidden_nodes) if hidden_nodes is not None else 0)
+                           len(logits_nodes), len(hidden_nodes) if hidden_nodes is not None else 0,
+                           adapter_slots is not None)
         graph = self.graphs.get(shape)
-        if graph is None and shape.cache in self.frozen:
+        if graph is None and (shape.cache in self.frozen or (shape.adapters and self.adapters is None)):
             return None
         padded = pad_rows_to(shape.rows, input_ids, positions, meta, logits_nodes, hidden_nodes,
-                             table_blocks=-(-shape.keys // keys.shape[-1]))
+                             table_blocks=-(-shape.keys // keys.shape[-1]), adapter_slots=adapter_slots)
         if graph is None:
             graph = self._capture(shape, padded, keys, values)
         logits, hidden = graph.replay(padded)

@@ -83,6 +83,7 @@ def forward_tree(
     features: torch.Tensor | None = None,
     replay: GraphedForward | None = None,
     lora: LoraBatch | None = None,
+    adapter_slots: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """One forward over tree nodes [start, start + T) of ``rows``; returns (logits [B, k, V], hidden [B, k', H]).
 
@@ -92,7 +93,8 @@ def forward_tree(
     most of a small model's cost. The last hidden state comes back at ``hidden_at`` (default: the ``logits_at``
     nodes) when ``want_hidden``. ``features`` [B, T, H] is a feature draft's extra input. ``replay``: a lean
     forward's captured graphs (its ``ModelRunner``'s), replayed where this shape was captured. ``lora``: a lean
-    forward's adapters (``ModelRunner.adapters``). The forward runs as the pool's ``execution`` says
+    forward's adapters (``ModelRunner.adapters``), with ``adapter_slots`` (each token's slot, on the device) for a
+    replay. The forward runs as the pool's ``execution`` says
     (``execution.py``).
     """
     batch, count = input_ids.shape
@@ -102,7 +104,8 @@ def forward_tree(
     at = torch.arange(count) if logits_at is None else logits_at
     hidden_nodes = (at if hidden_at is None else hidden_at) if want_hidden else None
     if isinstance(model, LeanCausalLM):
-        replayed = replay(input_ids, positions, meta, cache.keys, cache.values, at, hidden_nodes) if replay else None
+        replayed = replay(input_ids, positions, meta, cache.keys, cache.values, at, hidden_nodes,
+                          adapter_slots) if replay else None
         logits, hidden = replayed or model(input_ids, positions, meta, cache.keys, cache.values, at, hidden_nodes,
                                            execution=cache.execution, lora=lora)
         hidden = hidden.view(batch, len(hidden_nodes), -1) if hidden is not None else None

@@ -271,6 +271,16 @@ class LoraSlots:
         a, b = self._gathered[key]
         return LoraBatch(a, b, mask, token_position - 1, rank)
 
+    def resident(self, token_slots: torch.Tensor) -> LoraBatch:
+        """The adapters of tokens on ``token_slots`` ([N] on the device, padding and base tokens 0) over every slot
+        as it lies, for a captured graph: shapes and addresses do not depend on which adapters are present (a slot
+        loaded later is written in place), and nothing is read on the host. Every group runs; slot 0's rows are
+        zeros, so base tokens get a zero delta."""
+        columns = torch.arange(self.width, device=token_slots.device) // self.rank
+        mask = (columns == token_slots[:, None]).to(self.dtype)
+        b = {group: [self.b[projection] for projection in parts] for group, parts in GROUPS.items()}
+        return LoraBatch(dict(self.a), b, mask, token_slots.masked_fill(token_slots == 0, -1), self.rank)
+
 
 @dataclass(frozen=True)
 class LoraBatch:

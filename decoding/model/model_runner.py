@@ -33,7 +33,6 @@ class ModelRunner:
     def __init__(self, model: torch.nn.Module, cache: PagedKVCache, captured: bool,
                  lora: LoraSlots | None = None) -> None:
         self.model, self.cache, self.execution = model, cache, cache.execution
-        self.lora = lora
         self.clock = PhaseClock(cache.device)  # what the length policy learns the phases cost, timed on the device
         # The one place that decides whether step forwards replay graphs: a replaying runner owns them.
         replays = captured and self.execution.graphs and isinstance(model, LeanCausalLM)
@@ -41,6 +40,18 @@ class ModelRunner:
             functools.partial(model.flat_forward, execution=self.execution), cache.max_positions_per_row,
             key_buckets=self.execution.kernels != "triton",  # the fused kernels read sequence lengths on the device
         ) if replays else None
+        self.lora = lora
+
+    @property
+    def lora(self) -> LoraSlots | None:
+        """The adapter slots its forwards apply (its graphs' too); None: the base model only."""
+        return self._lora
+
+    @lora.setter
+    def lora(self, slots: LoraSlots | None) -> None:
+        self._lora = slots
+        if self.graphs is not None:
+            self.graphs.adapters = slots.resident if slots is not None else None
 
     @property
     def replays(self) -> bool:
@@ -53,7 +64,7 @@ class ModelRunner:
         assert self.graphs is not None, "only a replaying runner captures"
         cache = self.cache
         shapes = build_shapes(pool_key(cache.keys), cache.max_rows, cache.max_positions_per_row, tokens_per_row,
-                              hidden, self.graphs.key_buckets)
+                              hidden, self.graphs.key_buckets, adapters=self.lora is not None)
         return self.graphs.capture(shapes, cache.keys, cache.values, budget, memory)
 
     def adapters(self, rows: Rows, tokens_per_row: int) -> LoraBatch | None:
@@ -70,8 +81,8 @@ class ModelRunner:
 
     def verify(self, rows: Rows, input_ids: torch.Tensor, ancestors: torch.Tensor, valid: torch.Tensor,
                **options: Any) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """The target's forward over a tree (a decode: a one-node tree), replayed where captured (the base's rows
-        only: graphs hold no adapters)."""
+        """The target's forward over a tree (a decode: a one-node tree), replayed where captured (with its rows'
+        adapters where any has one)."""
         return self._forward(rows, input_ids, ancestors, valid, self.graphs, options)
 
     def _forward(self, rows: Rows, input_ids: torch.Tensor, ancestors: torch.Tensor, valid: torch.Tensor,
@@ -80,7 +91,10 @@ class ModelRunner:
         if lora is None:
             return forward_tree(self.model, self.cache, rows, input_ids, ancestors, valid, replay=replay, **options)
         if isinstance(self.model, LeanCausalLM):
-            return forward_tree(self.model, self.cache, rows, input_ids, ancestors, valid, lora=lora, **options)
+            slots = self.cache.row_adapters[rows].repeat_interleave(input_ids.shape[1]) if replay else None
+            return forward_tree(self.model, self.cache, rows, input_ids, ancestors, valid, replay=replay, lora=lora,
+                                adapter_slots=slots.to(input_ids.device, non_blocking=True) if replay else None,
+                                **options)
         with adapted(self.model, lora):  # transformers' forward: the deltas added by hooks on its projections
             return forward_tree(self.model, self.cache, rows, input_ids, ancestors, valid, **options)
 
