@@ -33,9 +33,7 @@ from ray.serve.handle import DeploymentHandle
 
 from decoding.config import Config
 from deploy import asgi, gate
-from deploy.asgi import MAX_BODY_BYTES
 from deploy.drain import SHUTDOWN_WAIT_LOOP_S
-from deploy.gate import env_api_key
 from deploy.llm_config import LLMConfig, ServingArgs
 from deploy.protocol import VERSION, ErrorDetail, ErrorResponse, ModelList, VersionResponse
 from frontend.resources import check_cluster
@@ -157,8 +155,8 @@ class OpenAIRouter:
     @router_api.api_route("/{path:path}", methods=["GET", "POST"])
     async def route(self, request: Request, path: str) -> Any:
         body = await request.body()
-        if len(body) > MAX_BODY_BYTES:
-            return _error(413, f"the request body is larger than {MAX_BODY_BYTES} bytes", "invalid_request_error")
+        if len(body) > asgi.MAX_BODY_BYTES:
+            return _error(413, f"the request body is larger than {asgi.MAX_BODY_BYTES} bytes", "invalid_request_error")
         if self.only is not None:  # its replica judges the body's `model` (a model's path names it too)
             return await self._forward(request, self.only, f"/{path}", body)
         try:
@@ -238,7 +236,7 @@ def _model_deployment(llm: LLMConfig, config: Config, key: str | None, ingress: 
 def _api_key(configs: list[LLMConfig]) -> str | None:
     """``SPECBATCH_API_KEY`` or ``VLLM_API_KEY`` where the app is built, else the first model's
     ``specbatch.api_key``."""
-    key = env_api_key()
+    key = gate.env_api_key()
     for llm in configs:
         given = llm.specbatch.get("api_key")
         key = key or (given.get_secret_value() if isinstance(given, SecretStr) else given)

@@ -21,7 +21,6 @@ from specbatch.serve import LLMConfig, build_openai_app
 SERVE_LLM_EXAMPLE = """
 from ray import serve
 from specbatch.serve import LLMConfig, build_openai_app
-from test_pipeline import REPO
 
 llm_config = LLMConfig(
     model_loading_config=dict(

@@ -93,7 +93,7 @@ def forward_tree(
     most of a small model's cost. The last hidden state comes back at ``hidden_at`` (default: the ``logits_at``
     nodes) when ``want_hidden``. ``features`` [B, T, H] is a feature draft's extra input. ``replay``: a lean
     forward's captured graphs (its ``ModelRunner``'s), replayed where this shape was captured. ``lora``: a lean
-    forward's adapters (``ModelRunner.adapters``), with ``adapter_slots`` (each token's slot, on the device) for a
+    forward's adapters (``LoraSlots.batch``), with ``adapter_slots`` (each token's slot, on the device) for a
     replay. The forward runs as the pool's ``execution`` says
     (``execution.py``).
     """

@@ -22,7 +22,7 @@ from decoding.model.cuda_graphs import GraphedForward, build_shapes, pool_key
 from decoding.model.forward import forward_tree
 from decoding.model.kv_cache import PagedKVCache, Rows
 from decoding.model.lean_forward import LeanCausalLM
-from decoding.model.lora import LoraBatch, LoraSlots, adapted
+from decoding.model.lora import LoraSlots, adapted
 from decoding.model.timing import PhaseClock
 
 
@@ -67,12 +67,13 @@ class ModelRunner:
                               hidden, self.graphs.key_buckets, adapters=self.lora is not None)
         return self.graphs.capture(shapes, cache.keys, cache.values, budget, memory)
 
-    def adapters(self, rows: Rows, tokens_per_row: int) -> LoraBatch | None:
-        """The adapters of a forward of ``tokens_per_row`` tokens for each of ``rows``; None where none applies."""
+    def token_slots(self, rows: Rows, tokens_per_row: int) -> torch.Tensor | None:
+        """Each token's adapter slot (on the host) in a forward of ``tokens_per_row`` tokens for each of ``rows``;
+        None where no row has an adapter."""
         if self.lora is None:
             return None
         slots = self.cache.row_adapters[rows]
-        return self.lora.batch(slots.repeat_interleave(tokens_per_row)) if bool(slots.any()) else None
+        return slots.repeat_interleave(tokens_per_row) if bool(slots.any()) else None
 
     def prefill(self, rows: Rows, input_ids: torch.Tensor, ancestors: torch.Tensor, valid: torch.Tensor,
                 **options: Any) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -87,11 +88,11 @@ class ModelRunner:
 
     def _forward(self, rows: Rows, input_ids: torch.Tensor, ancestors: torch.Tensor, valid: torch.Tensor,
                  replay: GraphedForward | None, options: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor | None]:
-        lora = self.adapters(rows, input_ids.shape[1])
-        if lora is None:
+        slots = self.token_slots(rows, input_ids.shape[1])
+        if slots is None:
             return forward_tree(self.model, self.cache, rows, input_ids, ancestors, valid, replay=replay, **options)
+        lora = self.lora.batch(slots)
         if isinstance(self.model, LeanCausalLM):
-            slots = self.cache.row_adapters[rows].repeat_interleave(input_ids.shape[1]) if replay else None
             return forward_tree(self.model, self.cache, rows, input_ids, ancestors, valid, replay=replay, lora=lora,
                                 adapter_slots=slots.to(input_ids.device, non_blocking=True) if replay else None,
                                 **options)
