@@ -49,11 +49,15 @@ def _make_adapter(model, fields: dict, path, seed: int, scale: float = 1.0) -> t
     return model
 
 
+def _adapters_of(model, root) -> dict[str, tuple[str, torch.nn.Module]]:
+    """``ADAPTERS`` over ``model``, saved under ``root``: name -> (path, PEFT model)."""
+    return {name: (str(root / name), _make_adapter(model, fields, root / name, seed))
+            for seed, (name, fields) in enumerate(ADAPTERS.items())}
+
+
 @pytest.fixture(scope="module")
 def adapters(base, tmp_path_factory) -> dict[str, tuple[str, torch.nn.Module]]:
-    root = tmp_path_factory.mktemp("adapters")
-    return {name: (str(root / name), _make_adapter(base, fields, root / name, seed))
-            for seed, (name, fields) in enumerate(ADAPTERS.items())}
+    return _adapters_of(base, tmp_path_factory.mktemp("adapters"))
 
 
 @torch.no_grad()
@@ -235,6 +239,10 @@ METHODS = {"none": {"method": "none"},
 
 @pytest.fixture(scope="module")
 def peft_greedy(base, adapters, tokenizer) -> dict[str | None, list[list[int]]]:
+    return _peft_greedy(base, adapters, tokenizer)
+
+
+def _peft_greedy(base, adapters, tokenizer) -> dict[str | None, list[list[int]]]:
     """transformers + PEFT ``generate(do_sample=False)`` of each prompt under each adapter and the base."""
     expected = {}
     for name, model in [(None, base)] + [(name, reference) for name, (_, reference) in adapters.items()]:
@@ -288,11 +296,30 @@ def test_greedy_engine_outputs_equal_peft_for_each_adapter_alone_and_mixed(base,
         assert accepted / drafted > 0.3
 
 
+@pytest.fixture(scope="module")
+def two_head_base():
+    """The Triton tests' base: two query heads sharing one kv head (grouped-query attention, as in
+    test_engine_triton), so the interpreter runs half the rotary and attention programs of ``base``'s four; its
+    projections, and so the adapters' shapes, are ``base``'s."""
+    return tiny_model(seed=11, heads=2, kv_heads=1)
+
+
+@pytest.fixture(scope="module")
+def two_head_adapters(two_head_base, tmp_path_factory) -> dict[str, tuple[str, torch.nn.Module]]:
+    return _adapters_of(two_head_base, tmp_path_factory.mktemp("two-head-adapters"))
+
+
+@pytest.fixture(scope="module")
+def two_head_peft_greedy(two_head_base, two_head_adapters, tokenizer) -> dict[str | None, list[list[int]]]:
+    return _peft_greedy(two_head_base, two_head_adapters, tokenizer)
+
+
 @pytest.mark.parametrize("method", METHODS)
-def test_greedy_with_the_triton_kernels_equals_peft_for_each_adapter_alone_and_mixed(base, adapters, tokenizer,
-                                                                                     peft_greedy, method):
+def test_greedy_with_the_triton_kernels_equals_peft_for_each_adapter_alone_and_mixed(
+        two_head_base, two_head_adapters, two_head_peft_greedy, tokenizer, method):
     """The fused Triton layer (under the interpreter here: eight tokens) adds the same deltas: each adapter alone
     (two rows: the interpreter's time grows with the rows), then the three and the base in one batch of eight."""
+    base, adapters, peft_greedy = two_head_base, two_head_adapters, two_head_peft_greedy
     engine = _engine(base, tokenizer, adapters, METHODS[method], execution={"kernels": "triton"},
                      sampling={"max_tokens": 8})
     assert engine.cache.execution.kernels == "triton"
