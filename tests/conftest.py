@@ -157,10 +157,14 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
 
 
 # The README's ``-n 2`` (pyproject: ``--dist loadfile``) gives each worker whole modules, so a module's fixtures (its
-# server, its engines) are built once, in collection order: the heaviest first, so neither worker is left with a
-# long module at the end.
-HEAVY_FIRST = ["test_pipeline", "test_real_model", "test_serve", "test_processor", "test_engine", "test_serve_shutdown",
-               "test_engine_triton", "test_serve_llm", "test_constrained", "test_triton_kernels", "test_limits"]
+# server, its engines) are built once. Modules go out longest first (their wall time in a whole run, seconds), so
+# the run ends on short ones that fill both workers: ending on a long module that mostly waits (a server's start, a
+# killed driver) left one worker and most of a core idle for its last 35 s.
+HEAVY_FIRST = ["test_real_model", "test_pipeline", "test_serve", "test_processor", "test_engine",  # 250-100
+               "test_triton_kernels", "test_lora", "test_engine_triton", "test_serve_shutdown", "test_serve_llm",  # -58
+               "test_tool_calls", "test_constrained", "test_cluster", "test_limits", "test_pipeline_s3",  # 48-30
+               "test_training", "test_bad_inputs", "test_sampling_params", "test_lease", "test_prefix_cache",  # -16
+               "test_device_hazards", "test_grammar", "test_verify_batched", "test_layer_skip", "test_gguf_blocks"]
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
