@@ -94,6 +94,9 @@ def ray_cluster():
     # Processes report their metrics every second (Ray's default: 10 s), so the metrics tests wait seconds.
     ray.init(num_cpus=4, include_dashboard=False, ignore_reinit_error=True, log_to_driver=False,
              _system_config={"metrics_report_interval_ms": 1000})
+    # With log_to_driver off nothing reads what the log monitor publishes, and it polls every worker's log files ten
+    # times a second: 27 CPU-s of a whole run's two clusters.
+    ray._private.worker._global_node.kill_log_monitor()
     yield ray
     ray.shutdown()
 
