@@ -4,8 +4,12 @@ forced tokens and logit masking, checked against fresh xgrammar matchers on the 
 from __future__ import annotations
 
 import json
+import os
 import random
 import re
+import subprocess
+import sys
+from pathlib import Path
 
 import jsonschema
 import pytest
@@ -29,6 +33,8 @@ from decoding.constraints.grammar import (
 from decoding.model.loading import DEFAULT_MODEL, load_tokenizer
 from decoding.verification.tree import TreeTopology
 from frontend.requests import RequestError, parse_request
+
+REPO = Path(__file__).resolve().parents[1]
 
 # Nested objects, arrays, enums, numbers; bounded so that a random walk through the grammar ends. Strings are
 # bounded by a pattern: xgrammar 0.2.8 compiles a maxLength string to [^"\\\r\n]{0,n}, which lets raw control
@@ -148,6 +154,29 @@ def test_the_engine_decodes_constrained_rows_and_refuses_invalid_ones_by_name(to
     assert set(results["regex"].text) == {"a"}
     assert results["alias"].finish_reason == "stop" and results["alias"].text in ("ab", "ba")
     assert "invalid structured_outputs.regex" in results["invalid"].error
+
+
+
+def test_xgrammar_loads_with_the_first_constraint_not_with_the_engine() -> None:
+    """An engine actor's or model replica's modules and an engine decoding unconstrained rows leave xgrammar
+    unimported (a quarter of a second of every actor's start); the first constrained row loads it."""
+    code = """if True:
+        import sys
+        import pipeline.actor, deploy.server
+        from decoding import Engine, Request
+        from engine_cases import make_config
+        from tiny import tiny_model, tiny_tokenizer
+        engine = Engine(make_config(method="none"), target=tiny_model(), tokenizer=tiny_tokenizer())
+        [plain] = engine.generate([Request(id="plain", prompt="abc")])
+        print(plain.finish_reason != "error", "xgrammar" in sys.modules)
+        [regex] = engine.generate([Request(id="regex", prompt="abc", sampling={"structured_outputs": {"regex": "a+"}})])
+        print(set(regex.text), "xgrammar" in sys.modules)
+    """
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), str(REPO / "tests")])}
+    done = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.split() == ["True", "False", "{'a'}", "True"], done.stdout
 
 
 # ------------------------------------------------------------------------------------------- state and tree

@@ -14,6 +14,9 @@ Each stage runs where it belongs:
 Masks are xgrammar's packed bitmasks: int32 [..., ceil(V / 32)], bit j of word w set when token 32 w + j is
 allowed. Node masks are filled on the host (xgrammar fills CPU tensors) and copied to the step's device once per
 level.
+
+xgrammar is imported where a constraint is first parsed or compiled: an engine whose rows carry none never loads it
+(0.26 s of every engine actor's and replica's start).
 """
 
 from __future__ import annotations
@@ -32,10 +35,11 @@ from typing import TYPE_CHECKING
 import cachetools
 import numpy as np
 import torch
-import xgrammar as xgr
 from transformers import PreTrainedTokenizerBase
 
 if TYPE_CHECKING:  # at run time the constraint is whatever config.py validated
+    import xgrammar as xgr
+
     from decoding.config import Constraint
 
 BITS = 32
@@ -102,6 +106,8 @@ def grammar_of(constraint: Constraint) -> xgr.Grammar:
 
 
 def _parse(constraint: Constraint) -> xgr.Grammar:
+    import xgrammar as xgr
+
     kind, text = constraint.kind, constraint.text
     try:
         if kind == "json":
@@ -142,6 +148,8 @@ class GrammarCompiler:
         tokenizer's are never allowed."""
         self.vocab_size = vocab_size
         self.budget = budget
+        import xgrammar as xgr
+
         self.info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size)
         self.byte_tokens = single_byte_tokens(self.info)
         # Compiling a nested JSON schema for SmolLM2's 49k vocabulary takes ~5 ms on one thread.
@@ -270,6 +278,8 @@ class RowGrammar:
             raise ValueError("a constrained row needs a stop token to end its grammar")
         self.owner, self.work = owner, work or ConstraintWork()
         self.compiled = compiled
+        import xgrammar as xgr
+
         self.matcher = xgr.GrammarMatcher(compiled, override_stop_tokens=sorted(stop_token_ids))
         self.vocab_size = compiled.tokenizer_info.vocab_size
         self._scratch = torch.empty(1, bitmask_words(self.vocab_size), dtype=torch.int32)
@@ -538,6 +548,8 @@ def mask_logits(logits: torch.Tensor, masks: RowMasks) -> None:
     if masks.rows.numel() == 0:
         return
     if logits.device.type == "cpu" and logits.is_contiguous():
+        import xgrammar as xgr
+
         for index, row in enumerate(masks.rows.tolist()):
             xgr.apply_token_bitmask_inplace(logits[row], masks.packed[index], vocab_size=logits.shape[-1])
         return
