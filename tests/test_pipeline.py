@@ -625,7 +625,13 @@ def start_head(temp_dir: str, log: Path) -> tuple[subprocess.Popen, int]:
         stop_head(head)
         if not any(retried in log.read_text() for retried in ("already occupied", "timed out during startup")):
             break
-    pytest.fail(f"`ray start --head` did not serve its dashboard (exit {head.returncode}):\n{log.read_text()[-3000:]}")
+    text = log.read_text()  # the reason may lie before the dashboard's last lines: its error lines, then the end
+    reasons = [line for line in text.splitlines() if any(word in line.lower() for word in REASON_WORDS)]
+    pytest.fail(f"`ray start --head` did not serve its dashboard (exit {head.returncode}); its error lines:\n"
+                + "\n".join(reasons[-20:]) + f"\nthe end of its output:\n{text[-1500:]}")
+
+
+REASON_WORDS = ("error", "exited", "traceback", "failed", "timed out")
 
 
 def stop_head(head: subprocess.Popen) -> None:
