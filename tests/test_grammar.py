@@ -156,7 +156,6 @@ def test_the_engine_decodes_constrained_rows_and_refuses_invalid_ones_by_name(to
     assert "invalid structured_outputs.regex" in results["invalid"].error
 
 
-
 def test_xgrammar_loads_with_the_first_constraint_not_with_the_engine() -> None:
     """An engine actor's or model replica's modules and an engine decoding unconstrained rows leave xgrammar
     unimported (a quarter of a second of every actor's start); the first constrained row loads it."""

@@ -591,6 +591,10 @@ def unused_ports(count: int) -> list[int]:
     raise RuntimeError("no free ports in 20000-32000")
 
 
+# Words of a line of `ray start` output that says why the head stopped.
+REASON_WORDS = ("error", "exited", "traceback", "failed", "timed out")
+
+
 def start_head(temp_dir: str, log: Path) -> tuple[subprocess.Popen, int]:
     """`ray start --head --block` on unused ports, returned once the node is up and its job server answers. A head
     that exits because a port was taken meanwhile, or because its raylet did not register within Ray's fixed 30 s
@@ -629,9 +633,6 @@ def start_head(temp_dir: str, log: Path) -> tuple[subprocess.Popen, int]:
     reasons = [line for line in text.splitlines() if any(word in line.lower() for word in REASON_WORDS)]
     pytest.fail(f"`ray start --head` did not serve its dashboard (exit {head.returncode}); its error lines:\n"
                 + "\n".join(reasons[-20:]) + f"\nthe end of its output:\n{text[-1500:]}")
-
-
-REASON_WORDS = ("error", "exited", "traceback", "failed", "timed out")
 
 
 def stop_head(head: subprocess.Popen) -> None:
