@@ -508,50 +508,6 @@ def test_a_stream_keeping_special_tokens_concatenates_to_the_non_streamed_text(c
     assert stopped  # some ended with EOS
 
 
-def test_health_answers_while_200_streams_are_in_flight(client, server):
-    """Requests wait in the engine's queue, not in Serve's: the replica answers /health while it holds 200
-    streams. With 4 x batch_size (32) slots, Serve held the rest back and /health queued behind them.
-
-    Every stream is long (240 tokens; the engine finishes 8 per 240 steps), so the count stays near its peak
-    for many batches after the last stream arrives, however slowly they arrive and /health answers on a busy
-    machine; leaving the streams then aborts them, which frees every row."""
-
-    async def scenario() -> tuple[int, list[int], dict[str, Any]]:
-        async with httpx.AsyncClient(base_url=server, timeout=300,
-                                     limits=httpx.Limits(max_connections=400)) as aclient:
-
-            async def stream(i: int) -> int:
-                body = {"prompt": WORDS[i % len(WORDS)], "max_tokens": 240, "ignore_eos": True, "stream": True}
-                async with aclient.stream("POST", "/v1/completions", json=body) as response:
-                    async for _ in response.aiter_lines():
-                        pass
-                    return response.status_code
-
-            async def health() -> dict[str, Any]:
-                body = (await aclient.get("/health")).json()
-                assert body["status"] == "ok"
-                return body
-
-            tasks = [asyncio.create_task(stream(i)) for i in range(200)]
-            most = 0
-            while most < 150 and not all(task.done() for task in tasks):
-                body = await health()
-                most = max(most, body["running"] + body["waiting"])
-                await asyncio.sleep(0.05)
-            finished = [task.result() for task in tasks if task.done()]
-            for task in tasks:  # leaving a stream aborts its sequence
-                task.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
-            while (settled := await health())["running"] + settled["waiting"]:
-                await asyncio.sleep(0.05)
-            return most, finished, settled
-
-    most, finished, settled = asyncio.run(scenario())
-    assert most >= 150, most
-    assert finished == [200] * len(finished)
-    assert settled["running"] == settled["waiting"] == 0
-
-
 def test_a_replica_killed_mid_request_is_an_openai_503_and_ends_streams_with_an_error_event(server, config_file):
     """The replica dies under a plain and a streamed request: the plain one gets an OpenAI-shaped 503 (Serve's
     proxy alone answered a plain-text 500), the stream an error event and [DONE] (it ended without either); until

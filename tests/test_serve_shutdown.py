@@ -1,4 +1,5 @@
-"""`specbatch serve` as a process: SIGTERM with requests in flight drains them, and nothing is left running."""
+"""`specbatch serve` as a process: its replica holds hundreds of streams and still answers /health; SIGTERM with
+requests in flight drains them, and nothing is left running."""
 
 from __future__ import annotations
 
@@ -147,6 +148,52 @@ def test_sigterm_drains_requests_in_flight_even_after_the_drain_actor_died(serve
     time.sleep(1.0)  # the replicas' waits reach it
     _drain_under_sigterm(serve_process)
     assert "Traceback" not in Path(log).read_text()
+
+
+def test_health_answers_while_200_streams_are_in_flight(servers):
+    """Requests wait in the engine's queue, not in Serve's: the replica answers /health while it holds 200
+    streams. With 4 x batch_size slots, Serve held the rest back and /health queued behind them.
+
+    One engine row and 4,000-token streams: the server finishes a stream every few seconds, so the count reaches
+    its peak however slowly the streams arrive on a busy machine; leaving the streams then aborts them, which
+    frees every row (the next test drains this server)."""
+    _, url, _ = servers.take("patient")
+    streams = 200
+
+    async def scenario() -> tuple[int, list[int], dict[str, Any]]:
+        async with httpx.AsyncClient(base_url=url, timeout=300, headers=AUTH,
+                                     limits=httpx.Limits(max_connections=2 * streams)) as client:
+
+            async def stream() -> int:
+                body = {"prompt": "the cat", "max_tokens": 4000, "ignore_eos": True, "stream": True}
+                async with client.stream("POST", "/v1/completions", json=body) as response:
+                    async for _ in response.aiter_lines():
+                        pass
+                    return response.status_code
+
+            async def health() -> dict[str, Any]:
+                body = (await client.get("/health")).json()
+                assert body["status"] == "ok"
+                return body
+
+            tasks = [asyncio.create_task(stream()) for _ in range(streams)]
+            most, deadline = 0, time.monotonic() + 120  # held back by Serve, the count would stay at 4
+            while most < streams and time.monotonic() < deadline:
+                body = await health()
+                most = max(most, body["running"] + body["waiting"])
+                await asyncio.sleep(0.05)
+            finished = [task.result() for task in tasks if task.done()]
+            for task in tasks:  # leaving a stream aborts its sequence
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            while (settled := await health())["running"] + settled["waiting"]:
+                await asyncio.sleep(0.05)
+            return most, finished, settled
+
+    most, finished, settled = asyncio.run(scenario())
+    assert most >= streams - 10, most
+    assert finished == [200] * len(finished)
+    assert settled["running"] == settled["waiting"] == 0
 
 
 def test_a_second_sigterm_stops_at_once(servers):
