@@ -107,7 +107,7 @@ def test_the_kernel_form_is_timed_once_a_machine_and_followed_by_every_call(monk
     from decoding.model.attention import kernel_folder
 
     chosen = gguf_blocks.choose_block_forms()
-    assert chosen in (*gguf_blocks.FORM_TOKENS, gguf_blocks.DENSE_FROM)
+    assert chosen in (*gguf_blocks.FORM_TOKENS, torch.ops.specbatch.block_dense_from())
     assert (kernel_folder() / f"block_forms_{torch.get_num_threads()}_threads.txt").read_text() == str(chosen)
     gguf_blocks.choose_block_forms.cache_clear()
     monkeypatch.setattr(gguf_blocks, "_time_block_forms", lambda: pytest.fail("timed again"))

@@ -257,7 +257,6 @@ def _rotary_rows(rows: int, heads: int) -> torch.Tensor:
 
 # Token counts at which the C++ kernel's lanes and broadcast forms are timed against each other.
 FORM_TOKENS = (8, 12, 16, 24, 32, 64)
-DENSE_FROM = 128  # the kernel's kDenseFrom: from this many tokens neither form runs
 
 
 @functools.cache
@@ -284,9 +283,9 @@ def choose_block_forms() -> int:
 
 
 def _time_block_forms(repeats: int = 3) -> int:
-    """The count from which the broadcast form costs least: of ``FORM_TOKENS`` (or ``DENSE_FROM``, never), the
-    threshold whose choice of form at every count sums to the least time, each form timed (best of ``repeats``
-    alternating calls) on Q4_1 weights of SmolLM2's three projection shapes."""
+    """The count from which the broadcast form costs least: of ``FORM_TOKENS`` (or the kernel's dense threshold,
+    ``block_dense_from``: never), the threshold whose choice of form at every count sums to the least time, each form
+    timed (best of ``repeats`` alternating calls) on Q4_1 weights of SmolLM2's three projection shapes."""
     generator = torch.Generator().manual_seed(0)
     weights = []
     for rows, cols in ((576, 576), (1536, 576), (576, 1536)):
@@ -307,7 +306,7 @@ def _time_block_forms(repeats: int = 3) -> int:
     totals = [sum(lanes for lanes, _ in costs[:at]) + sum(broadcast for _, broadcast in costs[at:])
               for at in range(len(costs) + 1)]
     at = totals.index(min(totals))
-    return FORM_TOKENS[at] if at < len(FORM_TOKENS) else DENSE_FROM
+    return FORM_TOKENS[at] if at < len(FORM_TOKENS) else torch.ops.specbatch.block_dense_from()
 
 
 def _dropped(module: nn.Linear) -> None:

@@ -362,6 +362,9 @@ at::Tensor block_linear_form(at::Tensor x, at::Tensor q, at::Tensor d, std::opti
 // gguf_blocks.choose_block_forms).
 std::atomic<int64_t> broadcast_from{kBroadcastFrom};
 
+// The token count from which block_linear dequantizes for the dense GEMM (Python reads it for its timings).
+int64_t block_dense_from() { return kDenseFrom; }
+
 void set_block_broadcast_from(int64_t tokens) {
   TORCH_CHECK(tokens >= 1, "set_block_broadcast_from: tokens >= 1, got ", tokens);
   broadcast_from.store(tokens);
@@ -378,6 +381,7 @@ TORCH_LIBRARY_FRAGMENT(specbatch, m) {
   m.def("block_dequantize(Tensor q, Tensor d, Tensor? m, int bits) -> Tensor");
   m.def("block_linear_form(Tensor x, Tensor q, Tensor d, Tensor? m, int bits, int form) -> Tensor");
   m.def("set_block_broadcast_from(int tokens) -> ()");
+  m.def("block_dense_from() -> int", &block_dense_from);  // no tensors: a catch-all
 }
 
 TORCH_LIBRARY_IMPL(specbatch, CPU, m) {
