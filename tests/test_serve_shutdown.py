@@ -159,6 +159,7 @@ def test_health_answers_while_200_streams_are_in_flight(servers):
     frees every row (the next test drains this server)."""
     _, url, _ = servers.take("patient")
     streams = 200
+    held = streams - 10  # the peak asserted: a stream may finish while the last ones arrive
 
     async def scenario() -> tuple[int, list[int], dict[str, Any]]:
         async with httpx.AsyncClient(base_url=url, timeout=300, headers=AUTH,
@@ -178,7 +179,7 @@ def test_health_answers_while_200_streams_are_in_flight(servers):
 
             tasks = [asyncio.create_task(stream()) for _ in range(streams)]
             most, deadline = 0, time.monotonic() + 120  # held back by Serve, the count would stay at 4
-            while most < streams and time.monotonic() < deadline:
+            while most < held and time.monotonic() < deadline:
                 body = await health()
                 most = max(most, body["running"] + body["waiting"])
                 await asyncio.sleep(0.05)
@@ -191,7 +192,7 @@ def test_health_answers_while_200_streams_are_in_flight(servers):
             return most, finished, settled
 
     most, finished, settled = asyncio.run(scenario())
-    assert most >= streams - 10, most
+    assert most >= held, most
     assert finished == [200] * len(finished)
     assert settled["running"] == settled["waiting"] == 0
 
