@@ -315,9 +315,15 @@ def runs_gguf_blocks(name: str, dtype: str, device: torch.device, quantization: 
     default (``auto``) where ``dtype`` is auto on a CPU: plain decoding of the default model over them runs 2.0-2.4x
     its float32 weights at batch 1 (at batch 16 and 64: 1.33x and 0.99x on Sapphire Rapids, 0.95x and 0.84x on
     AMD EPYC Zen 4). ``dtype: float32`` keeps the dequantized float weights."""
-    if quantization == "gguf":
-        return True
-    return quantization == "auto" and dtype == "auto" and device.type == "cpu" and model_gguf(name) is not None
+    return quantization == "gguf" or gguf_blocks_source(name, dtype, device, quantization) is not None
+
+
+def gguf_blocks_source(name: str, dtype: str, device: torch.device, quantization: str | None) -> Path | None:
+    """The GGUF file whose blocks ``load_model`` multiplies as stored (``runs_gguf_blocks``), or None: asked for a
+    model that is no GGUF gives None too (``load_model`` refuses that)."""
+    if quantization == "gguf" or (quantization == "auto" and dtype == "auto" and device.type == "cpu"):
+        return model_gguf(name)
+    return None
 
 
 def load_model(name: str, dtype: str = "auto", device: torch.device | None = None,
@@ -343,7 +349,7 @@ def load_model(name: str, dtype: str = "auto", device: torch.device | None = Non
     model = AutoModelForCausalLM.from_pretrained(
         path, dtype=torch_dtype, attn_implementation="sdpa", trust_remote_code=trust_remote_code,
     ).to(device).eval()
-    gguf = model_gguf(name) if runs_gguf_blocks(name, dtype, device, quantization) else None
+    gguf = gguf_blocks_source(name, dtype, device, quantization)
     if quantization == "gguf" and (gguf is None or not runs_blocks):
         raise ValueError(f"quantization: gguf multiplies a GGUF model's blocks on a CPU in float32 (or on a GPU): "
                          f"model {name!r} " + ("is not a GGUF (the default model is)" if gguf is None
