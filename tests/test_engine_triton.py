@@ -85,7 +85,7 @@ def test_sampling_with_the_triton_kernels_follows_the_target_law(small_models, t
     prompt, warp, samples = [3, 4, 5, 3], {"temperature": 1.0, "top_k": 0, "top_p": 1.0}, 160
     # Three tokens: the first from the prefill, then a step with room for one drafted token (and the third).
     config = with_triton(make_config(method="ngram", num_candidates=2, num_speculative_tokens=2,
-                                     length_policy="static", batch_size=80, sampling={"max_tokens": 3, **warp}))
+                                     length_policy="static", batch_size=160, sampling={"max_tokens": 3, **warp}))
     results = Engine(config, target=target, tokenizer=tokenizer).generate(
         [Request(id=str(i), prompt_token_ids=prompt, sampling={"seed": i}) for i in range(samples)])
     drafted = sum(sum(r.per_step_drafted) for r in results)
