@@ -55,21 +55,18 @@ def truncated_draft(real):
     return draft.eval()
 
 
-def _generate(config: Config, real, draft, prompts: dict[str, list[Request]],
-              drafted: list[int] | None = None) -> dict[str, list[list[int]]]:
+def _generate(config: Config, real, draft, prompts: dict[str, list[Request]]) -> tuple[dict[str, list[list[int]]], int]:
     """Every prompt set's outputs from one engine, all sets in one ``generate`` call (rows of both sets share the
-    batch, so a configuration's steps serve both); ``drafted`` gets the tokens the steps drafted."""
+    batch, so a configuration's steps serve both), and the tokens its steps drafted."""
     target, tokenizer = real
     engine = Engine(config, target=target, tokenizer=tokenizer, draft=draft)
     results = engine.generate([request for requests in prompts.values() for request in requests])
     assert all(r.finish_reason in ("stop", "length") for r in results)
-    if drafted is not None:
-        drafted.append(sum(sum(r.per_step_drafted) for r in results))
     outputs, at = {}, 0
     for name, requests in prompts.items():
         outputs[name] = [r.token_ids for r in results[at : at + len(requests)]]
         at += len(requests)
-    return outputs
+    return outputs, sum(sum(r.per_step_drafted) for r in results)
 
 
 def _config(max_tokens: int = MAX_TOKENS, **speculative) -> Config:
@@ -88,7 +85,7 @@ def plain(real, prompts) -> dict[str, list[list[int]]]:
     compilation is enough for the suite)."""
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv("SPECBATCH_COMPILE", "1")
-        return _generate(_config(method="none"), real, None, prompts)
+        return _generate(_config(method="none"), real, None, prompts)[0]
 
 
 # Two logits closer than this are a near-tie: the fused, packed and compiled forward rounds differently from
@@ -152,11 +149,10 @@ SPECULATIVE = [
 def test_speculative_greedy_equals_plain_decoding(speculative, real, truncated_draft, prompts, plain) -> None:
     config = _config(**dict(speculative))
     draft = truncated_draft if speculative["method"] == "draft_model" and "model" not in speculative else None
-    drafted: list[int] = []
-    outputs = _generate(config, real, draft, prompts, drafted)
+    outputs, drafted = _generate(config, real, draft, prompts)
     for name in prompts:
         assert outputs[name] == plain[name], name
-    assert drafted[0] > 0  # speculation really happened
+    assert drafted > 0  # speculation really happened
 
 
 def test_embedded_model_is_read_from_the_installed_wheel_without_importing_or_downloading(monkeypatch, tmp_path):
@@ -237,7 +233,7 @@ def test_decoding_over_the_default_models_gguf_blocks_is_transformers_greedy(rea
     drafter over blocks)."""
     tokenizer, tokens = real[1], 32
     prompts = {name: requests[:2] for name, requests in prompts.items()}
-    plain_blocks = _generate(_config(tokens, method="none"), (real_blocks, tokenizer), None, prompts)
+    plain_blocks = _generate(_config(tokens, method="none"), (real_blocks, tokenizer), None, prompts)[0]
     _assert_transformers_greedy(real, prompts, plain_blocks, tokens)
     engine = Engine(_config(tokens, method="ngram", num_candidates=1, length_policy="static"), target=real_blocks,
                     tokenizer=tokenizer)
