@@ -99,23 +99,27 @@ def test_a_prefill_over_more_rows_than_one_dense_tile_multiplies_every_row() -> 
     torch.testing.assert_close(weight.linear(x).double(), reference, rtol=0, atol=2e-5 * reference.abs().max().item())
 
 
-def test_the_kernel_form_is_timed_once_a_machine_and_followed_by_every_call(monkeypatch) -> None:
+def test_the_kernel_form_is_timed_once_a_machine_and_followed_by_every_call(monkeypatch, tmp_path) -> None:
     """The count from which the broadcast form runs is one of the timed counts (or never), kept in a file beside the
     compiled kernel and read back without timing again; ``block_linear`` follows it: bit for bit the lanes form
     below it and the broadcast form from it."""
     from decoding.model import gguf_blocks
-    from decoding.model.attention import kernel_folder
 
-    chosen = gguf_blocks.choose_block_forms()
-    assert chosen in (*gguf_blocks.FORM_TOKENS, torch.ops.specbatch.block_dense_from())
-    assert (kernel_folder() / f"block_forms_{torch.get_num_threads()}_threads.txt").read_text() == str(chosen)
+    timed = gguf_blocks._time_block_forms()
+    assert timed in (*gguf_blocks.FORM_TOKENS, torch.ops.specbatch.block_dense_from())
+    record = tmp_path / "block_forms.txt"
+    monkeypatch.setattr(gguf_blocks, "_form_record", lambda: record)
+    monkeypatch.setattr(gguf_blocks, "_quiet_block_forms", lambda: (timed, True))
     gguf_blocks.choose_block_forms.cache_clear()
-    monkeypatch.setattr(gguf_blocks, "_time_block_forms", lambda: pytest.fail("timed again"))
-    assert gguf_blocks.choose_block_forms() == chosen
-    raw, _ = _quantized("Q4_1", (48, 64))
-    weight = from_gguf(raw, "Q4_1", (48, 64))
-    x = torch.randn(21, 64, generator=torch.Generator().manual_seed(3))
     try:
+        assert gguf_blocks.choose_block_forms() == timed
+        assert record.read_text() == f"{timed} quiet"
+        gguf_blocks.choose_block_forms.cache_clear()
+        monkeypatch.setattr(gguf_blocks, "_quiet_block_forms", lambda: pytest.fail("timed again"))
+        assert gguf_blocks.choose_block_forms() == timed
+        raw, _ = _quantized("Q4_1", (48, 64))
+        weight = from_gguf(raw, "Q4_1", (48, 64))
+        x = torch.randn(21, 64, generator=torch.Generator().manual_seed(3))
         for start in (10, 20, 21):
             torch.ops.specbatch.set_block_broadcast_from(start)
             for tokens in (start - 1, start):
@@ -125,8 +129,61 @@ def test_the_kernel_form_is_timed_once_a_machine_and_followed_by_every_call(monk
                 assert torch.equal(weight.linear(x[:tokens]), broadcast if tokens >= start else lanes)
         with pytest.raises(RuntimeError, match="tokens >= 1"):
             torch.ops.specbatch.set_block_broadcast_from(0)
+    finally:  # this process's form as the machine's record has it
+        monkeypatch.undo()
+        gguf_blocks.choose_block_forms.cache_clear()
+        gguf_blocks.choose_block_forms()
+
+
+def test_a_timing_on_a_busy_machine_is_kept_only_until_a_quiet_one_replaces_it(monkeypatch, tmp_path) -> None:
+    """Beside other work the timing is retried, then recorded as busy; later processes keep that count (every process
+    on the machine multiplies in one order) while their own timings stay busy, and the first quiet one replaces it.
+    A bare count (a record from before quietness was recorded) counts as busy."""
+    from decoding.model import gguf_blocks
+
+    record = tmp_path / "block_forms.txt"
+    monkeypatch.setattr(gguf_blocks, "_form_record", lambda: record)
+    counts = iter([64, 16, 32, 12, 24, 8, 24, 8])
+    monkeypatch.setattr(gguf_blocks, "_time_block_forms", lambda: next(counts))
+    other_work = {"cpu_s": 1.0}  # CPU seconds other processes take during each timing
+    monkeypatch.setattr(gguf_blocks, "_others_cpu_s", lambda: lambda: other_work["cpu_s"])
+
+    def choose() -> int:
+        gguf_blocks.choose_block_forms.cache_clear()
+        return gguf_blocks.choose_block_forms()
+
+    try:
+        assert choose() == 32 and record.read_text() == "32 busy"  # the last of FORM_ATTEMPTS (3) busy timings
+        assert choose() == 32 and record.read_text() == "32 busy"  # timed busy again (12, 24, 8): kept
+        other_work["cpu_s"] = 0.0
+        assert choose() == 24 and record.read_text() == "24 quiet"
+        assert choose() == 24  # read back: not timed again (the next count would be 8)
+        record.write_text("128")
+        assert choose() == 8 and record.read_text() == "8 quiet"
     finally:
-        torch.ops.specbatch.set_block_broadcast_from(chosen)
+        monkeypatch.undo()
+        gguf_blocks.choose_block_forms.cache_clear()
+        gguf_blocks.choose_block_forms()
+
+
+def test_the_busy_measure_sees_other_processes_work_and_not_this_ones() -> None:
+    """``_others_cpu_s`` counts the CPU a child process spends (0.3 s of its own CPU time, however long that takes on
+    a loaded machine) and none of what this process spends."""
+    import subprocess
+    import sys
+
+    from decoding.model import gguf_blocks
+
+    others = gguf_blocks._others_cpu_s()
+    assert others is not None  # Linux: /proc/stat
+    subprocess.run([sys.executable, "-c", "import time\nwhile time.process_time() < 0.3: pass"], check=True)
+    assert others() >= 0.25
+    ours, machine, own = gguf_blocks._others_cpu_s(), gguf_blocks._machine_cpu_s(), gguf_blocks._own_cpu_s()
+    while gguf_blocks._own_cpu_s() - own < 0.5:
+        pass
+    seen = ours()
+    busy = gguf_blocks._machine_cpu_s() - machine
+    assert seen <= busy - 0.45  # the machine's busy time less this process's 0.5 s (a tick either way)
 
 
 def test_bad_block_tensors_are_refused_naming_the_tensor_and_the_type() -> None:
