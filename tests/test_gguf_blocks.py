@@ -7,6 +7,8 @@ sampled, as the float model of its dequantized weights does."""
 from __future__ import annotations
 
 import copy
+import time
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -99,7 +101,21 @@ def test_a_prefill_over_more_rows_than_one_dense_tile_multiplies_every_row() -> 
     torch.testing.assert_close(weight.linear(x).double(), reference, rtol=0, atol=2e-5 * reference.abs().max().item())
 
 
-def test_the_kernel_form_is_timed_once_a_machine_and_followed_by_every_call(monkeypatch, tmp_path) -> None:
+@pytest.fixture
+def form_record(monkeypatch, tmp_path) -> Path:
+    """A record of the kernel form of the test's own; afterwards this process's form is the machine's record's again."""
+    from decoding.model import gguf_blocks
+
+    record = tmp_path / "block_forms.txt"
+    monkeypatch.setattr(gguf_blocks, "_form_record", lambda: record)
+    gguf_blocks.choose_block_forms.cache_clear()
+    yield record
+    monkeypatch.undo()
+    gguf_blocks.choose_block_forms.cache_clear()
+    gguf_blocks.choose_block_forms()
+
+
+def test_the_kernel_form_is_timed_once_a_machine_and_followed_by_every_call(monkeypatch, form_record) -> None:
     """The count from which the broadcast form runs is one of the timed counts (or never), kept in a file beside the
     compiled kernel and read back without timing again; ``block_linear`` follows it: bit for bit the lanes form
     below it and the broadcast form from it."""
@@ -107,42 +123,32 @@ def test_the_kernel_form_is_timed_once_a_machine_and_followed_by_every_call(monk
 
     timed = gguf_blocks._time_block_forms()
     assert timed in (*gguf_blocks.FORM_TOKENS, torch.ops.specbatch.block_dense_from())
-    record = tmp_path / "block_forms.txt"
-    monkeypatch.setattr(gguf_blocks, "_form_record", lambda: record)
     monkeypatch.setattr(gguf_blocks, "_quiet_block_forms", lambda: (timed, True))
+    assert gguf_blocks.choose_block_forms() == timed
+    assert form_record.read_text() == f"{timed} quiet"
     gguf_blocks.choose_block_forms.cache_clear()
-    try:
-        assert gguf_blocks.choose_block_forms() == timed
-        assert record.read_text() == f"{timed} quiet"
-        gguf_blocks.choose_block_forms.cache_clear()
-        monkeypatch.setattr(gguf_blocks, "_quiet_block_forms", lambda: pytest.fail("timed again"))
-        assert gguf_blocks.choose_block_forms() == timed
-        raw, _ = _quantized("Q4_1", (48, 64))
-        weight = from_gguf(raw, "Q4_1", (48, 64))
-        x = torch.randn(21, 64, generator=torch.Generator().manual_seed(3))
-        for start in (10, 20, 21):
-            torch.ops.specbatch.set_block_broadcast_from(start)
-            for tokens in (start - 1, start):
-                lanes, broadcast = (torch.ops.specbatch.block_linear_form(x[:tokens], weight.q, weight.d, weight.m,
-                                                                          4, form) for form in (0, 1))
-                assert not torch.equal(lanes, broadcast)  # the forms sum in different orders: which one ran shows
-                assert torch.equal(weight.linear(x[:tokens]), broadcast if tokens >= start else lanes)
-        with pytest.raises(RuntimeError, match="tokens >= 1"):
-            torch.ops.specbatch.set_block_broadcast_from(0)
-    finally:  # this process's form as the machine's record has it
-        monkeypatch.undo()
-        gguf_blocks.choose_block_forms.cache_clear()
-        gguf_blocks.choose_block_forms()
+    monkeypatch.setattr(gguf_blocks, "_quiet_block_forms", lambda: pytest.fail("timed again"))
+    assert gguf_blocks.choose_block_forms() == timed
+    raw, _ = _quantized("Q4_1", (48, 64))
+    weight = from_gguf(raw, "Q4_1", (48, 64))
+    x = torch.randn(21, 64, generator=torch.Generator().manual_seed(3))
+    for start in (10, 20, 21):
+        torch.ops.specbatch.set_block_broadcast_from(start)
+        for tokens in (start - 1, start):
+            lanes, broadcast = (torch.ops.specbatch.block_linear_form(x[:tokens], weight.q, weight.d, weight.m,
+                                                                      4, form) for form in (0, 1))
+            assert not torch.equal(lanes, broadcast)  # the forms sum in different orders: which one ran shows
+            assert torch.equal(weight.linear(x[:tokens]), broadcast if tokens >= start else lanes)
+    with pytest.raises(RuntimeError, match="tokens >= 1"):
+        torch.ops.specbatch.set_block_broadcast_from(0)
 
 
-def test_a_timing_on_a_busy_machine_is_kept_only_until_a_quiet_one_replaces_it(monkeypatch, tmp_path) -> None:
+def test_a_timing_on_a_busy_machine_is_kept_only_until_a_quiet_one_replaces_it(monkeypatch, form_record) -> None:
     """Beside other work the timing is retried, then recorded as busy; later processes keep that count (every process
     on the machine multiplies in one order) while their own timings stay busy, and the first quiet one replaces it.
     A bare count (a record from before quietness was recorded) counts as busy."""
     from decoding.model import gguf_blocks
 
-    record = tmp_path / "block_forms.txt"
-    monkeypatch.setattr(gguf_blocks, "_form_record", lambda: record)
     counts = iter([64, 16, 32, 12, 24, 8, 24, 8])
     monkeypatch.setattr(gguf_blocks, "_time_block_forms", lambda: next(counts))
     other_work = {"cpu_s": 1.0}  # CPU seconds other processes take during each timing
@@ -152,18 +158,13 @@ def test_a_timing_on_a_busy_machine_is_kept_only_until_a_quiet_one_replaces_it(m
         gguf_blocks.choose_block_forms.cache_clear()
         return gguf_blocks.choose_block_forms()
 
-    try:
-        assert choose() == 32 and record.read_text() == "32 busy"  # the last of FORM_ATTEMPTS (3) busy timings
-        assert choose() == 32 and record.read_text() == "32 busy"  # timed busy again (12, 24, 8): kept
-        other_work["cpu_s"] = 0.0
-        assert choose() == 24 and record.read_text() == "24 quiet"
-        assert choose() == 24  # read back: not timed again (the next count would be 8)
-        record.write_text("128")
-        assert choose() == 8 and record.read_text() == "8 quiet"
-    finally:
-        monkeypatch.undo()
-        gguf_blocks.choose_block_forms.cache_clear()
-        gguf_blocks.choose_block_forms()
+    assert choose() == 32 and form_record.read_text() == "32 busy"  # the last of FORM_ATTEMPTS (3) busy timings
+    assert choose() == 32 and form_record.read_text() == "32 busy"  # timed busy again (12, 24, 8): kept
+    other_work["cpu_s"] = 0.0
+    assert choose() == 24 and form_record.read_text() == "24 quiet"
+    assert choose() == 24  # read back: not timed again (the next count would be 8)
+    form_record.write_text("128")
+    assert choose() == 8 and form_record.read_text() == "8 quiet"
 
 
 def test_the_busy_measure_sees_other_processes_work_and_not_this_ones() -> None:
@@ -178,8 +179,8 @@ def test_the_busy_measure_sees_other_processes_work_and_not_this_ones() -> None:
     assert others is not None  # Linux: /proc/stat
     subprocess.run([sys.executable, "-c", "import time\nwhile time.process_time() < 0.3: pass"], check=True)
     assert others() >= 0.25
-    ours, machine, own = gguf_blocks._others_cpu_s(), gguf_blocks._machine_cpu_s(), gguf_blocks._own_cpu_s()
-    while gguf_blocks._own_cpu_s() - own < 0.5:
+    ours, machine, own = gguf_blocks._others_cpu_s(), gguf_blocks._machine_cpu_s(), time.process_time()
+    while time.process_time() - own < 0.5:
         pass
     seen = ours()
     busy = gguf_blocks._machine_cpu_s() - machine

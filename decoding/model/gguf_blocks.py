@@ -329,22 +329,16 @@ def _others_cpu_s() -> Callable[[], float] | None:
     """A function giving the CPU seconds other processes have taken since this call (the machine's less this
     process's), or None where the machine's are not to be read."""
     try:
-        start = _machine_cpu_s() - _own_cpu_s()
+        start = _machine_cpu_s() - time.process_time()
     except (OSError, ValueError, IndexError):
         return None
-    return lambda: max(0.0, _machine_cpu_s() - _own_cpu_s() - start)
+    return lambda: max(0.0, _machine_cpu_s() - time.process_time() - start)
 
 
 def _machine_cpu_s() -> float:
     """The CPU seconds every core has spent busy since boot (/proc/stat: all but idle and iowait)."""
     fields = [int(field) for field in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:9]]
     return (sum(fields) - fields[3] - fields[4]) / os.sysconf("SC_CLK_TCK")
-
-
-def _own_cpu_s() -> float:
-    """The CPU seconds this process's threads have spent."""
-    times = os.times()
-    return times.user + times.system
 
 
 def _time_block_forms(repeats: int = 8) -> int:
