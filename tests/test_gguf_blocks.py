@@ -76,7 +76,7 @@ def test_block_weights_dequantize_as_gguf_does_and_multiply_as_their_dequantized
                                                          "Q6_K": 40}[type_name]
     dense = torch.from_numpy(expected)
     generator = torch.Generator().manual_seed(1)
-    # one token, partial and whole tiles and vectors of tokens, the dense path of a prefill
+    # one token, partial and whole tiles and vectors of tokens, a verification's or short prefill's broadcast form
     for tokens in (1, 3, 5, 16, 17, 40, 64, 100, 130):
         x = torch.randn(tokens, shape[1], generator=generator)
         reference = x.double() @ dense.double().T
@@ -93,12 +93,29 @@ def test_block_weights_dequantize_as_gguf_does_and_multiply_as_their_dequantized
 
 
 def test_a_prefill_over_more_rows_than_one_dense_tile_multiplies_every_row() -> None:
-    """A prefill (80 tokens or more) over a head-sized weight: rows dequantized 2048 at a time, the last tile short."""
+    """A prefill (the kernel's dense threshold of tokens or more) over a head-sized weight: rows dequantized 4096 at
+    a time, the last tile short."""
     raw, expected = _quantized("Q8_0", (4160, 64))
     weight = from_gguf(raw, "Q8_0", (4160, 64))
-    x = torch.randn(90, 64, generator=torch.Generator().manual_seed(2))
+    x = torch.randn(torch.ops.specbatch.block_dense_from(), 64, generator=torch.Generator().manual_seed(2))
     reference = x.double() @ torch.from_numpy(expected).double().T
     torch.testing.assert_close(weight.linear(x).double(), reference, rtol=0, atol=2e-5 * reference.abs().max().item())
+    assert torch.equal(weight.linear(x), torch.ops.specbatch.block_linear_form(x, weight.q, weight.d, weight.m, 8, 2))
+
+
+@pytest.mark.parametrize("rows", [1, 7, 8, 29, 53])
+def test_rows_beyond_whole_panels_and_transposed_tiles_are_multiplied(rows) -> None:
+    """Weights whose rows leave a partial panel (24 rows) and a partial 8-row tile of the broadcast form's register
+    transpose, at token counts that leave partial 8-token tiles and vectors."""
+    raw, expected = _quantized("Q4_1", (rows, 64), seed=rows)
+    weight = from_gguf(raw, "Q4_1", (rows, 64))
+    generator = torch.Generator().manual_seed(rows)
+    for tokens in (1, 5, 8, 9, 16, 23, 33, 64):
+        x = torch.randn(tokens, 64, generator=generator)
+        reference = x.double() @ torch.from_numpy(expected).double().T
+        for form in (0, 1, 2):
+            ours = torch.ops.specbatch.block_linear_form(x, weight.q, weight.d, weight.m, weight.bits, form)
+            torch.testing.assert_close(ours.double(), reference, rtol=0, atol=2e-5 * reference.abs().max().item())
 
 
 @pytest.fixture

@@ -89,12 +89,13 @@ typedef float Lanes __attribute__((vector_size(64)));  // one AVX-512 register
 typedef float Lanes __attribute__((vector_size(32)));  // one AVX2 register
 #endif
 constexpr int64_t kLanes = sizeof(Lanes) / sizeof(float);
-// From this many tokens (a prefill) dequantizing every weight to float32 and running the dense GEMM, with its cache
-// blocking, costs about what the broadcast form does (time of SmolLM2-135M's projections, 2 threads, against the
-// float32 weights prepacked for oneDNN: AVX-512 EPYC 1.30x against 1.19x at 128 tokens, 1.26x both at 256; Sapphire
-// Rapids, dense 0.96x at 128); rows go through it kDenseRows at a time, so the float copy stays small.
-constexpr int64_t kDenseFrom = 128;
-constexpr int64_t kDenseRows = 2048;
+// From this many tokens (a prefill) dequantizing every weight to float32 for oneDNN's GEMM, with its cache blocking,
+// costs less than the broadcast form (SmolLM2-135M's projections weighted by their sizes, 2 threads, AVX-512 EPYC,
+// against the float32 weights prepacked for oneDNN: broadcast and dense 1.17x at 512 tokens, 1.18x against 1.07x at
+// 768, the broadcast form ahead below 512); rows go through it kDenseRows at a time, so the float copy
+// stays small.
+constexpr int64_t kDenseFrom = 512;
+constexpr int64_t kDenseRows = 4096;
 // From this many tokens the broadcast form costs less, until gguf_blocks.choose_block_forms times both on the machine
 // (SmolLM2-135M's projections, 2 threads, AVX-512 EPYC, against the float32 weights prepacked for oneDNN: lanes
 // 1.26x and 1.44x the float32 time at 12 and 16 tokens, broadcast 1.69x and 1.30x; 1.29x against 1.08x at 64).
@@ -244,6 +245,47 @@ inline void broadcast_rows(const float* w, const float* xt, int64_t k, int64_t t
   for (; r < rows; ++r) broadcast_tile<1, kV>(w + r * k, xt, k, tp, outt + r * tp);
 }
 
+#if defined(__AVX2__)
+// Columns c of the 8 x 8 floats at src (rows ``stride`` apart) into cols[c].
+inline void transpose8(const float* src, int64_t stride, __m256* cols) {
+  __m256 r[8], t[8], s[8];
+  for (int64_t i = 0; i < 8; ++i) r[i] = _mm256_loadu_ps(src + i * stride);
+  for (int64_t i = 0; i < 8; i += 2) {
+    t[i] = _mm256_unpacklo_ps(r[i], r[i + 1]);      // columns 0, 1 | 4, 5 of rows i, i + 1, interleaved
+    t[i + 1] = _mm256_unpackhi_ps(r[i], r[i + 1]);  // columns 2, 3 | 6, 7
+  }
+  for (int64_t i = 0; i < 8; i += 4) {
+    s[i] = _mm256_shuffle_ps(t[i], t[i + 2], 0x44);      // column 0 | 4 of rows i .. i + 3
+    s[i + 1] = _mm256_shuffle_ps(t[i], t[i + 2], 0xEE);  // column 1 | 5
+    s[i + 2] = _mm256_shuffle_ps(t[i + 1], t[i + 3], 0x44);
+    s[i + 3] = _mm256_shuffle_ps(t[i + 1], t[i + 3], 0xEE);
+  }
+  for (int64_t c = 0; c < 4; ++c) {
+    cols[c] = _mm256_permute2f128_ps(s[c], s[c + 4], 0x20);
+    cols[c + 4] = _mm256_permute2f128_ps(s[c], s[c + 4], 0x31);
+  }
+}
+#endif
+
+// outt [rows, tp] (a panel's rows, its tokens along a row) into out [tokens, n] from column 0 of out's pointer:
+// 8 x 8 tiles transposed in registers, so out takes whole vectors ([3072, 576] at 64 tokens, AVX-512 EPYC, against
+// the float32 time: copied a value at a time row by row 1.33x, token by token 1.03x, in tiles 0.99x).
+inline void panel_to_rows(const float* outt, int64_t tp, int64_t rows, int64_t tokens, int64_t n, float* out) {
+  int64_t r = 0;
+#if defined(__AVX2__)
+  for (; r + 8 <= rows; r += 8) {
+    for (int64_t t = 0; t < tokens; t += 8) {  // tp holds whole vectors of 8 or 16 tokens: t + 8 <= tp
+      __m256 cols[8];
+      transpose8(outt + r * tp + t, tp, cols);
+      const int64_t count = std::min<int64_t>(8, tokens - t);
+      for (int64_t c = 0; c < count; ++c) _mm256_storeu_ps(out + (t + c) * n + r, cols[c]);
+    }
+  }
+#endif
+  for (int64_t t = 0; t < tokens; ++t)
+    for (int64_t rest = r; rest < rows; ++rest) out[t * n + rest] = outt[rest * tp + t];
+}
+
 void broadcast_product(const float* xt, int64_t tp, const uint8_t* q, const float* d, const float* m, int64_t bits,
                        int64_t halves, int64_t k, int64_t n, int64_t tokens, int64_t p0, int64_t p1, float* out) {
   std::vector<float> w(kPanelRows * k), outt(kPanelRows * tp);
@@ -263,8 +305,7 @@ void broadcast_product(const float* xt, int64_t tp, const uint8_t* q, const floa
 #endif
       }
     }
-    for (int64_t r = 0; r < rows; ++r)
-      for (int64_t t = 0; t < tokens; ++t) out[t * n + r0 + r] = outt[r * tp + t];
+    panel_to_rows(outt.data(), tp, rows, tokens, n, out + r0);
   }
 }
 
@@ -305,6 +346,20 @@ at::Tensor block_dequantize(at::Tensor q, at::Tensor d, std::optional<at::Tensor
   return out;
 }
 
+// x [T, K] times w [N, K] transposed, by oneDNN with w reordered for T tokens where torch has oneDNN (at::mm
+// otherwise): at::mm's MKL sgemm takes 1.12x the time at 1,600 tokens of [3072, 576] on an AVX-512 EPYC.
+at::Tensor dense_product(const at::Tensor& x, const at::Tensor& w) {
+  static const auto reorder = c10::Dispatcher::singleton().findOp({"mkldnn::_reorder_linear_weight", ""});
+  static const auto linear = c10::Dispatcher::singleton().findOp({"mkldnn::_linear_pointwise", ""});
+  if (!reorder || !linear) return at::mm(x, w.t());
+  std::vector<c10::IValue> stack{w, std::optional<int64_t>(x.size(0))};
+  reorder->callBoxed(&stack);
+  stack = {x, stack[0].toTensor(), std::optional<at::Tensor>(), c10::string_view("none"),
+           c10::List<std::optional<at::Scalar>>(), std::optional<c10::string_view>()};
+  linear->callBoxed(&stack);
+  return stack[0].toTensor();
+}
+
 // The product in a given form: 0 lanes, 1 broadcast, 2 dense (block_linear picks one by the call's tokens; the
 // calibration and the tests ask for each).
 at::Tensor block_linear_form(at::Tensor x, at::Tensor q, at::Tensor d, std::optional<at::Tensor> m, int64_t bits,
@@ -318,13 +373,13 @@ at::Tensor block_linear_form(at::Tensor x, at::Tensor q, at::Tensor d, std::opti
   auto shape = x.sizes().vec();
   shape.back() = n;
   if (form == 2) {  // rows dequantized a tile at a time, multiplied by the dense GEMM
-    if (n <= kDenseRows) return at::mm(flat, block_dequantize(q, d, m, bits).t()).view(shape);
+    if (n <= kDenseRows) return dense_product(flat, block_dequantize(q, d, m, bits)).view(shape);
     auto out = at::empty({tokens, n}, flat.options());
     for (int64_t n0 = 0; n0 < n; n0 += kDenseRows) {
       const int64_t n1 = std::min(n, n0 + kDenseRows);
       auto rows = block_dequantize(q.slice(0, n0, n1), d.slice(0, n0, n1),
                                    m ? std::optional<at::Tensor>(m->slice(0, n0, n1)) : std::nullopt, bits);
-      out.slice(1, n0, n1).copy_(at::mm(flat, rows.t()));
+      out.slice(1, n0, n1).copy_(dense_product(flat, rows));
     }
     return out.view(shape);
   }
