@@ -38,10 +38,20 @@ def config(tiny_dirs) -> specbatch.Config:
     })
 
 
-def test_user_columns_plus_output_columns_no_id_no_internals(ray_cluster, config):
+@pytest.fixture(scope="module")
+def plain_run(ray_cluster, config) -> tuple[str, list[dict]]:
+    """One job over QUESTIONS with the module's config and no postprocess, under a served model name of its own
+    (its metrics series alone): the name, and the rows sorted by ``n``. Starting an engine actor is most of a job's
+    cost, so the tests of the plain output rows and of their metrics read the same run."""
+    name = f"metrics-{uuid.uuid4().hex[:8]}"
     processor = specbatch.build_processor(
-        config, preprocess=lambda row: {"prompt": row["question"], "topic": row["topic"], "n": row["n"]})
-    rows = sorted(processor(ray.data.from_items(QUESTIONS)).take_all(), key=lambda row: row["n"])
+        config.model_copy(update={"served_model_name": name}),
+        preprocess=lambda row: {"prompt": row["question"], "topic": row["topic"], "n": row["n"]})
+    return name, sorted(processor(ray.data.from_items(QUESTIONS)).take_all(), key=lambda row: row["n"])
+
+
+def test_user_columns_plus_output_columns_no_id_no_internals(plain_run, config):
+    _, rows = plain_run
     expected = [name for name in OUTPUT_SCHEMA.names if name != "id"] + ["question", "topic", "n"]
     assert all(sorted(row) == sorted(expected) for row in rows), sorted(rows[0])
     assert [row["topic"] for row in rows] == ["cats", "dogs", "empty", "mats"]
@@ -146,15 +156,28 @@ def test_ray_data_llm_example_ported_by_changing_the_import_and_class(ray_cluste
     assert sum(bool(row["resp"]) for row in rows) > 30
 
 
-def test_preprocess_is_merged_into_the_row_so_user_columns_reach_postprocess(ray_cluster, config):
-    seen = specbatch.build_processor(
+@pytest.fixture(scope="module")
+def processor_config_run(ray_cluster, config) -> list[dict]:
+    """One job through a ``ProcessorConfig`` (the module's speculative config, no sampling fields in rows or
+    engine_kwargs but ignore_eos) over QUESTIONS three times, each row with a user column ``k`` that preprocess
+    does not return and chat messages that preprocess makes: what postprocess saw. Starting an engine actor is most
+    of a job's cost, so the tests of the row merge and of vLLM's sampling defaults read the same run."""
+    return specbatch.build_processor(
         specbatch.ProcessorConfig(model_source=config.model, engine_kwargs={
-            "speculative_config": config.speculative.model_dump(), "max_num_seqs": 2}, batch_size=3),
-        preprocess=lambda row: {"messages": [{"role": "user", "content": row["question"] or "x"}]},
+            "speculative_config": config.speculative.model_dump(), "max_num_seqs": 2,
+            "sampling": {"ignore_eos": True}}, batch_size=3),
+        preprocess=lambda row: {"messages": [{"role": "user", "content": row["question"] or "x"}],
+                                "sampling_params": {}},
         postprocess=lambda row: {"k": row["k"], "question": row["question"], "answer": row["generated_text"],
-                                 "rendered_from_messages": bool(row["messages"])},
-    )(ray.data.from_items([{**q, "k": q["n"] * 10} for q in QUESTIONS])).take_all()
-    assert sorted(row["k"] for row in seen) == [10, 20, 30, 40]
+                                 "rendered_from_messages": bool(row["messages"]), "prompt": row["prompt"],
+                                 "generated_tokens": row["generated_tokens"],
+                                 "num_generated_tokens": row["num_generated_tokens"]},
+    )(ray.data.from_items([{**q, "k": q["n"] * 10 + copy} for copy in range(3) for q in QUESTIONS])).take_all()
+
+
+def test_preprocess_is_merged_into_the_row_so_user_columns_reach_postprocess(processor_config_run):
+    seen = processor_config_run
+    assert sorted(row["k"] for row in seen) == [10, 11, 12, 20, 21, 22, 30, 31, 32, 40, 41, 42]
     assert {row["question"] for row in seen} == {q["question"] for q in QUESTIONS}
     assert all(row["rendered_from_messages"] and isinstance(row["answer"], str) for row in seen)
 
@@ -403,13 +426,13 @@ def test_processor_maps_with_the_configs_batches_pool_and_resources(tiny_dirs, m
     assert (kwargs["num_cpus"], kwargs["num_gpus"], kwargs["resources"]) == (3, 1, {"accelerator_x": 1})
 
 
-def test_pipeline_actors_export_vllms_metrics_through_ray(ray_cluster, config):
+def test_pipeline_actors_export_vllms_metrics_through_ray(ray_cluster, plain_run):
     from conftest import scrape_ray_metrics
 
-    name = f"metrics-{uuid.uuid4().hex[:8]}"  # this run's series alone
-    rows = specbatch.build_processor(config.model_copy(update={"served_model_name": name}),
-                                     preprocess=lambda row: {"prompt": row["question"] or "x"},
-                                     )(ray.data.from_items(QUESTIONS)).take_all()
+    name, all_rows = plain_run
+    # The empty prompt's error row never reaches the engine's batch: it records none of these metrics.
+    rows = [row for row in all_rows if row["finish_reason"] != "error"]
+    assert len(rows) == len(all_rows) - 1
     expected = {
         "ray_vllm_prompt_tokens_total": sum(row["num_input_tokens"] for row in rows),
         "ray_vllm_generation_tokens_total": sum(row["num_generated_tokens"] for row in rows),
@@ -510,14 +533,10 @@ def test_ray_data_llms_documented_examples_run_with_only_the_import_changed(
         assert all(isinstance(row["generated_text"], str) for row in rows)
 
 
-def test_rows_through_processor_config_take_vllms_sampling_defaults(ray_cluster, config):
+def test_rows_through_processor_config_take_vllms_sampling_defaults(processor_config_run):
     """No temperature or max_tokens in a row: vLLM's 1.0 and 16, not the Config's greedy 256."""
-    processor = specbatch.build_processor(
-        specbatch.ProcessorConfig(model_source=config.model, engine_kwargs={
-            "speculative_config": config.speculative.model_dump(), "max_num_seqs": 2,
-            "sampling": {"ignore_eos": True}}),
-        preprocess=lambda row: {"prompt": row["question"] or "x", "sampling_params": {}})
-    rows = processor(ray.data.from_items(QUESTIONS * 3)).take_all()
+    rows = processor_config_run
+    assert len(rows) == 3 * len(QUESTIONS)
     assert all(row["num_generated_tokens"] == 16 for row in rows)
     by_prompt: dict[str, set] = {}
     for row in rows:  # temperature 1: equal prompts sample apart
