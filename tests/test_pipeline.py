@@ -72,11 +72,15 @@ def config(tiny_dirs) -> Config:
 
 @pytest.fixture(scope="module")
 def mixed_input(tmp_path_factory) -> Path:
+    """Good rows, bad rows, a chat row and rows with their own sampling (one asking for logprobs): the input of
+    the one job whose output the schema, error-row, statistics and logprob tests all read."""
     rows = good_rows(14)
     rows[3:3] = BAD_ROWS[:3]
     rows[9:9] = BAD_ROWS[3:]
     rows.append({"id": "chat", "messages": [{"role": "user", "content": "hello there"}], "n": 99})
     rows.append({"id": "own-sampling", "prompt": "dogs run", "n": 98, "sampling_params": {"max_tokens": 3}})
+    rows.append({"id": "asks-logprobs", "prompt": "the cat sat", "n": 97,
+                 "sampling_params": {"max_tokens": 4, "logprobs": 2, "prompt_logprobs": 1}})
     return write_jsonl(tmp_path_factory.mktemp("input") / "prompts.jsonl", rows)
 
 
@@ -90,18 +94,15 @@ def by_id(table: pa.Table) -> dict[str, dict]:
     return {row["id"]: row for row in table.to_pylist()}
 
 
-def test_logprob_columns_are_vllms_in_parquet(ray_cluster, config, tmp_path):
+def test_logprob_columns_are_vllms_in_parquet(one_actor_run):
     """prompt_token_ids, and logprobs / prompt_logprobs as maps token id -> {logprob, rank, decoded_token}, the
     chosen token first, the prompt's first position null; rows that did not ask hold nulls."""
-    rows = [{"id": "asks", "prompt": "the cat sat", "sampling_params": {"max_tokens": 4, "logprobs": 2,
-                                                                        "prompt_logprobs": 1}},
-            {"id": "plain", "prompt": "dogs run"}]
-    run(config, str(write_jsonl(tmp_path / "in.jsonl", rows)), str(tmp_path / "out"))
-    table = pq.read_table(tmp_path / "out" / "outputs")
+    out, _ = one_actor_run
+    table = pq.read_table(out / "outputs")
     for name in ("logprobs", "prompt_logprobs", "prompt_token_ids"):
         assert table.schema.field(name).type == OUTPUT_SCHEMA.field(name).type
     got = {row["id"]: row for row in table.to_pylist(maps_as_pydicts="strict")}
-    asks, plain = got["asks"], got["plain"]
+    asks, plain = got["asks-logprobs"], got["row-000"]
     assert plain["logprobs"] is None and plain["prompt_logprobs"] is None and plain["prompt_token_ids"]
     assert len(asks["logprobs"]) == len(asks["generated_tokens"])
     for token, position in zip(asks["generated_tokens"], asks["logprobs"], strict=True):
