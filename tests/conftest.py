@@ -13,6 +13,11 @@ import pytest
 # run a torch thread per core: waiting OpenMP threads sleep instead of spinning. Beside two busy loops, the Ray Data
 # LLM quickstart example took 107 s with spinning threads and 70 s with sleeping ones; alone, 27 s either way.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+# Ray starts its worker processes (engine actors, Serve replicas, tasks) at niceness 15, below every other process:
+# beside the other worker's in-process tests or a CPU-heavy job they got a few percent of a core (a job of 60 small
+# files beside one busy loop: 25-26 s at 15, 19-21 s at 0). Every cluster the tests start, in this process or a
+# subprocess, inherits this.
+os.environ.setdefault("RAY_worker_niceness", "0")
 
 import torch  # noqa: E402
 
