@@ -18,6 +18,10 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 # files beside one busy loop: 25-26 s at 15, 19-21 s at 0). Every cluster the tests start, in this process or a
 # subprocess, inherits this.
 os.environ.setdefault("RAY_worker_niceness", "0")
+# The two workers share the machine's cores, so each engine in an actor, replica or job runs one torch thread, as
+# SPECBATCH_CPU_THREADS is meant for (tests/test_processor.py alone: 140-146 busy CPU-s with a thread per core,
+# 134-138 with one).
+os.environ.setdefault("SPECBATCH_CPU_THREADS", "1")
 
 import torch  # noqa: E402
 

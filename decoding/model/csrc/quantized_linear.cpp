@@ -92,13 +92,13 @@ constexpr int64_t kLanes = sizeof(Lanes) / sizeof(float);
 // From this many tokens (a prefill) dequantizing every weight to float32 for oneDNN's GEMM, with its cache blocking,
 // costs less than the broadcast form (SmolLM2-135M's projections weighted by their sizes, 2 threads, AVX-512 EPYC,
 // against the float32 weights prepacked for oneDNN: broadcast and dense 1.17x at 512 tokens, 1.18x against 1.07x at
-// 768, the broadcast form ahead below 512); rows go through it kDenseRows at a time, so the float copy
-// stays small.
+// 768, the broadcast form ahead below 512); rows go through it kDenseRows at a time, so the float copy stays small.
 constexpr int64_t kDenseFrom = 512;
 constexpr int64_t kDenseRows = 4096;
 // From this many tokens the broadcast form costs less, until gguf_blocks.choose_block_forms times both on the machine
-// (SmolLM2-135M's projections, 2 threads, AVX-512 EPYC, against the float32 weights prepacked for oneDNN: lanes
-// 1.26x and 1.44x the float32 time at 12 and 16 tokens, broadcast 1.69x and 1.30x; 1.29x against 1.08x at 64).
+// (SmolLM2-135M's projections, 2 threads, AVX-512 EPYC, against the float32 weights prepacked for oneDNN: at 16
+// tokens lanes 1.44x the float32 time, broadcast 0.86-0.99x and the Q8_0 head 1.11-1.14x; at 64 lanes 1.29x,
+// broadcast 0.88-1.07x).
 constexpr int64_t kBroadcastFrom = 16;
 constexpr int64_t kRows = 4;
 #if defined(__AVX512F__)
