@@ -689,9 +689,17 @@ def test_ray_metrics_export_has_vllms_names_labels_and_totals(client, ray_cluste
     responses = [_post(client, path, body) for path, body in METRICS_REQUESTS]
     after = _settled(read, "Ray's metrics export")
     _check_vllm_metrics({key: after[key] - before.get(key, 0.0) for key in after}, responses)
-    scraped = scrape_ray_metrics(ray_cluster, model_name=MODEL)
-    for name in ("num_requests_running", "num_requests_waiting", "kv_cache_usage_perc"):
-        assert ("ray_vllm_" + name, "") in scraped, sorted(scraped)  # gauges, set after every step
+    # Gauges, set after every step: the replica exports their last values every second, and Ray's agent drops a
+    # gauge that no export refreshed within two seconds, so beside a CPU-heavy job one late export hid them from a
+    # scrape. They must come back with the next one.
+    gauges = [("ray_vllm_" + name, "")
+              for name in ("num_requests_running", "num_requests_waiting", "kv_cache_usage_perc")]
+    for _ in range(30):
+        scraped = scrape_ray_metrics(ray_cluster, model_name=MODEL)
+        if all(gauge in scraped for gauge in gauges):
+            break
+        time.sleep(1)
+    assert all(gauge in scraped for gauge in gauges), sorted(scraped)
     # vLLM's Ray wrapper labels each series with the Serve replica's id.
     assert not scrape_ray_metrics(ray_cluster, model_name=MODEL, ReplicaId="")
 
