@@ -22,6 +22,9 @@ os.environ.setdefault("RAY_worker_niceness", "0")
 # SPECBATCH_CPU_THREADS is meant for (tests/test_processor.py alone: 140-146 busy CPU-s with a thread per core,
 # 134-138 with one).
 os.environ.setdefault("SPECBATCH_CPU_THREADS", "1")
+# Ray waits 60 s for a head's dashboard to register, then `ray start --head` exits: beside a busy loop with three
+# pytest workers one took 74 s, and the job-submission test failed on a slow machine, not on a fault.
+os.environ.setdefault("RAY_DASHBOARD_STARTUP_TIMEOUT_S", "180")
 
 import torch  # noqa: E402
 
