@@ -615,7 +615,8 @@ def start_head(temp_dir: str, log: Path) -> tuple[subprocess.Popen, int]:
                 # A job's `python` is the head's, found on its PATH: this interpreter's, as with its virtualenv active.
                 env={**os.environ, "PATH": os.pathsep.join([str(Path(sys.executable).parent), os.environ["PATH"]])},
             )
-        deadline = time.monotonic() + 240  # past Ray's wait for the dashboard (tests/conftest.py)
+        # A minute past Ray's wait for the dashboard (tests/conftest.py sets it), after which the head exits.
+        deadline = time.monotonic() + int(os.environ.get("RAY_DASHBOARD_STARTUP_TIMEOUT_S", 60)) + 60
         while head.poll() is None and time.monotonic() < deadline:
             if "Ray runtime started" not in log.read_text():  # printed once the node has registered
                 time.sleep(1)
