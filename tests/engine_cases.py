@@ -37,6 +37,23 @@ def make_config(**speculative) -> Config:
     )
 
 
+def price_drafts_to_pay(monkeypatch, target: torch.nn.Module, draft_share: float = 0.05) -> None:
+    """Fixes the online policy's calibration (``build.calibrate_batch``) at costs where drafting pays: a
+    verification nearly flat in its tokens, a draft forward ``draft_share`` of the target's. Its first steps then
+    draft on any machine under any load (calibrated beside the other test worker, the real model's int4 self-draft
+    was priced too dear to draft at all in 64 steps); what it learns from the forwards it times steers it after."""
+    from decoding.drafting.costs import BatchCosts, CostTable
+    from decoding.engine import build
+
+    def costs(model: torch.nn.Module, max_tokens: int, full_rows: int, *args, **kwargs) -> BatchCosts:
+        scale = 1.0 if model is build.model_view(target) else draft_share
+        most = max(max_tokens, 2)
+        return BatchCosts(one_row=CostTable([(1, 0.010 * scale), (most, 0.011 * scale)]),
+                          full=CostTable([(1, 0.020 * scale), (most, 0.022 * scale)]), full_rows=full_rows)
+
+    monkeypatch.setattr(build, "calibrate_batch", costs)
+
+
 _MOVED: dict[tuple[int, str], torch.nn.Module] = {}
 
 

@@ -17,6 +17,7 @@ from engine_cases import (
     lookup_flags,
     make_config,
     on_device,
+    price_drafts_to_pay,
     run,
 )
 from tiny import tiny_model, tiny_tokenizer
@@ -406,15 +407,7 @@ def test_a_seeded_sampled_row_is_the_same_whatever_rows_run_beside_it(
     """Rows beside it draft to other depths (their own acceptance), yet a seeded row's draws stay its own. The online
     policy prices drafts with costs measured at build: fixed here, where drafting pays, so that what it decides does
     not depend on how loaded the machine is (on a loaded machine it measured drafts too dear to draft at all)."""
-    from decoding.drafting.costs import BatchCosts, CostTable
-    from decoding.engine import build
-
-    def costs(model, tokens, *args, **kwargs) -> BatchCosts:
-        scale = 0.05 if model is not build.model_view(target) else 1.0  # the draft: a twentieth of the target
-        return BatchCosts(one_row=CostTable([(1, 0.010 * scale), (16, 0.011 * scale)]),
-                          full=CostTable([(1, 0.020 * scale), (16, 0.022 * scale)]), full_rows=4)
-
-    monkeypatch.setattr(build, "calibrate_batch", costs)
+    price_drafts_to_pay(monkeypatch, target)
     config = make_config(
         method="draft_model", num_candidates=2, ngram_candidates=1, length_policy=policy, batch_size=4,
         sampling={"max_tokens": 20, "temperature": 1.0},
