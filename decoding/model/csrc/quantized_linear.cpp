@@ -8,8 +8,8 @@
 //   bits 8 (Q8_0, Q6_K, packed checkpoints): q [N, K] int8; m absent (Q8_0, Q6_K) or given (zero points); Q6_K's
 //                        6-bit q - 32 as int8, d per half-block (its scale times the super-block's).
 //
-// Each call dequantizes a few output rows at a time into a float scratch (each weight decoded once for every token
-// of the call) and multiplies them in one of two register-blocked forms, a GEMM whose packing of W is its
+// Each call dequantizes a few output rows at a time into a float scratch (each weight decoded once for all the call's
+// tokens) and multiplies them in one of two register-blocked forms, a GEMM whose packing of W is its
 // dequantization:
 //   - fewer than kBroadcastFrom tokens: kRows x kTokens vector accumulators along K, summed across lanes at the
 //     end (a decode step streams every weight once, so bytes read bound it: 4.5 bits a weight where a float32
@@ -96,18 +96,18 @@ constexpr int64_t kLanes = sizeof(Lanes) / sizeof(float);
 constexpr int64_t kDenseFrom = 512;
 constexpr int64_t kDenseRows = 4096;
 // From this many tokens the broadcast form costs less, until gguf_blocks.choose_block_forms times both on the machine
-// (SmolLM2-135M's projections, 2 threads, AVX-512 EPYC, against the float32 weights prepacked for oneDNN: at 16
-// tokens lanes 1.44x the float32 time, broadcast 0.86-0.99x and the Q8_0 head 1.11-1.14x; at 64 lanes 1.29x,
-// broadcast 0.88-1.07x).
-constexpr int64_t kBroadcastFrom = 16;
+// (SmolLM2-135M's projections, 2 threads, AVX-512 EPYC, against the float32 weights prepacked for oneDNN: at 8 tokens
+// lanes 1.32x the float32 time, broadcast 1.61x; at 12 lanes 1.43x, broadcast 1.25x; at 16 broadcast 0.92-0.98x; at 64
+// lanes 1.29x, broadcast 1.01x).
+constexpr int64_t kBroadcastFrom = 12;
 constexpr int64_t kRows = 4;
 #if defined(__AVX512F__)
 constexpr int64_t kTokens = 6;  // 24 accumulators, 4 weight vectors and a token's: 29 of 32 registers
 #else
 constexpr int64_t kTokens = 3;  // 12 accumulators, 4 weight vectors: 16 registers
 #endif
-// The broadcast form: kPanelRows rows dequantized at a time, then tiles of rows x token vectors (at most
-// kChunkVectors vectors of tokens) sharing the panel.
+// The broadcast form: panels of kPanelRows rows (a thread's unit of work), in tiles of rows x token vectors (at most
+// kChunkVectors vectors of tokens), each tile decoding its rows as it goes.
 constexpr int64_t kPanelRows = 24;
 #if defined(__AVX512F__)
 constexpr int64_t kChunkVectors = 4;
@@ -127,18 +127,18 @@ inline float lane_sum(Lanes v) {
   return total;
 }
 
-// Rows [r0, r0 + rows) of W as floats into w [rows, K] (as block_dequantize computes them). ``halves``: 1 (one d, m
-// a block) or 2 (one a half-block of 16 weights, as Q6_K scales them).
-inline void dequantize_rows(const uint8_t* q, const float* d, const float* m, int64_t bits, int64_t halves, int64_t k,
-                            int64_t r0, int64_t rows, float* w) {
-  const int64_t blocks = k / kBlock, block_bytes = kBlock * bits / 8, last = halves - 1;
+// Blocks [b0, b1) of rows [r0, r0 + rows) of W as floats into w [rows, (b1 - b0) * 32] (as block_dequantize
+// computes them). ``halves``: 1 (one d, m a block) or 2 (one a half-block of 16 weights, as Q6_K scales them).
+inline void dequantize_blocks(const uint8_t* q, const float* d, const float* m, int64_t bits, int64_t halves, int64_t k,
+                              int64_t r0, int64_t rows, int64_t b0, int64_t b1, float* w) {
+  const int64_t blocks = k / kBlock, block_bytes = kBlock * bits / 8, last = halves - 1, width = (b1 - b0) * kBlock;
   for (int64_t r = 0; r < rows; ++r) {
     const int64_t row = r0 + r;
-    for (int64_t b = 0; b < blocks; ++b) {
+    for (int64_t b = b0; b < b1; ++b) {
       const int64_t s = (row * blocks + b) * halves;
       const float scale0 = d[s], scale1 = d[s + last];
       const float low0 = m ? m[s] : 0.0f, low1 = m ? m[s + last] : 0.0f;
-      float* out = w + r * k + b * kBlock;
+      float* out = w + r * width + (b - b0) * kBlock;
 #if defined(__AVX512F__)
       __m512 first, second;  // d q is exact, so d q + m rounds once either way
       decode_block_avx512(q + (row * blocks + b) * block_bytes, bits, first, second);
@@ -160,6 +160,12 @@ inline void dequantize_rows(const uint8_t* q, const float* d, const float* m, in
 #endif
     }
   }
+}
+
+// Rows [r0, r0 + rows) of W as floats into w [rows, K].
+inline void dequantize_rows(const uint8_t* q, const float* d, const float* m, int64_t bits, int64_t halves, int64_t k,
+                            int64_t r0, int64_t rows, float* w) {
+  dequantize_blocks(q, d, m, bits, halves, k, r0, rows, 0, k / kBlock, w);
 }
 
 template <int64_t kR, int64_t kT>
@@ -211,38 +217,53 @@ void panel_product(const float* x, const uint8_t* q, const float* d, const float
   }
 }
 
-// The broadcast form's tile: acc[r][v] holds output row r for the kLanes tokens of vector v; x transposed, xt [K, tp]
-// (tp tokens a row, whole vectors); w [kR, K] of the panel's scratch; outt [kR, tp].
+// The broadcast form's tile: acc[r][v] holds output row r (of W's rows from r0) for the kLanes tokens of vector v; x
+// transposed, xt [K, tp] (tp tokens a row, whole vectors); outt [kR, tp]. Without a ``panel`` (those rows already
+// dequantized, [kR, K]), the kR rows are decoded a block at a time into a buffer in L1, beside the multiply-adds that
+// read it, the accumulators in registers throughout: decoding a 24-row panel first left the multiply-adds waiting
+// (SmolLM2-135M's projections at 16 tokens, 2 threads, AVX-512 EPYC, against the float32 weights prepacked for oneDNN:
+// 1.07-1.12x from a panel, 0.92-0.98x decoded in the tile).
 template <int64_t kR, int64_t kV>
-inline void broadcast_tile(const float* w, const float* xt, int64_t k, int64_t tp, float* outt) {
+inline void broadcast_tile(const uint8_t* q, const float* d, const float* m, int64_t bits, int64_t halves, int64_t k,
+                           int64_t r0, const float* panel, const float* xt, int64_t tp, float* outt) {
   Lanes acc[kR][kV] = {};
-  for (int64_t kk = 0; kk < k; ++kk) {
-    Lanes xv[kV];
+  alignas(64) float decoded[kR * kBlock];
+  for (int64_t b = 0; b < k / kBlock; ++b) {
+    const float* w = panel ? panel + b * kBlock : decoded;
+    const int64_t stride = panel ? k : kBlock;
+    if (!panel) dequantize_blocks(q, d, m, bits, halves, k, r0, kR, b, b + 1, decoded);
+    const float* x = xt + b * kBlock * tp;
+    for (int64_t kk = 0; kk < kBlock; ++kk) {
+      Lanes xv[kV];
 #pragma GCC unroll 4
-    for (int64_t v = 0; v < kV; ++v) xv[v] = load_lanes(xt + kk * tp + v * kLanes);
+      for (int64_t v = 0; v < kV; ++v) xv[v] = load_lanes(x + kk * tp + v * kLanes);
 #pragma GCC unroll 12
-    for (int64_t r = 0; r < kR; ++r) {
-      const float weight = w[r * k + kk];
+      for (int64_t r = 0; r < kR; ++r) {
+        const float weight = w[r * stride + kk];
 #pragma GCC unroll 4
-      for (int64_t v = 0; v < kV; ++v) acc[r][v] += xv[v] * weight;
+        for (int64_t v = 0; v < kV; ++v) acc[r][v] += xv[v] * weight;
+      }
     }
   }
   for (int64_t r = 0; r < kR; ++r)
     for (int64_t v = 0; v < kV; ++v) std::memcpy(outt + r * tp + v * kLanes, &acc[r][v], sizeof(Lanes));
 }
 
-// A panel's rows times kV vectors of tokens, in tiles of kR rows with about 24 (AVX-512) or 12 (AVX2) accumulators;
-// rows beyond whole tiles one at a time.
+// Rows [r0, r0 + rows) (``panel``: those rows dequantized, or null) times kV vectors of tokens, in tiles of kR rows
+// with about 24 (AVX-512) or 12 (AVX2) accumulators; rows beyond whole tiles one at a time.
 template <int64_t kV>
-inline void broadcast_rows(const float* w, const float* xt, int64_t k, int64_t tp, int64_t rows, float* outt) {
+inline void broadcast_rows(const uint8_t* q, const float* d, const float* m, int64_t bits, int64_t halves, int64_t k,
+                           int64_t r0, int64_t rows, const float* panel, const float* xt, int64_t tp, float* outt) {
 #if defined(__AVX512F__)
   constexpr int64_t kR = kV == 1 ? 12 : (kV == 2 ? 12 : (kV == 3 ? 8 : 6));
 #else
   constexpr int64_t kR = kV == 1 ? 12 : 6;
 #endif
   int64_t r = 0;
-  for (; r + kR <= rows; r += kR) broadcast_tile<kR, kV>(w + r * k, xt, k, tp, outt + r * tp);
-  for (; r < rows; ++r) broadcast_tile<1, kV>(w + r * k, xt, k, tp, outt + r * tp);
+  for (; r + kR <= rows; r += kR)
+    broadcast_tile<kR, kV>(q, d, m, bits, halves, k, r0 + r, panel ? panel + r * k : nullptr, xt, tp, outt + r * tp);
+  for (; r < rows; ++r)
+    broadcast_tile<1, kV>(q, d, m, bits, halves, k, r0 + r, panel ? panel + r * k : nullptr, xt, tp, outt + r * tp);
 }
 
 #if defined(__AVX2__)
@@ -288,20 +309,24 @@ inline void panel_to_rows(const float* outt, int64_t tp, int64_t rows, int64_t t
 
 void broadcast_product(const float* xt, int64_t tp, const uint8_t* q, const float* d, const float* m, int64_t bits,
                        int64_t halves, int64_t k, int64_t n, int64_t tokens, int64_t p0, int64_t p1, float* out) {
-  std::vector<float> w(kPanelRows * k), outt(kPanelRows * tp);
   const int64_t vectors = tp / kLanes;
+  // More tokens than one chunk: the panel's rows dequantized once for all chunks (decoded in each chunk's tiles
+  // instead, 384 tokens took 1.14x the float32 time against 1.10x).
+  const bool whole = vectors > kChunkVectors;
+  std::vector<float> outt(kPanelRows * tp), w(whole ? kPanelRows * k : 0);
   for (int64_t panel = p0; panel < p1; ++panel) {
     const int64_t r0 = panel * kPanelRows, rows = std::min(kPanelRows, n - r0);
-    dequantize_rows(q, d, m, bits, halves, k, r0, rows, w.data());
+    if (whole) dequantize_rows(q, d, m, bits, halves, k, r0, rows, w.data());
+    const float* rows_w = whole ? w.data() : nullptr;
     for (int64_t v0 = 0; v0 < vectors; v0 += kChunkVectors) {
       const float* x0 = xt + v0 * kLanes;
       float* o0 = outt.data() + v0 * kLanes;
       switch (std::min(kChunkVectors, vectors - v0)) {
-        case 1: broadcast_rows<1>(w.data(), x0, k, tp, rows, o0); break;
-        case 2: broadcast_rows<2>(w.data(), x0, k, tp, rows, o0); break;
+        case 1: broadcast_rows<1>(q, d, m, bits, halves, k, r0, rows, rows_w, x0, tp, o0); break;
+        case 2: broadcast_rows<2>(q, d, m, bits, halves, k, r0, rows, rows_w, x0, tp, o0); break;
 #if defined(__AVX512F__)
-        case 3: broadcast_rows<3>(w.data(), x0, k, tp, rows, o0); break;
-        default: broadcast_rows<4>(w.data(), x0, k, tp, rows, o0); break;
+        case 3: broadcast_rows<3>(q, d, m, bits, halves, k, r0, rows, rows_w, x0, tp, o0); break;
+        default: broadcast_rows<4>(q, d, m, bits, halves, k, r0, rows, rows_w, x0, tp, o0); break;
 #endif
       }
     }
