@@ -118,6 +118,22 @@ def test_rows_beyond_whole_panels_and_transposed_tiles_are_multiplied(rows) -> N
             torch.testing.assert_close(ours.double(), reference, rtol=0, atol=2e-5 * reference.abs().max().item())
 
 
+@pytest.mark.parametrize("type_name", ["Q4_1", "Q8_0", "Q6_K"])
+def test_the_lanes_form_sums_a_token_alike_at_every_count(type_name) -> None:
+    """The lanes form decodes the rows inside its tiles for a few tokens and into a scratch for more: a token's
+    outputs are the same bits at every count (a verification of several tokens a row scores as plain decoding of
+    one does), rows beyond whole tiles included."""
+    shape = (259, 512)  # 259 rows: a partial tile of rows after whole ones; 512: whole Q6_K super-blocks
+    raw, _ = _quantized(type_name, shape, seed=3)
+    weight = from_gguf(raw, type_name, shape)
+    x = torch.randn(16, shape[1], generator=torch.Generator().manual_seed(3))
+    alone = torch.cat([torch.ops.specbatch.block_linear_form(x[t:t + 1], weight.q, weight.d, weight.m, weight.bits, 0)
+                       for t in range(len(x))])
+    for tokens in range(2, len(x) + 1):
+        together = torch.ops.specbatch.block_linear_form(x[:tokens], weight.q, weight.d, weight.m, weight.bits, 0)
+        assert torch.equal(together, alone[:tokens]), tokens
+
+
 @pytest.fixture
 def form_record(monkeypatch, tmp_path) -> Path:
     """A record of the kernel form of the test's own; afterwards this process's form is the machine's record's again."""

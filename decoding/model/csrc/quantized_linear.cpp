@@ -8,8 +8,8 @@
 //   bits 8 (Q8_0, Q6_K, packed checkpoints): q [N, K] int8; m absent (Q8_0, Q6_K) or given (zero points); Q6_K's
 //                        6-bit q - 32 as int8, d per half-block (its scale times the super-block's).
 //
-// Each call dequantizes a few output rows at a time into a float scratch (each weight decoded once for all the call's
-// tokens) and multiplies them in one of two register-blocked forms, a GEMM whose packing of W is its
+// Each call decodes every weight once for all its tokens (a few output rows at a time, into registers, an L1 buffer
+// or a float scratch) and multiplies them in one of two register-blocked forms, a GEMM whose packing of W is its
 // dequantization:
 //   - fewer than kBroadcastFrom tokens: kRows x kTokens vector accumulators along K, summed across lanes at the
 //     end (a decode step streams every weight once, so bytes read bound it: 4.5 bits a weight where a float32
@@ -26,6 +26,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <vector>
@@ -79,10 +80,11 @@ inline void decode_block_avx2(const uint8_t* q, int64_t bits, __m256* parts) {
 
 #endif
 
-// The lanes form: kRows rows of W dequantized into a float scratch, then tiles of kTokens tokens over them (kRows x
-// kTokens vector accumulators along K, summed across lanes at the end). SmolLM2-135M's 30 layers of projections,
-// 2 threads, against the float32 weights prepacked for oneDNN: 0.46x the time at 1 token, 0.68x at 16, 0.93x at 64
-// on Sapphire Rapids; 0.92x, 1.44x and 1.29x on an AVX-512 EPYC.
+// The lanes form: tiles of kRows rows x kTokens tokens (vector accumulators along K, summed across lanes at the end),
+// up to kTokens tokens each row decoded a block at a time into registers inside the tile, beyond that kRows rows
+// dequantized once into a float scratch that every tile reads. SmolLM2-135M's 30 layers of projections, 2 threads,
+// against the float32 weights prepacked for oneDNN: 0.46x the time at 1 token, 0.68x at 16, 0.93x at 64 on Sapphire
+// Rapids; 0.92x, 1.44x and 1.29x on an AVX-512 EPYC (from the scratch).
 #if defined(__AVX512F__)
 typedef float Lanes __attribute__((vector_size(64)));  // one AVX-512 register
 #else
@@ -121,43 +123,67 @@ inline Lanes load_lanes(const float* p) {
   return v;
 }
 
+inline void store_lanes(float* p, Lanes v) { std::memcpy(p, &v, sizeof(v)); }
+
 inline float lane_sum(Lanes v) {
   float total = 0.0f;
   for (int64_t i = 0; i < kLanes; ++i) total += v[i];
   return total;
 }
 
+// a * b + c rounded once, whatever the compiler would contract: every form of the tile sums alike.
+inline Lanes fma_lanes(Lanes a, Lanes b, Lanes c) {
+#if defined(__AVX512F__)
+  return (Lanes)_mm512_fmadd_ps((__m512)a, (__m512)b, (__m512)c);
+#elif defined(__AVX2__)
+  return (Lanes)_mm256_fmadd_ps((__m256)a, (__m256)b, (__m256)c);
+#else
+  Lanes out;
+  for (int64_t i = 0; i < kLanes; ++i) out[i] = std::fma(a[i], b[i], c[i]);
+  return out;
+#endif
+}
+
+// Block b of W's row ``row`` as floats, kBlock / kLanes vectors: d q + m, d q exact, so rounded once.
+// ``halves``: 1 (one d, m a block) or 2 (one a half-block of 16 weights, as Q6_K scales them).
+__attribute__((always_inline)) inline void decode_weights(const uint8_t* q, const float* d, const float* m,
+                                                          int64_t bits, int64_t halves, int64_t k, int64_t row,
+                                                          int64_t b, Lanes* w) {
+  const int64_t blocks = k / kBlock, s = (row * blocks + b) * halves, last = halves - 1;
+  const uint8_t* block = q + (row * blocks + b) * (kBlock * bits / 8);
+  const float scale0 = d[s], scale1 = d[s + last];
+  const float low0 = m ? m[s] : 0.0f, low1 = m ? m[s + last] : 0.0f;
+#if defined(__AVX512F__)
+  __m512 first, second;
+  decode_block_avx512(block, bits, first, second);
+  w[0] = (Lanes)_mm512_fmadd_ps(first, _mm512_set1_ps(scale0), _mm512_set1_ps(low0));
+  w[1] = (Lanes)_mm512_fmadd_ps(second, _mm512_set1_ps(scale1), _mm512_set1_ps(low1));
+#elif defined(__AVX2__)
+  __m256 parts[4];
+  decode_block_avx2(block, bits, parts);
+  for (int64_t i = 0; i < 4; ++i)
+    w[i] = (Lanes)_mm256_fmadd_ps(parts[i], _mm256_set1_ps(i < 2 ? scale0 : scale1),
+                                  _mm256_set1_ps(i < 2 ? low0 : low1));
+#else
+  float decoded[kBlock];
+  decode_block(block, bits, decoded);
+  for (int64_t j = 0; j < kBlock; ++j)
+    decoded[j] = std::fma(decoded[j], j < 16 ? scale0 : scale1, j < 16 ? low0 : low1);
+  std::memcpy(w, decoded, sizeof(decoded));
+#endif
+}
+
 // Blocks [b0, b1) of rows [r0, r0 + rows) of W as floats into w [rows, (b1 - b0) * 32] (as block_dequantize
-// computes them). ``halves``: 1 (one d, m a block) or 2 (one a half-block of 16 weights, as Q6_K scales them).
+// computes them).
 inline void dequantize_blocks(const uint8_t* q, const float* d, const float* m, int64_t bits, int64_t halves, int64_t k,
                               int64_t r0, int64_t rows, int64_t b0, int64_t b1, float* w) {
-  const int64_t blocks = k / kBlock, block_bytes = kBlock * bits / 8, last = halves - 1, width = (b1 - b0) * kBlock;
+  const int64_t width = (b1 - b0) * kBlock;
   for (int64_t r = 0; r < rows; ++r) {
-    const int64_t row = r0 + r;
     for (int64_t b = b0; b < b1; ++b) {
-      const int64_t s = (row * blocks + b) * halves;
-      const float scale0 = d[s], scale1 = d[s + last];
-      const float low0 = m ? m[s] : 0.0f, low1 = m ? m[s + last] : 0.0f;
+      Lanes decoded[kBlock / kLanes];
+      decode_weights(q, d, m, bits, halves, k, r0 + r, b, decoded);
       float* out = w + r * width + (b - b0) * kBlock;
-#if defined(__AVX512F__)
-      __m512 first, second;  // d q is exact, so d q + m rounds once either way
-      decode_block_avx512(q + (row * blocks + b) * block_bytes, bits, first, second);
-      _mm512_storeu_ps(out, _mm512_fmadd_ps(first, _mm512_set1_ps(scale0), _mm512_set1_ps(low0)));
-      _mm512_storeu_ps(out + 16, _mm512_fmadd_ps(second, _mm512_set1_ps(scale1), _mm512_set1_ps(low1)));
-#elif defined(__AVX2__)
-      __m256 parts[4];
-      decode_block_avx2(q + (row * blocks + b) * block_bytes, bits, parts);
-      for (int64_t i = 0; i < 4; ++i)
-        _mm256_storeu_ps(out + 8 * i, _mm256_fmadd_ps(parts[i], _mm256_set1_ps(i < 2 ? scale0 : scale1),
-                                                      _mm256_set1_ps(i < 2 ? low0 : low1)));
-#else
-      float decoded[kBlock];
-      decode_block(q + (row * blocks + b) * block_bytes, bits, decoded);
-      for (int64_t j = 0; j < kBlock; ++j) {
-        const float scale = j < 16 ? scale0 : scale1, low = j < 16 ? low0 : low1;
-        out[j] = m ? decoded[j] * scale + low : decoded[j] * scale;
-      }
-#endif
+      for (int64_t v = 0; v < kBlock / kLanes; ++v) store_lanes(out + v * kLanes, decoded[v]);
     }
   }
 }
@@ -168,17 +194,38 @@ inline void dequantize_rows(const uint8_t* q, const float* d, const float* m, in
   dequantize_blocks(q, d, m, bits, halves, k, r0, rows, 0, k / kBlock, w);
 }
 
-template <int64_t kR, int64_t kT>
-inline void rows_tokens_tile(const float* w, const float* x, int64_t k, float* out, int64_t n) {
+// The lanes form's tile: acc[r][t] holds output row r (of W's rows from r0) for token t, along K. kDecode: each
+// row's blocks decoded into registers beside the multiply-adds that use them; otherwise read from ``panel`` (those
+// rows dequantized, [kR, K]): at 1 to 3 tokens storing the rows to a scratch first took 1.07-1.20x the time
+// (SmolLM2-135M's projections, 2 threads, AVX2 EPYC).
+template <int64_t kR, int64_t kT, bool kDecode>
+inline void rows_tokens_tile(const uint8_t* q, const float* d, const float* m, int64_t bits, int64_t halves, int64_t k,
+                             int64_t r0, const float* panel, const float* x, float* out, int64_t n) {
   Lanes acc[kR][kT] = {};
-  for (int64_t kk = 0; kk < k; kk += kLanes) {
-    Lanes wv[kR];
-    for (int64_t r = 0; r < kR; ++r) wv[r] = load_lanes(w + r * k + kk);
-#pragma GCC unroll 6
-    for (int64_t t = 0; t < kT; ++t) {
-      const Lanes xv = load_lanes(x + t * k + kk);
+  if constexpr (kDecode) {  // a row's block at a time: its vectors times every token
+    for (int64_t b = 0; b < k / kBlock; ++b) {
 #pragma GCC unroll 4
-      for (int64_t r = 0; r < kR; ++r) acc[r][t] += wv[r] * xv;
+      for (int64_t r = 0; r < kR; ++r) {
+        Lanes w[kBlock / kLanes];
+        decode_weights(q, d, m, bits, halves, k, r0 + r, b, w);
+#pragma GCC unroll 4
+        for (int64_t v = 0; v < kBlock / kLanes; ++v) {
+#pragma GCC unroll 6
+          for (int64_t t = 0; t < kT; ++t)
+            acc[r][t] = fma_lanes(w[v], load_lanes(x + t * k + b * kBlock + v * kLanes), acc[r][t]);
+        }
+      }
+    }
+  } else {  // a vector of every row at a time, each token's vector loaded once for all rows
+    for (int64_t kk = 0; kk < k; kk += kLanes) {
+      Lanes w[kR];
+      for (int64_t r = 0; r < kR; ++r) w[r] = load_lanes(panel + r * k + kk);
+#pragma GCC unroll 6
+      for (int64_t t = 0; t < kT; ++t) {
+        const Lanes xv = load_lanes(x + t * k + kk);
+#pragma GCC unroll 4
+        for (int64_t r = 0; r < kR; ++r) acc[r][t] = fma_lanes(w[r], xv, acc[r][t]);
+      }
     }
   }
   for (int64_t t = 0; t < kT; ++t)
@@ -186,34 +233,69 @@ inline void rows_tokens_tile(const float* w, const float* x, int64_t k, float* o
 }
 
 // The tokens a call has beyond its whole tiles (1 to kTokens - 1), in one tile of that many: one pass over the
-// scratch rather than one a token.
-template <int64_t kR>
-inline void rows_tokens_rest(int64_t left, const float* w, const float* x, int64_t k, float* out, int64_t n) {
+// rows rather than one a token.
+template <int64_t kR, bool kDecode>
+inline void rows_tokens_rest(int64_t left, const uint8_t* q, const float* d, const float* m, int64_t bits,
+                             int64_t halves, int64_t k, int64_t r0, const float* panel, const float* x, float* out,
+                             int64_t n) {
   switch (left) {
-    case 1: rows_tokens_tile<kR, 1>(w, x, k, out, n); break;
-    case 2: rows_tokens_tile<kR, 2>(w, x, k, out, n); break;
-    case 3: rows_tokens_tile<kR, 3>(w, x, k, out, n); break;
-    case 4: rows_tokens_tile<kR, 4>(w, x, k, out, n); break;
-    default: rows_tokens_tile<kR, 5>(w, x, k, out, n); break;
+    case 1: rows_tokens_tile<kR, 1, kDecode>(q, d, m, bits, halves, k, r0, panel, x, out, n); break;
+    case 2: rows_tokens_tile<kR, 2, kDecode>(q, d, m, bits, halves, k, r0, panel, x, out, n); break;
+    case 3: rows_tokens_tile<kR, 3, kDecode>(q, d, m, bits, halves, k, r0, panel, x, out, n); break;
+    case 4: rows_tokens_tile<kR, 4, kDecode>(q, d, m, bits, halves, k, r0, panel, x, out, n); break;
+    default: rows_tokens_tile<kR, 5, kDecode>(q, d, m, bits, halves, k, r0, panel, x, out, n); break;
   }
+}
+
+// Rows [r0, r0 + rows) of W times the call's tokens, in tiles of kRows x kTokens; fewer rows one at a time.
+template <bool kDecode>
+inline void rows_tokens(const uint8_t* q, const float* d, const float* m, int64_t bits, int64_t halves, int64_t k,
+                        int64_t r0, int64_t rows, const float* panel, const float* x, int64_t tokens, float* out,
+                        int64_t n) {
+  if (rows == kRows) {
+    int64_t t0 = 0;
+    for (; t0 + kTokens <= tokens; t0 += kTokens)
+      rows_tokens_tile<kRows, kTokens, kDecode>(q, d, m, bits, halves, k, r0, panel, x + t0 * k, out + t0 * n + r0,
+                                                n);
+    if (t0 < tokens)
+      rows_tokens_rest<kRows, kDecode>(tokens - t0, q, d, m, bits, halves, k, r0, panel, x + t0 * k,
+                                       out + t0 * n + r0, n);
+    return;
+  }
+  for (int64_t t0 = 0; t0 < tokens; ++t0)
+    for (int64_t r = 0; r < rows; ++r)
+      rows_tokens_tile<1, 1, kDecode>(q, d, m, bits, halves, k, r0 + r, kDecode ? nullptr : panel + r * k,
+                                      x + t0 * k, out + t0 * n + r0 + r, n);
 }
 
 void panel_product(const float* x, const uint8_t* q, const float* d, const float* m, int64_t bits, int64_t halves,
                    int64_t k, int64_t n, int64_t tokens, int64_t p0, int64_t p1, float* out) {
-  std::vector<float> w(kRows * k);
+  // Up to one tile of tokens each row is decoded once inside it; more tiles share one scratch of decoded rows.
+  const bool scratch = tokens > kTokens;
+  std::vector<float> w(scratch ? kRows * k : 0);
   for (int64_t group = p0; group < p1; ++group) {
     const int64_t r0 = group * kRows, rows = std::min(kRows, n - r0);
-    dequantize_rows(q, d, m, bits, halves, k, r0, rows, w.data());
-    if (rows == kRows) {
-      int64_t t0 = 0;
-      for (; t0 + kTokens <= tokens; t0 += kTokens)
-        rows_tokens_tile<kRows, kTokens>(w.data(), x + t0 * k, k, out + t0 * n + r0, n);
-      if (t0 < tokens) rows_tokens_rest<kRows>(tokens - t0, w.data(), x + t0 * k, k, out + t0 * n + r0, n);
-    } else {  // the last rows of W, fewer than kRows: a token at a time
-      for (int64_t t0 = 0; t0 < tokens; ++t0)
-        for (int64_t r = 0; r < rows; ++r)
-          rows_tokens_tile<1, 1>(w.data() + r * k, x + t0 * k, k, out + t0 * n + r0 + r, n);
+    if (!scratch) {
+      // The next group's q, d and m requested while this one is multiplied: a tile decoding its rows reads four
+      // rows at once, which the hardware's prefetch follows poorly (Q8_0 [49152, 576] at 1 token, 2 threads, AVX2
+      // EPYC: 3.2 ms without the requests, 1.5 with them, 2.0 through a scratch). Written here: moved into a
+      // function of their own, whose only effect is a prefetch, GCC dropped its calls.
+      if (group + 1 < p1) {
+        const int64_t row_bytes = k * bits / 8, scales = k / kBlock * halves;
+        const char* next_q = reinterpret_cast<const char*>(q + (r0 + kRows) * row_bytes);
+        for (int64_t o = 0; o < kRows * row_bytes; o += 64) _mm_prefetch(next_q + o, _MM_HINT_T0);
+        const char* next_d = reinterpret_cast<const char*>(d + (r0 + kRows) * scales);
+        for (int64_t o = 0; o < kRows * scales * 4; o += 64) _mm_prefetch(next_d + o, _MM_HINT_T0);
+        if (m) {
+          const char* next_m = reinterpret_cast<const char*>(m + (r0 + kRows) * scales);
+          for (int64_t o = 0; o < kRows * scales * 4; o += 64) _mm_prefetch(next_m + o, _MM_HINT_T0);
+        }
+      }
+      rows_tokens<true>(q, d, m, bits, halves, k, r0, rows, nullptr, x, tokens, out, n);
+      continue;
     }
+    dequantize_rows(q, d, m, bits, halves, k, r0, rows, w.data());
+    rows_tokens<false>(q, d, m, bits, halves, k, r0, rows, w.data(), x, tokens, out, n);
   }
 }
 
