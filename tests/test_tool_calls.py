@@ -413,9 +413,11 @@ def test_a_batch_job_over_agent_traces_writes_a_tool_calls_column(ray_cluster, t
     from pipeline.schema import TOOL_CALL
 
     # float32: the float weights and their int4 self-draft, so this job speculates (over the GGUF's own blocks, the
-    # default's target on a CPU, its drafts cost as much as the target and it decodes plainly)
+    # default's target on a CPU, its drafts cost as much as the target and it decodes plainly); a static length, so
+    # it drafts whatever the timings the online policy would price drafts with beside the other test worker
     config = Config.model_validate({"chat_template": "hermes", "tool_call_parser": "hermes", "batch_size": 16,
-                                    "dtype": "float32", "sampling": {"max_tokens": 40, "temperature": 0.0}})
+                                    "dtype": "float32", "speculative": {"length_policy": "static"},
+                                    "sampling": {"max_tokens": 40, "temperature": 0.0}})
     # The 8 distinct traces (a city and a tool_choice each) three times: a whole batch of 16 and part of one.
     rows = agent_traces(24)
     # Bad rows among them are error rows naming the field; the others run.
