@@ -118,11 +118,12 @@ def test_rows_beyond_whole_panels_and_transposed_tiles_are_multiplied(rows) -> N
             torch.testing.assert_close(ours.double(), reference, rtol=0, atol=2e-5 * reference.abs().max().item())
 
 
-@pytest.mark.parametrize("type_name", ["Q4_1", "Q8_0", "Q6_K"])
+@pytest.mark.parametrize("type_name", ["Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q6_K"])
 def test_the_lanes_form_sums_a_token_alike_at_every_count(type_name) -> None:
-    """The lanes form decodes the rows inside its tiles for a few tokens and into a scratch for more: a token's
-    outputs are the same bits at every count (a verification of several tokens a row scores as plain decoding of
-    one does), rows beyond whole tiles included."""
+    """The lanes form multiplies 4 rows a tile for a few tokens and a row a tile, 8 tokens at a time, for more, with
+    the m terms (Q4_0, Q4_1, Q4_K) added after the scaled block sums: a token's outputs are the same bits at every
+    count (a verification of several tokens a row scores as plain decoding of one does), rows beyond whole tiles
+    included."""
     shape = (259, 512)  # 259 rows: a partial tile of rows after whole ones; 512: whole Q6_K super-blocks
     raw, _ = _quantized(type_name, shape, seed=3)
     weight = from_gguf(raw, type_name, shape)

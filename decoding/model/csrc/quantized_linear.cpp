@@ -8,12 +8,11 @@
 //   bits 8 (Q8_0, Q6_K, packed checkpoints): q [N, K] int8; m absent (Q8_0, Q6_K) or given (zero points); Q6_K's
 //                        6-bit q - 32 as int8, d per half-block (its scale times the super-block's).
 //
-// Each call decodes every weight once for all its tokens (a few output rows at a time, into registers, an L1 buffer
-// or a float scratch) and multiplies them in one of two register-blocked forms, a GEMM whose packing of W is its
-// dequantization:
-//   - fewer than kBroadcastFrom tokens: kRows x kTokens vector accumulators along K, summed across lanes at the
-//     end (a decode step streams every weight once, so bytes read bound it: 4.5 bits a weight where a float32
-//     copy reads 32);
+// Each call decodes the weights a few output rows at a time, into registers or an L1 buffer, and multiplies them in
+// one of two register-blocked forms, a GEMM whose packing of W is its dequantization:
+//   - fewer than kBroadcastFrom tokens: rows x tokens vector accumulators along K, summed across lanes at the end,
+//     each block's q times x scaled by its d and the m terms added last, d (q . x) + m sum(x) (a decode step streams
+//     every weight once: 4.5 bits a weight where a float32 copy reads 32, and one multiply-add a block for d);
 //   - from kBroadcastFrom tokens: tokens along the lanes (x transposed, padded to whole vectors), each weight
 //     broadcast into rows x token-vector accumulators: no sums across lanes, bound by the multiply-adds as a float
 //     GEMM is;
@@ -80,11 +79,8 @@ inline void decode_block_avx2(const uint8_t* q, int64_t bits, __m256* parts) {
 
 #endif
 
-// The lanes form: tiles of kRows rows x kTokens tokens (vector accumulators along K, summed across lanes at the end),
-// up to kTokens tokens each row decoded a block at a time into registers inside the tile, beyond that kRows rows
-// dequantized once into a float scratch that every tile reads. SmolLM2-135M's 30 layers of projections, 2 threads,
-// against the float32 weights prepacked for oneDNN: 0.46x the time at 1 token, 0.68x at 16, 0.93x at 64 on Sapphire
-// Rapids; 0.92x, 1.44x and 1.29x on an AVX-512 EPYC (from the scratch).
+// The lanes form: tiles of kRows rows x up to kTokens tokens, or one row x up to kWide tokens for more tokens (vector
+// accumulators along K, summed across lanes at the end), each row's blocks decoded into registers inside the tile.
 #if defined(__AVX512F__)
 typedef float Lanes __attribute__((vector_size(64)));  // one AVX-512 register
 #else
@@ -102,12 +98,15 @@ constexpr int64_t kDenseRows = 4096;
 // lanes 1.32x the float32 time, broadcast 1.61x; at 12 lanes 1.43x, broadcast 1.25x; at 16 broadcast 0.92-0.98x; at 64
 // lanes 1.29x, broadcast 1.01x).
 constexpr int64_t kBroadcastFrom = 12;
-constexpr int64_t kRows = 4;
 #if defined(__AVX512F__)
-constexpr int64_t kTokens = 6;  // 24 accumulators, 4 weight vectors and a token's: 29 of 32 registers
+constexpr int64_t kRows = 4;
+constexpr int64_t kTokens = 6;  // 24 accumulators, 2 weight vectors, a block's sum and its d: 28 of 32 registers
 #else
-constexpr int64_t kTokens = 3;  // 12 accumulators, 4 weight vectors: 16 registers
+// 2 rows a tile: 0.95x the time of 4 at 1 token, 0.94x at 2 (0.84x for Q8_0 at 1), 1.02x for 1 row.
+constexpr int64_t kRows = 2;
+constexpr int64_t kTokens = 3;
 #endif
+constexpr int64_t kWide = 8;  // one row's tile beyond kTokens tokens: 8 accumulators, a block's vectors, sum and d
 // The broadcast form: panels of kPanelRows rows (a thread's unit of work), in tiles of rows x token vectors (at most
 // kChunkVectors vectors of tokens), each tile decoding its rows as it goes.
 constexpr int64_t kPanelRows = 24;
@@ -131,6 +130,18 @@ inline float lane_sum(Lanes v) {
   return total;
 }
 
+inline Lanes splat(float value) {
+#if defined(__AVX512F__)
+  return (Lanes)_mm512_set1_ps(value);
+#elif defined(__AVX2__)
+  return (Lanes)_mm256_set1_ps(value);
+#else
+  Lanes out;
+  for (int64_t i = 0; i < kLanes; ++i) out[i] = value;
+  return out;
+#endif
+}
+
 // a * b + c rounded once, whatever the compiler would contract: every form of the tile sums alike.
 inline Lanes fma_lanes(Lanes a, Lanes b, Lanes c) {
 #if defined(__AVX512F__)
@@ -144,33 +155,47 @@ inline Lanes fma_lanes(Lanes a, Lanes b, Lanes c) {
 #endif
 }
 
-// Block b of W's row ``row`` as floats, kBlock / kLanes vectors: d q + m, d q exact, so rounded once.
+constexpr int64_t kVectors = kBlock / kLanes;  // a block's vectors
+
+// One block's q as floats, kVectors vectors in the block's order, without d and m.
+__attribute__((always_inline)) inline void decode_raw(const uint8_t* block, int64_t bits, Lanes* w) {
+#if defined(__AVX512F__)
+  __m512 low, high;
+  decode_block_avx512(block, bits, low, high);
+  w[0] = (Lanes)low;
+  w[1] = (Lanes)high;
+#elif defined(__AVX2__)
+  if (bits == 4) {  // bytes 0-7 and 8-15 widened to 32 bits as they load; low nibbles are weights 0-15, high 16-31
+    const __m256i nibble = _mm256_set1_epi32(0x0F);
+    const __m256i first = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(block)));
+    const __m256i second = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(block + 8)));
+    w[0] = (Lanes)_mm256_cvtepi32_ps(_mm256_and_si256(first, nibble));
+    w[1] = (Lanes)_mm256_cvtepi32_ps(_mm256_and_si256(second, nibble));
+    w[2] = (Lanes)_mm256_cvtepi32_ps(_mm256_srli_epi32(first, 4));
+    w[3] = (Lanes)_mm256_cvtepi32_ps(_mm256_srli_epi32(second, 4));
+  } else {
+    for (int64_t i = 0; i < 4; ++i)
+      w[i] = (Lanes)_mm256_cvtepi32_ps(
+          _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(block + 8 * i))));
+  }
+#else
+  float decoded[kBlock];
+  decode_block(block, bits, decoded);
+  std::memcpy(w, decoded, sizeof(decoded));
+#endif
+}
+
+// Block b of W's row ``row`` as floats, kVectors vectors: d q + m, d q exact, so rounded once.
 // ``halves``: 1 (one d, m a block) or 2 (one a half-block of 16 weights, as Q6_K scales them).
 __attribute__((always_inline)) inline void decode_weights(const uint8_t* q, const float* d, const float* m,
                                                           int64_t bits, int64_t halves, int64_t k, int64_t row,
                                                           int64_t b, Lanes* w) {
   const int64_t blocks = k / kBlock, s = (row * blocks + b) * halves, last = halves - 1;
-  const uint8_t* block = q + (row * blocks + b) * (kBlock * bits / 8);
-  const float scale0 = d[s], scale1 = d[s + last];
-  const float low0 = m ? m[s] : 0.0f, low1 = m ? m[s + last] : 0.0f;
-#if defined(__AVX512F__)
-  __m512 first, second;
-  decode_block_avx512(block, bits, first, second);
-  w[0] = (Lanes)_mm512_fmadd_ps(first, _mm512_set1_ps(scale0), _mm512_set1_ps(low0));
-  w[1] = (Lanes)_mm512_fmadd_ps(second, _mm512_set1_ps(scale1), _mm512_set1_ps(low1));
-#elif defined(__AVX2__)
-  __m256 parts[4];
-  decode_block_avx2(block, bits, parts);
-  for (int64_t i = 0; i < 4; ++i)
-    w[i] = (Lanes)_mm256_fmadd_ps(parts[i], _mm256_set1_ps(i < 2 ? scale0 : scale1),
-                                  _mm256_set1_ps(i < 2 ? low0 : low1));
-#else
-  float decoded[kBlock];
-  decode_block(block, bits, decoded);
-  for (int64_t j = 0; j < kBlock; ++j)
-    decoded[j] = std::fma(decoded[j], j < 16 ? scale0 : scale1, j < 16 ? low0 : low1);
-  std::memcpy(w, decoded, sizeof(decoded));
-#endif
+  decode_raw(q + (row * blocks + b) * (kBlock * bits / 8), bits, w);
+  for (int64_t v = 0; v < kVectors; ++v) {
+    const int64_t half = v < kVectors / 2 ? 0 : last;
+    w[v] = fma_lanes(w[v], splat(d[s + half]), splat(m ? m[s + half] : 0.0f));
+  }
 }
 
 // Blocks [b0, b1) of rows [r0, r0 + rows) of W as floats into w [rows, (b1 - b0) * 32] (as block_dequantize
@@ -180,10 +205,10 @@ inline void dequantize_blocks(const uint8_t* q, const float* d, const float* m, 
   const int64_t width = (b1 - b0) * kBlock;
   for (int64_t r = 0; r < rows; ++r) {
     for (int64_t b = b0; b < b1; ++b) {
-      Lanes decoded[kBlock / kLanes];
+      Lanes decoded[kVectors];
       decode_weights(q, d, m, bits, halves, k, r0 + r, b, decoded);
       float* out = w + r * width + (b - b0) * kBlock;
-      for (int64_t v = 0; v < kBlock / kLanes; ++v) store_lanes(out + v * kLanes, decoded[v]);
+      for (int64_t v = 0; v < kVectors; ++v) store_lanes(out + v * kLanes, decoded[v]);
     }
   }
 }
@@ -194,108 +219,118 @@ inline void dequantize_rows(const uint8_t* q, const float* d, const float* m, in
   dequantize_blocks(q, d, m, bits, halves, k, r0, rows, 0, k / kBlock, w);
 }
 
-// The lanes form's tile: acc[r][t] holds output row r (of W's rows from r0) for token t, along K. kDecode: each
-// row's blocks decoded into registers beside the multiply-adds that use them; otherwise read from ``panel`` (those
-// rows dequantized, [kR, K]): at 1 to 3 tokens storing the rows to a scratch first took 1.07-1.20x the time
-// (SmolLM2-135M's projections, 2 threads, AVX2 EPYC).
-template <int64_t kR, int64_t kT, bool kDecode>
+// acc + d * (the block's q times x), its sum taken a block (or a half-block, each with its own d) at a time: the
+// order of every lanes-form sum, whether the block was decoded in the tile or read from a scratch.
+__attribute__((always_inline)) inline Lanes add_block(const Lanes* w, const float* x, const float* scale,
+                                                      int64_t halves, Lanes acc) {
+  if (halves == 1) {
+    Lanes sum = w[0] * load_lanes(x);
+#pragma GCC unroll 4
+    for (int64_t v = 1; v < kVectors; ++v) sum = fma_lanes(w[v], load_lanes(x + v * kLanes), sum);
+    return fma_lanes(splat(scale[0]), sum, acc);
+  }
+  constexpr int64_t kHalf = kVectors / 2;
+#pragma GCC unroll 2
+  for (int64_t h = 0; h < 2; ++h) {
+    Lanes sum = w[h * kHalf] * load_lanes(x + h * kHalf * kLanes);
+#pragma GCC unroll 2
+    for (int64_t v = h * kHalf + 1; v < (h + 1) * kHalf; ++v) sum = fma_lanes(w[v], load_lanes(x + v * kLanes), sum);
+    acc = fma_lanes(splat(scale[h]), sum, acc);
+  }
+  return acc;
+}
+
+// The m terms of one output: sum over the row's blocks of m times that block's sum of x (``lows``: x's sums a block,
+// or a half-block, for one token), in one order.
+inline float low_terms(const float* m_row, const float* lows, int64_t count) {
+  Lanes acc = {};
+  int64_t i = 0;
+  for (; i + kLanes <= count; i += kLanes) acc = fma_lanes(load_lanes(m_row + i), load_lanes(lows + i), acc);
+  float tail = 0.0f;
+  for (; i < count; ++i) tail = std::fma(m_row[i], lows[i], tail);
+  return lane_sum(acc) + tail;
+}
+
+// The lanes form's tile: acc[r][t] holds output row r (of W's rows from r0) for token t, along K, each block's q
+// times x scaled by its d (d q x summed as d (q x): one multiply-add a block instead of one a weight; 0.77x the time
+// of decoding d q + m first at 1 token, 0.82x at 2, SmolLM2-135M's projections, 2 threads, AVX2 EPYC), and m times
+// x's sum of the block added at the end (``lows`` [kT, K / 32 * halves]; null when m is). Each row's blocks are
+// decoded into registers beside the multiply-adds that use them, once a tile; an output's sum is the same whatever
+// the tile's shape.
+template <int64_t kR, int64_t kT>
 inline void rows_tokens_tile(const uint8_t* q, const float* d, const float* m, int64_t bits, int64_t halves, int64_t k,
-                             int64_t r0, const float* panel, const float* x, float* out, int64_t n) {
+                             int64_t r0, const float* x, const float* lows, float* out, int64_t n) {
+  const int64_t blocks = k / kBlock;
   Lanes acc[kR][kT] = {};
-  if constexpr (kDecode) {  // a row's block at a time: its vectors times every token
-    for (int64_t b = 0; b < k / kBlock; ++b) {
+  for (int64_t b = 0; b < blocks; ++b) {
 #pragma GCC unroll 4
-      for (int64_t r = 0; r < kR; ++r) {
-        Lanes w[kBlock / kLanes];
-        decode_weights(q, d, m, bits, halves, k, r0 + r, b, w);
-#pragma GCC unroll 4
-        for (int64_t v = 0; v < kBlock / kLanes; ++v) {
-#pragma GCC unroll 6
-          for (int64_t t = 0; t < kT; ++t)
-            acc[r][t] = fma_lanes(w[v], load_lanes(x + t * k + b * kBlock + v * kLanes), acc[r][t]);
-        }
-      }
-    }
-  } else {  // a vector of every row at a time, each token's vector loaded once for all rows
-    for (int64_t kk = 0; kk < k; kk += kLanes) {
-      Lanes w[kR];
-      for (int64_t r = 0; r < kR; ++r) w[r] = load_lanes(panel + r * k + kk);
-#pragma GCC unroll 6
-      for (int64_t t = 0; t < kT; ++t) {
-        const Lanes xv = load_lanes(x + t * k + kk);
-#pragma GCC unroll 4
-        for (int64_t r = 0; r < kR; ++r) acc[r][t] = fma_lanes(w[r], xv, acc[r][t]);
-      }
+    for (int64_t r = 0; r < kR; ++r) {
+      Lanes w[kVectors];
+      decode_raw(q + ((r0 + r) * blocks + b) * (kBlock * bits / 8), bits, w);
+      const float* scale = d + ((r0 + r) * blocks + b) * halves;
+#pragma GCC unroll 8
+      for (int64_t t = 0; t < kT; ++t) acc[r][t] = add_block(w, x + t * k + b * kBlock, scale, halves, acc[r][t]);
     }
   }
+  const int64_t count = blocks * halves;
   for (int64_t t = 0; t < kT; ++t)
-    for (int64_t r = 0; r < kR; ++r) out[t * n + r] = lane_sum(acc[r][t]);
+    for (int64_t r = 0; r < kR; ++r)
+      out[t * n + r] = lane_sum(acc[r][t]) + (lows ? low_terms(m + (r0 + r) * count, lows + t * count, count) : 0.0f);
 }
 
-// The tokens a call has beyond its whole tiles (1 to kTokens - 1), in one tile of that many: one pass over the
-// rows rather than one a token.
-template <int64_t kR, bool kDecode>
-inline void rows_tokens_rest(int64_t left, const uint8_t* q, const float* d, const float* m, int64_t bits,
-                             int64_t halves, int64_t k, int64_t r0, const float* panel, const float* x, float* out,
-                             int64_t n) {
-  switch (left) {
-    case 1: rows_tokens_tile<kR, 1, kDecode>(q, d, m, bits, halves, k, r0, panel, x, out, n); break;
-    case 2: rows_tokens_tile<kR, 2, kDecode>(q, d, m, bits, halves, k, r0, panel, x, out, n); break;
-    case 3: rows_tokens_tile<kR, 3, kDecode>(q, d, m, bits, halves, k, r0, panel, x, out, n); break;
-    case 4: rows_tokens_tile<kR, 4, kDecode>(q, d, m, bits, halves, k, r0, panel, x, out, n); break;
-    default: rows_tokens_tile<kR, 5, kDecode>(q, d, m, bits, halves, k, r0, panel, x, out, n); break;
+// kR rows times ``tokens`` (1 to kWide) tokens in one tile.
+template <int64_t kR>
+inline void rows_tokens_tiles(int64_t tokens, const uint8_t* q, const float* d, const float* m, int64_t bits,
+                              int64_t halves, int64_t k, int64_t r0, const float* x, const float* lows, float* out,
+                              int64_t n) {
+  switch (tokens) {
+    case 1: rows_tokens_tile<kR, 1>(q, d, m, bits, halves, k, r0, x, lows, out, n); break;
+    case 2: rows_tokens_tile<kR, 2>(q, d, m, bits, halves, k, r0, x, lows, out, n); break;
+    case 3: rows_tokens_tile<kR, 3>(q, d, m, bits, halves, k, r0, x, lows, out, n); break;
+    case 4: rows_tokens_tile<kR, 4>(q, d, m, bits, halves, k, r0, x, lows, out, n); break;
+    case 5: rows_tokens_tile<kR, 5>(q, d, m, bits, halves, k, r0, x, lows, out, n); break;
+    case 6: rows_tokens_tile<kR, 6>(q, d, m, bits, halves, k, r0, x, lows, out, n); break;
+    case 7: rows_tokens_tile<kR, 7>(q, d, m, bits, halves, k, r0, x, lows, out, n); break;
+    default: rows_tokens_tile<kR, 8>(q, d, m, bits, halves, k, r0, x, lows, out, n); break;
   }
 }
 
-// Rows [r0, r0 + rows) of W times the call's tokens, in tiles of kRows x kTokens; fewer rows one at a time.
-template <bool kDecode>
+// Rows [r0, r0 + rows) of W times the call's tokens: up to kTokens tokens kRows rows a tile (each row's blocks
+// decoded once); more tokens a row at a time, kWide tokens a tile.
 inline void rows_tokens(const uint8_t* q, const float* d, const float* m, int64_t bits, int64_t halves, int64_t k,
-                        int64_t r0, int64_t rows, const float* panel, const float* x, int64_t tokens, float* out,
+                        int64_t r0, int64_t rows, const float* x, const float* lows, int64_t tokens, float* out,
                         int64_t n) {
-  if (rows == kRows) {
-    int64_t t0 = 0;
-    for (; t0 + kTokens <= tokens; t0 += kTokens)
-      rows_tokens_tile<kRows, kTokens, kDecode>(q, d, m, bits, halves, k, r0, panel, x + t0 * k, out + t0 * n + r0,
-                                                n);
-    if (t0 < tokens)
-      rows_tokens_rest<kRows, kDecode>(tokens - t0, q, d, m, bits, halves, k, r0, panel, x + t0 * k,
-                                       out + t0 * n + r0, n);
+  if (rows == kRows && tokens <= kTokens) {
+    rows_tokens_tiles<kRows>(tokens, q, d, m, bits, halves, k, r0, x, lows, out + r0, n);
     return;
   }
-  for (int64_t t0 = 0; t0 < tokens; ++t0)
-    for (int64_t r = 0; r < rows; ++r)
-      rows_tokens_tile<1, 1, kDecode>(q, d, m, bits, halves, k, r0 + r, kDecode ? nullptr : panel + r * k,
-                                      x + t0 * k, out + t0 * n + r0 + r, n);
+  const int64_t count = k / kBlock * halves, wide = tokens <= kTokens ? tokens : kWide;
+  for (int64_t r = r0; r < r0 + rows; ++r)
+    for (int64_t t0 = 0; t0 < tokens; t0 += wide)
+      rows_tokens_tiles<1>(std::min(wide, tokens - t0), q, d, m, bits, halves, k, r, x + t0 * k,
+                           lows ? lows + t0 * count : nullptr, out + t0 * n + r, n);
 }
 
-void panel_product(const float* x, const uint8_t* q, const float* d, const float* m, int64_t bits, int64_t halves,
-                   int64_t k, int64_t n, int64_t tokens, int64_t p0, int64_t p1, float* out) {
-  // Up to one tile of tokens each row is decoded once inside it; more tiles share one scratch of decoded rows.
-  const bool scratch = tokens > kTokens;
-  std::vector<float> w(scratch ? kRows * k : 0);
+void panel_product(const float* x, const float* lows, const uint8_t* q, const float* d, const float* m, int64_t bits,
+                   int64_t halves, int64_t k, int64_t n, int64_t tokens, int64_t p0, int64_t p1, float* out) {
   for (int64_t group = p0; group < p1; ++group) {
     const int64_t r0 = group * kRows, rows = std::min(kRows, n - r0);
-    if (!scratch) {
-      // The next group's q, d and m requested while this one is multiplied: a tile decoding its rows reads four
-      // rows at once, which the hardware's prefetch follows poorly (Q8_0 [49152, 576] at 1 token, 2 threads, AVX2
-      // EPYC: 3.2 ms without the requests, 1.5 with them, 2.0 through a scratch). Written here: moved into a
-      // function of their own, whose only effect is a prefetch, GCC dropped its calls.
-      if (group + 1 < p1) {
-        const int64_t row_bytes = k * bits / 8, scales = k / kBlock * halves;
-        const char* next_q = reinterpret_cast<const char*>(q + (r0 + kRows) * row_bytes);
-        for (int64_t o = 0; o < kRows * row_bytes; o += 64) _mm_prefetch(next_q + o, _MM_HINT_T0);
-        const char* next_d = reinterpret_cast<const char*>(d + (r0 + kRows) * scales);
-        for (int64_t o = 0; o < kRows * scales * 4; o += 64) _mm_prefetch(next_d + o, _MM_HINT_T0);
-        if (m) {
-          const char* next_m = reinterpret_cast<const char*>(m + (r0 + kRows) * scales);
-          for (int64_t o = 0; o < kRows * scales * 4; o += 64) _mm_prefetch(next_m + o, _MM_HINT_T0);
-        }
+    // The next group's q, d and m requested while this one is multiplied: a tile decoding its rows reads several
+    // rows at once, which the hardware's prefetch follows poorly (Q8_0 [49152, 576] at 1 token, 2 threads, AVX2 EPYC:
+    // 3.2 ms without the requests, 1.5 with them). Written here: moved into a function of their own, whose only
+    // effect is a prefetch, GCC dropped its calls.
+    if (group + 1 < p1) {
+      const int64_t row_bytes = k * bits / 8, scales = k / kBlock * halves;
+      const char* next_q = reinterpret_cast<const char*>(q + (r0 + kRows) * row_bytes);
+      for (int64_t o = 0; o < kRows * row_bytes; o += 64) _mm_prefetch(next_q + o, _MM_HINT_T0);
+      const char* next_d = reinterpret_cast<const char*>(d + (r0 + kRows) * scales);
+      for (int64_t o = 0; o < kRows * scales * 4; o += 64) _mm_prefetch(next_d + o, _MM_HINT_T0);
+      if (m) {
+        const char* next_m = reinterpret_cast<const char*>(m + (r0 + kRows) * scales);
+        for (int64_t o = 0; o < kRows * scales * 4; o += 64) _mm_prefetch(next_m + o, _MM_HINT_T0);
       }
-      rows_tokens<true>(q, d, m, bits, halves, k, r0, rows, nullptr, x, tokens, out, n);
-      continue;
     }
-    dequantize_rows(q, d, m, bits, halves, k, r0, rows, w.data());
-    rows_tokens<false>(q, d, m, bits, halves, k, r0, rows, w.data(), x, tokens, out, n);
+    rows_tokens(q, d, m, bits, halves, k, r0, rows, x, lows, tokens, out, n);
   }
 }
 
@@ -514,8 +549,17 @@ at::Tensor block_linear_form(at::Tensor x, at::Tensor q, at::Tensor d, std::opti
     });
     return out.view(shape);
   }
+  // With m, x's sum over each block (or half-block) of each token, the lanes form's m terms: summed in order.
+  const int64_t count = k / kBlock * halves, span = k / count;
+  std::vector<float> lows(m ? tokens * count : 0);
+  for (int64_t i = 0; i < static_cast<int64_t>(lows.size()); ++i) {
+    float sum = 0.0f;
+    for (int64_t j = 0; j < span; ++j) sum += x_data[i * span + j];
+    lows[i] = sum;
+  }
+  const float* lows_data = m ? lows.data() : nullptr;
   at::parallel_for(0, (n + kRows - 1) / kRows, 8, [&](int64_t begin, int64_t end) {
-    panel_product(x_data, q_data, d_data, m_data, bits, halves, k, n, tokens, begin, end, out_data);
+    panel_product(x_data, lows_data, q_data, d_data, m_data, bits, halves, k, n, tokens, begin, end, out_data);
   });
   return out.view(shape);
 }
