@@ -60,23 +60,6 @@ inline void decode_block_avx512(const uint8_t* q, int64_t bits, __m512& low, __m
     high = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q + 16))));
   }
 }
-#elif defined(__AVX2__)
-// The block's q as four vectors of 8 floats.
-inline void decode_block_avx2(const uint8_t* q, int64_t bits, __m256* parts) {
-  if (bits == 4) {
-    const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q));
-    const __m128i nibble = _mm_set1_epi8(0x0F);
-    const __m128i low = _mm_and_si128(bytes, nibble), high = _mm_and_si128(_mm_srli_epi16(bytes, 4), nibble);
-    parts[0] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(low));
-    parts[1] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(low, 8)));
-    parts[2] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(high));
-    parts[3] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(high, 8)));
-  } else {
-    for (int64_t i = 0; i < 4; ++i)
-      parts[i] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(q + 8 * i))));
-  }
-}
-
 #endif
 
 // The lanes form: tiles of kRows rows x up to kTokens tokens, or one row x up to kWide tokens for more tokens (vector
@@ -220,7 +203,7 @@ inline void dequantize_rows(const uint8_t* q, const float* d, const float* m, in
 }
 
 // acc + d * (the block's q times x), its sum taken a block (or a half-block, each with its own d) at a time: the
-// order of every lanes-form sum, whether the block was decoded in the tile or read from a scratch.
+// order of every lanes-form sum, whatever the tile's shape.
 __attribute__((always_inline)) inline Lanes add_block(const Lanes* w, const float* x, const float* scale,
                                                       int64_t halves, Lanes acc) {
   if (halves == 1) {
