@@ -48,9 +48,17 @@ def test_kernels_run_on_a_gpu_or_interpreted() -> None:
 
 
 # ------------------------------------------------------------------------------------- elementwise kernels
+@pytest.fixture(params=sorted({1, 2, tk.ROWS}), ids=lambda rows: f"rows{rows}")
+def rows_per_program(request, monkeypatch) -> int:
+    """Each elementwise kernel at the rows a program takes on a GPU (1) and under the interpreter, and 2: the
+    tests' 2-3 tokens then fill a tile and leave one partial."""
+    monkeypatch.setattr(tk, "ROWS", request.param)
+    return request.param
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("shape", SHAPES.values(), ids=SHAPES.keys())
-def test_add_rms_norm_is_the_residual_add_and_transformers_rms_norm(shape, dtype) -> None:
+def test_add_rms_norm_is_the_residual_add_and_transformers_rms_norm(shape, dtype, rows_per_program) -> None:
     generator = torch.Generator().manual_seed(0)
     hidden = _random(3, shape.hidden, dtype=dtype, generator=generator, scale=3.0)
     delta = _random(3, shape.hidden, dtype=dtype, generator=generator)
@@ -65,7 +73,7 @@ def test_add_rms_norm_is_the_residual_add_and_transformers_rms_norm(shape, dtype
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("shape", SHAPES.values(), ids=SHAPES.keys())
-def test_silu_mul_is_silu_of_gate_times_up(shape, dtype) -> None:
+def test_silu_mul_is_silu_of_gate_times_up(shape, dtype, rows_per_program) -> None:
     generator = torch.Generator().manual_seed(1)
     gate_up = _random(2, 2 * shape.intermediate, dtype=dtype, generator=generator, scale=4.0)
     gate, up = gate_up.chunk(2, -1)
@@ -92,7 +100,7 @@ def _reference_rotary(qkv, cos, sin, slots, keys, values, shape, q_norm, k_norm,
 @pytest.mark.parametrize("qk_norm", [False, True], ids=["llama", "qwen3"])
 @pytest.mark.parametrize("shape", SHAPES.values(), ids=SHAPES.keys())
 def test_rotary_write_kv_rotates_q_and_k_and_writes_k_and_v_into_their_slots(
-    shape, qk_norm, dtype, cos_dtype, pool_dtype
+    shape, qk_norm, dtype, cos_dtype, pool_dtype, rows_per_program
 ) -> None:
     generator = torch.Generator().manual_seed(2)
     tokens, blocks, eps = 3, 4, 1e-6

@@ -54,6 +54,11 @@ TARGET_PROGRAMS = 2 * 132
 # Fewest keys a split covers (below that the partials' traffic and the combine outweigh the parallelism).
 MIN_SPLIT_KEYS = 256
 
+# Rows (tokens) each program of the elementwise kernels (add+RMSNorm, rotary + KV write, SiLU*mul) takes: one on a
+# GPU; the interpreter costs Python time per operation whatever a tile's size, so there a program takes 16 (the
+# engine's Triton test over a 70-node tree: 33 s with one row a program, most of it these kernels).
+ROWS = 16 if INTERPRET else 1
+
 _TL_DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
 
 
@@ -81,24 +86,25 @@ def _cast(x, dtype: tl.constexpr, EMULATE: tl.constexpr):
 # ------------------------------------------------------------------------------------------------ add + RMSNorm
 @triton.jit
 def _add_rms_norm_kernel(
-    hidden_ptr, delta_ptr, weight_ptr, residual_ptr, out_ptr, size, eps,
-    HAS_DELTA: tl.constexpr, BLOCK: tl.constexpr, EMULATE: tl.constexpr,
+    hidden_ptr, delta_ptr, weight_ptr, residual_ptr, out_ptr, tokens, size, eps,
+    HAS_DELTA: tl.constexpr, BLOCK: tl.constexpr, ROWS: tl.constexpr, EMULATE: tl.constexpr,
 ):
-    row = tl.program_id(0).to(tl.int64)
-    cols = tl.arange(0, BLOCK)
-    ok = cols < size
-    x = tl.load(hidden_ptr + row * size + cols, mask=ok, other=0.0).to(tl.float32)
+    rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)[:, None]
+    cols = tl.arange(0, BLOCK)[None, :]
+    ok = (rows < tokens) & (cols < size)
+    at = rows * size + cols
+    x = tl.load(hidden_ptr + at, mask=ok, other=0.0).to(tl.float32)
     dtype: tl.constexpr = hidden_ptr.dtype.element_ty
     if HAS_DELTA:
-        d = tl.load(delta_ptr + row * size + cols, mask=ok, other=0.0).to(tl.float32)
+        d = tl.load(delta_ptr + at, mask=ok, other=0.0).to(tl.float32)
         residual = _cast(x + d, dtype, EMULATE)
-        tl.store(residual_ptr + row * size + cols, residual, mask=ok)
+        tl.store(residual_ptr + at, residual, mask=ok)
         x = residual.to(tl.float32)
-    variance = tl.sum(x * x, 0) / size
+    variance = tl.sum(x * x, 1)[:, None] / size
     inv = tl.div_rn(1.0, tl.sqrt_rn(variance + eps))  # torch's rsqrt on a CPU: 1 / sqrt, both rounded
     normed = _cast(x * inv, dtype, EMULATE).to(tl.float32)
-    w = tl.load(weight_ptr + cols, mask=ok, other=0.0).to(tl.float32)
-    tl.store(out_ptr + row * size + cols, _cast(w * normed, out_ptr.dtype.element_ty, EMULATE), mask=ok)
+    w = tl.load(weight_ptr + cols, mask=cols < size, other=0.0).to(tl.float32)
+    tl.store(out_ptr + at, _cast(w * normed, out_ptr.dtype.element_ty, EMULATE), mask=ok)
 
 
 def add_rms_norm(hidden: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float
@@ -110,9 +116,9 @@ def add_rms_norm(hidden: torch.Tensor, delta: torch.Tensor | None, weight: torch
     residual = hidden if delta is None else torch.empty_like(hidden)
     out = torch.empty(tokens, size, dtype=torch.promote_types(weight.dtype, hidden.dtype), device=hidden.device)
     block = triton.next_power_of_2(size)
-    _add_rms_norm_kernel[(tokens,)](
-        hidden, hidden if delta is None else delta.contiguous(), weight, residual, out, size, eps,
-        HAS_DELTA=delta is not None, BLOCK=block, EMULATE=INTERPRET, num_warps=8 if block >= 4096 else 4,
+    _add_rms_norm_kernel[(triton.cdiv(tokens, ROWS),)](
+        hidden, hidden if delta is None else delta.contiguous(), weight, residual, out, tokens, size, eps,
+        HAS_DELTA=delta is not None, BLOCK=block, ROWS=ROWS, EMULATE=INTERPRET, num_warps=8 if block >= 4096 else 4,
     )
     return residual, out
 
@@ -120,28 +126,29 @@ def add_rms_norm(hidden: torch.Tensor, delta: torch.Tensor | None, weight: torch
 # ---------------------------------------------------------------------------------------- rotary + KV write
 @triton.jit
 def _rotary_write_kv_kernel(
-    qkv_ptr, cos_ptr, sin_ptr, slots_ptr, k_ptr, v_ptr, q_out_ptr, q_norm_ptr, k_norm_ptr, eps,
+    qkv_ptr, cos_ptr, sin_ptr, slots_ptr, k_ptr, v_ptr, q_out_ptr, q_norm_ptr, k_norm_ptr, tokens, eps,
     stride_xn, stride_cn, stride_sn, stride_kb, stride_kh, stride_kd, stride_vb, stride_vh, stride_vo,
     Q_HEADS: tl.constexpr, KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-    BLOCK_SIZE: tl.constexpr, NORM: tl.constexpr, NORM_DTYPE: tl.constexpr, EMULATE: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr, NORM: tl.constexpr, NORM_DTYPE: tl.constexpr, ROWS: tl.constexpr,
+    EMULATE: tl.constexpr,
 ):
-    token = tl.program_id(0).to(tl.int64)
+    token = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)[:, None]  # [ROWS, 1]
     head = tl.program_id(1)  # q heads, then k heads (each also copies its v head)
     HALF: tl.constexpr = HEAD_DIM // 2
-    d = tl.arange(0, BLOCK_D)
-    ok = d < HEAD_DIM
+    d = tl.arange(0, BLOCK_D)[None, :]
+    ok = (token < tokens) & (d < HEAD_DIM)
     partner = tl.where(d < HALF, d + HALF, d - HALF)  # rotate_half: cat(-x[D/2:], x[:D/2])
     base = qkv_ptr + token * stride_xn + head * HEAD_DIM
     x = tl.load(base + d, mask=ok, other=0.0).to(tl.float32)
     xp = tl.load(base + partner, mask=ok, other=0.0).to(tl.float32)
     if NORM:  # Qwen3: RMSNorm over the head before the rotary, rounded as transformers' RMSNorm rounds
-        is_q = (tl.zeros([BLOCK_D], tl.int32) + head) < Q_HEADS
+        is_q = (tl.zeros([1, BLOCK_D], tl.int32) + head) < Q_HEADS
         in_dtype: tl.constexpr = qkv_ptr.dtype.element_ty
-        inv = tl.div_rn(1.0, tl.sqrt_rn(tl.sum(x * x, 0) / HEAD_DIM + eps))
-        w = (tl.load(q_norm_ptr + d, mask=ok & is_q, other=0.0).to(tl.float32)
-             + tl.load(k_norm_ptr + d, mask=ok & ~is_q, other=0.0).to(tl.float32))
-        wp = (tl.load(q_norm_ptr + partner, mask=ok & is_q, other=0.0).to(tl.float32)
-              + tl.load(k_norm_ptr + partner, mask=ok & ~is_q, other=0.0).to(tl.float32))
+        inv = tl.div_rn(1.0, tl.sqrt_rn(tl.sum(x * x, 1)[:, None] / HEAD_DIM + eps))
+        w = (tl.load(q_norm_ptr + d, mask=(d < HEAD_DIM) & is_q, other=0.0).to(tl.float32)
+             + tl.load(k_norm_ptr + d, mask=(d < HEAD_DIM) & ~is_q, other=0.0).to(tl.float32))
+        wp = (tl.load(q_norm_ptr + partner, mask=(d < HEAD_DIM) & is_q, other=0.0).to(tl.float32)
+              + tl.load(k_norm_ptr + partner, mask=(d < HEAD_DIM) & ~is_q, other=0.0).to(tl.float32))
         x = _cast(w * _cast(x * inv, in_dtype, EMULATE).to(tl.float32), NORM_DTYPE, EMULATE).to(tl.float32)
         xp = _cast(wp * _cast(xp * inv, in_dtype, EMULATE).to(tl.float32), NORM_DTYPE, EMULATE).to(tl.float32)
     dtype: tl.constexpr = q_out_ptr.dtype.element_ty
@@ -154,7 +161,7 @@ def _rotary_write_kv_kernel(
         tl.store(q_out_ptr + (token * Q_HEADS + head) * HEAD_DIM + d, rotated, mask=ok)
     else:
         kv = head - Q_HEADS
-        slot = tl.load(slots_ptr + token)
+        slot = tl.load(slots_ptr + token, mask=token < tokens, other=0)
         block, offset = slot // BLOCK_SIZE, slot % BLOCK_SIZE
         key = _cast(rotated.to(tl.float32), k_ptr.dtype.element_ty, EMULATE)
         tl.store(k_ptr + block * stride_kb + kv * stride_kh + d * stride_kd + offset, key, mask=ok)
@@ -180,26 +187,28 @@ def rotary_write_kv(
     norm_dtype = torch.promote_types(q_norm.dtype, qkv.dtype) if norm else qkv.dtype
     q_out = torch.empty(tokens, q_heads, head_dim, dtype=torch.promote_types(norm_dtype, cos.dtype),
                         device=qkv.device)
-    _rotary_write_kv_kernel[(tokens, q_heads + kv_heads)](
-        qkv, cos, sin, slots, k_cache, v_cache, q_out, q_norm if norm else qkv, k_norm if norm else qkv, eps,
+    _rotary_write_kv_kernel[(triton.cdiv(tokens, ROWS), q_heads + kv_heads)](
+        qkv, cos, sin, slots, k_cache, v_cache, q_out, q_norm if norm else qkv, k_norm if norm else qkv, tokens, eps,
         qkv.stride(0), cos.stride(0), sin.stride(0), *k_cache.stride()[:3], *v_cache.stride()[:3],
         Q_HEADS=q_heads, KV_HEADS=kv_heads, HEAD_DIM=head_dim, BLOCK_D=triton.next_power_of_2(head_dim),
-        BLOCK_SIZE=k_cache.shape[-1], NORM=norm, NORM_DTYPE=_TL_DTYPES[norm_dtype], EMULATE=INTERPRET, num_warps=1,
+        BLOCK_SIZE=k_cache.shape[-1], NORM=norm, NORM_DTYPE=_TL_DTYPES[norm_dtype], ROWS=ROWS, EMULATE=INTERPRET,
+        num_warps=1,
     )
     return q_out
 
 
 # ---------------------------------------------------------------------------------------------- SiLU * mul
 @triton.jit
-def _silu_mul_kernel(gate_up_ptr, out_ptr, size, BLOCK: tl.constexpr, EMULATE: tl.constexpr):
-    row = tl.program_id(0).to(tl.int64)
-    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-    ok = cols < size
-    gate = tl.load(gate_up_ptr + row * 2 * size + cols, mask=ok, other=0.0).to(tl.float32)
-    up = tl.load(gate_up_ptr + row * 2 * size + size + cols, mask=ok, other=0.0).to(tl.float32)
+def _silu_mul_kernel(gate_up_ptr, out_ptr, tokens, size, BLOCK: tl.constexpr, ROWS: tl.constexpr,
+                     EMULATE: tl.constexpr):
+    rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)[:, None]
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)[None, :]
+    ok = (rows < tokens) & (cols < size)
+    gate = tl.load(gate_up_ptr + rows * 2 * size + cols, mask=ok, other=0.0).to(tl.float32)
+    up = tl.load(gate_up_ptr + rows * 2 * size + size + cols, mask=ok, other=0.0).to(tl.float32)
     dtype: tl.constexpr = out_ptr.dtype.element_ty
     silu = _cast(gate / (1.0 + tl.exp(-gate)), dtype, EMULATE).to(tl.float32)
-    tl.store(out_ptr + row * size + cols, _cast(silu * up, dtype, EMULATE), mask=ok)
+    tl.store(out_ptr + rows * size + cols, _cast(silu * up, dtype, EMULATE), mask=ok)
 
 
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
@@ -209,7 +218,8 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     size = width // 2
     out = torch.empty(tokens, size, dtype=gate_up.dtype, device=gate_up.device)
     block = min(1024, triton.next_power_of_2(size))
-    _silu_mul_kernel[(tokens, triton.cdiv(size, block))](gate_up, out, size, BLOCK=block, EMULATE=INTERPRET)
+    _silu_mul_kernel[(triton.cdiv(tokens, ROWS), triton.cdiv(size, block))](
+        gate_up, out, tokens, size, BLOCK=block, ROWS=ROWS, EMULATE=INTERPRET)
     return out
 
 
@@ -530,23 +540,23 @@ def sm90_compile_specs(shape: KernelShape) -> list[tuple[object, dict[str, str],
     ptr = f"*{t}"
     tl_dtype = {"bf16": tl.bfloat16, "fp16": tl.float16, "fp32": tl.float32}[t]
     norm = {"hidden_ptr": ptr, "delta_ptr": ptr, "weight_ptr": ptr, "residual_ptr": ptr, "out_ptr": ptr,
-            "size": "i32", "eps": "fp32"}
+            "tokens": "i32", "size": "i32", "eps": "fp32"}
     block = triton.next_power_of_2(shape.hidden)
     specs: list[tuple[object, dict[str, str], dict[str, object]]] = [
-        (_add_rms_norm_kernel, norm, {"HAS_DELTA": True, "BLOCK": block, "EMULATE": False}),
-        (_add_rms_norm_kernel, norm, {"HAS_DELTA": False, "BLOCK": block, "EMULATE": False}),
-        (_silu_mul_kernel, {"gate_up_ptr": ptr, "out_ptr": ptr, "size": "i32"},
-         {"BLOCK": min(1024, triton.next_power_of_2(shape.intermediate)), "EMULATE": False}),
+        (_add_rms_norm_kernel, norm, {"HAS_DELTA": True, "BLOCK": block, "ROWS": 1, "EMULATE": False}),
+        (_add_rms_norm_kernel, norm, {"HAS_DELTA": False, "BLOCK": block, "ROWS": 1, "EMULATE": False}),
+        (_silu_mul_kernel, {"gate_up_ptr": ptr, "out_ptr": ptr, "tokens": "i32", "size": "i32"},
+         {"BLOCK": min(1024, triton.next_power_of_2(shape.intermediate)), "ROWS": 1, "EMULATE": False}),
     ]
     rotary = {"qkv_ptr": ptr, "cos_ptr": ptr, "sin_ptr": ptr, "slots_ptr": "*i64", "k_ptr": ptr, "v_ptr": ptr,
-              "q_out_ptr": ptr, "q_norm_ptr": ptr, "k_norm_ptr": ptr, "eps": "fp32",
+              "q_out_ptr": ptr, "q_norm_ptr": ptr, "k_norm_ptr": ptr, "tokens": "i32", "eps": "fp32",
               **{name: "i32" for name in ("stride_xn", "stride_cn", "stride_sn", "stride_kb", "stride_kh",
                                           "stride_kd", "stride_vb", "stride_vh", "stride_vo")}}
     for qk_norm in (False, True):
         specs.append((_rotary_write_kv_kernel, rotary, {
             "Q_HEADS": shape.q_heads, "KV_HEADS": shape.kv_heads, "HEAD_DIM": shape.head_dim,
             "BLOCK_D": triton.next_power_of_2(shape.head_dim), "BLOCK_SIZE": shape.block_size, "NORM": qk_norm,
-            "NORM_DTYPE": tl_dtype, "EMULATE": False}))
+            "NORM_DTYPE": tl_dtype, "ROWS": 1, "EMULATE": False}))
     attention = {"q_ptr": ptr, "k_ptr": ptr, "v_ptr": ptr, "tables_ptr": "*i32", "prefix_ptr": "*i32",
                  "mask_ptr": "*i64", "out_ptr": ptr, "part_acc_ptr": "*fp32", "part_stat_ptr": "*fp32",
                  "scale_log2": "fp32",
