@@ -50,8 +50,8 @@ def test_kernels_run_on_a_gpu_or_interpreted() -> None:
 # ------------------------------------------------------------------------------------- elementwise kernels
 @pytest.fixture(params=sorted({1, 2, tk.ROWS}), ids=lambda rows: f"rows{rows}")
 def rows_per_program(request, monkeypatch) -> int:
-    """Each elementwise kernel at the rows a program takes on a GPU (1) and under the interpreter, and 2: the
-    tests' 2-3 tokens then fill a tile and leave one partial."""
+    """Each elementwise kernel and the split combine at the rows a program takes on a GPU (1) and under the
+    interpreter, and 2: the elementwise tests' 2-3 tokens then fill a tile and leave one partial."""
     monkeypatch.setattr(tk, "ROWS", request.param)
     return request.param
 
@@ -230,9 +230,10 @@ def test_paged_attention_matches_the_reference_in_bf16(shape_name, kind, splits)
     _check_attention(SHAPES[shape_name], torch.bfloat16, kind, ROWS[shape_name], padding=1, splits=splits)
 
 
-def test_paged_attention_covers_keys_past_one_split() -> None:
+def test_paged_attention_covers_keys_past_one_split(rows_per_program) -> None:
     """A row longer than a split's range (its keys combined across splits; 20 splits: more than the combine
-    reads at once, most of them past the row), split and unsplit."""
+    reads at once, most of them past the row), split and unsplit; 18 queries: a partial last tile of the
+    combine's programs at 16 and at 2 queries a program."""
     for splits in (1, 4, 20):
         _check_attention(tk.SMOLLM2_135M, torch.float32, "decode", [300, 2], padding=0, splits=splits)
 

@@ -54,9 +54,10 @@ TARGET_PROGRAMS = 2 * 132
 # Fewest keys a split covers (below that the partials' traffic and the combine outweigh the parallelism).
 MIN_SPLIT_KEYS = 256
 
-# Rows (tokens) each program of the elementwise kernels (add+RMSNorm, rotary + KV write, SiLU*mul) takes: one on a
-# GPU; the interpreter costs Python time per operation whatever a tile's size, so there a program takes 16 (the
-# engine's Triton test over a 70-node tree: 33 s with one row a program, most of it these kernels).
+# Rows each program of the elementwise kernels (add+RMSNorm, rotary + KV write, SiLU*mul: tokens) and of the split
+# combine (a token's query heads) takes: one on a GPU; the interpreter costs Python time per operation whatever a
+# tile's size, so there a program takes 16 (the engine's Triton test over a 70-node tree: 33 s with one row a
+# program, most of it these kernels).
 ROWS = 16 if INTERPRET else 1
 
 _TL_DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
@@ -345,29 +346,34 @@ def _paged_attention_kernel(
 
 
 @triton.jit
-def _combine_splits_kernel(part_acc_ptr, part_stat_ptr, out_ptr, splits, HEAD_DIM: tl.constexpr,
-                           BLOCK_S: tl.constexpr, EMULATE: tl.constexpr):
-    query = tl.program_id(0).to(tl.int64)  # token * heads + head: the output's row of HEAD_DIM
+def _combine_splits_kernel(part_acc_ptr, part_stat_ptr, out_ptr, queries, splits, HEAD_DIM: tl.constexpr,
+                           BLOCK_S: tl.constexpr, ROWS: tl.constexpr, EMULATE: tl.constexpr):
+    query = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)  # token * heads + head: an output row
+    live = query < queries
     d = tl.arange(0, HEAD_DIM)
     first = query * splits
-    top = tl.full([BLOCK_S], float("-inf"), tl.float32)
+    top = tl.full([ROWS, BLOCK_S], float("-inf"), tl.float32)
     for s0 in range(0, splits, BLOCK_S):  # the largest running max over the splits
         s = s0 + tl.arange(0, BLOCK_S)
-        top = tl.maximum(top, tl.load(part_stat_ptr + (first + s) * 2, mask=s < splits, other=float("-inf")))
-    top = tl.max(top, 0)
+        ok = live[:, None] & (s[None, :] < splits)
+        top = tl.maximum(top, tl.load(part_stat_ptr + (first[:, None] + s[None, :]) * 2, mask=ok,
+                                      other=float("-inf")))
+    top = tl.max(top, 1)
     top = tl.where(top == float("-inf"), 0.0, top)  # every split empty: all weights 0
-    norm = tl.zeros([BLOCK_S], tl.float32)
-    acc = tl.zeros([BLOCK_S, HEAD_DIM], tl.float32)
+    norm = tl.zeros([ROWS, BLOCK_S], tl.float32)
+    acc = tl.zeros([ROWS, BLOCK_S, HEAD_DIM], tl.float32)
     for s0 in range(0, splits, BLOCK_S):
         s = s0 + tl.arange(0, BLOCK_S)
-        ok = s < splits
-        weight = tl.exp2(tl.load(part_stat_ptr + (first + s) * 2, mask=ok, other=float("-inf")) - top)
-        norm += weight * tl.load(part_stat_ptr + (first + s) * 2 + 1, mask=ok, other=0.0)
-        acc += weight[:, None] * tl.load(part_acc_ptr + (first + s)[:, None] * HEAD_DIM + d[None, :],
-                                         mask=ok[:, None], other=0.0)
-    total = tl.sum(norm, 0)
-    out = tl.sum(acc, 0) / tl.where(total > 0, total, 1.0)
-    tl.store(out_ptr + query * HEAD_DIM + d, _cast(out, out_ptr.dtype.element_ty, EMULATE))
+        ok = live[:, None] & (s[None, :] < splits)
+        at = first[:, None] + s[None, :]
+        weight = tl.exp2(tl.load(part_stat_ptr + at * 2, mask=ok, other=float("-inf")) - top[:, None])
+        norm += weight * tl.load(part_stat_ptr + at * 2 + 1, mask=ok, other=0.0)
+        acc += weight[:, :, None] * tl.load(part_acc_ptr + at[:, :, None] * HEAD_DIM + d[None, None, :],
+                                            mask=ok[:, :, None], other=0.0)
+    total = tl.sum(norm, 1)
+    out = tl.sum(acc, 1) / tl.where(total > 0, total, 1.0)[:, None]
+    tl.store(out_ptr + query[:, None] * HEAD_DIM + d[None, :], _cast(out, out_ptr.dtype.element_ty, EMULATE),
+             mask=live[:, None])
 
 
 def query_tile(per_row: int, group: int) -> int:
@@ -418,9 +424,9 @@ def paged_attention(
         FP32=q.dtype == torch.float32, UPCAST=INTERPRET, EMULATE=INTERPRET, num_warps=4,
     )
     if splits > 1:
-        _combine_splits_kernel[(tokens * q_heads,)](
-            part_acc, part_stat, out, splits, HEAD_DIM=head_dim, BLOCK_S=min(16, triton.next_power_of_2(splits)),
-            EMULATE=INTERPRET, num_warps=2,
+        _combine_splits_kernel[(triton.cdiv(tokens * q_heads, ROWS),)](
+            part_acc, part_stat, out, tokens * q_heads, splits, HEAD_DIM=head_dim,
+            BLOCK_S=min(16, triton.next_power_of_2(splits)), ROWS=ROWS, EMULATE=INTERPRET, num_warps=2,
         )
     return out
 
@@ -571,8 +577,8 @@ def sm90_compile_specs(shape: KernelShape) -> list[tuple[object, dict[str, str],
             "BLOCK_M": query_tile(per_row, group), "BLOCK_N": BLOCK_N, "SPLIT": split, "FP32": t == "fp32",
             "UPCAST": False, "EMULATE": False}))
     specs.append((_combine_splits_kernel, {"part_acc_ptr": "*fp32", "part_stat_ptr": "*fp32", "out_ptr": ptr,
-                                           "splits": "i32"},
-                  {"HEAD_DIM": shape.head_dim, "BLOCK_S": 16, "EMULATE": False}))
+                                           "queries": "i32", "splits": "i32"},
+                  {"HEAD_DIM": shape.head_dim, "BLOCK_S": 16, "ROWS": 1, "EMULATE": False}))
     blocks = {"x_ptr": ptr, "d_ptr": "*fp32", "m_ptr": "*fp32", "out_ptr": ptr,
               **{name: "i32" for name in ("tokens", "rows", "cols", "stride_xm", "stride_om")}}
     for bits, q_type, group in ((4, "*u8", 32), (8, "*i8", 32), (8, "*i8", 16)):  # Q4_x, Q8_0, Q6_K
