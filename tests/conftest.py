@@ -176,11 +176,12 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
 # server, its engines) are built once. Modules go out longest first (their wall time in a whole run, seconds), so
 # the run ends on short ones that fill both workers: ending on a long module that mostly waits (a server's start, a
 # killed driver) left one worker and most of a core idle for its last 35 s.
-HEAVY_FIRST = ["test_real_model", "test_pipeline", "test_serve", "test_processor", "test_engine",  # 250-100
-               "test_triton_kernels", "test_lora", "test_engine_triton", "test_serve_shutdown", "test_serve_llm",  # -58
-               "test_tool_calls", "test_constrained", "test_cluster", "test_limits", "test_pipeline_s3",  # 48-30
-               "test_training", "test_bad_inputs", "test_sampling_params", "test_lease", "test_prefix_cache",  # -16
-               "test_device_hazards", "test_grammar", "test_verify_batched", "test_layer_skip", "test_gguf_blocks"]
+HEAVY_FIRST = ["test_real_model", "test_pipeline", "test_processor", "test_serve", "test_engine",  # 380-220
+               "test_serve_llm", "test_tool_calls", "test_serve_shutdown", "test_triton_kernels",  # 130-100
+               "test_constrained", "test_lora", "test_cluster", "test_training", "test_engine_triton",  # 85-55
+               "test_limits", "test_sampling_params", "test_pipeline_s3", "test_bad_inputs",  # 55-35
+               "test_device_hazards", "test_prefix_cache", "test_grammar", "test_layer_skip", "test_lease",  # 30-18
+               "test_packed_checkpoints", "test_gguf_blocks"]
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
