@@ -48,11 +48,11 @@ def test_kernels_run_on_a_gpu_or_interpreted() -> None:
 
 
 # ------------------------------------------------------------------------------------- elementwise kernels
-@pytest.fixture(params=sorted({1, 2, tk.ROWS}), ids=lambda rows: f"rows{rows}")
+@pytest.fixture(params=sorted({1, 2, tk.ROWS_PER_PROGRAM}), ids=lambda rows: f"rows{rows}")
 def rows_per_program(request, monkeypatch) -> int:
     """Each elementwise kernel and the split combine at the rows a program takes on a GPU (1) and under the
     interpreter, and 2: the elementwise tests' 2-3 tokens then fill a tile and leave one partial."""
-    monkeypatch.setattr(tk, "ROWS", request.param)
+    monkeypatch.setattr(tk, "ROWS_PER_PROGRAM", request.param)
     return request.param
 
 

@@ -58,7 +58,7 @@ MIN_SPLIT_KEYS = 256
 # combine (a token's query heads) takes: one on a GPU; the interpreter costs Python time per operation whatever a
 # tile's size, so there a program takes 16 (the engine's Triton test over a 70-node tree: 33 s with one row a
 # program, most of it these kernels).
-ROWS = 16 if INTERPRET else 1
+ROWS_PER_PROGRAM = 16 if INTERPRET else 1
 
 _TL_DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
 
@@ -92,7 +92,8 @@ def _add_rms_norm_kernel(
 ):
     rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)[:, None]
     cols = tl.arange(0, BLOCK)[None, :]
-    ok = (rows < tokens) & (cols < size)
+    in_row = cols < size
+    ok = (rows < tokens) & in_row
     at = rows * size + cols
     x = tl.load(hidden_ptr + at, mask=ok, other=0.0).to(tl.float32)
     dtype: tl.constexpr = hidden_ptr.dtype.element_ty
@@ -104,7 +105,7 @@ def _add_rms_norm_kernel(
     variance = tl.sum(x * x, 1)[:, None] / size
     inv = tl.div_rn(1.0, tl.sqrt_rn(variance + eps))  # torch's rsqrt on a CPU: 1 / sqrt, both rounded
     normed = _cast(x * inv, dtype, EMULATE).to(tl.float32)
-    w = tl.load(weight_ptr + cols, mask=cols < size, other=0.0).to(tl.float32)
+    w = tl.load(weight_ptr + cols, mask=in_row, other=0.0).to(tl.float32)
     tl.store(out_ptr + at, _cast(w * normed, out_ptr.dtype.element_ty, EMULATE), mask=ok)
 
 
@@ -117,9 +118,10 @@ def add_rms_norm(hidden: torch.Tensor, delta: torch.Tensor | None, weight: torch
     residual = hidden if delta is None else torch.empty_like(hidden)
     out = torch.empty(tokens, size, dtype=torch.promote_types(weight.dtype, hidden.dtype), device=hidden.device)
     block = triton.next_power_of_2(size)
-    _add_rms_norm_kernel[(triton.cdiv(tokens, ROWS),)](
+    _add_rms_norm_kernel[(triton.cdiv(tokens, ROWS_PER_PROGRAM),)](
         hidden, hidden if delta is None else delta.contiguous(), weight, residual, out, tokens, size, eps,
-        HAS_DELTA=delta is not None, BLOCK=block, ROWS=ROWS, EMULATE=INTERPRET, num_warps=8 if block >= 4096 else 4,
+        HAS_DELTA=delta is not None, BLOCK=block, ROWS=ROWS_PER_PROGRAM, EMULATE=INTERPRET,
+        num_warps=8 if block >= 4096 else 4,
     )
     return residual, out
 
@@ -137,7 +139,8 @@ def _rotary_write_kv_kernel(
     head = tl.program_id(1)  # q heads, then k heads (each also copies its v head)
     HALF: tl.constexpr = HEAD_DIM // 2
     d = tl.arange(0, BLOCK_D)[None, :]
-    ok = (token < tokens) & (d < HEAD_DIM)
+    in_head = d < HEAD_DIM
+    ok = (token < tokens) & in_head
     partner = tl.where(d < HALF, d + HALF, d - HALF)  # rotate_half: cat(-x[D/2:], x[:D/2])
     base = qkv_ptr + token * stride_xn + head * HEAD_DIM
     x = tl.load(base + d, mask=ok, other=0.0).to(tl.float32)
@@ -146,10 +149,10 @@ def _rotary_write_kv_kernel(
         is_q = (tl.zeros([1, BLOCK_D], tl.int32) + head) < Q_HEADS
         in_dtype: tl.constexpr = qkv_ptr.dtype.element_ty
         inv = tl.div_rn(1.0, tl.sqrt_rn(tl.sum(x * x, 1)[:, None] / HEAD_DIM + eps))
-        w = (tl.load(q_norm_ptr + d, mask=(d < HEAD_DIM) & is_q, other=0.0).to(tl.float32)
-             + tl.load(k_norm_ptr + d, mask=(d < HEAD_DIM) & ~is_q, other=0.0).to(tl.float32))
-        wp = (tl.load(q_norm_ptr + partner, mask=(d < HEAD_DIM) & is_q, other=0.0).to(tl.float32)
-              + tl.load(k_norm_ptr + partner, mask=(d < HEAD_DIM) & ~is_q, other=0.0).to(tl.float32))
+        w = (tl.load(q_norm_ptr + d, mask=in_head & is_q, other=0.0).to(tl.float32)
+             + tl.load(k_norm_ptr + d, mask=in_head & ~is_q, other=0.0).to(tl.float32))
+        wp = (tl.load(q_norm_ptr + partner, mask=in_head & is_q, other=0.0).to(tl.float32)
+              + tl.load(k_norm_ptr + partner, mask=in_head & ~is_q, other=0.0).to(tl.float32))
         x = _cast(w * _cast(x * inv, in_dtype, EMULATE).to(tl.float32), NORM_DTYPE, EMULATE).to(tl.float32)
         xp = _cast(wp * _cast(xp * inv, in_dtype, EMULATE).to(tl.float32), NORM_DTYPE, EMULATE).to(tl.float32)
     dtype: tl.constexpr = q_out_ptr.dtype.element_ty
@@ -188,12 +191,12 @@ def rotary_write_kv(
     norm_dtype = torch.promote_types(q_norm.dtype, qkv.dtype) if norm else qkv.dtype
     q_out = torch.empty(tokens, q_heads, head_dim, dtype=torch.promote_types(norm_dtype, cos.dtype),
                         device=qkv.device)
-    _rotary_write_kv_kernel[(triton.cdiv(tokens, ROWS), q_heads + kv_heads)](
+    _rotary_write_kv_kernel[(triton.cdiv(tokens, ROWS_PER_PROGRAM), q_heads + kv_heads)](
         qkv, cos, sin, slots, k_cache, v_cache, q_out, q_norm if norm else qkv, k_norm if norm else qkv, tokens, eps,
         qkv.stride(0), cos.stride(0), sin.stride(0), *k_cache.stride()[:3], *v_cache.stride()[:3],
         Q_HEADS=q_heads, KV_HEADS=kv_heads, HEAD_DIM=head_dim, BLOCK_D=triton.next_power_of_2(head_dim),
-        BLOCK_SIZE=k_cache.shape[-1], NORM=norm, NORM_DTYPE=_TL_DTYPES[norm_dtype], ROWS=ROWS, EMULATE=INTERPRET,
-        num_warps=1,
+        BLOCK_SIZE=k_cache.shape[-1], NORM=norm, NORM_DTYPE=_TL_DTYPES[norm_dtype], ROWS=ROWS_PER_PROGRAM,
+        EMULATE=INTERPRET, num_warps=1,
     )
     return q_out
 
@@ -219,8 +222,8 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     size = width // 2
     out = torch.empty(tokens, size, dtype=gate_up.dtype, device=gate_up.device)
     block = min(1024, triton.next_power_of_2(size))
-    _silu_mul_kernel[(triton.cdiv(tokens, ROWS), triton.cdiv(size, block))](
-        gate_up, out, tokens, size, BLOCK=block, ROWS=ROWS, EMULATE=INTERPRET)
+    _silu_mul_kernel[(triton.cdiv(tokens, ROWS_PER_PROGRAM), triton.cdiv(size, block))](
+        gate_up, out, tokens, size, BLOCK=block, ROWS=ROWS_PER_PROGRAM, EMULATE=INTERPRET)
     return out
 
 
@@ -424,9 +427,9 @@ def paged_attention(
         FP32=q.dtype == torch.float32, UPCAST=INTERPRET, EMULATE=INTERPRET, num_warps=4,
     )
     if splits > 1:
-        _combine_splits_kernel[(triton.cdiv(tokens * q_heads, ROWS),)](
+        _combine_splits_kernel[(triton.cdiv(tokens * q_heads, ROWS_PER_PROGRAM),)](
             part_acc, part_stat, out, tokens * q_heads, splits, HEAD_DIM=head_dim,
-            BLOCK_S=min(16, triton.next_power_of_2(splits)), ROWS=ROWS, EMULATE=INTERPRET, num_warps=2,
+            BLOCK_S=min(16, triton.next_power_of_2(splits)), ROWS=ROWS_PER_PROGRAM, EMULATE=INTERPRET, num_warps=2,
         )
     return out
 
