@@ -12,7 +12,7 @@ import weakref
 import pytest
 import torch
 from engine_cases import PROMPTS
-from tiny import tiny_model, tiny_tokenizer
+from tiny import gguf_pair, tiny_model, tiny_tokenizer
 from transformers import (
     GemmaConfig,
     GemmaForCausalLM,
@@ -204,9 +204,9 @@ def test_the_cpu_kernel_computes_what_the_reference_computes(dtype) -> None:
 
 
 def test_the_compiled_stack_computes_what_the_eager_stack_computes(monkeypatch, tmp_path, caplog) -> None:
-    """The layer stack compiled ahead of time (a float model and an int4 twin), for several batch shapes from one
-    package, loaded without leaving its extracted files behind; a stack that cannot compile runs eagerly, with a
-    warning."""
+    """The layer stack compiled ahead of time (a float model, an int4 twin and a twin multiplying GGUF blocks, each
+    calling the C++ kernels through their C entry points), for several batch shapes from one package, loaded without
+    leaving its extracted files behind; a stack that cannot compile runs eagerly, with a warning."""
     if not cpu_kernel():
         pytest.skip("no C++ compiler")
     from decoding.model import compiled_forward
@@ -222,17 +222,18 @@ def test_the_compiled_stack_computes_what_the_eager_stack_computes(monkeypatch, 
     compiled_mode = Execution.resolve(ExecutionConfig(), cpu)
     assert compiled_mode.compile and not eager_mode.compile
     target = tiny_model()
-    for model in (target, quantized(target, "int4", head=None)):  # the eager head: compared without its rounding
+    int4 = quantized(target, "int4", head=None)  # the eager head: compared without its rounding
+    for model in (target, int4, gguf_pair(target, tmp_path / "tiny.gguf")[1]):
         eager, compiled = LeanCausalLM(model), LeanCausalLM(model)
         eager.prepare(eager_mode)
         compiled.prepare(compiled_mode)
         assert compiled.compiled() is not None
-        tolerance = 1e-5 if model is target else 0.05
+        tolerance = 0.05 if model is int4 else 1e-5
         for (logits, hidden), (c_logits, c_hidden) in zip(_tree_forwards(eager, model.config, eager_mode),
                                                           _tree_forwards(compiled, model.config, compiled_mode)):
             torch.testing.assert_close(c_logits, logits, atol=tolerance, rtol=tolerance)
             torch.testing.assert_close(c_hidden, hidden, atol=tolerance, rtol=tolerance)
-    assert len(compiled_forward._loaded) == 2 and not list(temp.glob("aotinductor*"))
+    assert len(compiled_forward._loaded) == 3 and not list(temp.glob("aotinductor*"))
 
     def no_compiler(*args, **kwargs):
         raise RuntimeError("no C++ compiler found")

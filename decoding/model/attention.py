@@ -31,7 +31,8 @@ from decoding.paths import cache_dir
 
 log = logging.getLogger(__name__)
 
-_SOURCES = [Path(__file__).parent / "csrc" / name for name in ("paged_attention.cpp", "quantized_linear.cpp")]
+_SOURCES = [Path(__file__).parent / "csrc" / name for name in ("paged_attention.cpp", "quantized_linear.cpp",
+                                                                  "compiled_calls.cpp")]
 _lock = threading.Lock()
 _BUILD_WAIT_S = 900  # a build takes 20-60 s on 2 cores; a holder this long is stuck
 _kernel_folder: dict[str, Path] = {}  # "folder": where the loaded kernel library lies
@@ -79,6 +80,7 @@ def _build_kernel() -> bool:
             if library.exists():
                 try:
                     torch.ops.load_library(str(library))
+                    _export_symbols(library)
                     return True
                 except OSError:  # a build killed while linking: build again
                     library.unlink()
@@ -90,9 +92,18 @@ def _build_kernel() -> bool:
                 extra_ldflags=["-fopenmp"], build_directory=str(folder), is_python_module=False, verbose=False,
             )
             log.info("compiled the paged attention kernel in %.1f s", time.perf_counter() - started)
+            _export_symbols(library)
             return True
     except Timeout as exc:
         raise RuntimeError(f"another process held {folder} for {_BUILD_WAIT_S} s") from exc
+
+
+def _export_symbols(library: Path) -> None:
+    """The loaded library's symbols made global, so that a compiled package calling its C entry points
+    (``csrc/compiled_calls.cpp``) finds them when loaded (torch loads libraries with their symbols local)."""
+    import ctypes
+
+    ctypes.CDLL(str(library), mode=ctypes.RTLD_GLOBAL)
 
 
 def cpu_kernel() -> bool:

@@ -37,7 +37,7 @@ log = logging.getLogger(__name__)
 
 _HERE = Path(__file__).parent
 _SOURCES = ("lean_forward.py", "attention.py", "compiled_forward.py", "quantize.py", "lora.py", "gguf_blocks.py",
-            "csrc/paged_attention.cpp", "csrc/quantized_linear.cpp")
+            "csrc/paged_attention.cpp", "csrc/quantized_linear.cpp", "csrc/compiled_calls.cpp")
 _lock = threading.Lock()  # engines built on threads of one process compile each stack once
 _loaded: dict[str, Callable[[list[torch.Tensor]], torch.Tensor] | None] = {}
 EXAMPLE_BLOCK_SIZE = 16
@@ -126,10 +126,35 @@ def _load_or_compile(stack: torch.nn.Module, weights: list[torch.Tensor], folder
         with warnings.catch_warnings(), tempfile.TemporaryDirectory(dir=folder) as scratch, torch.no_grad():
             warnings.simplefilter("ignore", FutureWarning)  # torch's own pytree internals, on every export
             exported = torch.export.export(stack, examples, dynamic_shapes=dynamic)
-            staged = torch._inductor.aoti_compile_and_package(exported, package_path=f"{scratch}/stack.pt2")
+            with torch._inductor.config.patch({"aot_inductor.custom_ops_to_c_shims": _kernel_entry_points()}):
+                staged = torch._inductor.aoti_compile_and_package(exported, package_path=f"{scratch}/stack.pt2")
             os.replace(staged, path)  # atomic: a racing process sees the whole package or none
         log.info("compiled the forward in %.1f s", time.perf_counter() - started)
     return _load_package(path)
+
+
+def _kernel_entry_points() -> dict[Any, list[str]]:
+    """The kernels the package calls through their C entry points (``csrc/compiled_calls.cpp``) rather than
+    AOTInductor's proxy executor, which boxes every call's arguments and dispatches by schema: a decode step of
+    SmolLM2-135M makes ~150 such calls."""
+    from decoding.model.attention import cpu_kernel
+
+    if not cpu_kernel():
+        return {}
+    ops = torch.ops.specbatch
+    return {
+        ops.paged_attention.default: [
+            "AOTITorchError aoti_torch_cpu_paged_attention(AtenTensorHandle k_cache, AtenTensorHandle v_cache, "
+            "AtenTensorHandle q, AtenTensorHandle k, AtenTensorHandle v, AtenTensorHandle slots, "
+            "AtenTensorHandle block_tables, AtenTensorHandle row_starts, AtenTensorHandle prefix_len, "
+            "AtenTensorHandle tree_mask, double scale, AtenTensorHandle* out)"],
+        ops.packed_linear.default: [
+            "AOTITorchError aoti_torch_cpu_packed_linear(AtenTensorHandle x, AtenTensorHandle weight, "
+            "AtenTensorHandle* bias, AtenTensorHandle* out)"],
+        ops.block_linear.default: [
+            "AOTITorchError aoti_torch_cpu_block_linear(AtenTensorHandle x, AtenTensorHandle q, AtenTensorHandle d, "
+            "AtenTensorHandle* m, int64_t bits, AtenTensorHandle* out)"],
+    }
 
 
 @contextmanager
@@ -157,6 +182,9 @@ def _load_package(path: Path) -> Callable[[list[torch.Tensor]], torch.Tensor]:
     The package's own ``__call__`` parses specs and flattens with pytree on every call; its runner takes the list."""
     from torch._inductor import cpu_vec_isa
 
+    from decoding.model.attention import cpu_kernel
+
+    cpu_kernel()  # the kernels' C entry points, which the package's library links to, loaded first
     try:
         with torch._inductor.config.patch({"cpp.vec_isa_ok": True}), _extracted_beside(path):
             package = torch._inductor.aoti_load_package(str(path))
