@@ -107,10 +107,25 @@ inline Lanes load_lanes(const float* p) {
 
 inline void store_lanes(float* p, Lanes v) { std::memcpy(p, &v, sizeof(v)); }
 
+// The lanes' sum, pairwise (each half added to the other until one lane is left): one order for every tile, and
+// three or four dependent additions where lane by lane took seven or fifteen.
 inline float lane_sum(Lanes v) {
-  float total = 0.0f;
-  for (int64_t i = 0; i < kLanes; ++i) total += v[i];
-  return total;
+#if defined(__AVX512F__) || defined(__AVX2__)
+#if defined(__AVX512F__)
+  const __m512 all = (__m512)v;
+  const __m256 half = _mm256_add_ps(_mm512_castps512_ps256(all),
+                                    _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(all), 1)));
+#else
+  const __m256 half = (__m256)v;
+#endif
+  __m128 sum = _mm_add_ps(_mm256_castps256_ps128(half), _mm256_extractf128_ps(half, 1));
+  sum = _mm_add_ps(sum, _mm_movehl_ps(sum, sum));
+  return _mm_cvtss_f32(_mm_add_ss(sum, _mm_movehdup_ps(sum)));
+#else
+  for (int64_t width = kLanes / 2; width >= 1; width /= 2)
+    for (int64_t i = 0; i < width; ++i) v[i] += v[i + width];
+  return v[0];
+#endif
 }
 
 inline Lanes splat(float value) {
@@ -240,62 +255,64 @@ inline float low_terms(const float* m_row, const float* lows, int64_t count) {
 // x's sum of the block added at the end (``lows`` [kT, K / 32 * halves]; null when m is). Each row's blocks are
 // decoded into registers beside the multiply-adds that use them, once a tile; an output's sum is the same whatever
 // the tile's shape.
-template <int64_t kR, int64_t kT>
-inline void rows_tokens_tile(const uint8_t* q, const float* d, const float* m, int64_t bits, int64_t halves, int64_t k,
-                             int64_t r0, const float* x, const float* lows, float* out, int64_t n) {
+template <int64_t kR, int64_t kT, int64_t kBits, int64_t kHalves>
+inline void rows_tokens_tile(const uint8_t* q, const float* d, const float* m, int64_t k, int64_t r0, const float* x,
+                             const float* lows, float* out, int64_t n) {
   const int64_t blocks = k / kBlock;
   Lanes acc[kR][kT] = {};
   for (int64_t b = 0; b < blocks; ++b) {
 #pragma GCC unroll 4
     for (int64_t r = 0; r < kR; ++r) {
       Lanes w[kVectors];
-      decode_raw(q + ((r0 + r) * blocks + b) * (kBlock * bits / 8), bits, w);
-      const float* scale = d + ((r0 + r) * blocks + b) * halves;
+      decode_raw(q + ((r0 + r) * blocks + b) * (kBlock * kBits / 8), kBits, w);
+      const float* scale = d + ((r0 + r) * blocks + b) * kHalves;
 #pragma GCC unroll 8
-      for (int64_t t = 0; t < kT; ++t) acc[r][t] = add_block(w, x + t * k + b * kBlock, scale, halves, acc[r][t]);
+      for (int64_t t = 0; t < kT; ++t) acc[r][t] = add_block(w, x + t * k + b * kBlock, scale, kHalves, acc[r][t]);
     }
   }
-  const int64_t count = blocks * halves;
+  const int64_t count = blocks * kHalves;
   for (int64_t t = 0; t < kT; ++t)
     for (int64_t r = 0; r < kR; ++r)
       out[t * n + r] = lane_sum(acc[r][t]) + (lows ? low_terms(m + (r0 + r) * count, lows + t * count, count) : 0.0f);
 }
 
 // kR rows times ``tokens`` (1 to kWide) tokens in one tile.
-template <int64_t kR>
-inline void rows_tokens_tiles(int64_t tokens, const uint8_t* q, const float* d, const float* m, int64_t bits,
-                              int64_t halves, int64_t k, int64_t r0, const float* x, const float* lows, float* out,
-                              int64_t n) {
+template <int64_t kR, int64_t kBits, int64_t kHalves>
+inline void rows_tokens_tiles(int64_t tokens, const uint8_t* q, const float* d, const float* m, int64_t k, int64_t r0,
+                              const float* x, const float* lows, float* out, int64_t n) {
   switch (tokens) {
-    case 1: rows_tokens_tile<kR, 1>(q, d, m, bits, halves, k, r0, x, lows, out, n); break;
-    case 2: rows_tokens_tile<kR, 2>(q, d, m, bits, halves, k, r0, x, lows, out, n); break;
-    case 3: rows_tokens_tile<kR, 3>(q, d, m, bits, halves, k, r0, x, lows, out, n); break;
-    case 4: rows_tokens_tile<kR, 4>(q, d, m, bits, halves, k, r0, x, lows, out, n); break;
-    case 5: rows_tokens_tile<kR, 5>(q, d, m, bits, halves, k, r0, x, lows, out, n); break;
-    case 6: rows_tokens_tile<kR, 6>(q, d, m, bits, halves, k, r0, x, lows, out, n); break;
-    case 7: rows_tokens_tile<kR, 7>(q, d, m, bits, halves, k, r0, x, lows, out, n); break;
-    default: rows_tokens_tile<kR, 8>(q, d, m, bits, halves, k, r0, x, lows, out, n); break;
+    case 1: rows_tokens_tile<kR, 1, kBits, kHalves>(q, d, m, k, r0, x, lows, out, n); break;
+    case 2: rows_tokens_tile<kR, 2, kBits, kHalves>(q, d, m, k, r0, x, lows, out, n); break;
+    case 3: rows_tokens_tile<kR, 3, kBits, kHalves>(q, d, m, k, r0, x, lows, out, n); break;
+    case 4: rows_tokens_tile<kR, 4, kBits, kHalves>(q, d, m, k, r0, x, lows, out, n); break;
+    case 5: rows_tokens_tile<kR, 5, kBits, kHalves>(q, d, m, k, r0, x, lows, out, n); break;
+    case 6: rows_tokens_tile<kR, 6, kBits, kHalves>(q, d, m, k, r0, x, lows, out, n); break;
+    case 7: rows_tokens_tile<kR, 7, kBits, kHalves>(q, d, m, k, r0, x, lows, out, n); break;
+    default: rows_tokens_tile<kR, 8, kBits, kHalves>(q, d, m, k, r0, x, lows, out, n); break;
   }
 }
 
 // Rows [r0, r0 + rows) of W times the call's tokens: up to kTokens tokens kRows rows a tile (each row's blocks
 // decoded once); more tokens a row at a time, kWide tokens a tile.
-inline void rows_tokens(const uint8_t* q, const float* d, const float* m, int64_t bits, int64_t halves, int64_t k,
-                        int64_t r0, int64_t rows, const float* x, const float* lows, int64_t tokens, float* out,
-                        int64_t n) {
+template <int64_t kBits, int64_t kHalves>
+inline void rows_tokens(const uint8_t* q, const float* d, const float* m, int64_t k, int64_t r0, int64_t rows,
+                        const float* x, const float* lows, int64_t tokens, float* out, int64_t n) {
   if (rows == kRows && tokens <= kTokens) {
-    rows_tokens_tiles<kRows>(tokens, q, d, m, bits, halves, k, r0, x, lows, out + r0, n);
+    rows_tokens_tiles<kRows, kBits, kHalves>(tokens, q, d, m, k, r0, x, lows, out + r0, n);
     return;
   }
-  const int64_t count = k / kBlock * halves, wide = tokens <= kTokens ? tokens : kWide;
+  const int64_t count = k / kBlock * kHalves, wide = tokens <= kTokens ? tokens : kWide;
   for (int64_t r = r0; r < r0 + rows; ++r)
     for (int64_t t0 = 0; t0 < tokens; t0 += wide)
-      rows_tokens_tiles<1>(std::min(wide, tokens - t0), q, d, m, bits, halves, k, r, x + t0 * k,
+      rows_tokens_tiles<1, kBits, kHalves>(std::min(wide, tokens - t0), q, d, m, k, r, x + t0 * k,
                            lows ? lows + t0 * count : nullptr, out + t0 * n + r, n);
 }
 
-void panel_product(const float* x, const float* lows, const uint8_t* q, const float* d, const float* m, int64_t bits,
-                   int64_t halves, int64_t k, int64_t n, int64_t tokens, int64_t p0, int64_t p1, float* out) {
+// Groups [p0, p1) of kRows rows of W times the call's tokens. The block's type (bits, scales a block) is a template
+// argument, so each type's loops are compiled without the other types' branches.
+template <int64_t kBits, int64_t kHalves>
+void panel_product(const float* x, const float* lows, const uint8_t* q, const float* d, const float* m, int64_t k,
+                   int64_t n, int64_t tokens, int64_t p0, int64_t p1, float* out) {
   for (int64_t group = p0; group < p1; ++group) {
     const int64_t r0 = group * kRows, rows = std::min(kRows, n - r0);
     // The next group's q, d and m requested while this one is multiplied: a tile decoding its rows reads several
@@ -303,7 +320,7 @@ void panel_product(const float* x, const float* lows, const uint8_t* q, const fl
     // 3.2 ms without the requests, 1.5 with them). Written here: moved into a function of their own, whose only
     // effect is a prefetch, GCC dropped its calls.
     if (group + 1 < p1) {
-      const int64_t row_bytes = k * bits / 8, scales = k / kBlock * halves;
+      const int64_t row_bytes = k * kBits / 8, scales = k / kBlock * kHalves;
       const char* next_q = reinterpret_cast<const char*>(q + (r0 + kRows) * row_bytes);
       for (int64_t o = 0; o < kRows * row_bytes; o += 64) _mm_prefetch(next_q + o, _MM_HINT_T0);
       const char* next_d = reinterpret_cast<const char*>(d + (r0 + kRows) * scales);
@@ -313,7 +330,7 @@ void panel_product(const float* x, const float* lows, const uint8_t* q, const fl
         for (int64_t o = 0; o < kRows * scales * 4; o += 64) _mm_prefetch(next_m + o, _MM_HINT_T0);
       }
     }
-    rows_tokens(q, d, m, bits, halves, k, r0, rows, x, lows, tokens, out, n);
+    rows_tokens<kBits, kHalves>(q, d, m, k, r0, rows, x, lows, tokens, out, n);
   }
 }
 
@@ -541,8 +558,10 @@ at::Tensor block_linear_form(at::Tensor x, at::Tensor q, at::Tensor d, std::opti
     lows[i] = sum;
   }
   const float* lows_data = m ? lows.data() : nullptr;
+  const auto product = bits == 4 ? (halves == 1 ? panel_product<4, 1> : panel_product<4, 2>)
+                                  : (halves == 1 ? panel_product<8, 1> : panel_product<8, 2>);
   at::parallel_for(0, (n + kRows - 1) / kRows, 8, [&](int64_t begin, int64_t end) {
-    panel_product(x_data, lows_data, q_data, d_data, m_data, bits, halves, k, n, tokens, begin, end, out_data);
+    product(x_data, lows_data, q_data, d_data, m_data, k, n, tokens, begin, end, out_data);
   });
   return out.view(shape);
 }
