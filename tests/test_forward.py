@@ -8,6 +8,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import weakref
+import zipfile
 
 import pytest
 import torch
@@ -39,6 +40,7 @@ from decoding.model.kv_cache import CacheShape, PagedKVCache
 from decoding.model.lean_forward import LeanCausalLM, lean_view, supports_lean_forward
 from decoding.model.loading import for_inference
 from decoding.model.quantize import quantized
+from decoding.paths import cache_dir
 from decoding.verification.tree import TreeTopology, chain_ancestors
 
 COMMON = dict(vocab_size=32, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
@@ -234,6 +236,11 @@ def test_the_compiled_stack_computes_what_the_eager_stack_computes(monkeypatch, 
             torch.testing.assert_close(c_logits, logits, atol=tolerance, rtol=tolerance)
             torch.testing.assert_close(c_hidden, hidden, atol=tolerance, rtol=tolerance)
     assert len(compiled_forward._loaded) == 3 and not list(temp.glob("aotinductor*"))
+    for key in compiled_forward._loaded:  # every kernel call through its C entry point, none boxed
+        with zipfile.ZipFile(cache_dir() / "compiled" / key / "stack.pt2") as package:
+            wrapper = b"".join(package.read(name) for name in package.namelist() if name.endswith("wrapper.cpp"))
+        assert wrapper.count(b"aoti_torch_cpu_paged_attention(") > 1  # declared, and called
+        assert b"proxy_executor_call_function(" not in wrapper
 
     def no_compiler(*args, **kwargs):
         raise RuntimeError("no C++ compiler found")
