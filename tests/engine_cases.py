@@ -95,6 +95,15 @@ def run(config: Config, tokenizer, target, draft=None, prompts=PROMPTS, device=N
 
 SMALL_VOCAB = 6  # ids 0..5; id 2 is EOS
 
+# Seeded rows a sampling-law test draws: the fewest that keep the chi-square test's power. A law whose chi-square
+# divergence from the exact one is D >= 0.05 must fail the test (p < 1e-3) with probability >= 0.99: with N rows the
+# statistic is noncentral chi-square with lambda = N * D, and at df <= 20 (every test here keeps at most 17) that
+# takes lambda >= 60, so N = 1,200. Faults injected into verification, measured on the 7 x 7 pairs with two
+# draft-initialized candidates: the residual updated after the first rejection only, D = 0.053-0.055 (p ~ 1e-12 at
+# 1,200 rows); no residual at all, D = 0.19-0.27; rejected tokens left in q, D = 0.78. (With target-initialized
+# candidates the first of these moves the law less, D = 0.006; the draft-initialized cases fail for it.)
+LAW_SAMPLES = 1200
+
 
 END = SMALL_VOCAB  # "no token": the sequence already ended
 
@@ -185,10 +194,10 @@ def assert_pairs_follow_target_law(target, prompt: list[int], warp: dict, result
 
 
 def assert_speculative_sampling_follows_law(reference, target, draft, tokenizer) -> None:
-    """Temperature 1 with ``draft`` proposing for ``target`` (two candidates, three tokens deep, 3000 seeded rows of
-    one prompt): drafts were proposed, some kept and some rejected, and the sampled pairs follow ``reference``'s exact
-    joint law (the float model ``target`` must compute)."""
-    prompt, samples, warp = [3, 4, 5, 3, 4, 5, 3], 3000, {"temperature": 1.0, "top_k": 0, "top_p": 1.0}
+    """Temperature 1 with ``draft`` proposing for ``target`` (two candidates, three tokens deep, ``LAW_SAMPLES``
+    seeded rows of one prompt): drafts were proposed, some kept and some rejected, and the sampled pairs follow
+    ``reference``'s exact joint law (the float model ``target`` must compute)."""
+    prompt, samples, warp = [3, 4, 5, 3, 4, 5, 3], LAW_SAMPLES, {"temperature": 1.0, "top_k": 0, "top_p": 1.0}
     config = make_config(method="draft_model", num_candidates=2, num_speculative_tokens=3, length_policy="static",
                          batch_size=64, sampling={"max_tokens": 4, **warp})
     engine = Engine(config, target=target, tokenizer=tokenizer, draft=draft)

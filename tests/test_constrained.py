@@ -12,7 +12,7 @@ import jsonschema
 import pytest
 import torch
 import xgrammar as xgr
-from engine_cases import END, PROMPTS, SMALL_VOCAB, chi_square_pvalue, make_config, on_device, sequence_law
+from engine_cases import END, LAW_SAMPLES, PROMPTS, SMALL_VOCAB, chi_square_pvalue, make_config, on_device, sequence_law
 from test_grammar import LIST_SCHEMA, RECORD_SCHEMA
 from tiny import noisy_copy, tiny_model
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
@@ -312,7 +312,7 @@ def test_sampling_follows_the_constrained_target_law(method, width, replacement,
     target, draft = small_models
     tokenizer = small_tokenizer()
     prompt = [3, 3, 3, 3]  # repetitive, so n-gram lookup proposes candidates too
-    samples = 3000
+    samples = LAW_SAMPLES
     config = make_config(
         **SPECULATIVE.get(method, {"method": method}), num_candidates=width, replacement=replacement,
         candidate_init=init, num_speculative_tokens=3, length_policy="static", batch_size=64,

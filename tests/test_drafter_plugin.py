@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from engine_cases import PROMPTS, assert_pairs_follow_target_law, make_config, run
+from engine_cases import LAW_SAMPLES, PROMPTS, assert_pairs_follow_target_law, make_config, run
 
 from decoding import Engine, Request
 from decoding.config import SpeculativeConfig
@@ -55,7 +55,7 @@ def test_a_registered_drafter_is_greedy_identical(width, init, tokenizer, target
 def test_a_registered_drafter_samples_the_target_s_law(small_models, tokenizer) -> None:
     target, _ = small_models
     prompt = [3, 3, 3, 4, 4, 4, 3]  # runs of one token: repeats the target may keep
-    samples = 3000  # as the built-in drafters' chi-square tests: power ~0.9 at an effect of w = 0.1
+    samples = LAW_SAMPLES
     warp = {"temperature": 1.0, "top_k": 0, "top_p": 1.0}
     config = make_config(method="previous_token", num_speculative_tokens=3, length_policy="static", batch_size=64,
                          sampling={"max_tokens": 4, **warp})

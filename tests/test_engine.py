@@ -10,6 +10,7 @@ from collections.abc import Callable
 import pytest
 import torch
 from engine_cases import (
+    LAW_SAMPLES,
     MAX_TOKENS,
     PROMPTS,
     SMALL_VOCAB,
@@ -324,7 +325,7 @@ def test_sampling_follows_target_law(
     prompt = [3, 4, 5, 3, 4, 5, 3]  # repetitive, so n-gram lookup proposes candidates too
     if "ngram_candidates" in speculative:  # a repeat of the target's own greedy run: lookups the target may keep
         prompt = [5, 4, 3, 5, 1, 4, 3]
-    samples = 3000
+    samples = LAW_SAMPLES
     config = make_config(
         **speculative, num_candidates=width, replacement=replacement, candidate_init=init,
         num_speculative_tokens=3, length_policy="static", batch_size=64, sampling={"max_tokens": 4, **warp},

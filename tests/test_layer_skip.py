@@ -9,6 +9,7 @@ import copy
 import pytest
 import torch
 from engine_cases import (
+    LAW_SAMPLES,
     PROMPTS,
     SMALL_VOCAB,
     assert_pairs_follow_target_law,
@@ -160,7 +161,7 @@ def test_sampling_with_skipped_layers_follows_the_target_s_law(skip, monkeypatch
     target = tiny_model(seed=3, vocab_size=SMALL_VOCAB, layers=LAYERS)
     prompt = [3, 4, 5, 3, 4, 5, 3]
     warp = {"temperature": 1.0, "top_k": 0, "top_p": 1.0}
-    samples = 3000
+    samples = LAW_SAMPLES
     config = make_config(method="draft_model", model="target", layer_skip=skip, num_candidates=2,
                          num_speculative_tokens=3, length_policy="static", batch_size=64,
                          sampling={"max_tokens": 4, **warp})

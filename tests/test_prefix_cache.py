@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from engine_cases import END, SMALL_VOCAB, chi_square_pvalue, make_config, on_device, sequence_law
+from engine_cases import END, LAW_SAMPLES, SMALL_VOCAB, chi_square_pvalue, make_config, on_device, sequence_law
 
 from decoding import Config, Engine, Request
 from decoding.drafting.feature_draft import FeatureDraft
@@ -298,7 +298,7 @@ def test_sampling_follows_the_target_law_with_cached_prefixes(speculative, small
     target, draft = small_models
     prompt = [3, 4, 5, 3] * 4 + [4, 5, 3]  # one full block, then 3 tokens
     warp = {"temperature": 1.0, "top_k": 0, "top_p": 1.0}
-    samples = 3000
+    samples = LAW_SAMPLES
     config = make_config(**speculative, num_speculative_tokens=3, length_policy="static", batch_size=64,
                          sampling={"max_tokens": 3, **warp})
     uses_draft = config.speculative.method == "draft_model" and config.speculative.model != "target"

@@ -7,6 +7,7 @@ import pytest
 import torch
 from engine_cases import (
     END,
+    LAW_SAMPLES,
     PROMPTS,
     SMALL_VOCAB,
     chi_square_pvalue,
@@ -265,7 +266,7 @@ def test_sampling_follows_the_processed_target_law(processing, width, init, smal
     on both sides; the unprocessed law is rejected by the same test."""
     target, draft = small_models
     prompt = [3, 4, 5, 3, 4, 5, 3]
-    samples = 3000
+    samples = LAW_SAMPLES
     config = make_config(
         method="draft_model", num_candidates=width, candidate_init=init, num_speculative_tokens=3,
         length_policy="static", batch_size=64, sampling={"max_tokens": 4, **WARP},  # the law of the first three
