@@ -10,6 +10,7 @@ import argparse
 import errno
 import importlib.resources
 import logging
+import os
 import sys
 from typing import TYPE_CHECKING, TextIO
 
@@ -99,9 +100,8 @@ def main(argv: list[str] | None = None) -> int:
 
     setup_logging()
     if not args.verbose:
-        import transformers
-
-        transformers.logging.set_verbosity_error()
+        # By the environment: the driver never imports transformers, and a cluster it starts inherits this.
+        os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
         logging.getLogger("decoding").setLevel(logging.WARNING)
     display = ProgressDisplay()
     try:

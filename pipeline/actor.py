@@ -4,6 +4,9 @@ Ray Data runs several ``__call__``s of one actor at once (``max_concurrent_calls
 tokenizes its rows on its own thread and queues them, while the engine thread (``decoding.engine.runner``) admits
 queued requests into free rows between steps. So the engine's batch stays full across Ray Data batches
 instead of draining at the end of each one.
+
+The engine stack (torch, transformers: 6-7 CPU-seconds to import) loads where an actor builds its engine and uses
+it, never at import: the job's driver imports this module only to name the class.
 """
 
 from __future__ import annotations
@@ -13,22 +16,21 @@ import logging
 import threading
 import time
 from concurrent.futures import Future
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pyarrow as pa
 import ray
 
 from decoding.config import Config
-from decoding.engine import Engine, GenerationResult, Request
-from decoding.engine.runner import EngineRunner, Event, RequestRejected
-from decoding.engine.sequence import error_result
-from decoding.model.loading import worker_threads
 from decoding.params import resolve_sampling
-from frontend.metrics import EngineMetrics, ray_backend
 from frontend.remote import localize_models
 from frontend.requests import ChatOptions, RequestError, parse_request
 from frontend.tool_calls import ToolUse, call_id
 from pipeline.schema import ENGINE_READY, PRODUCER_NODE, READ_ERROR, RowOptions, output_block
+
+if TYPE_CHECKING:
+    from decoding.engine import Engine, GenerationResult, Request
+    from decoding.engine.runner import Event
 
 log = logging.getLogger(__name__)
 DEFAULT_ROWS = RowOptions()
@@ -82,6 +84,8 @@ def request_from_row(key: str, row: dict[str, Any], engine: Engine, options: Row
             sampling = use.sampling(sampling)
         except ValueError as exc:
             raise RequestError(f"invalid tool_choice: {exc}") from None
+    from decoding.engine import Request
+
     sampling = resolve_sampling(sampling, engine.config.sampling, engine.target.config.vocab_size, engine.eos_ids)
     request = Request(key, prompt=parsed.prompt, messages=parsed.messages, sampling=sampling,
                       tools=use.tools if use is not None else None, lora=_row_adapter(row, engine, options, base_names),
@@ -135,6 +139,11 @@ class GenerationActor:
 
     def __init__(self, config: dict[str, Any], actors_per_node: int = 1, token_stats: bool = True,
                  options: RowOptions = DEFAULT_ROWS) -> None:
+        from decoding.engine import Engine
+        from decoding.engine.runner import EngineRunner
+        from decoding.model.loading import worker_threads
+        from frontend.metrics import EngineMetrics, ray_backend
+
         given = Config.model_validate(config)
         self.options = options
         self.config = localize_models(given)  # model URIs (s3://...) as local copies; provenance keeps the URIs
@@ -186,6 +195,10 @@ class GenerationActor:
 
     def _submit(self, row: dict[str, Any]) -> tuple[Future, ToolUse | None]:
         """The row's result to come, and what its tools mean for it."""
+        from decoding.engine import GenerationResult
+        from decoding.engine.runner import RequestRejected
+        from decoding.engine.sequence import error_result
+
         future: Future = Future()
         use = None
         if self.pending is not None:
