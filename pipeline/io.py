@@ -195,16 +195,31 @@ class PromptFiles(FileBasedDatasource):
 
     def _read_stream(self, f: pa.NativeFile, path: str) -> Iterator[pa.Table]:
         data = f.read_buffer()  # outside the try: an I/O error is Ray Data's to retry, not an error row
-        name = posixpath.relpath(path, self._base) if self._base else path
-        try:
-            table = normalize(valid_text(parse_file(data, FORMATS[_suffix(path)])))
-        except Exception as exc:  # any parser's error on a corrupt file: one error row instead of a failed job
-            table = pa.table({"id": [name], READ_ERROR: [f"unreadable input file {name}: {exc}"]})
-        table = with_ids(table, name)
-        if self._skip:
-            table = table.filter(pc.invert(pc.is_in(table["id"], pa.array(list(self._skip), pa.string()))))
+        table = prompt_rows(data, path, self._base, self._skip)
         if table.num_rows:
             yield table
+
+
+def prompt_rows(data: pa.Buffer, path: str, base: str, skip: frozenset[str]) -> pa.Table:
+    """The rows ``PromptFiles`` makes of one file's bytes, less those whose id is in ``skip``."""
+    name = posixpath.relpath(path, base) if base else path
+    try:
+        table = normalize(valid_text(parse_file(data, FORMATS[_suffix(path)])))
+    except Exception as exc:  # any parser's error on a corrupt file: one error row instead of a failed job
+        table = pa.table({"id": [name], READ_ERROR: [f"unreadable input file {name}: {exc}"]})
+    table = with_ids(table, name)
+    if skip:
+        table = table.filter(pc.invert(pc.is_in(table["id"], pa.array(list(skip), pa.string()))))
+    return table
+
+
+def rows_left(files: list[str], base: str, skip: frozenset[str], filesystem: pafs.FileSystem) -> bool:
+    """Whether any row of the files has an id outside ``skip`` (read here, in this process)."""
+    for path in files:
+        with filesystem.open_input_stream(path) as f:
+            if prompt_rows(f.read_buffer(), path, base, skip).num_rows:
+                return True
+    return False
 
 
 def parse_file(data: pa.Buffer, kind: str) -> pa.Table:

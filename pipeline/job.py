@@ -16,11 +16,12 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager, nullcontext
 from typing import Any
 
+import pyarrow.fs as pafs
 import ray
 import ray.data
 
 from decoding.config import Config
-from pipeline.io import InputError, list_input_files, read_prompts, without_output
+from pipeline.io import InputError, list_input_files, read_prompts, rows_left, without_output
 from pipeline.processor import CALLS_PER_ACTOR, Processor, StageOptions, light_tasks, rows_per_block
 from pipeline.progress import Progress, ProgressWatcher, count_rows
 from pipeline.store import Lease, LeaseLost, OutputSink, OutputStore, new_run_id
@@ -147,36 +148,16 @@ def run(config: Config, input_path: str, output_dir: str, *, progress: Callable[
         store.write_json(f"_runs/{run_id}.json", {"run": run_id, "started": lease.record["started"],
                                                   "input": input_path, "config": config.model_dump(mode="json")})
         sink = OutputSink(store, run_id, lease.record["owner"])
-        watcher = ProgressWatcher(store, run_id, progress, lambda: count_rows(fs, files) - len(done)) if progress \
-            else nullcontext()
-        with ray_session(verbose), watcher:
-            input_bytes = sum(info.size or 0 for info in fs.get_file_info(files))
-            tasks = light_tasks(config)  # the read's and the writes' bound
-            ds = read_prompts(files, base, skip=done, rows_per_block=rows_per_part(config, input_bytes),
-                              filesystem=fs, tasks=tasks)
-            # Blocks go to the least busy actor, not the one beside the block's data (a few kilobytes, against
-            # seconds of generation): with locality, two one-CPU nodes' actors got 6 blocks of 4 rows, all on the
-            # node that read them.
-            with warnings.catch_warnings():  # deprecated in Ray 2.60 with no replacement yet; pinned below 2.61
-                warnings.simplefilter("ignore", DeprecationWarning)
-                ds.context.execution_options.actor_locality_enabled = False
-            if config.concurrency_range[0] > 1:
-                # Blocks start flowing once the pool's first actors (its minimum, Ray Data's initial size) are all
-                # up: otherwise the first actor ready takes every block its calls in flight hold (concurrency 2 ran
-                # at 0.57x of one actor). The wait also holds back the read, so a pool that starts with one actor
-                # does without it (its first block arrives 0.1-0.5 s after the build instead of 1.4-2.3 s). An
-                # actor that cannot start still fails the job: Ray Data's no-progress timeout. The dataset's own
-                # context.
-                ds.context.wait_for_min_actors_s = ACTOR_START_TIMEOUT_S
-            # Write tasks are I/O: they ask for no CPU, which the actors hold (see read_prompts). Unbounded, 20,000
-            # short rows of a tiny model in one file started 15 worker processes for them (2 cores: 85 s, 59 s).
-            try:
-                with warnings.catch_warnings():  # a small job's stages get fewer blocks than their bound: fine
-                    warnings.filterwarnings("ignore", "The maximum number of concurrent tasks", UserWarning)
-                    generate(ds, config).write_datasink(sink, ray_remote_args={"num_cpus": 0},
-                                                        concurrency=tasks)
-            except LeaseLost as exc:  # from a write task (pipeline.store.check_fence); Ray adds its traceback
-                raise LeaseLost(LeaseLost.own_message(str(exc))) from None
+        # A finished job run again starts no engines: its rows are counted (cheap), and read only when the count
+        # says they may all be done.
+        finished = bool(done) and count_rows(fs, files) <= len(done) and not rows_left(files, base, done, fs)
+        if finished:
+            log.info("every input row is already in %s: nothing to generate", output_dir)
+        else:
+            watcher = ProgressWatcher(store, run_id, progress, lambda: count_rows(fs, files) - len(done)) \
+                if progress else nullcontext()
+            with ray_session(verbose), watcher:
+                _write_parts(config, fs, files, base, done, sink)
         ready = [m["engine_ready"] for m in sink.written if m.get("engine_ready")]
         run_stats = RunStats(run_id, time.perf_counter() - started,
                              min(ready) - started_at if ready else None)
@@ -186,3 +167,35 @@ def run(config: Config, input_path: str, output_dir: str, *, progress: Callable[
     finally:
         lease.release()
     return summary
+
+
+def _write_parts(config: Config, fs: pafs.FileSystem, files: list[str], base: str, done: frozenset[str],
+                 sink: OutputSink) -> None:
+    """The job's pipeline: the rows of ``files`` not in ``done``, through the engine actors, into ``sink``."""
+    input_bytes = sum(info.size or 0 for info in fs.get_file_info(files))
+    tasks = light_tasks(config)  # the read's and the writes' bound
+    ds = read_prompts(files, base, skip=done, rows_per_block=rows_per_part(config, input_bytes),
+                      filesystem=fs, tasks=tasks)
+    # Blocks go to the least busy actor, not the one beside the block's data (a few kilobytes, against
+    # seconds of generation): with locality, two one-CPU nodes' actors got 6 blocks of 4 rows, all on the
+    # node that read them.
+    with warnings.catch_warnings():  # deprecated in Ray 2.60 with no replacement yet; pinned below 2.61
+        warnings.simplefilter("ignore", DeprecationWarning)
+        ds.context.execution_options.actor_locality_enabled = False
+    if config.concurrency_range[0] > 1:
+        # Blocks start flowing once the pool's first actors (its minimum, Ray Data's initial size) are all
+        # up: otherwise the first actor ready takes every block its calls in flight hold (concurrency 2 ran
+        # at 0.57x of one actor). The wait also holds back the read, so a pool that starts with one actor
+        # does without it (its first block arrives 0.1-0.5 s after the build instead of 1.4-2.3 s). An
+        # actor that cannot start still fails the job: Ray Data's no-progress timeout. The dataset's own
+        # context.
+        ds.context.wait_for_min_actors_s = ACTOR_START_TIMEOUT_S
+    # Write tasks are I/O: they ask for no CPU, which the actors hold (see read_prompts). Unbounded, 20,000
+    # short rows of a tiny model in one file started 15 worker processes for them (2 cores: 85 s, 59 s).
+    try:
+        with warnings.catch_warnings():  # a small job's stages get fewer blocks than their bound: fine
+            warnings.filterwarnings("ignore", "The maximum number of concurrent tasks", UserWarning)
+            generate(ds, config).write_datasink(sink, ray_remote_args={"num_cpus": 0},
+                                                concurrency=tasks)
+    except LeaseLost as exc:  # from a write task (pipeline.store.check_fence); Ray adds its traceback
+        raise LeaseLost(LeaseLost.own_message(str(exc))) from None

@@ -30,7 +30,7 @@ import yaml
 from decoding.config import Config, StructuredOutputs
 from decoding.engine import Engine, Request
 from pipeline.actor import GenerationActor
-from pipeline.io import list_input_files, read_json_records, read_prompts
+from pipeline.io import list_input_files, read_json_records, read_prompts, rows_left
 from pipeline.job import run
 from pipeline.schema import OUTPUT_SCHEMA, READ_ERROR, TOKEN_STATS_SCHEMA
 from pipeline.store import OutputStore
@@ -228,7 +228,7 @@ def test_constrained_rows_follow_the_configured_or_their_own_constraint(ray_clus
     assert summary["grammar_forced_share"] == pytest.approx(sum(forced) / summary["generated_tokens"])
 
 
-def test_resume_skips_finished_ids_and_cleans_partial_parts(ray_cluster, config, tmp_path):
+def test_resume_skips_finished_ids_and_cleans_partial_parts(ray_cluster, config, tmp_path, monkeypatch):
     source = write_jsonl(tmp_path / "in.jsonl", good_rows(6))
     out = tmp_path / "out"
     run(config, str(source), str(out))
@@ -256,8 +256,23 @@ def test_resume_skips_finished_ids_and_cleans_partial_parts(ray_cluster, config,
     assert {p.name for p in (out / "outputs").iterdir()} == {p.name for p in (out / "token_stats").iterdir()}
     assert {p.name + ".json" for p in (out / "outputs").iterdir()} == {p.name for p in (out / "_commits").iterdir()}
 
+    # Every row done: the run is recorded, and no pipeline (no engine) starts.
+    monkeypatch.setattr("pipeline.job._write_parts", lambda *args: pytest.fail("a finished job started its engines"))
     summary = run(config, str(source), str(out))
     assert summary["rows_this_run"] == 0 and summary["rows"] == 9 and len(summary["runs"]) == 3
+
+
+def test_rows_left_reads_ids_not_counts(tmp_path):
+    """A finished job is told by its rows' ids: as many rows as are done, with an id that is not, is work left."""
+    import pyarrow.fs as pafs
+
+    source = write_jsonl(tmp_path / "in.jsonl", good_rows(3))
+    fs = pafs.LocalFileSystem()
+    ids = frozenset(row["id"] for row in good_rows(3))
+    assert not rows_left([str(source)], str(tmp_path), ids, fs)
+    assert rows_left([str(source)], str(tmp_path), ids - {"row-001"} | {"row-999"}, fs)
+    write_jsonl(source, [{"prompt": "no id"}])  # a derived id (file:row) is matched as the reader makes it
+    assert not rows_left([str(source)], str(tmp_path), frozenset({"in.jsonl:0"}), fs)
 
 
 def _parts(out: Path) -> list[tuple[float, pa.Table]]:
