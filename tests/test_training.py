@@ -378,7 +378,7 @@ def test_sigterm_stops_a_run_whose_launcher_ignored_sigint(tmp_path, tiny_dirs, 
                                    stderr=stderr, cwd=Path(__file__).resolve().parents[1])
     try:
         checkpoint = output / ".specbatch-work" / "checkpoint.pt"
-        deadline = time.monotonic() + 180
+        deadline = time.monotonic() + 600  # a bound against a hang only: beside a busy loop 180 s was too short
         while not checkpoint.exists() and process.poll() is None and time.monotonic() < deadline:
             time.sleep(0.5)
         assert checkpoint.exists(), "training never reached its first checkpoint"
