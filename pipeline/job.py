@@ -7,6 +7,7 @@ the driver, which only lists commit markers (resume) and adds them up (summary.j
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import sys
@@ -148,13 +149,14 @@ def run(config: Config, input_path: str, output_dir: str, *, progress: Callable[
         store.write_json(f"_runs/{run_id}.json", {"run": run_id, "started": lease.record["started"],
                                                   "input": input_path, "config": config.model_dump(mode="json")})
         sink = OutputSink(store, run_id, lease.record["owner"])
+        input_rows = functools.cache(lambda: count_rows(fs, files))  # read once: here on a resume, else by the watcher
         # A finished job run again starts no engines: its rows are counted (cheap), and read only when the count
         # says they may all be done.
-        finished = bool(done) and count_rows(fs, files) <= len(done) and not rows_left(files, base, done, fs)
+        finished = bool(done) and input_rows() <= len(done) and not rows_left(files, base, done, fs)
         if finished:
             log.info("every input row is already in %s: nothing to generate", output_dir)
         else:
-            watcher = ProgressWatcher(store, run_id, progress, lambda: count_rows(fs, files) - len(done)) \
+            watcher = ProgressWatcher(store, run_id, progress, lambda: input_rows() - len(done)) \
                 if progress else nullcontext()
             with ray_session(verbose), watcher:
                 _write_parts(config, fs, files, base, done, sink)
