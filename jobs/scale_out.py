@@ -30,23 +30,44 @@ from pipeline.store import OutputStore
 DEFAULTS = {"batch_size": "8", "sampling.max_tokens": "64"}
 
 
+class _CurrentCluster:
+    """Ray's ``ray_current_cluster`` file, which a bare ``ray.init()`` anywhere on this machine joins. ``Cluster``
+    names its head there (a job started meanwhile ran on the simulated nodes and died with them) and its shutdown
+    deletes it (a `ray start` cluster's too): ``restore`` puts back what was there before."""
+
+    def __init__(self) -> None:
+        from ray._common.utils import get_ray_address_file
+
+        self.path = Path(get_ray_address_file(None))
+        self.before = self.path.read_text() if self.path.exists() else None
+
+    def restore(self) -> None:
+        if self.before is None:
+            self.path.unlink(missing_ok=True)
+        else:
+            self.path.write_text(self.before)
+
+
 def run_on_cluster(nodes: int, config: Config, source: str, output: str) -> dict[str, Any]:
     """``run`` on a fresh local cluster of ``nodes`` one-CPU nodes; the summary plus the parts' producing nodes."""
     import ray
     from ray.cluster_utils import Cluster
 
     os.environ.pop("RAY_ADDRESS", None)  # never the caller's cluster
+    current = _CurrentCluster()
     cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1})
-    for _ in range(nodes - 1):
-        cluster.add_node(num_cpus=1)
-    cluster.wait_for_nodes()
-    ray.init(address=cluster.address, log_to_driver=False)
+    current.restore()
     try:
+        for _ in range(nodes - 1):
+            cluster.add_node(num_cpus=1)
+        cluster.wait_for_nodes()
+        ray.init(address=cluster.address, log_to_driver=False)
         cluster_nodes = sorted(node["NodeID"] for node in ray.nodes() if node["Alive"])
         summary = run(config.model_copy(update={"concurrency": nodes, "num_cpus": 1.0}), source, output)
     finally:
         ray.shutdown()
         cluster.shutdown()
+        current.restore()
     producers = sorted({marker["node"] for marker in OutputStore(output).markers()})
     return {**summary, "cluster_nodes": cluster_nodes, "producer_nodes": producers}
 

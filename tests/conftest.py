@@ -104,7 +104,9 @@ def ray_cluster():
     # job a starting proxy took longer. The cluster's processes inherit this.
     os.environ.setdefault("RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S", "30")
     # Processes report their metrics every second (Ray's default: 10 s), so the metrics tests wait seconds.
-    ray.init(num_cpus=4, include_dashboard=False, ignore_reinit_error=True, log_to_driver=False,
+    # address="local": a cluster of its own. Without an address ray.init joins the machine's current cluster (Ray's
+    # ray_current_cluster file), which another test's cluster may be while it runs.
+    ray.init(address="local", num_cpus=4, include_dashboard=False, ignore_reinit_error=True, log_to_driver=False,
              _system_config={"metrics_report_interval_ms": 1000})
     # With log_to_driver off nothing reads what the log monitor publishes, and it polls every worker's log files ten
     # times a second: 27 CPU-s of a whole run's two clusters.

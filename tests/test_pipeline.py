@@ -427,7 +427,7 @@ def test_gpu_actors_take_the_jobs_blocks_whole(config, tmp_path):
     first, second = good_rows(10)[:5], good_rows(10)[5:]
     write_jsonl(source / "a.jsonl", [{**row, "extra": i} for i, row in enumerate(first)])
     write_jsonl(source / "b.jsonl", [{**row, "extra": f"x{i}"} for i, row in enumerate(second)])
-    env = {key: value for key, value in os.environ.items() if key != "RAY_ADDRESS"}  # a cluster with a GPU
+    env = {**os.environ, "RAY_ADDRESS": "local"}  # a cluster of its own, with a GPU
     setup = config.model_copy(update={"num_gpus": 1.0})
     done = subprocess.run(
         [sys.executable, "-c", GPU_DRIVER, setup.model_dump_json(), str(source), str(tmp_path / "out")],
@@ -692,7 +692,7 @@ def test_cli_output_is_a_few_lines_and_separates_build_from_generation(tiny_dirs
     transformers' logs quiet, and a summary whose generation throughput leaves the engines' build out."""
     source = write_jsonl(tmp_path / "in.jsonl", good_rows(8))
     (tmp_path / "config.yaml").write_text(yaml.safe_dump(config.model_dump(mode="json")))
-    env = {key: value for key, value in os.environ.items() if key != "RAY_ADDRESS"}  # the output of its own start
+    env = {**os.environ, "RAY_ADDRESS": "local"}  # the output of its own start, never another test's cluster
     env["PIP_INDEX_URL"] = "http://127.0.0.1:9/simple"  # nothing may be downloaded at run time
     done = subprocess.run(
         [sys.executable, "-m", "jobs.generate", "--config", str(tmp_path / "config.yaml"), "--input", str(source),

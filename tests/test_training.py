@@ -365,7 +365,7 @@ def test_sigterm_stops_a_run_whose_launcher_ignored_sigint(tmp_path, tiny_dirs, 
             "--output", str(output), "--num-cpus", "1", "--layers", "[0]", "--vocab_size", "20",
             "--max_new_tokens", "8", "--epochs", "100000", "--batch_tokens", "256", "--validation_prompts", "3",
             "--checkpoint_seconds", "1"]
-    env = {key: value for key, value in os.environ.items() if key != "RAY_ADDRESS"}  # a cluster of its own
+    env = {**os.environ, "RAY_ADDRESS": "local"}  # a cluster of its own, never another test's
 
     def launch_like_nohup() -> None:
         os.setsid()
