@@ -164,6 +164,24 @@ def test_the_token_history_appends_what_rows_gained_and_follows_swap_removal() -
     assert [tokens[r, :n].tolist() for r, n in enumerate(lengths.tolist())] == [[1, 2], [3, 8, 2, 5, 6]]
 
 
+def test_the_token_history_grows_in_rows_without_shrinking_its_width() -> None:
+    """More rows than ever, all short, after a long row widened the history (as a long-lived engine's batch fills
+    after one long row): the rows grow and the width stays, the rows it held kept."""
+    history = TokenHistory(torch.device("cpu"))
+    states = [RowDraftState()]
+    history.rows_joined(_joined(states))
+    history.sync([list(range(200))], torch.tensor([7]), states)
+    wide = history.tokens.shape[1]
+    assert wide >= 201
+    history.row_removed(0, 0)
+    states = [RowDraftState() for _ in range(4)]
+    history.rows_joined(_joined(states))
+    tokens, lengths = history.sync([[1, 2], [3], [4, 5, 6], [7]], torch.tensor([9, 8, 7, 6]), states)
+    assert history.tokens.shape == (4, wide) and lengths.tolist() == [3, 2, 4, 2]
+    assert [tokens[r, :n].tolist() for r, n in enumerate(lengths.tolist())] == [[1, 2, 9], [3, 8], [4, 5, 6, 7],
+                                                                                 [7, 6]]
+
+
 def test_a_row_that_joined_after_the_last_lookup_takes_a_leaving_row_s_place_with_nothing_on_the_device() -> None:
     """Row 2 joins after a sync and takes row 0's place before it is ever looked up: row 0 then holds nothing, and
     the next sync copies its whole context (its stale length once made it append only a tail after row 0's

@@ -586,6 +586,16 @@ def test_prefill_in_small_groups_and_idle_caches_released(tokenizer, target, dra
     assert again[0].token_ids == reference[2]
 
 
+def test_an_engine_serves_a_full_batch_after_one_long_row(tokenizer, target, reference, device) -> None:
+    """An ngram engine that looked up one long row (its token history widened past the prompts' widths) then
+    serves more rows than it ever held at once, as a long-lived server does: greedy, they are the reference."""
+    engine = Engine(make_config(method="ngram", batch_size=4), target=on_device(target, device), tokenizer=tokenizer)
+    [long] = engine.generate([Request(id="long", prompt="abc " * 40)])
+    assert long.finish_reason in ("stop", "length")
+    results = engine.generate([Request(id=str(i), prompt=p) for i, p in enumerate(PROMPTS)])
+    assert [r.token_ids for r in results] == reference
+
+
 def test_abort_frees_the_row_and_spares_the_rest(tokenizer, target, draft, reference, device) -> None:
     engine = Engine(make_config(method="draft_model", batch_size=2), target=on_device(target, device),
                     tokenizer=tokenizer, draft=on_device(draft, device))

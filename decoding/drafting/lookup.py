@@ -58,8 +58,9 @@ class TokenHistory:
             added.append(new + [token] if known[row] <= length else [])
         lengths = [have + len(new) for have, new in zip(known, added)]
         longest = max(lengths, default=0)
-        if self.tokens.shape[0] < rows or self.tokens.shape[1] < longest:  # grown by doubling
-            grown = self.tokens.new_zeros(max(rows, self.tokens.shape[0]), max(64, 1 << (longest - 1).bit_length()))
+        if self.tokens.shape[0] < rows or self.tokens.shape[1] < longest:  # grown by doubling, never narrowed
+            width = max(64, self.tokens.shape[1], 1 << (longest - 1).bit_length())
+            grown = self.tokens.new_zeros(max(rows, self.tokens.shape[0]), width)
             grown[: self.tokens.shape[0], : self.tokens.shape[1]] = self.tokens
             self.tokens = grown
         if any(added):
