@@ -176,6 +176,16 @@ def chi_square_pvalue(counts: torch.Tensor, law: torch.Tensor) -> float:
     return float(chi2.sf(statistic, int(keep.sum()) - 1))
 
 
+def law_requests(engine: Engine, prompt: list[int], samples: int) -> list[Request]:
+    """``samples`` seeded rows of ``prompt`` for a sampled-law test. Under ``recycle`` they take their own streams
+    of a fixed run seed instead, unseeded: it keeps seeded rows off the table every row fills (they would draft no
+    recycled node), and the fixed run seed keeps the test as deterministic."""
+    if engine.config.speculative.method == "recycle":
+        engine.run_seed = 0
+        return [Request(id=str(i), prompt_token_ids=prompt) for i in range(samples)]
+    return [Request(id=str(i), prompt_token_ids=prompt, sampling={"seed": i}) for i in range(samples)]
+
+
 def sampled_pairs(results: list, positions: tuple[int, int]) -> torch.Tensor:
     """How often each pair of tokens was generated at ``positions`` (0-based) over ``results``, END after EOS."""
     counts = torch.zeros(SMALL_VOCAB + 1, SMALL_VOCAB + 1)

@@ -15,6 +15,7 @@ from engine_cases import (
     PROMPTS,
     SMALL_VOCAB,
     assert_pairs_follow_target_law,
+    law_requests,
     lookup_flags,
     make_config,
     on_device,
@@ -335,9 +336,7 @@ def test_sampling_follows_target_law(
                     draft=on_device(draft, device) if uses_draft else None)
     forwards = plan_some_rows(engine) if method.endswith("some_rows") else None
     size_of = cut_trees(engine) if method.endswith("_cut") else None
-    results = engine.generate(
-        [Request(id=str(i), prompt_token_ids=prompt, sampling={"seed": i}) for i in range(samples)]
-    )
+    results = engine.generate(law_requests(engine, prompt, samples))
     drafted = sum(sum(r.per_step_drafted) for r in results)
     accepted = sum(sum(r.per_step_accepted) for r in results)
     assert drafted > samples and 0 < accepted < drafted  # speculation really happened, with rejections
@@ -418,6 +417,23 @@ def test_a_seeded_sampled_row_is_the_same_whatever_rows_run_beside_it(
     others = [Request(id=f"other{i}", prompt=p) for i, p in enumerate(PROMPTS[:3])]
     beside = Engine(config, target=target, tokenizer=tokenizer, draft=draft).generate([*others, seeded])[-1]
     assert sum(alone.per_step_drafted) > 0 and sum(beside.per_step_drafted) > 0
+    assert beside.token_ids == alone.token_ids
+
+
+def test_a_seeded_sampled_row_reproduces_beside_rows_that_fill_the_recycling_table(tokenizer, target) -> None:
+    """The recycling table is every row's, filled as they decode: a seeded sampled row drafts its own lookups only,
+    so it samples the same in a fresh engine and in one whose table other rows filled before and beside it, while
+    the other rows draft from the table."""
+    config = make_config(method="recycle", ngram_candidates=1, length_policy="static", batch_size=4,
+                         sampling={"max_tokens": 20, "temperature": 1.0})
+    seeded = Request(id="seeded", prompt=PROMPTS[2], sampling={"seed": 5})
+    alone = Engine(config, target=target, tokenizer=tokenizer).generate([seeded])[0]
+    engine = Engine(config, target=target, tokenizer=tokenizer)
+    before = engine.generate([Request(id=f"before{i}", prompt=p) for i, p in enumerate(PROMPTS[3:])])
+    *others, beside = engine.generate([*(Request(id=f"other{i}", prompt=p) for i, p in enumerate(PROMPTS[:3])),
+                                       seeded])
+    assert sum(alone.per_step_drafted) > 0 and sum(beside.per_step_drafted) > 0  # lookups
+    assert sum(sum(r.per_step_drafted) for r in [*before, *others]) > 0
     assert beside.token_ids == alone.token_ids
 
 

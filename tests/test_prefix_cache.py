@@ -5,7 +5,16 @@ from __future__ import annotations
 
 import pytest
 import torch
-from engine_cases import END, LAW_SAMPLES, SMALL_VOCAB, chi_square_pvalue, make_config, on_device, sequence_law
+from engine_cases import (
+    END,
+    LAW_SAMPLES,
+    SMALL_VOCAB,
+    chi_square_pvalue,
+    law_requests,
+    make_config,
+    on_device,
+    sequence_law,
+)
 
 from decoding import Config, Engine, Request
 from decoding.drafting.feature_draft import FeatureDraft
@@ -304,8 +313,7 @@ def test_sampling_follows_the_target_law_with_cached_prefixes(speculative, small
     uses_draft = config.speculative.method == "draft_model" and config.speculative.model != "target"
     engine = Engine(config, target=on_device(target, device), tokenizer=tokenizer,
                     draft=on_device(draft, device) if uses_draft else None)
-    results = engine.generate(
-        [Request(id=str(i), prompt_token_ids=prompt, sampling={"seed": i}) for i in range(samples)])
+    results = engine.generate(law_requests(engine, prompt, samples))
     assert engine.cache.prefix_hits == 16 * (samples - 1)
     drafted = sum(sum(r.per_step_drafted) for r in results)
     accepted = sum(sum(r.per_step_accepted) for r in results)

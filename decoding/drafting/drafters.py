@@ -78,6 +78,10 @@ class DraftInputs:
     # which cut what the grammar refuses, and per row the grammar's own draft for a lookup candidate ([] where none).
     grammar: GrammarView | None = None
     grammar_drafts: list[list[int]] | None = None
+    # [B] bool on the host: sampled rows that must reproduce (their own seed, or the run's). Their drafts may depend
+    # on their own row alone, never on state other rows fill (a recycling table): the tokens a seeded row samples
+    # depend on what it was offered. None: no such row.
+    reproducible: torch.Tensor | None = None
 
     @property
     def max_depth(self) -> int:
@@ -96,6 +100,7 @@ class DraftInputs:
             lookup_depths=self.lookup_depths[rows] if self.lookup_depths is not None else None,
             grammar=self.grammar.select(rows) if self.grammar is not None else None,
             grammar_drafts=[self.grammar_drafts[row] for row in row_ids] if self.grammar_drafts is not None else None,
+            reproducible=self.reproducible[rows] if self.reproducible is not None else None,
         )
 
 

@@ -92,6 +92,8 @@ class RecycleDrafter(Drafter):
         if self.lookup is not None:  # the last candidates of every level; the recycled nodes below are the others
             lookup_depth = self.lookup.siblings(inputs, self.lookup_candidates, 0, tokens, valid)
         depths = inputs.depths.to(device)
+        if inputs.reproducible is not None:  # the table is every row's: a reproducible row drafts its lookups only
+            depths = depths.masked_fill(inputs.reproducible.to(device), 0)
         levels = _recycled_levels(topology, topology.num_candidates - self.lookup_candidates, device)
         for level, (nodes, parents, ranks) in enumerate(levels[:recycle_depth], start=1):
             proposed = self.table[tokens[:, parents], ranks]  # [B, n]: each parent token's rank-th successor

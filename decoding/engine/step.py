@@ -300,6 +300,8 @@ class Step:
             generators=[s.generator for s in seqs], replacement=self.speculative.replacement,
             stop=self.policy, rows=[s.draft_state for s in seqs], lookup_depths=plan.lookup_depths,
             grammar=grammar.view() if grammar is not None else None, grammar_drafts=plan.grammar_drafts,
+            reproducible=torch.tensor(plan.meta.reproducible, dtype=torch.bool) if any(plan.meta.reproducible)
+            else None,
         )))
         if grammar is not None:  # the levels the drafter did not walk (all of a host drafter's)
             grammar.finish(draft.tokens, draft.valid, [self.topology.level_slice(level)
