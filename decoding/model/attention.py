@@ -34,7 +34,7 @@ log = logging.getLogger(__name__)
 _SOURCES = [Path(__file__).parent / "csrc" / name for name in ("paged_attention.cpp", "quantized_linear.cpp",
                                                                   "compiled_calls.cpp")]
 _lock = threading.Lock()
-_BUILD_WAIT_S = 900  # a build takes 20-60 s on 2 cores; a holder this long is stuck
+_BUILD_WAIT_S = 900  # a build takes 15-30 s on 2 cores; a holder this long is stuck
 _kernel_folder: dict[str, Path] = {}  # "folder": where the loaded kernel library lies
 _kernel_state: dict[str, bool] = {}  # "loaded": the CPU kernel is registered as torch.ops.specbatch.paged_attention
 

@@ -2,7 +2,7 @@
 // ``aot_inductor.custom_ops_to_c_shims``), instead of through its proxy executor, which boxes every call's arguments
 // into a stack and dispatches by the op's schema (~150 calls a decode step of SmolLM2-135M). compiled_forward.py
 // declares these signatures; the shim's name is AOTInductor's: aoti_torch_<device>_<op name>.
-#include <torch/extension.h>
+#include <ATen/core/Tensor.h>
 #include <torch/csrc/inductor/aoti_torch/c/shim.h>
 #include <torch/csrc/inductor/aoti_torch/utils.h>
 

@@ -18,8 +18,12 @@
 //     GEMM is;
 // a prefill of kDenseFrom tokens or more dequantizes row tiles for the dense GEMM instead.
 // Sums run in another order than a dense product of the dequantized weights: differences in the last bits.
-#include <torch/extension.h>
 #include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/mm.h>
+#include <torch/library.h>
 
 #include <immintrin.h>
 
