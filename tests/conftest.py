@@ -37,8 +37,6 @@ sys.path.insert(0, str(Path(__file__).parent))
 # the compiled forward has tests of its own that turn this on.
 os.environ.setdefault("SPECBATCH_COMPILE", "0")
 
-from engine_cases import SMALL_VOCAB, transformers_greedy  # noqa: E402
-from tiny import noisy_copy, tiny_model, tiny_tokenizer  # noqa: E402
 
 SHARED = Path(__file__).resolve().parents[1].parent / "shared"
 
@@ -52,30 +50,43 @@ def device(request) -> torch.device:
     return torch.device(request.param)
 
 
+# The engine stack (``engine_cases``, ``tiny``: 3.4 s of imports) is imported by the fixtures that use it, not at
+# the top: pytest-xdist's controller loads this file before it starts the workers and runs no test itself.
 @pytest.fixture(scope="session")
 def tokenizer():
+    from tiny import tiny_tokenizer
+
     return tiny_tokenizer()
 
 
 @pytest.fixture(scope="session")
 def target():
+    from tiny import tiny_model
+
     return tiny_model()
 
 
 @pytest.fixture(scope="session")
 def draft(target):
+    from tiny import noisy_copy
+
     return noisy_copy(target, 0.05)
 
 
 @pytest.fixture(scope="session")
 def reference(tokenizer, target) -> list[list[int]]:
     """transformers' greedy decoding of ``engine_cases.PROMPTS``, one prompt at a time, in float32 on CPU."""
+    from engine_cases import transformers_greedy
+
     return transformers_greedy(target, tokenizer)
 
 
 @pytest.fixture(scope="module")
 def small_models():
     """A target over a 6-token vocabulary (id 2 is EOS) and a noisy draft: small enough to enumerate exact laws."""
+    from engine_cases import SMALL_VOCAB
+    from tiny import noisy_copy, tiny_model
+
     target = tiny_model(seed=3, vocab_size=SMALL_VOCAB)
     return target, noisy_copy(target, 0.6, seed=4)
 
