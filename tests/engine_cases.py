@@ -211,8 +211,7 @@ def assert_speculative_sampling_follows_law(reference, target, draft, tokenizer)
     config = make_config(method="draft_model", num_candidates=2, num_speculative_tokens=3, length_policy="static",
                          batch_size=64, sampling={"max_tokens": 4, **warp})
     engine = Engine(config, target=target, tokenizer=tokenizer, draft=draft)
-    results = engine.generate(
-        [Request(id=str(i), prompt_token_ids=prompt, sampling={"seed": i}) for i in range(samples)])
+    results = engine.generate(law_requests(engine, prompt, samples))
     drafted = sum(sum(r.per_step_drafted) for r in results)
     accepted = sum(sum(r.per_step_accepted) for r in results)
     assert drafted > samples and 0 < accepted < drafted

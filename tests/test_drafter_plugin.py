@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from engine_cases import LAW_SAMPLES, PROMPTS, assert_pairs_follow_target_law, make_config, run
+from engine_cases import LAW_SAMPLES, PROMPTS, assert_pairs_follow_target_law, law_requests, make_config, run
 
-from decoding import Engine, Request
+from decoding import Engine
 from decoding.config import SpeculativeConfig
 from decoding.drafting.drafters import DRAFTERS, Draft, DraftContext, Drafter, DraftInputs, DraftPlan, register_drafter
 
@@ -60,8 +60,7 @@ def test_a_registered_drafter_samples_the_target_s_law(small_models, tokenizer) 
     config = make_config(method="previous_token", num_speculative_tokens=3, length_policy="static", batch_size=64,
                          sampling={"max_tokens": 4, **warp})
     engine = Engine(config, target=target, tokenizer=tokenizer)
-    results = engine.generate(
-        [Request(id=str(i), prompt_token_ids=prompt, sampling={"seed": i}) for i in range(samples)])
+    results = engine.generate(law_requests(engine, prompt, samples))
     drafted = sum(sum(r.per_step_drafted) for r in results)
     accepted = sum(sum(r.per_step_accepted) for r in results)
     assert drafted > samples and 0 < accepted < drafted  # speculation really happened, with rejections

@@ -9,7 +9,15 @@ from __future__ import annotations
 
 import pytest
 import torch
-from engine_cases import PROMPTS, SMALL_VOCAB, chi_square_pvalue, exact_joint_law, make_config, sampled_pairs
+from engine_cases import (
+    PROMPTS,
+    SMALL_VOCAB,
+    chi_square_pvalue,
+    exact_joint_law,
+    law_requests,
+    make_config,
+    sampled_pairs,
+)
 from tiny import noisy_copy, tiny_model
 
 from decoding import Config, Engine, Request
@@ -86,8 +94,8 @@ def test_sampling_with_the_triton_kernels_follows_the_target_law(small_models, t
     # Three tokens: the first from the prefill, then a step with room for one drafted token (and the third).
     config = with_triton(make_config(method="ngram", num_candidates=2, num_speculative_tokens=2,
                                      length_policy="static", batch_size=160, sampling={"max_tokens": 3, **warp}))
-    results = Engine(config, target=target, tokenizer=tokenizer).generate(
-        [Request(id=str(i), prompt_token_ids=prompt, sampling={"seed": i}) for i in range(samples)])
+    engine = Engine(config, target=target, tokenizer=tokenizer)
+    results = engine.generate(law_requests(engine, prompt, samples))
     drafted = sum(sum(r.per_step_drafted) for r in results)
     accepted = sum(sum(r.per_step_accepted) for r in results)
     assert drafted > samples / 2 and 0 < accepted < drafted  # speculation really happened, with rejections

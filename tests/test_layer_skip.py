@@ -13,6 +13,7 @@ from engine_cases import (
     PROMPTS,
     SMALL_VOCAB,
     assert_pairs_follow_target_law,
+    law_requests,
     make_config,
     run,
 )
@@ -166,9 +167,7 @@ def test_sampling_with_skipped_layers_follows_the_target_s_law(skip, monkeypatch
                          num_speculative_tokens=3, length_policy="static", batch_size=64,
                          sampling={"max_tokens": 4, **warp})
     engine = Engine(config, target=target, tokenizer=tokenizer)
-    results = engine.generate(
-        [Request(id=str(i), prompt_token_ids=prompt, sampling={"seed": i}) for i in range(samples)]
-    )
+    results = engine.generate(law_requests(engine, prompt, samples))
     drafted = sum(sum(r.per_step_drafted) for r in results)
     accepted = sum(sum(r.per_step_accepted) for r in results)
     assert drafted > samples and 0 < accepted < drafted  # speculation really happened, with rejections
